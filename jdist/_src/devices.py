@@ -1,0 +1,75 @@
+"""Turning what a user writes for devices into a checked tuple of jax Devices."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Sequence
+
+import jax
+
+_SPEC = re.compile(r"^/?(?:device:)?([a-zA-Z]+):(\d+)$")
+
+
+def _describe(devices: Sequence[Any]) -> str:
+  return ", ".join(f"{d.platform}:{d.id}" for d in devices)
+
+
+def resolve_device(spec: Any, candidates: Sequence[Any]) -> Any:
+  """Returns the device among `candidates` that `spec` names.
+
+  `spec` is a jax Device, an index into `candidates`, or a string such as
+  "cpu:1", "/gpu:0" or "/device:TPU:3" (TensorFlow's spelling). The number
+  in a string is the position among the candidates of that platform, not the
+  device id, which is not contiguous on multi-process runs.
+  """
+  if isinstance(spec, jax.Device):
+    if spec not in candidates:
+      raise ValueError(
+          f"Device {spec} is not one of the devices this process can use "
+          f"({_describe(candidates)}). Pick devices from jax.local_devices().")
+    return spec
+  if isinstance(spec, int) and not isinstance(spec, bool):
+    if not 0 <= spec < len(candidates):
+      raise ValueError(
+          f"Device index {spec} is out of range: there are {len(candidates)} "
+          f"devices ({_describe(candidates)}).")
+    return candidates[spec]
+  if isinstance(spec, str):
+    m = _SPEC.match(spec.strip())
+    if m:
+      platform, index = m.group(1).lower(), int(m.group(2))
+      same = [d for d in candidates if d.platform == platform]
+      if index < len(same):
+        return same[index]
+      raise ValueError(
+          f"Unknown device {spec!r}: there are {len(same)} {platform} devices "
+          f"here ({_describe(candidates)}). For more CPU devices, start Python "
+          "with XLA_FLAGS=--xla_force_host_platform_device_count=N.")
+  raise ValueError(
+      f"Cannot understand the device {spec!r}. Pass a jax.Device, an index, or "
+      "a string like 'cpu:0' or '/gpu:1'.")
+
+
+def resolve_devices(specs: Sequence[Any] | None,
+                    candidates: Sequence[Any]) -> tuple:
+  """Resolves a list of device specs; None means every candidate."""
+  if specs is None:
+    return tuple(candidates)
+  if isinstance(specs, (str, jax.Device)):
+    specs = [specs]
+  resolved = tuple(resolve_device(s, candidates) for s in specs)
+  if not resolved:
+    raise ValueError("The device list is empty; pass at least one device.")
+  seen = set()
+  for spec, dev in zip(specs, resolved):
+    if dev in seen:
+      raise ValueError(
+          f"Device {spec!r} ({dev.platform}:{dev.id}) appears twice in the device "
+          "list; every replica needs a device of its own.")
+    seen.add(dev)
+  platforms = {d.platform for d in resolved}
+  if len(platforms) > 1:
+    raise ValueError(
+        f"The devices mix platforms ({sorted(platforms)}); one strategy runs one "
+        "compiled program, so use devices of one platform.")
+  return resolved

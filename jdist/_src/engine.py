@@ -1,0 +1,277 @@
+"""`DistributedFunction`: a per-replica step compiled once over the mesh.
+
+The step is mapped with `jax.shard_map` (`check_vma=True`) inside `jax.jit`.
+Which outputs vary over replicas is read from the traced types: the body is
+first traced abstractly with every output per-replica, the varying axes of each
+output leaf are recorded, and the real `shard_map` is then built with `P()` for
+invariant leaves (returned as mirrored arrays) and the replica axis for the
+others (returned as `PerReplica`). This costs one extra trace per compilation
+and nothing per step, because jit's own cache serves every later call.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jdist._src import collectives
+from jdist._src import context
+from jdist._src.replica_context import ReplicaContext
+from jdist._src.types import (StrategyMismatchError, VariableAggregation,
+                              VaryingStateError)
+from jdist._src.values import PerReplica, SyncOnRead, is_distributed
+
+
+class _Arg:
+  """How one flattened argument enters the shard_map."""
+
+  __slots__ = ("kind", "node")
+
+  def __init__(self, kind: str, node: Any):
+    self.kind = kind  # "mirrored" | "per_replica" | "sync"
+    self.node = node
+
+
+def _check_replica_axis(tree: Any, n: int, what: str) -> None:
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    shape = jnp.shape(leaf)
+    if not shape or shape[0] != n:
+      got = "a scalar" if not shape else f"a leading axis of {shape[0]}"
+      raise StrategyMismatchError(
+          f"{what} leaf {jax.tree_util.keystr(path) or '<value>'} has {got}, but "
+          f"this strategy has {n} replicas. The value was distributed by a "
+          "different strategy; distribute it again with this strategy (for "
+          "example strategy.experimental_distribute_dataset).")
+
+
+def _tile_sync(sync: SyncOnRead, n: int) -> SyncOnRead:
+  """Gives an unplaced SyncOnRead a replica axis, so that reading returns it."""
+  if sync.per_replica:
+    return sync
+  def tile(x):
+    x = jnp.asarray(x)
+    full = jnp.broadcast_to(x, (n,) + x.shape)
+    if sync.aggregation is VariableAggregation.SUM:
+      first = (jnp.arange(n) == 0).reshape((n,) + (1,) * x.ndim)
+      full = jnp.where(first, full, jnp.zeros_like(full))
+    return full
+  return SyncOnRead(jax.tree.map(tile, sync.value), sync.aggregation, True)
+
+
+def _find_batch(units) -> PerReplica | None:
+  for u in units:
+    if u.kind == "per_replica" and u.node.mask is not None:
+      return u.node
+  return None
+
+
+class DistributedFunction:
+  """A step function mapped over a strategy's replicas; see `Strategy.function`."""
+
+  def __init__(self, strategy, fn: Callable, *, donate_argnums=(),
+               check_state: bool = True):
+    self._strategy = strategy
+    self._fn = fn
+    self._check_state = check_state
+    self._jitted = jax.jit(self._global_step, donate_argnums=donate_argnums)
+    # CPU collectives deadlock when many steps are in flight (jax#25861):
+    # waiting for step k-1 after dispatching step k avoids it at no cost.
+    self._throttle = (strategy.devices[0].platform == "cpu" and
+                      strategy.num_replicas_in_sync > 1)
+    self._in_flight = None
+    functools.update_wrapper(self, fn)
+
+  @property
+  def strategy(self):
+    return self._strategy
+
+  def lower(self, *args, **kwargs):
+    """Lowers the step for these arguments (see `jax.jit(...).lower`)."""
+    return self._jitted.lower(*args, **kwargs)
+
+  def __call__(self, *args, **kwargs):
+    if context.current_replica_context() is not None:
+      raise RuntimeError(
+          f"{getattr(self._fn, '__name__', 'step')} was called inside another "
+          "step. Inside a step, call the plain per-replica function directly.")
+    scope = context.current_scope_strategy()
+    if scope is not None and scope != self._strategy:
+      raise StrategyMismatchError(
+          f"This step belongs to {self._strategy!r} but runs inside the scope of "
+          f"{scope!r}. Build the step with the strategy whose scope is open.")
+    try:
+      out = self._jitted(*args, **kwargs)
+    except ValueError as e:
+      if "incompatible devices" in str(e):
+        raise StrategyMismatchError(
+            f"An argument lives on other devices than {self._strategy!r}: "
+            f"{str(e).splitlines()[0]} Distributed values belong to the strategy "
+            "that made them; place state with this strategy's replicate() and "
+            "distribute batches with its experimental_distribute_dataset().") from e
+      raise
+    if self._throttle:
+      previous, self._in_flight = self._in_flight, _first_array(out)
+      if previous is not None and not previous.is_deleted():
+        previous.block_until_ready()
+    return out
+
+  # --- tracing -------------------------------------------------------------
+
+  def _global_step(self, *args, **kwargs):
+    strategy = self._strategy
+    n = strategy.num_replicas_in_sync
+    axis = strategy.axis_name
+    flat, in_tree = jax.tree_util.tree_flatten((args, kwargs),
+                                               is_leaf=is_distributed)
+    units = []
+    for node in flat:
+      if isinstance(node, PerReplica):
+        _check_replica_axis(node.values, n, "PerReplica")
+        units.append(_Arg("per_replica", node))
+      elif isinstance(node, SyncOnRead):
+        node = _tile_sync(node, n)
+        _check_replica_axis(node.value, n, "SyncOnRead")
+        units.append(_Arg("sync", node))
+      else:
+        units.append(_Arg("mirrored", node))
+    batch = _find_batch(units)
+
+    leaves, specs, rebuild = [], [], []
+    for u in units:
+      if u.kind == "mirrored":
+        leaves.append(u.node)
+        specs.append(P())
+        rebuild.append((u.kind, None, 1))
+      else:
+        sub, sub_tree = jax.tree_util.tree_flatten(u.node)
+        # A batch's scalar num_valid is mirrored; everything else is stacked.
+        kinds = [P() if (u.kind == "per_replica" and u.node.num_valid is not None
+                         and leaf is u.node.num_valid) else P(axis)
+                 for leaf in sub]
+        leaves.extend(sub)
+        specs.extend(kinds)
+        rebuild.append((u.kind, sub_tree, len(sub)))
+    mask_pos = num_valid_pos = None
+    if batch is not None:
+      mask_pos = len(leaves)
+      leaves.append(batch.mask)
+      specs.append(P(axis))
+      if batch.num_valid is not None:
+        num_valid_pos = len(leaves)
+        leaves.append(batch.num_valid)
+        specs.append(P())
+
+    record = {}
+
+    def body(*local, probe: bool):
+      local = list(local)
+      pos, nodes, mirrored_in = 0, [], []
+      for kind, sub_tree, count in rebuild:
+        chunk, pos = local[pos:pos + count], pos + count
+        if kind == "mirrored":
+          nodes.append(chunk[0])
+          continue
+        node = jax.tree_util.tree_unflatten(sub_tree, chunk)
+        if kind == "per_replica":
+          nodes.append(jax.tree.map(lambda x: x[0], node.values))
+        else:
+          nodes.append(SyncOnRead(jax.tree.map(lambda x: x[0], node.value),
+                                  node.aggregation, True))
+      mask = None if mask_pos is None else local[mask_pos][0]
+      num_valid = None if num_valid_pos is None else local[num_valid_pos]
+      call_args, call_kwargs = jax.tree_util.tree_unflatten(in_tree, nodes)
+      ctx = ReplicaContext(strategy, mask=mask, num_valid=num_valid)
+      with context.replica_scope(ctx):
+        out = self._fn(*call_args, **call_kwargs)
+      out_flat, out_tree = jax.tree_util.tree_flatten(
+          out, is_leaf=lambda x: isinstance(x, SyncOnRead))
+      if probe:
+        if self._check_state:
+          _check_state(out, call_args, axis, getattr(self._fn, "__name__", "step"))
+        record["tree"] = out_tree
+        record["kinds"] = [_output_kind(x, axis) for x in out_flat]
+        record["aggregations"] = [getattr(x, "aggregation", None) for x in out_flat]
+      results = []
+      for x, kind in zip(out_flat, record["kinds"]):
+        if kind == "sync":
+          results.append(jax.tree.map(lambda v: _varying(v, axis)[None], x.value))
+        elif kind == "per_replica" or probe:
+          results.append(_varying(x, axis)[None])
+        else:
+          results.append(jnp.asarray(x))
+      return results
+
+    def mapped(probe: bool, out_specs):
+      return jax.shard_map(functools.partial(body, probe=probe),
+                           mesh=strategy.mesh, in_specs=tuple(specs),
+                           out_specs=out_specs, check_vma=True)
+
+    # Pass 1: every output per-replica (P(axis) is a prefix of any output
+    # structure), only to learn from the traced types which outputs vary.
+    jax.eval_shape(mapped(True, P(axis)), *leaves)
+    kinds = record["kinds"]
+    out_specs = [P() if k == "mirrored" else P(axis) for k in kinds]
+    results = mapped(False, out_specs)(*leaves)
+    wrapped = []
+    for kind, x, agg in zip(kinds, results, record["aggregations"]):
+      if kind == "sync":
+        wrapped.append(SyncOnRead(x, agg, True))
+      elif kind == "per_replica":
+        wrapped.append(PerReplica(x, None if batch is None else batch.mask,
+                                  None if batch is None else batch.num_valid))
+      else:
+        wrapped.append(x)
+    return jax.tree_util.tree_unflatten(record["tree"], wrapped)
+
+
+def _output_kind(x: Any, axis: str) -> str:
+  if isinstance(x, SyncOnRead):
+    return "sync"
+  return "per_replica" if collectives.is_varying(x, axis) else "mirrored"
+
+
+def _varying(x: Any, axis: str) -> jax.Array:
+  x = jnp.asarray(x)
+  if collectives.is_varying(x, axis):
+    return x
+  return jax.lax.pcast(x, axis, to="varying")
+
+
+def _first_array(tree: Any):
+  for leaf in jax.tree.leaves(tree):
+    if isinstance(leaf, jax.Array):
+      return leaf
+  return None
+
+
+def _check_state(out, call_args, axis: str, name: str) -> None:
+  """Raises if an output shaped like a mirrored input varies over replicas."""
+  outputs = out if isinstance(out, tuple) else (out,)
+  is_sync = lambda x: isinstance(x, SyncOnRead)
+  in_trees = []
+  for a in call_args:
+    leaves, tree = jax.tree_util.tree_flatten(a, is_leaf=is_sync)
+    if tree.num_nodes > 1 and not any(
+        collectives.is_varying(x, axis) for x in leaves if not is_sync(x)):
+      in_trees.append(tree)
+  for i, o in enumerate(outputs):
+    leaves, tree = jax.tree_util.tree_flatten_with_path(o, is_leaf=is_sync)
+    if tree not in in_trees:
+      continue
+    bad = [jax.tree_util.keystr(p) for p, x in leaves
+           if not is_sync(x) and collectives.is_varying(x, axis)]
+    if bad:
+      where = f"output {i}" if isinstance(out, tuple) else "the output"
+      raise VaryingStateError(
+          f"{name} returned state ({where}) whose leaves {', '.join(bad[:5])} "
+          f"{'differ' if len(bad) > 1 else 'differs'} between replicas, but the "
+          "state passed in was mirrored (the same on every replica). Values "
+          "computed from a replica's own batch, such as batch-norm statistics, "
+          "must be made equal with jdist.get_replica_context().all_reduce("
+          "jdist.ReduceOp.MEAN, value), or kept per replica by wrapping them in "
+          "jdist.SyncOnRead. If this output is not state, build the step with "
+          "strategy.function(fn, check_state=False).")

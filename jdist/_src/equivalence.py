@@ -1,0 +1,180 @@
+"""Running one training on two strategies and comparing what came out."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterable
+
+import jax
+import numpy as np
+
+from jdist._src.mirrored import MirroredStrategy, OneDeviceStrategy
+from jdist._src.types import ReduceOp
+from jdist._src.values import PerReplica, read_value
+
+
+@dataclasses.dataclass(frozen=True)
+class Trajectory:
+  """What a training run produced, on the host: final state and step outputs."""
+
+  state: Any
+  outputs: list
+
+
+def run_training(strategy, step_fn: Callable, state: Any, batches: Iterable,
+                 *, scalar_reduce=ReduceOp.SUM) -> Trajectory:
+  """Trains `step_fn(state, batch) -> (state, outputs)` on `strategy`.
+
+  Outputs are made comparable across device counts: per-example outputs are
+  gathered over replicas (padding dropped) and per-replica scalars reduced with
+  `scalar_reduce` (SUM fits losses from `compute_average_loss`).
+  """
+  step = strategy.function(step_fn)
+  state = strategy.replicate(state)
+  outputs = []
+  for batch in strategy.experimental_distribute_dataset(batches):
+    state, out = step(state, batch)
+    outputs.append(_comparable(strategy, out, scalar_reduce))
+  return Trajectory(_to_host(read_value(state)), outputs)
+
+
+def _comparable(strategy, out, scalar_reduce):
+  def one(node):
+    if isinstance(node, PerReplica):
+      rank = np.ndim(jax.tree.leaves(node.values)[0]) - 1
+      if rank == 0:
+        return strategy.reduce(scalar_reduce, node)
+      return strategy.gather(node, axis=0)
+    return node
+  out = jax.tree.map(one, out, is_leaf=lambda x: isinstance(x, PerReplica))
+  return _to_host(out)
+
+
+def _to_host(tree):
+  def leaf(x):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      x = x.addressable_data(0)
+    if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+      x = jax.random.key_data(x)
+    return np.asarray(x)
+  return jax.tree.map(leaf, tree)
+
+
+def compare_trees(expected, actual, *, rtol: float, atol: float,
+                  names=("expected", "actual"), prefix: str = "") -> list:
+  """Lists readable differences between two pytrees of arrays."""
+  problems = []
+  e_leaves, e_tree = jax.tree_util.tree_flatten_with_path(expected)
+  a_leaves, a_tree = jax.tree_util.tree_flatten_with_path(actual)
+  if e_tree != a_tree:
+    return [f"{prefix}: structures differ:\n  {names[0]}: {e_tree}\n"
+            f"  {names[1]}: {a_tree}"]
+  for (path, e), (_, a) in zip(e_leaves, a_leaves):
+    where = f"{prefix}{jax.tree_util.keystr(path)}"
+    e, a = np.asarray(e), np.asarray(a)
+    if e.shape != a.shape:
+      problems.append(f"{where}: shape {e.shape} ({names[0]}) vs {a.shape} "
+                      f"({names[1]})")
+      continue
+    if e.dtype.kind in "fc":
+      bad = ~np.isclose(a, e, rtol=rtol, atol=atol, equal_nan=True)
+    else:
+      bad = a != e
+    if bad.any():
+      err = np.abs(a.astype(np.float64) - e.astype(np.float64))
+      idx = np.unravel_index(int(np.argmax(np.where(bad, err, -1))), e.shape)
+      problems.append(
+          f"{where}: {int(bad.sum())} of {e.size} values differ; worst at "
+          f"{tuple(int(i) for i in idx)}: {names[0]} {e[idx]!r} vs {names[1]} "
+          f"{a[idx]!r} (|diff| {err[idx]:.3g}, rtol {rtol:g}, atol {atol:g})")
+  return problems
+
+
+def _devices_hint(n: int) -> str:
+  return (f"Only {len(jax.local_devices())} local devices; {n} are needed. On a "
+          f"CPU, start Python with XLA_FLAGS=--xla_force_host_platform_device_count"
+          f"={n} (or call jdist.testing.fake_cpu_devices({n}) before JAX starts).")
+
+
+def assert_equivalent(step_fn: Callable, state: Any, batches: Iterable,
+                      num_replicas: int | None = None, *, strategy=None,
+                      reference=None, rtol: float = 1e-4, atol: float = 1e-5,
+                      scalar_reduce=ReduceOp.SUM) -> Trajectory:
+  """Checks that training on N replicas matches training on one device.
+
+  Runs `step_fn(state, batch) -> (state, outputs)` over `batches` (global
+  batches) with a one-device strategy and with `strategy` (default: a
+  `MirroredStrategy` over the first `num_replicas` local devices), then compares
+  the final state (SyncOnRead values read), and every step's outputs: mirrored
+  outputs as they are, per-example outputs gathered over replicas, per-replica
+  scalars reduced with `scalar_reduce`.
+
+  Args:
+    step_fn: the per-replica training step.
+    state: the initial state (not yet replicated).
+    batches: a re-iterable of global batches (a list, for example).
+    num_replicas: replicas of the strategy under test.
+    strategy: the strategy under test, instead of `num_replicas`.
+    reference: the reference strategy; default one device.
+    rtol, atol: float tolerance (reduction order differs between runs).
+    scalar_reduce: how per-replica scalars combine (SUM for scaled losses).
+
+  Returns:
+    The `Trajectory` of the strategy under test.
+
+  Raises:
+    AssertionError: with one line per differing leaf.
+
+  Example:
+    >>> import jdist, jdist.testing, jax, jax.numpy as jnp, numpy as np
+    >>> def step(w, batch):
+    ...   loss_fn = lambda w: jdist.compute_average_loss((batch @ w) ** 2)
+    ...   loss, g = jax.value_and_grad(loss_fn)(w)
+    ...   return w - 0.1 * g, loss
+    >>> data = [np.ones((4, 2), np.float32)] * 3
+    >>> _ = jdist.testing.assert_equivalent(step, jnp.ones(2), data, 1)
+  """
+  batches = list(batches)
+  if strategy is None:
+    n = num_replicas or len(jax.local_devices())
+    if n > len(jax.local_devices()):
+      raise ValueError(_devices_hint(n))
+    strategy = MirroredStrategy(jax.local_devices()[:n])
+  reference = reference or OneDeviceStrategy(jax.local_devices()[0])
+  expected = run_training(reference, step_fn, state, batches,
+                          scalar_reduce=scalar_reduce)
+  actual = run_training(strategy, step_fn, state, batches,
+                        scalar_reduce=scalar_reduce)
+  names = (f"{reference.num_replicas_in_sync}-replica",
+           f"{strategy.num_replicas_in_sync}-replica")
+  problems = compare_trees(expected.state, actual.state, rtol=rtol, atol=atol,
+                           names=names, prefix="state")
+  if len(expected.outputs) != len(actual.outputs):
+    problems.append(f"steps run: {len(expected.outputs)} vs "
+                    f"{len(actual.outputs)}")
+  for i, (e, a) in enumerate(zip(expected.outputs, actual.outputs)):
+    problems += compare_trees(e, a, rtol=rtol, atol=atol, names=names,
+                              prefix=f"step {i} outputs")
+  if problems:
+    shown = problems[:20]
+    more = f"\n... and {len(problems) - 20} more" if len(problems) > 20 else ""
+    raise AssertionError(
+        f"{strategy!r} does not reproduce {reference!r}:\n" +
+        "\n".join(shown) + more)
+  return actual
+
+
+def fake_cpu_devices(n: int) -> None:
+  """Asks for `n` CPU devices; call before JAX creates its backend.
+
+  Raises:
+    RuntimeError: the backend already started with fewer devices.
+  """
+  try:
+    jax.config.update("jax_num_cpu_devices", n)
+  except RuntimeError as e:
+    if len(jax.devices("cpu")) < n:
+      raise RuntimeError(
+          f"JAX already started with {len(jax.devices('cpu'))} CPU devices; "
+          f"set XLA_FLAGS=--xla_force_host_platform_device_count={n} before "
+          "importing jax.") from e

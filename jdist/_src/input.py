@@ -1,0 +1,258 @@
+"""Distributed datasets: global or per-replica batches in, `PerReplica` out.
+
+A batch that is shorter than the first one (the end of an epoch) is padded to
+the same static shape and carries a validity mask and its global count of valid
+examples, so the step compiles once and losses, metrics and `reduce(MEAN)` are
+exact: nothing is dropped and nothing is counted twice.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+from typing import Any, Callable, Iterable, Iterator
+
+import jax
+import numpy as np
+
+from jdist._src import placement
+from jdist._src.values import PerReplica
+
+
+@dataclasses.dataclass(frozen=True)
+class InputContext:
+  """What `distribute_datasets_from_function` tells the dataset function.
+
+  Attributes:
+    num_input_pipelines: how many pipelines (processes) read data.
+    input_pipeline_id: this pipeline's index, 0 to `num_input_pipelines - 1`.
+    num_replicas_in_sync: replicas that consume each step's batches.
+
+  Example:
+    >>> import jdist
+    >>> ctx = jdist.InputContext(1, 0, 4)
+    >>> ctx.get_per_replica_batch_size(64)
+    16
+  """
+
+  num_input_pipelines: int = 1
+  input_pipeline_id: int = 0
+  num_replicas_in_sync: int = 1
+
+  def get_per_replica_batch_size(self, global_batch_size: int) -> int:
+    """The batch each replica takes from a global batch of this size."""
+    if global_batch_size % self.num_replicas_in_sync:
+      raise ValueError(
+          f"The global batch size {global_batch_size} does not divide evenly "
+          f"over {self.num_replicas_in_sync} replicas. Use a multiple of "
+          f"{self.num_replicas_in_sync}.")
+    return global_batch_size // self.num_replicas_in_sync
+
+
+def _batch_len(batch: Any, what: str) -> int:
+  leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+  if not leaves:
+    raise ValueError(f"The {what} has no arrays in it.")
+  sizes = {}
+  for path, leaf in leaves:
+    shape = np.shape(leaf)
+    if not shape:
+      raise ValueError(
+          f"{what.capitalize()} leaf {jax.tree_util.keystr(path)} is a scalar; "
+          "every leaf of a batch needs a leading batch axis.")
+    sizes.setdefault(shape[0], jax.tree_util.keystr(path))
+  if len(sizes) > 1:
+    detail = ", ".join(f"{p or '<batch>'} has {n}" for n, p in sizes.items())
+    raise ValueError(
+        f"The leaves of one {what} disagree on the batch size ({detail}); "
+        "every leaf must have the same leading axis.")
+  return next(iter(sizes))
+
+
+def _pad(x: np.ndarray, size: int) -> np.ndarray:
+  if x.shape[0] == size:
+    return x
+  pad = np.zeros((size - x.shape[0],) + x.shape[1:], dtype=x.dtype)
+  return np.concatenate([x, pad], axis=0)
+
+
+class _Placer:
+  """Places stacked local rows as global `(R, b, ...)` arrays, caching masks."""
+
+  def __init__(self, strategy):
+    self.strategy = strategy
+    self.local_ids = placement.local_replica_ids(strategy.devices)
+    self._full = {}
+
+  def put(self, local_rows):
+    s = self.strategy
+    return placement.put_per_replica(local_rows, s.mesh, s.axis_name,
+                                     s.num_replicas_in_sync)
+
+  def mask_and_count(self, local_mask: np.ndarray, num_valid: int | None):
+    """Device copies of the mask and count; full batches reuse cached ones."""
+    full = bool(local_mask.all()) and num_valid in (None, self._capacity(local_mask))
+    key = local_mask.shape
+    if full and key in self._full:
+      return self._full[key]
+    mask = self.put(local_mask)
+    count = None
+    if num_valid is not None:
+      s = self.strategy
+      count = placement.put_replicated(np.int32(num_valid), s.mesh)
+    if full:
+      self._full[key] = (mask, count)
+    return mask, count
+
+  def _capacity(self, local_mask):
+    return self.strategy.num_replicas_in_sync * local_mask.shape[1]
+
+
+class DistributedDataset:
+  """An iterable of distributed batches; each `iter()` starts a new pass.
+
+  Made by `strategy.experimental_distribute_dataset` (global batches in) or
+  `strategy.distribute_datasets_from_function` (per-replica batches in). Every
+  item is a `PerReplica` whose leaves have shape `(num_replicas, b, ...)`.
+  """
+
+  def __init__(self, strategy, make_iterator: Callable[[], Iterator],
+               mode: str, *, prefetch: int = 2, global_valid_count: bool = True):
+    self._strategy = strategy
+    self._make_iterator = make_iterator
+    self._mode = mode
+    self._prefetch = max(1, int(prefetch))
+    self._global_valid_count = global_valid_count
+
+  @property
+  def strategy(self):
+    return self._strategy
+
+  def __iter__(self) -> "DistributedIterator":
+    return DistributedIterator(self)
+
+
+class DistributedIterator:
+  """Iterator over a `DistributedDataset`; places batches ahead of use."""
+
+  def __init__(self, dataset: DistributedDataset):
+    self._ds = dataset
+    self._source = iter(dataset._make_iterator())
+    self._placer = _Placer(dataset.strategy)
+    self._buffer = collections.deque()
+    self._size = None  # global batch (global mode) or per-replica batch
+    self._done = False
+    self.position = 0  # batches handed out so far
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> PerReplica:
+    while not self._done and len(self._buffer) < self._ds._prefetch:
+      item = self._next_host_batch()
+      if item is None:
+        self._done = True
+        break
+      self._buffer.append(self._place(*item))
+    if not self._buffer:
+      raise StopIteration
+    self.position += 1
+    return self._buffer.popleft()
+
+  # --- reading and padding on the host --------------------------------------
+
+  def _next_host_batch(self):
+    if self._ds._mode == "global":
+      return self._next_global()
+    return self._next_per_replica()
+
+  def _next_global(self):
+    strategy = self._ds.strategy
+    n = strategy.num_replicas_in_sync
+    try:
+      batch = next(self._source)
+    except StopIteration:
+      return None
+    batch = jax.tree.map(np.asarray, batch)
+    size = _batch_len(batch, "batch")
+    if self._size is None:
+      if size % n:
+        raise ValueError(
+            f"A global batch of {size} examples cannot split evenly over {n} "
+            f"replicas. Use a global batch size that is a multiple of {n} "
+            f"(for example {max(n, size - size % n)} or {size + n - size % n}); "
+            "the last, shorter batch of an epoch may be any size and is padded.")
+      self._size = size
+    elif size > self._size:
+      raise ValueError(
+          f"A batch of {size} examples follows batches of {self._size}. Batches "
+          "may shrink at the end of the data but not grow: keep the global "
+          "batch size fixed.")
+    b = self._size // n
+    ids = self._placer.local_ids
+    def rows(x):
+      x = _pad(x, self._size).reshape((n, b) + x.shape[1:])
+      return x[list(ids)]
+    valid = (np.arange(self._size) < size).reshape(n, b)[list(ids)]
+    return jax.tree.map(rows, batch), valid, size
+
+  def _next_per_replica(self):
+    ids = self._placer.local_ids
+    parts = list(itertools.islice(self._source, len(ids)))
+    if not parts:
+      return None
+    parts = [jax.tree.map(np.asarray, p) for p in parts]
+    sizes = [_batch_len(p, "per-replica batch") for p in parts]
+    if self._size is None:
+      self._size = sizes[0]
+    if max(sizes) > self._size:
+      raise ValueError(
+          f"A per-replica batch of {max(sizes)} examples follows batches of "
+          f"{self._size}; dataset_fn must batch with a fixed per-replica size "
+          "(ctx.get_per_replica_batch_size(global_batch_size)).")
+    template = parts[0]
+    while len(parts) < len(ids):  # the data ran out inside this step
+      parts.append(jax.tree.map(lambda x: x[:0], template))
+      sizes.append(0)
+    stacked = jax.tree.map(lambda *xs: np.stack([_pad(x, self._size) for x in xs]),
+                           *parts)
+    valid = np.arange(self._size)[None, :] < np.asarray(sizes)[:, None]
+    count = sum(sizes) if self._ds._global_valid_count else None
+    return stacked, valid, count
+
+  def _place(self, rows, valid, count) -> PerReplica:
+    values = jax.tree.map(self._placer.put, rows)
+    mask, num_valid = self._placer.mask_and_count(valid, count)
+    return PerReplica(values, mask, num_valid)
+
+
+def from_values(strategy, value_fn: Callable) -> PerReplica:
+  """See `Strategy.experimental_distribute_values_from_function`."""
+  from jdist._src.values import ValueContext
+  n = strategy.num_replicas_in_sync
+  ids = placement.local_replica_ids(strategy.devices)
+  values = [value_fn(ValueContext(i, n)) for i in ids]
+  stacked = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]),
+                         *values)
+  placer = _Placer(strategy)
+  return PerReplica(jax.tree.map(placer.put, stacked))
+
+
+def global_batches(strategy, dataset: Iterable, *, prefetch: int = 2):
+  """See `Strategy.experimental_distribute_dataset`."""
+  return DistributedDataset(strategy, lambda: iter(dataset), "global",
+                            prefetch=prefetch)
+
+
+def per_replica_batches(strategy, dataset_fn: Callable, *, prefetch: int = 2):
+  """See `Strategy.distribute_datasets_from_function`."""
+  ctx = InputContext(jax.process_count(), jax.process_index(),
+                     strategy.num_replicas_in_sync)
+  if len({d.process_index for d in strategy.devices}) > 1:
+    # Each process only knows its own rows: count valid examples in the step.
+    return DistributedDataset(strategy, lambda: iter(dataset_fn(ctx)),
+                              "per_replica", prefetch=prefetch,
+                              global_valid_count=False)
+  return DistributedDataset(strategy, lambda: iter(dataset_fn(ctx)),
+                            "per_replica", prefetch=prefetch)

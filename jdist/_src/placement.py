@@ -1,0 +1,74 @@
+"""Moving host data onto a strategy's mesh, in one process or in many.
+
+Every function here works the same in a single process and in a multi-process
+(multi-controller) run: when the mesh spans processes, each process supplies
+only the rows of its own replicas and jax assembles the global array.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+
+def replicated_sharding(mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def per_replica_sharding(mesh, axis_name: str) -> NamedSharding:
+  return NamedSharding(mesh, P(axis_name))
+
+
+def _multiprocess(mesh) -> bool:
+  return len({d.process_index for d in mesh.devices.flat}) > 1
+
+
+def put_replicated(x: Any, mesh) -> jax.Array:
+  """Places one leaf whole on every device of `mesh`."""
+  sharding = replicated_sharding(mesh)
+  if isinstance(x, jax.Array) and x.sharding == sharding:
+    return x
+  if not _multiprocess(mesh):
+    return jax.device_put(x, sharding)
+  host = np.asarray(x)
+  return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
+def put_per_replica(local_rows: Any, mesh, axis_name: str,
+                    num_replicas: int) -> jax.Array:
+  """Places this process's rows `(local_replicas, ...)` as a `(R, ...)` array."""
+  sharding = per_replica_sharding(mesh, axis_name)
+  if not _multiprocess(mesh):
+    return jax.device_put(local_rows, sharding)
+  local_rows = np.asarray(local_rows)
+  global_shape = (num_replicas,) + local_rows.shape[1:]
+  return jax.make_array_from_process_local_data(sharding, local_rows, global_shape)
+
+
+def local_replica_ids(devices) -> tuple:
+  """Positions in the mesh of the replicas whose devices this process drives."""
+  me = jax.process_index()
+  return tuple(i for i, d in enumerate(devices) if d.process_index == me)
+
+
+def local_shards(x: jax.Array) -> dict:
+  """Maps replica position -> this process's shard (without the replica axis)."""
+  out = {}
+  for shard in x.addressable_shards:
+    start = shard.index[0].start or 0
+    out[start] = shard.data[0]
+  return out
+
+
+def is_concrete(x: Any) -> bool:
+  return not isinstance(x, jax.core.Tracer)
+
+
+def as_array(x: Any) -> Any:
+  if isinstance(x, (jax.Array, np.ndarray)):
+    return x
+  return jnp.asarray(x)

@@ -1,0 +1,162 @@
+"""Distributed values: `PerReplica` and `SyncOnRead`, both pytrees.
+
+A `PerReplica` holds one value per replica, stacked on a leading replica axis
+that is sharded over the strategy's mesh. Batches from a distributed dataset are
+`PerReplica` values that also carry a validity mask (padding of a short last
+batch) and the global count of valid examples, so losses and reductions can be
+exact without recompiling for the short batch.
+
+A `SyncOnRead` wraps state that every replica updates on its own inside a step
+(metric accumulators, batch-norm statistics) and that is aggregated only when it
+is read outside.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jdist._src.types import VariableAggregation
+
+
+@jax.tree_util.register_pytree_node_class
+class PerReplica:
+  """One value per replica, stacked on a leading (sharded) replica axis.
+
+  Every leaf of `values` has shape `(num_replicas, ...)`; inside a step each
+  replica sees its own slice, without the replica axis. `mask` (shape
+  `(num_replicas, per_replica_batch)`, boolean) marks the valid examples of a
+  padded batch and `num_valid` is their global count (a scalar); both are `None`
+  for values that are not batches.
+
+  Example:
+    >>> import jdist, jax.numpy as jnp
+    >>> strategy = jdist.get_strategy()
+    >>> v = strategy.experimental_distribute_values_from_function(
+    ...     lambda ctx: jnp.float32(ctx.replica_id_in_sync_group))
+    >>> strategy.reduce("sum", v)
+    Array(0., dtype=float32)
+  """
+
+  __slots__ = ("values", "mask", "num_valid")
+
+  def __init__(self, values: Any, mask: Any = None, num_valid: Any = None):
+    self.values = values
+    self.mask = mask
+    self.num_valid = num_valid
+
+  def tree_flatten(self):
+    return (self.values, self.mask, self.num_valid), None
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    del aux
+    return cls(*children)
+
+  @property
+  def num_replicas(self) -> int:
+    """The length of the replica axis."""
+    leaves = jax.tree.leaves(self.values)
+    if not leaves:
+      raise ValueError("PerReplica value has no array leaves.")
+    return int(np.shape(leaves[0])[0])
+
+  def replace(self, values: Any) -> "PerReplica":
+    """Returns a PerReplica with new `values` and the same mask."""
+    return PerReplica(values, self.mask, self.num_valid)
+
+  def __repr__(self) -> str:
+    shapes = jax.tree.map(lambda x: tuple(np.shape(x)), self.values)
+    masked = "" if self.mask is None else ", masked"
+    return f"PerReplica({shapes}{masked})"
+
+
+@jax.tree_util.register_pytree_node_class
+class SyncOnRead:
+  """State kept per replica inside steps and aggregated when read outside.
+
+  Wrap any pytree (metric totals, batch-norm statistics). Before
+  `strategy.replicate`, `value` has the plain shape; after it, every leaf has a
+  leading replica axis. Inside a step, `.value` is the replica's own copy and
+  `.assign(new)` returns the updated wrapper; outside, `.read()` aggregates.
+
+  `strategy.replicate` places the value so that reading gives it back: for MEAN
+  and ONLY_FIRST_REPLICA every replica gets a copy, for SUM the first replica
+  gets it and the others zeros.
+
+  Example:
+    >>> import jdist, jax.numpy as jnp
+    >>> total = jdist.SyncOnRead(jnp.zeros(()), aggregation="sum")
+    >>> strategy = jdist.get_strategy()
+    >>> total = strategy.replicate(total)
+    >>> float(total.read())
+    0.0
+  """
+
+  __slots__ = ("value", "aggregation", "per_replica")
+
+  def __init__(self, value: Any, aggregation="MEAN", per_replica: bool = False):
+    self.value = value
+    self.aggregation = VariableAggregation.of(aggregation)
+    self.per_replica = bool(per_replica)
+
+  def tree_flatten(self):
+    return (self.value,), (self.aggregation, self.per_replica)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    obj = object.__new__(cls)
+    obj.value = children[0]
+    obj.aggregation, obj.per_replica = aux
+    return obj
+
+  def assign(self, value: Any) -> "SyncOnRead":
+    """Returns a copy holding `value` (inside a step: this replica's value)."""
+    return SyncOnRead(value, self.aggregation, self.per_replica)
+
+  def read(self) -> Any:
+    """Aggregates over replicas: the value a reader outside a step sees."""
+    if not self.per_replica:
+      return self.value
+    agg = self.aggregation
+    if agg is VariableAggregation.SUM:
+      return jax.tree.map(lambda x: jnp.sum(x, axis=0), self.value)
+    if agg is VariableAggregation.MEAN:
+      return jax.tree.map(lambda x: jnp.mean(x, axis=0), self.value)
+    return jax.tree.map(lambda x: x[0], self.value)
+
+  def __repr__(self) -> str:
+    shapes = jax.tree.map(lambda x: tuple(np.shape(x)), self.value)
+    where = "per replica" if self.per_replica else "unplaced"
+    return f"SyncOnRead({shapes}, {self.aggregation.name}, {where})"
+
+
+def read_value(tree: Any) -> Any:
+  """Replaces every `SyncOnRead` in `tree` by its aggregated value.
+
+  Use it to evaluate or save state that holds per-replica statistics.
+
+  Example:
+    >>> import jdist, jax.numpy as jnp
+    >>> jdist.read_value({"n": jdist.SyncOnRead(jnp.ones(()), "sum")})
+    {'n': Array(1., dtype=float32)}
+  """
+  return jax.tree.map(
+      lambda x: x.read() if isinstance(x, SyncOnRead) else x, tree,
+      is_leaf=lambda x: isinstance(x, SyncOnRead))
+
+
+def is_distributed(x: Any) -> bool:
+  return isinstance(x, (PerReplica, SyncOnRead))
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueContext:
+  """What `experimental_distribute_values_from_function` tells `value_fn`."""
+
+  replica_id_in_sync_group: int = 0
+  num_replicas_in_sync: int = 1

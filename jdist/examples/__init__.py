@@ -1,0 +1,1 @@
+"""Small models and data used by the demo, tutorials, tests and benchmarks."""

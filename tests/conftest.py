@@ -1,0 +1,43 @@
+"""Test setup: 4 fake CPU devices, set before JAX starts its backend."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=4").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import jdist  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def devices():
+  devs = jax.local_devices()
+  assert len(devs) >= 4, "tests need 4 fake CPU devices (see conftest.py)"
+  return devs
+
+
+@pytest.fixture(scope="session")
+def digits():
+  from jdist.examples.data import load_digits
+  return load_digits(image=True)
+
+
+@pytest.fixture(scope="session")
+def digits_flat():
+  from jdist.examples.data import load_digits
+  return load_digits(image=False)
+
+
+def strategy_on(n: int):
+  """A MirroredStrategy over the first n devices (OneDevice for n == 1)."""
+  devs = jax.local_devices()[:n]
+  return jdist.OneDeviceStrategy(devs[0]) if n == 1 else jdist.MirroredStrategy(devs)
+
+
+@pytest.fixture
+def rng():
+  return np.random.default_rng(0)

@@ -1,0 +1,203 @@
+"""One conformance suite, run over every strategy: same training as one device.
+
+Each case trains with optax adam on scikit-learn's digits and compares final
+parameters, per-step losses and per-example outputs against a one-device run.
+"""
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+
+import jdist
+import jdist.testing
+from jdist.examples.data import batches
+from jdist.examples.models import CNN, MLP
+
+
+def _strategies():
+  """Every single-process strategy, by name (multi-process ones: tests/multiprocess)."""
+  def mirrored(n):
+    return lambda: jdist.MirroredStrategy(jax.local_devices()[:n])
+  return {
+      "default": jdist.get_strategy,
+      "one_device": lambda: jdist.OneDeviceStrategy("cpu:1"),
+      "mirrored_1": mirrored(1),
+      "mirrored_2": mirrored(2),
+      "mirrored_4": mirrored(4),
+  }
+
+
+STRATEGIES = _strategies()
+
+
+class State(train_state.TrainState):
+  batch_stats: Any = None
+  key: Any = None
+
+
+def make_state(model, sample, *, lr=1e-2, seed=0):
+  variables = model.init({"params": jax.random.key(seed),
+                          "dropout": jax.random.key(1)}, sample, train=False)
+  return State.create(apply_fn=model.apply, params=variables["params"],
+                      tx=optax.adam(lr), batch_stats=variables.get("batch_stats"),
+                      key=jax.random.key(seed + 7))
+
+
+def classifier_step(state, batch):
+  """A user's per-replica step: flax model, optax, compute_average_loss."""
+  dropout_key = jax.random.fold_in(state.key, state.step)
+  has_bn = state.batch_stats is not None
+
+  def loss_fn(params):
+    variables = {"params": params}
+    if has_bn:
+      variables["batch_stats"] = state.batch_stats
+    logits, updates = state.apply_fn(
+        variables, batch["x"], train=True, rngs={"dropout": dropout_key},
+        mutable=["batch_stats"] if has_bn else [])
+    per_example = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+    return jdist.compute_average_loss(per_example), (logits, updates)
+
+  (loss, (logits, updates)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+      state.params)
+  new = state.apply_gradients(grads=grads)
+  if has_bn:
+    new = new.replace(batch_stats=updates["batch_stats"])
+  return new, {"loss": loss, "logits": logits}
+
+
+@pytest.fixture(scope="module")
+def digit_batches(digits, digits_flat):
+  x, y = digits
+  xf, _ = digits_flat
+  return {"image": batches(x[:1280], y[:1280], 64),
+          "flat": batches(xf[:1280], y[:1280], 64)}
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_mlp_matches_one_device(name, digit_batches):
+  data = digit_batches["flat"]
+  state = make_state(MLP(), data[0]["x"])
+  jdist.testing.assert_equivalent(classifier_step, state, data,
+                                  strategy=STRATEGIES[name]())
+
+
+@pytest.mark.parametrize("name", ["mirrored_2", "mirrored_4", "one_device"])
+def test_cnn_batchnorm_dropout_matches_one_device(name, digits):
+  """BatchNorm (statistics all-reduced MEAN) and dropout, bit-for-bit semantics.
+
+  Runs in float64: in float32 adam turns reduction-order noise in near-zero
+  gradients into visible drift after ~8 steps, which would hide a real error
+  behind a loose tolerance. In float64 a semantic difference (wrong statistics,
+  dropout masks that depend on the replica) still shows; noise does not.
+  """
+  strategy = STRATEGIES[name]()
+  with jax.enable_x64(True):
+    x, y = digits
+    data = batches(x[:1280].astype(np.float64), y[:1280], 64)
+    model = CNN(batch_norm=True, bn_axis_name=strategy.axis_name,
+                dropout_rate=0.3, param_dtype=jnp.float64)
+    state = make_state(model, data[0]["x"])
+    out = jdist.testing.assert_equivalent(classifier_step, state, data,
+                                          strategy=strategy, rtol=1e-9,
+                                          atol=1e-11)
+  assert len(out.outputs) == 20
+  assert out.outputs[-1]["loss"] < out.outputs[0]["loss"] / 2  # it learned
+
+
+def test_cnn_float32_stays_close_to_one_device(digit_batches):
+  """The float32 run on 4 replicas follows one device within noise."""
+  strategy = STRATEGIES["mirrored_4"]()
+  model = CNN(batch_norm=True, bn_axis_name=strategy.axis_name, dropout_rate=0.3)
+  data = digit_batches["image"]
+  state = make_state(model, data[0]["x"])
+  out = jdist.testing.assert_equivalent(classifier_step, state, data[:6],
+                                        strategy=strategy, rtol=1e-3, atol=1e-3)
+  assert len(out.outputs) == 6
+
+
+def test_assert_equivalent_catches_a_wrong_step(digit_batches):
+  """A step that scales its loss by the local batch is caught, with a diff."""
+  data = digit_batches["flat"][:3]
+
+  def wrong_step(state, batch):
+    def loss_fn(params):
+      logits = state.apply_fn({"params": params}, batch["x"])
+      return optax.softmax_cross_entropy_with_integer_labels(
+          logits, batch["y"]).mean()  # local mean: N times too large a gradient
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  state = make_state(MLP(), data[0]["x"])
+  with pytest.raises(AssertionError, match=r"state.*params.*differ"):
+    jdist.testing.assert_equivalent(wrong_step, state, data, num_replicas=4)
+
+
+def test_sync_on_read_metrics_match_one_device(digit_batches):
+  """Accuracy counted per replica in SyncOnRead SUM totals reads exactly."""
+  data = digit_batches["flat"][:5] + [{"x": digit_batches["flat"][5]["x"][:40],
+                                       "y": digit_batches["flat"][5]["y"][:40]}]
+
+  def step(state, batch):
+    params, totals = state
+    logits = MLP().apply({"params": params}, batch["x"])
+    ctx = jdist.get_replica_context()
+    valid = ctx.example_mask
+    correct = jnp.sum((jnp.argmax(logits, -1) == batch["y"]) & valid)
+    new_totals = totals.assign({"correct": totals.value["correct"] + correct,
+                                "seen": totals.value["seen"] + jnp.sum(valid)})
+    return (params, new_totals), {}
+
+  params = make_state(MLP(), data[0]["x"]).params
+  totals = jdist.SyncOnRead({"correct": jnp.int32(0), "seen": jnp.int32(0)}, "sum")
+  out = jdist.testing.assert_equivalent(step, (params, totals), data,
+                                        num_replicas=4)
+  _, read = out.state
+  assert int(read["seen"]) == 5 * 64 + 40
+  logits = MLP().apply({"params": params}, np.concatenate([b["x"] for b in data]))
+  labels = np.concatenate([b["y"] for b in data])
+  assert int(read["correct"]) == int(np.sum(np.argmax(logits, -1) == labels))
+
+
+def test_sync_on_read_batchnorm_keeps_per_replica_statistics(digit_batches):
+  """BatchNorm without cross-replica sync: statistics kept per replica.
+
+  Normalising with local statistics is not the single-device computation (as
+  in tf.distribute without SyncBatchNormalization), so this checks the
+  mechanics: replicas hold different running means and reading gives their mean.
+  """
+  strategy = STRATEGIES["mirrored_4"]()
+  model = CNN(batch_norm=True, bn_axis_name=None)
+  data = digit_batches["image"][:3]
+  variables = model.init(jax.random.key(0), data[0]["x"])
+  tx = optax.sgd(0.1)
+  state = {"params": variables["params"],
+           "opt": tx.init(variables["params"]),
+           "bn": jdist.SyncOnRead(variables["batch_stats"], "mean")}
+
+  @strategy.function
+  def step(state, batch):
+    def loss_fn(params):
+      logits, upd = model.apply({"params": params, "batch_stats": state["bn"].value},
+                                batch["x"], train=True, mutable=["batch_stats"])
+      loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+      return jdist.compute_average_loss(loss), upd
+    (loss, upd), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+    updates, opt = tx.update(grads, state["opt"])
+    return {"params": optax.apply_updates(state["params"], updates), "opt": opt,
+            "bn": state["bn"].assign(upd["batch_stats"])}, loss
+
+  state = strategy.replicate(state)
+  for batch in strategy.experimental_distribute_dataset(data):
+    state, _ = step(state, batch)
+  per_replica = state["bn"].value["BatchNorm_0"]["mean"]
+  assert per_replica.shape == (4, 32)
+  assert not np.allclose(per_replica[0], per_replica[1])
+  read = jdist.read_value(state)["bn"]["BatchNorm_0"]["mean"]
+  np.testing.assert_allclose(read, np.mean(np.asarray(per_replica), 0), rtol=1e-6)
