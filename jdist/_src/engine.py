@@ -83,11 +83,18 @@ class DistributedFunction:
     self._throttle = (strategy.devices[0].platform == "cpu" and
                       strategy.num_replicas_in_sync > 1)
     self._in_flight = None
+    self._compilations = 0
     functools.update_wrapper(self, fn)
 
   @property
   def strategy(self):
+    """The strategy this step runs on."""
     return self._strategy
+
+  @property
+  def num_compilations(self) -> int:
+    """How many times the step was traced and compiled (once per input shape)."""
+    return self._compilations
 
   def lower(self, *args, **kwargs):
     """Lowers the step for these arguments (see `jax.jit(...).lower`)."""
@@ -122,6 +129,7 @@ class DistributedFunction:
   # --- tracing -------------------------------------------------------------
 
   def _global_step(self, *args, **kwargs):
+    self._compilations += 1
     strategy = self._strategy
     n = strategy.num_replicas_in_sync
     axis = strategy.axis_name
