@@ -59,9 +59,8 @@ class CNN(nn.Module):
     x = nn.relu(nn.Conv(64, (3, 3), **kw)(x))
     x = x.reshape((x.shape[0], -1))
     x = nn.relu(nn.Dense(64, **kw)(x))
-    if self.dropout_rate:
-      x = jdist.dropout(self.make_rng("dropout"), self.dropout_rate, x,
-                        deterministic=not train)
+    if self.dropout_rate and train:
+      x = jdist.dropout(self.make_rng("dropout"), self.dropout_rate, x)
     return nn.Dense(self.classes, **kw)(x)
 
 

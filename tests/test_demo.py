@@ -1,0 +1,23 @@
+"""`make demo` runs end to end (one short epoch) and matches one device."""
+
+import os
+import re
+import subprocess
+import sys
+
+
+def test_demo_runs_and_matches_one_device():
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)  # the demo asks for its own 4 devices
+  proc = subprocess.run(
+      [sys.executable, "-m", "jdist.examples.demo", "--epochs", "2"],
+      env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = proc.stdout
+  assert "MirroredStrategy: 4 replica(s)" in out
+  assert out.count("epoch 2/2") == 2
+  diff = float(re.search(r"largest parameter difference after training: (\S+)",
+                         out).group(1))
+  assert diff < 1e-3
+  losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", out)]
+  assert losses[1] < losses[0]  # it learned
