@@ -252,3 +252,16 @@ def test_one_device_strategy_placement():
   assert strategy.devices == (jax.local_devices()[2],)
   out = strategy.run(lambda x: x + 1, args=(strategy.replicate(jnp.ones(2)),))
   assert out.sharding.device_set == {jax.local_devices()[2]}
+
+
+def test_static_arguments():
+  strategy = strategy_on(2)
+  @strategy.function(static_argnames=("mode",), static_argnums=(1,))
+  def step(x, times, *, mode):
+    out = x
+    for _ in range(times):  # a Python int: usable in Python control flow
+      out = out * 2 if mode == "double" else out + 1
+    return out
+  assert float(step(jnp.float32(1), 3, mode="double")) == 8.0
+  assert float(step(jnp.float32(1), 3, mode="add")) == 4.0
+  assert step.num_compilations == 2

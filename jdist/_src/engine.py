@@ -73,11 +73,13 @@ class DistributedFunction:
   """A step function mapped over a strategy's replicas; see `Strategy.function`."""
 
   def __init__(self, strategy, fn: Callable, *, donate_argnums=(),
-               check_state: bool = True):
+               static_argnums=(), static_argnames=(), check_state: bool = True):
     self._strategy = strategy
     self._fn = fn
     self._check_state = check_state
-    self._jitted = jax.jit(self._global_step, donate_argnums=donate_argnums)
+    self._jitted = jax.jit(self._global_step, donate_argnums=donate_argnums,
+                           static_argnums=static_argnums,
+                           static_argnames=static_argnames)
     # CPU collectives deadlock when many steps are in flight (jax#25861):
     # waiting for step k-1 after dispatching step k avoids it at no cost.
     self._throttle = (strategy.devices[0].platform == "cpu" and
@@ -144,13 +146,17 @@ class DistributedFunction:
         node = _tile_sync(node, n)
         _check_replica_axis(node.value, n, "SyncOnRead")
         units.append(_Arg("sync", node))
+      elif _is_static(node):
+        units.append(_Arg("static", node))
       else:
         units.append(_Arg("mirrored", node))
     batch = _find_batch(units)
 
     leaves, specs, rebuild = [], [], []
     for u in units:
-      if u.kind == "mirrored":
+      if u.kind == "static":  # closed over: a constant of the program
+        rebuild.append((u.kind, u.node, 0))
+      elif u.kind == "mirrored":
         leaves.append(u.node)
         specs.append(P())
         rebuild.append((u.kind, None, 1))
@@ -180,6 +186,9 @@ class DistributedFunction:
       pos, nodes, mirrored_in = 0, [], []
       for kind, sub_tree, count in rebuild:
         chunk, pos = local[pos:pos + count], pos + count
+        if kind == "static":
+          nodes.append(sub_tree)
+          continue
         if kind == "mirrored":
           nodes.append(chunk[0])
           continue
@@ -234,6 +243,11 @@ class DistributedFunction:
       else:
         wrapped.append(x)
     return jax.tree_util.tree_unflatten(record["tree"], wrapped)
+
+
+def _is_static(x: Any) -> bool:
+  """Under jit every array argument is a tracer; the rest are static values."""
+  return not isinstance(x, jax.core.Tracer)
 
 
 def _output_kind(x: Any, axis: str) -> str:

@@ -69,13 +69,14 @@ def default_strategy() -> DefaultStrategy:
   return _default_for(jax.local_devices()[0])
 
 
-def mirrored(fn: Callable | None = None, *, devices=None, donate_argnums=(),
-             check_state: bool = True):
+def mirrored(fn: Callable | None = None, *, devices=None, **options):
   """Decorator: runs `fn` as a per-replica step with a `MirroredStrategy`.
 
   The strategy (every local device unless `devices` is given) is created at
   the first call, so the decorator may be applied before devices are set up.
-  The strategy is available as `step.strategy` after that.
+  The strategy is available as `step.strategy` after that. Other keyword
+  arguments (`donate_argnums`, `static_argnums`, `check_state`, ...) are those
+  of `Strategy.function`.
 
   Example:
     >>> import jdist, jax.numpy as jnp
@@ -86,17 +87,16 @@ def mirrored(fn: Callable | None = None, *, devices=None, donate_argnums=(),
     Array([1., 1.], dtype=float32)
   """
   if fn is None:
-    return functools.partial(mirrored, devices=devices,
-                             donate_argnums=donate_argnums,
-                             check_state=check_state)
-  return _LazyMirrored(fn, devices, donate_argnums, check_state)
+    return functools.partial(mirrored, devices=devices, **options)
+  return _LazyMirrored(fn, devices, options)
 
 
 class _LazyMirrored:
 
-  def __init__(self, fn, devices, donate_argnums, check_state):
+  def __init__(self, fn, devices, options):
     self._fn = fn
-    self._options = (devices, donate_argnums, check_state)
+    self._devices = devices
+    self._options = options
     self._step = None
     functools.update_wrapper(self, fn)
 
@@ -106,9 +106,8 @@ class _LazyMirrored:
 
   def _compiled(self):
     if self._step is None:
-      devices, donate, check = self._options
-      self._step = MirroredStrategy(devices).function(
-          self._fn, donate_argnums=donate, check_state=check)
+      self._step = MirroredStrategy(self._devices).function(
+          self._fn, **self._options)
     return self._step
 
   def __call__(self, *args, **kwargs):

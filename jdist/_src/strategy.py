@@ -112,7 +112,7 @@ class Strategy:
   # --- running steps ---------------------------------------------------------
 
   def function(self, fn: Callable | None = None, *, donate_argnums=(),
-               check_state: bool = True):
+               static_argnums=(), static_argnames=(), check_state: bool = True):
     """Compiles `fn` as a per-replica step; the result is called like `fn`.
 
     `fn` runs once per replica (inside `jax.shard_map`) and sees its own slice
@@ -126,6 +126,8 @@ class Strategy:
       fn: the per-replica step. May be omitted to use this as a decorator with
         arguments.
       donate_argnums: passed to `jax.jit` (donate the state to save memory).
+      static_argnums, static_argnames: passed to `jax.jit`: arguments that
+        are Python values (flags, strings), compiled into the program.
       check_state: raise `jdist.VaryingStateError` when an output with the
         structure of a mirrored input (the state) varies over replicas.
 
@@ -141,11 +143,11 @@ class Strategy:
       >>> double(jnp.ones(2))
       Array([2., 2.], dtype=float32)
     """
+    options = dict(donate_argnums=donate_argnums, static_argnums=static_argnums,
+                   static_argnames=static_argnames, check_state=check_state)
     if fn is None:
-      return lambda f: self.function(f, donate_argnums=donate_argnums,
-                                     check_state=check_state)
-    return DistributedFunction(self, fn, donate_argnums=donate_argnums,
-                               check_state=check_state)
+      return lambda f: self.function(f, **options)
+    return DistributedFunction(self, fn, **options)
 
   def run(self, fn: Callable, args=(), kwargs=None) -> Any:
     """Runs `fn(*args, **kwargs)` on every replica, as `tf.distribute` does.
