@@ -1,0 +1,54 @@
+"""Every tutorial notebook runs top to bottom on fake CPU devices.
+
+The notebooks are kept as jupytext pairs: `notebooks/NN_name.py` (percent
+format, the one to edit) and `notebooks/NN_name.ipynb` (outputs stripped, the
+one to open in Jupyter or Colab). This checks that each pair agrees and then
+executes the .ipynb in a fresh kernel.
+"""
+
+import os
+import pathlib
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+jupytext = pytest.importorskip("jupytext")
+from nbclient import NotebookClient  # noqa: E402
+
+NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
+PAIRS = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+
+
+def test_there_are_notebooks():
+  assert len(PAIRS) >= 1
+
+
+def _sources(nb):
+  return [(c.cell_type, c.source.strip()) for c in nb.cells]
+
+
+@pytest.mark.parametrize("path", PAIRS, ids=lambda p: p.stem)
+def test_notebook_is_paired_and_stripped(path):
+  nb = nbformat.read(path, as_version=4)
+  text = jupytext.read(path.with_suffix(".py"))
+  assert _sources(nb) == _sources(text), (
+      f"{path.name} and its .py differ: run "
+      f"`jupytext --to ipynb {path.with_suffix('.py').name}` in notebooks/")
+  for cell in nb.cells:
+    if cell.cell_type == "code":
+      assert not cell.outputs, f"{path.name} has outputs: strip them"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", PAIRS, ids=lambda p: p.stem)
+def test_notebook_runs(path, tmp_path):
+  nb = nbformat.read(path, as_version=4)
+  env_dir = tmp_path / "run"
+  env_dir.mkdir()
+  os.environ.setdefault("MPLBACKEND", "Agg")
+  client = NotebookClient(nb, timeout=900, kernel_name="python3",
+                          resources={"metadata": {"path": str(env_dir)}})
+  client.execute()  # raises CellExecutionError, naming the cell, on any error
+  errors = [o for c in nb.cells if c.cell_type == "code"
+            for o in c.outputs if o.output_type == "error"]
+  assert not errors
