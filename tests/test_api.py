@@ -265,3 +265,16 @@ def test_static_arguments():
   assert float(step(jnp.float32(1), 3, mode="double")) == 8.0
   assert float(step(jnp.float32(1), 3, mode="add")) == 4.0
   assert step.num_compilations == 2
+
+
+@pytest.mark.parametrize("aggregation,want", [("sum", 6.0), ("mean", 1.5),
+                                              ("only_first_replica", 0.0)])
+def test_sync_on_read_read_inside_a_step_aggregates(aggregation, want):
+  strategy = strategy_on(4)
+  sync = strategy.replicate(jdist.SyncOnRead(jnp.float32(0), aggregation))
+  def step(s):
+    s = s.assign(s.value + jdist.get_replica_context().replica_id_in_sync_group)
+    return s, s.read()
+  sync, read = strategy.run(step, args=(sync,))
+  assert not isinstance(read, jdist.PerReplica)  # the same on every replica
+  assert float(read) == want == float(sync.read())

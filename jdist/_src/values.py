@@ -119,10 +119,18 @@ class SyncOnRead:
     return SyncOnRead(value, self.aggregation, self.per_replica)
 
   def read(self) -> Any:
-    """Aggregates over replicas: the value a reader outside a step sees."""
+    """Aggregates over replicas: the value a reader outside a step sees.
+
+    Inside a step (where `.value` is this replica's copy) it all-reduces, so
+    every replica reads the same aggregate.
+    """
     if not self.per_replica:
       return self.value
     agg = self.aggregation
+    from jdist._src import context  # pylint: disable=g-import-not-at-top
+    ctx = context.current_replica_context()
+    if ctx is not None:
+      return _read_in_step(self.value, agg, ctx)
     if agg is VariableAggregation.SUM:
       return jax.tree.map(lambda x: jnp.sum(x, axis=0), self.value)
     if agg is VariableAggregation.MEAN:
@@ -133,6 +141,14 @@ class SyncOnRead:
     shapes = jax.tree.map(lambda x: tuple(np.shape(x)), self.value)
     where = "per replica" if self.per_replica else "unplaced"
     return f"SyncOnRead({shapes}, {self.aggregation.name}, {where})"
+
+
+def _read_in_step(value: Any, agg: VariableAggregation, ctx) -> Any:
+  if agg is VariableAggregation.ONLY_FIRST_REPLICA:
+    first = ctx.replica_id_in_sync_group == 0
+    return ctx.all_reduce("sum", jax.tree.map(
+        lambda x: jnp.where(first, x, jnp.zeros_like(x)), value))
+  return ctx.all_reduce(agg.name, value)
 
 
 def read_value(tree: Any) -> Any:
