@@ -289,7 +289,8 @@ def _check_state(out, call_args, axis: str, name: str) -> None:
     if bad:
       where = f"output {i}" if isinstance(out, tuple) else "the output"
       raise VaryingStateError(
-          f"{name} returned state ({where}) whose leaves {', '.join(bad[:5])} "
+          f"{name} returned state ({where}) whose "
+          f"{'leaves' if len(bad) > 1 else 'leaf'} {', '.join(bad[:5])} "
           f"{'differ' if len(bad) > 1 else 'differs'} between replicas, but the "
           "state passed in was mirrored (the same on every replica). Values "
           "computed from a replica's own batch, such as batch-norm statistics, "
