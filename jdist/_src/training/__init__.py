@@ -1,0 +1,1 @@
+"""Keras-style training on any jdist strategy: Trainer, callbacks, checkpoints."""

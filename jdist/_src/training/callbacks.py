@@ -1,0 +1,121 @@
+"""The callback protocol: Keras' hook names, called by `Trainer`.
+
+A callback sees the trainer as `self.model` (Keras' name; `self.trainer` is
+the same object) and `self.params` (epochs, steps). Per-batch `logs` are read
+from the devices only when a callback looks at them, so callbacks that ignore
+them cost no synchronisation per step.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+from typing import Any, Callable, Iterable
+
+import jax
+
+
+def is_chief() -> bool:
+  """Whether this process writes shared files (process 0)."""
+  return jax.process_index() == 0
+
+
+class Callback:
+  """Base class: override the hooks you need; all default to nothing.
+
+  Example:
+    >>> import jdist
+    >>> class Count(jdist.Callback):
+    ...   def on_train_batch_end(self, batch, logs=None):
+    ...     self.seen = batch + 1
+    >>> Count().on_train_batch_end(0)
+  """
+
+  def __init__(self):
+    self.model = None
+    self.params: dict = {}
+
+  @property
+  def trainer(self):
+    """The `jdist.Trainer` running this callback (also `self.model`)."""
+    return self.model
+
+  def set_model(self, model) -> None:
+    self.model = model
+
+  def set_params(self, params: dict) -> None:
+    self.params = params
+
+  def on_train_begin(self, logs=None): pass
+  def on_train_end(self, logs=None): pass
+  def on_epoch_begin(self, epoch: int, logs=None): pass
+  def on_epoch_end(self, epoch: int, logs=None): pass
+  def on_train_batch_begin(self, batch: int, logs=None): pass
+  def on_train_batch_end(self, batch: int, logs=None): pass
+  def on_test_begin(self, logs=None): pass
+  def on_test_end(self, logs=None): pass
+  def on_test_batch_begin(self, batch: int, logs=None): pass
+  def on_test_batch_end(self, batch: int, logs=None): pass
+  def on_predict_begin(self, logs=None): pass
+  def on_predict_end(self, logs=None): pass
+  def on_predict_batch_begin(self, batch: int, logs=None): pass
+  def on_predict_batch_end(self, batch: int, logs=None): pass
+
+  def _release(self) -> None:
+    """Frees files and handlers when fit ends, even by an exception."""
+
+
+class LazyLogs(collections.abc.MutableMapping):
+  """A logs dict whose values are read from the devices on first access."""
+
+  def __init__(self, read: Callable[[], dict]):
+    self._read = read
+    self._data = None
+
+  def _get(self) -> dict:
+    if self._data is None:
+      self._data = dict(self._read())
+    return self._data
+
+  def __getitem__(self, key): return self._get()[key]
+  def __setitem__(self, key, value): self._get()[key] = value
+  def __delitem__(self, key): del self._get()[key]
+  def __iter__(self): return iter(self._get())
+  def __len__(self): return len(self._get())
+  def __repr__(self): return repr(self._get())
+
+
+_HOOKS = [name for name in vars(Callback) if name.startswith("on_")]
+
+
+class CallbackList:
+  """Calls a hook on every callback, in order."""
+
+  def __init__(self, callbacks: Iterable[Callback], *, trainer, params: dict):
+    self.callbacks = list(callbacks)
+    for cb in self.callbacks:
+      if not isinstance(cb, Callback):
+        raise TypeError(
+            f"{cb!r} is not a jdist.Callback; subclass jdist.Callback and "
+            "override its on_* hooks.")
+      cb.set_model(trainer)
+      cb.set_params(params)
+    # Only hooks some callback overrides are dispatched: an unused per-batch
+    # hook then costs nothing per step.
+    self._active = {
+        hook: [getattr(cb, hook) for cb in self.callbacks
+               if getattr(type(cb), hook) is not getattr(Callback, hook)]
+        for hook in _HOOKS}
+
+  def wants(self, hook: str) -> bool:
+    return bool(self._active[hook])
+
+  def call(self, hook: str, *args: Any) -> None:
+    for fn in self._active[hook]:
+      fn(*args)
+
+  def release(self) -> None:
+    for cb in self.callbacks:
+      cb._release()
+
+  def of_type(self, cls) -> list:
+    return [cb for cb in self.callbacks if isinstance(cb, cls)]

@@ -1,0 +1,229 @@
+"""Checkpoints of a `TrainState` with orbax-checkpoint, and their metadata.
+
+Each checkpoint is an orbax step directory with two items: `state` (the
+train state's arrays as a nested dict named by their paths) and `meta` (JSON:
+the training position, the history so far, the shape of every leaf, and a
+checksum of every leaf). orbax writes a step into a temporary directory and
+renames it when complete, so a crash mid-save leaves the previous checkpoints
+as they were. On restore, a checkpoint whose files cannot be read or whose
+checksums disagree is skipped with a warning and the one before it is used; a
+checkpoint of a different model is an error.
+
+Arrays are restored with the target's replicated sharding on the current
+mesh, so a checkpoint saved on 4 devices (or 2 processes) restores onto 2
+devices (or 1 process) and back.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jdist._src.types import DistributionError
+
+FORMAT = "jdist.Trainer/1"
+
+
+class CheckpointMismatchError(DistributionError):
+  """A checkpoint holds a different model or optimizer than the trainer."""
+
+
+def _name(entry) -> str:
+  for attr in ("key", "name", "idx"):
+    if hasattr(entry, attr):
+      return str(getattr(entry, attr))
+  return str(entry)
+
+
+def _is_key(x) -> bool:
+  return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+
+
+def _flatten(tree) -> tuple[list[str], list, Any]:
+  """Leaves of `tree` with stable '/'-joined path names."""
+  with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  names = ["/".join(_name(e) for e in path) for path, _ in with_path]
+  if len(set(names)) != len(names):
+    raise ValueError("Two leaves of the train state have the same path name; "
+                     "rename the colliding modules or dict keys.")
+  return names, [leaf for _, leaf in with_path], treedef
+
+
+def _nest(names, leaves) -> dict:
+  out: dict = {}
+  for name, leaf in zip(names, leaves):
+    node = out
+    *parents, last = name.split("/")
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[last] = leaf
+  return out
+
+
+def _unnest(names, nested) -> list:
+  leaves = []
+  for name in names:
+    node = nested
+    for part in name.split("/"):
+      node = node[part]
+    leaves.append(node)
+  return leaves
+
+
+def _describe(names, leaves) -> dict:
+  return {n: [list(np.shape(x)), str(x.dtype)] for n, x in zip(names, leaves)}
+
+
+@jax.jit
+def _sums(leaves):
+  return jnp.stack([jnp.sum(jnp.asarray(x).astype(jnp.float32)) for x in leaves])
+
+
+def _checksums(leaves) -> list[float]:
+  if not leaves:
+    return []
+  out = _sums(leaves)
+  if not out.is_fully_addressable:
+    out = out.addressable_data(0)
+  return [float(v) for v in np.asarray(out)]
+
+
+def _storable(leaves) -> list:
+  return [jax.random.key_data(x) if _is_key(x) else x for x in leaves]
+
+
+def _mismatch(saved: dict, expected: dict) -> list[str]:
+  lines = []
+  for name in sorted(set(saved) | set(expected)):
+    if name not in expected:
+      lines.append(f"  {name}: in the checkpoint, not in this model")
+    elif name not in saved:
+      lines.append(f"  {name}: in this model, not in the checkpoint")
+    elif list(saved[name][0]) != list(expected[name][0]) or \
+        saved[name][1] != expected[name][1]:
+      lines.append(f"  {name}: checkpoint {tuple(saved[name][0])} "
+                   f"{saved[name][1]}, model {tuple(expected[name][0])} "
+                   f"{expected[name][1]}")
+  return lines
+
+
+class Checkpointer:
+  """Saves and restores train states in `directory` with orbax.
+
+  Args:
+    directory: where the step directories go (created if needed).
+    max_to_keep: keep only this many newest checkpoints (None: all).
+
+  Example:
+    >>> import jdist, tempfile
+    >>> from jdist._src.training.checkpoint import Checkpointer
+    >>> ckpt = Checkpointer(tempfile.mkdtemp())
+    >>> ckpt.steps()
+    []
+  """
+
+  def __init__(self, directory, *, max_to_keep: int | None = None):
+    import orbax.checkpoint as ocp
+    self._ocp = ocp
+    self.directory = os.path.abspath(os.fspath(directory))
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep, create=True,
+        enable_async_checkpointing=False)
+    self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                          item_names=("state", "meta"))
+
+  def steps(self) -> list[int]:
+    """Steps of the complete checkpoints, oldest first."""
+    self._manager.reload()
+    return sorted(self._manager.all_steps())
+
+  def save(self, step: int, state, meta: dict) -> None:
+    """Writes `state` and `meta` as checkpoint `step` (all processes call it)."""
+    ocp = self._ocp
+    if step in self._manager.all_steps():
+      return  # already saved at this step (same state)
+    names, leaves, _ = _flatten(state)
+    leaves = _storable(leaves)
+    meta = dict(meta, format=FORMAT, step=int(step),
+                leaves=_describe(names, leaves), checksums=_checksums(leaves))
+    self._manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(_nest(names, leaves)),
+        meta=ocp.args.JsonSave(meta)), force=True)
+    self._manager.wait_until_finished()
+
+  def read_meta(self, step: int) -> dict:
+    ocp = self._ocp
+    return self._manager.restore(step, args=ocp.args.Composite(
+        meta=ocp.args.JsonRestore()))["meta"]
+
+  def restore(self, target, mesh, *, step: int | None = None):
+    """Restores the newest usable checkpoint onto `mesh`, shaped like `target`.
+
+    Returns:
+      `(state, meta)`, or None when the directory has no checkpoint.
+
+    Raises:
+      CheckpointMismatchError: the checkpoint holds another model.
+      RuntimeError: no checkpoint in the directory can be read.
+    """
+    ocp = self._ocp
+    names, leaves, treedef = _flatten(target)
+    stored = _storable(leaves)
+    expected = _describe(names, stored)
+    candidates = [step] if step is not None else self.steps()[::-1]
+    if not candidates:
+      return None
+    sharding = NamedSharding(mesh, P())
+    problems = []
+    for s in candidates:
+      try:
+        meta = self.read_meta(s)
+      except Exception as e:  # unreadable: corrupt or half-deleted
+        problems.append(self._skip(s, f"its metadata cannot be read ({e})"))
+        continue
+      if meta.get("format") != FORMAT:
+        raise CheckpointMismatchError(
+            f"{self.directory}/{s} is not a jdist.Trainer checkpoint (format "
+            f"{meta.get('format')!r}). Use another directory.")
+      diff = _mismatch(meta.get("leaves", {}), expected)
+      if diff:
+        shown = "\n".join(diff[:10])
+        more = f"\n  ... and {len(diff) - 10} more" if len(diff) > 10 else ""
+        raise CheckpointMismatchError(
+            f"The checkpoint {self.directory}/{s} was saved from a different "
+            f"model or optimizer:\n{shown}{more}\nPoint the callback at a new "
+            "directory, or delete this one to start over.")
+      abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+                  for x in stored]
+      try:
+        restored = self._manager.restore(s, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(_nest(names, abstract))))["state"]
+        got = _unnest(names, restored)
+      except Exception as e:
+        problems.append(self._skip(s, f"its arrays cannot be read ({e})"))
+        continue
+      if not np.allclose(_checksums(got), meta.get("checksums", []),
+                         rtol=1e-5, atol=1e-6, equal_nan=True):
+        problems.append(self._skip(s, "its arrays fail their checksums"))
+        continue
+      got = [jax.random.wrap_key_data(g, impl=jax.random.key_impl(t))
+             if _is_key(t) else g for g, t in zip(got, leaves)]
+      return jax.tree_util.tree_unflatten(treedef, got), meta
+    raise RuntimeError(
+        f"No checkpoint in {self.directory} can be restored:\n" +
+        "\n".join(problems) + "\nDelete the directory to start over.")
+
+  def _skip(self, step: int, why: str) -> str:
+    msg = (f"Checkpoint {self.directory}/{step} is corrupt: {why}. Using the "
+           "checkpoint before it.")
+    warnings.warn(msg, UserWarning, stacklevel=3)
+    return f"  step {step}: {why}"
+
+  def close(self) -> None:
+    self._manager.close()

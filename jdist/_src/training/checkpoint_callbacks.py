@@ -1,0 +1,186 @@
+"""Callbacks that write checkpoints: ModelCheckpoint and BackupAndRestore.
+
+Both write orbax checkpoints of the whole train state (parameters, optimizer
+state, step, random stream) with the training position, named by the global
+step. Every process takes part in a save; orbax decides who writes what.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import warnings
+
+import numpy as np
+
+from jdist._src.training.callbacks import Callback, is_chief
+from jdist._src.training.checkpoint import Checkpointer
+from jdist._src.training.preemption import PreemptionWatcher
+
+
+def _check_freq(save_freq):
+  if save_freq != "epoch" and not (isinstance(save_freq, int) and save_freq > 0):
+    raise ValueError(f"save_freq must be 'epoch' or a positive number of steps, "
+                     f"got {save_freq!r}.")
+  return save_freq
+
+
+def _save(ckpt: Checkpointer, trainer) -> None:
+  ckpt.save(trainer.global_step, trainer.state, trainer.checkpoint_meta())
+
+
+class ModelCheckpoint(Callback):
+  """Saves checkpoints during training (load them with `load_checkpoint`).
+
+  Args:
+    directory: where checkpoints go, one orbax step directory each.
+    monitor: the log that decides the best epoch for `save_best_only`.
+    save_best_only: save at an epoch's end only if `monitor` improved.
+    mode: "min", "max", or "auto" (max for names with "acc", else min).
+    save_freq: "epoch", or a number of steps between saves.
+    max_to_keep: keep only the newest N checkpoints (None: all).
+    verbose: 1 prints each save (process 0 only).
+
+  Example:
+    >>> import jdist
+    >>> cb = jdist.ModelCheckpoint("checkpoints", monitor="val_accuracy",
+    ...                            save_best_only=True)
+  """
+
+  def __init__(self, directory, monitor: str = "val_loss",
+               save_best_only: bool = False, mode: str = "auto",
+               save_freq="epoch", max_to_keep: int | None = None,
+               verbose: int = 0):
+    super().__init__()
+    if mode not in ("auto", "min", "max"):
+      raise ValueError(f"mode must be 'auto', 'min' or 'max', got {mode!r}.")
+    self.directory = directory
+    self.monitor = monitor
+    self.save_best_only = save_best_only
+    self.mode = mode if mode != "auto" else ("max" if "acc" in monitor else "min")
+    self.save_freq = _check_freq(save_freq)
+    self.max_to_keep = max_to_keep
+    self.verbose = verbose
+    self.best = np.inf if self.mode == "min" else -np.inf
+    self._ckpt = None
+
+  def on_train_begin(self, logs=None):
+    self._ckpt = Checkpointer(self.directory, max_to_keep=self.max_to_keep)
+
+  def _write(self, why: str):
+    _save(self._ckpt, self.model)
+    if self.verbose and is_chief():
+      print(f"ModelCheckpoint: saved step {self.model.global_step} to "
+            f"{self._ckpt.directory} ({why}).")
+
+  def on_train_batch_end(self, batch, logs=None):
+    if self.save_freq != "epoch" and self.model.global_step % self.save_freq == 0:
+      self._write(f"every {self.save_freq} steps")
+
+  def on_epoch_end(self, epoch, logs=None):
+    if self.save_freq != "epoch":
+      return
+    if not self.save_best_only:
+      self._write(f"end of epoch {epoch + 1}")
+      return
+    value = (logs or {}).get(self.monitor)
+    if value is None:
+      warnings.warn(
+          f"ModelCheckpoint(save_best_only=True) watches {self.monitor!r}, which "
+          f"is not in the logs ({sorted(logs or {})}); nothing is saved.",
+          UserWarning)
+      return
+    better = value < self.best if self.mode == "min" else value > self.best
+    if better:
+      self.best = value
+      self._write(f"{self.monitor} improved to {value:.4g}")
+
+  def _release(self):
+    if self._ckpt is not None:
+      self._ckpt.close()
+      self._ckpt = None
+
+  def on_train_end(self, logs=None):
+    self._release()
+
+
+class BackupAndRestore(Callback):
+  """Survives interruption: backs up training and resumes it exactly.
+
+  At the start of `fit`, the newest usable backup in `backup_dir` is restored
+  (parameters, optimizer state, step, random stream, data position, epoch
+  logs so far), even onto another number of devices or processes. A corrupt
+  newest backup is skipped with a warning; a backup of another model is an
+  error. While training, a backup is written every epoch (or every
+  `save_freq` steps). On SIGTERM to any process, all processes agree on one
+  step, save a backup there and exit with status 0; the relaunched job
+  continues from it and ends with the same parameters as an uninterrupted
+  run. When training completes, the backups are deleted.
+
+  Args:
+    backup_dir: where backups go (shared by all processes).
+    save_freq: "epoch", or a number of steps between backups.
+    delete_checkpoint: delete the backups when training completes.
+    max_to_keep: backups kept; more than one lets a corrupt newest one fall
+      back to the one before it.
+
+  Example:
+    >>> import jdist
+    >>> cb = jdist.BackupAndRestore("/tmp/backup", save_freq=100)
+  """
+
+  def __init__(self, backup_dir, save_freq="epoch",
+               delete_checkpoint: bool = True, max_to_keep: int = 2):
+    super().__init__()
+    self.backup_dir = backup_dir
+    self.save_freq = _check_freq(save_freq)
+    self.delete_checkpoint = delete_checkpoint
+    self.max_to_keep = max_to_keep
+    self.restored_step = None
+    self._ckpt = None
+    self._watcher = None
+
+  def on_train_begin(self, logs=None):
+    trainer = self.model
+    self._ckpt = Checkpointer(self.backup_dir, max_to_keep=self.max_to_keep)
+    restored = self._ckpt.restore(trainer.state, trainer.strategy.mesh)
+    if restored is not None:
+      state, meta = restored
+      trainer.restore_from(state, meta)
+      self.restored_step = trainer.global_step
+      if is_chief():
+        print(f"BackupAndRestore: resuming from step {trainer.global_step} "
+              f"(epoch {meta['epoch'] + 1}, batch {meta['batch']}) in "
+              f"{self._ckpt.directory}.", file=sys.stderr, flush=True)
+    self._watcher = PreemptionWatcher()
+
+  def on_train_batch_end(self, batch, logs=None):
+    trainer = self.model
+    if self._watcher.reached(trainer.global_step):
+      _save(self._ckpt, trainer)
+      self._release()
+      if is_chief():
+        print(f"BackupAndRestore: preempted; saved step {trainer.global_step} "
+              f"to {self.backup_dir}. Exiting; relaunch to resume.",
+              file=sys.stderr, flush=True)
+      raise SystemExit(0)
+    if self.save_freq != "epoch" and trainer.global_step % self.save_freq == 0:
+      _save(self._ckpt, trainer)
+
+  def on_epoch_end(self, epoch, logs=None):
+    if self.save_freq == "epoch":
+      _save(self._ckpt, self.model)
+
+  def _release(self):
+    if self._watcher is not None:
+      self._watcher.close()
+      self._watcher = None
+    if self._ckpt is not None:
+      self._ckpt.close()
+      self._ckpt = None
+
+  def on_train_end(self, logs=None):
+    directory = self._ckpt.directory if self._ckpt else None
+    self._release()
+    if self.delete_checkpoint and directory and is_chief():
+      shutil.rmtree(directory, ignore_errors=True)

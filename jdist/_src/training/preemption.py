@@ -1,0 +1,63 @@
+"""Noticing preemption (SIGTERM) and agreeing on the step to stop at.
+
+With several processes, JAX's distributed runtime catches SIGTERM in any of
+them and `multihost_utils.reached_preemption_sync_point(step)` returns True on
+every process at the same step, so all save the same checkpoint. In a single
+process, a SIGTERM handler sets a flag that the next step sees.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import jax
+
+
+def _distributed_client() -> bool:
+  try:
+    from jax._src import distributed
+  except ImportError:  # pragma: no cover - depends on the jax version
+    return False
+  state = distributed.global_state
+  return (getattr(state, "client", None) is not None and
+          getattr(state, "preemption_sync_manager", None) is not None)
+
+
+class PreemptionWatcher:
+  """Tells the training loop when to save and stop.
+
+  Example:
+    >>> from jdist._src.training.preemption import PreemptionWatcher
+    >>> watcher = PreemptionWatcher()
+    >>> watcher.reached(0)
+    False
+    >>> watcher.close()
+  """
+
+  def __init__(self):
+    self._flag = False
+    self._previous = None
+    self._multi = jax.process_count() > 1 and _distributed_client()
+    if not self._multi and threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+  def _on_sigterm(self, signum, frame):
+    del signum, frame
+    self._flag = True
+
+  def reached(self, step: int) -> bool:
+    """Whether to save and stop after `step` (the same on every process).
+
+    Every process must call this after every step, with the same steps.
+    """
+    if self._multi:
+      from jax.experimental import multihost_utils
+      return bool(multihost_utils.reached_preemption_sync_point(step))
+    return self._flag
+
+  def close(self) -> None:
+    """Puts back the SIGTERM handler that was there before."""
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+      self._previous = None

@@ -1,0 +1,74 @@
+"""The progress bar of `fit`: one tqdm bar per epoch, on process 0 only.
+
+`tqdm.auto` draws a widget in notebooks and text in a terminal. Losses and
+metrics are read from the devices at most every `refresh` seconds, so the bar
+costs no synchronisation on most steps.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from jdist._src.training.callbacks import is_chief
+
+
+def _fmt(logs) -> dict:
+  return {k: f"{v:.4g}" for k, v in logs.items() if isinstance(v, (int, float))}
+
+
+def resolve_verbose(verbose) -> int:
+  """0 (silent), 1 (a bar) or 2 (a line per epoch); "auto" is 1. Non-chief: 0."""
+  if verbose == "auto":
+    verbose = 1
+  if verbose not in (0, 1, 2):
+    raise ValueError(f"verbose must be 0, 1, 2 or 'auto', got {verbose!r}.")
+  return verbose if is_chief() else 0
+
+
+class ProgressBar:
+  """Shows an epoch's steps, steps per second, loss and metrics."""
+
+  def __init__(self, verbose, epochs: int, *, refresh: float = 0.5):
+    self.verbose = resolve_verbose(verbose)
+    self.epochs = epochs
+    self.refresh = refresh
+    self._bar = None
+    self._shown = 0.0
+    self._start = 0.0
+    self._steps = 0
+
+  def start_epoch(self, epoch: int, total: int | None, initial: int = 0):
+    self._start, self._steps, self._shown = time.perf_counter(), 0, 0.0
+    if self.verbose == 1:
+      from tqdm.auto import tqdm
+      self._bar = tqdm(total=total, initial=initial, unit="step",
+                       desc=f"Epoch {epoch + 1}/{self.epochs}", file=sys.stderr,
+                       dynamic_ncols=True, leave=True)
+
+  def step(self, logs) -> None:
+    """One step done; `logs` (a lazy mapping) is read only when shown."""
+    self._steps += 1
+    if self._bar is None:
+      return
+    self._bar.update(1)
+    now = time.perf_counter()
+    if now - self._shown >= self.refresh:
+      self._shown = now
+      self._bar.set_postfix(_fmt(logs), refresh=False)
+
+  def end_epoch(self, epoch: int, logs: dict) -> None:
+    if self._bar is not None:
+      self._bar.set_postfix(_fmt(logs), refresh=False)
+      self._bar.close()
+      self._bar = None
+    elif self.verbose == 2:
+      took = time.perf_counter() - self._start
+      parts = " - ".join(f"{k}: {v}" for k, v in _fmt(logs).items())
+      print(f"Epoch {epoch + 1}/{self.epochs} - {self._steps} steps - "
+            f"{took:.2f}s - {parts}", flush=True)
+
+  def close(self) -> None:
+    if self._bar is not None:
+      self._bar.close()
+      self._bar = None

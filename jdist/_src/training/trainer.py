@@ -1,0 +1,457 @@
+"""`Trainer`: Keras' fit, evaluate and predict on any jdist strategy."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jdist._src import placement
+from jdist._src import scope
+from jdist._src.training import data as data_lib
+from jdist._src.training import model as model_lib
+from jdist._src.training import objectives
+from jdist._src.training import steps as steps_lib
+from jdist._src.training.callbacks import CallbackList, LazyLogs
+from jdist._src.training.checkpoint import Checkpointer
+from jdist._src.training.history import History
+from jdist._src.training.progress import ProgressBar
+from jdist._src.training.state import TrainState
+from jdist._src.values import SyncOnRead
+
+
+@dataclasses.dataclass(frozen=True)
+class Position:
+  """Where training is: epoch, batch within it, batches taken from the data."""
+
+  epoch: int = 0
+  batch: int = 0
+  consumed: int = 0
+
+  def next_batch(self) -> "Position":
+    return Position(self.epoch, self.batch + 1, self.consumed + 1)
+
+  def next_epoch(self) -> "Position":
+    return Position(self.epoch + 1, 0, self.consumed)
+
+
+class Trainer:
+  """Trains a flax model with an optax optimizer on a jdist strategy.
+
+  The per-replica step is built for you: the model runs on each replica's
+  shard of the global batch, the loss is scaled with
+  `jdist.compute_average_loss`, gradients arrive summed over replicas, and
+  losses and metrics are exact on a padded last batch. The strategy is the
+  one passed in, or the one whose scope is open when the trainer is made
+  (or, failing that, when it is first used).
+
+  Args:
+    model: a flax linen `Module`, a flax nnx `Module`, or an apply function
+      `apply_fn(params, x)` (which may also take `train=` and `rng=`).
+    optimizer: an optax `GradientTransformation`. For `LearningRateScheduler`,
+      build it with `optax.inject_hyperparams`.
+    loss: a per-example loss `loss(y_pred, y_true) -> (batch,)`, or a name:
+      "sparse_categorical_crossentropy", "categorical_crossentropy",
+      "binary_crossentropy" (all from logits), "mse", "mae".
+    metrics: names ("accuracy", "mse", "mae") or per-example functions, as a
+      list, or a dict `{name: metric}`.
+    params: initial parameters: required for an apply function; for a linen
+      module, its variables (skips initialisation).
+    strategy: the strategy to run on; default: the current one.
+    seed: seeds initialisation, shuffling and the training random stream.
+
+  Example:
+    >>> import jdist, optax, numpy as np
+    >>> from jdist.examples.models import MLP
+    >>> x = np.random.default_rng(0).normal(size=(100, 8)).astype(np.float32)
+    >>> y = (x[:, 0] > 0).astype(np.int32)
+    >>> trainer = jdist.Trainer(MLP(classes=2), optimizer=optax.adam(1e-2),
+    ...                         loss="sparse_categorical_crossentropy",
+    ...                         metrics=["accuracy"])
+    >>> history = trainer.fit(x, y, batch_size=20, epochs=2, verbose=0)
+    >>> sorted(history.history)
+    ['accuracy', 'loss']
+  """
+
+  def __init__(self, model, *, optimizer: optax.GradientTransformation, loss,
+               metrics=None, params=None, strategy=None, seed: int = 0):
+    if not isinstance(optimizer, optax.GradientTransformation):
+      raise TypeError(
+          f"optimizer must be an optax GradientTransformation (for example "
+          f"optax.adam(1e-3)), got {type(optimizer).__name__}.")
+    self._strategy = strategy or (scope.get_strategy() if scope.has_strategy()
+                                  else None)
+    self._model = model_lib.adapt(model, params)
+    self._tx = optimizer
+    self._loss = objectives.resolve_loss(loss)
+    self._metrics = objectives.resolve_metrics(metrics)
+    self._seed = int(seed)
+    self.state: TrainState | None = None
+    self.stop_training = False
+    self.history: History | None = None
+    self._global_step = 0
+    self._position = Position()
+    self._resume_sums = None
+    self._source = None
+    self._epoch_logs = None
+    self._totals_now = None
+
+  # --- properties --------------------------------------------------------
+
+  @property
+  def strategy(self):
+    """The strategy steps run on."""
+    if self._strategy is None:
+      self._strategy = scope.get_strategy()
+    return self._strategy
+
+  @property
+  def params(self):
+    """The model's current parameters (mirrored arrays)."""
+    return None if self.state is None else self.state.params
+
+  @property
+  def global_step(self) -> int:
+    """Optimizer steps applied so far (known on the host, no device read)."""
+    return self._global_step
+
+  @property
+  def position(self) -> Position:
+    """The epoch and batch training is at."""
+    return self._position
+
+  @property
+  def learning_rate(self) -> float:
+    """The optimizer's learning rate (needs `optax.inject_hyperparams`)."""
+    return float(steps_lib._local(self._lr_leaf()))
+
+  @learning_rate.setter
+  def learning_rate(self, value: float) -> None:
+    old = self._lr_leaf()
+    new = placement.put_replicated(np.asarray(value, dtype=old.dtype),
+                                   self.strategy.mesh)
+    self.state = self.state.replace(opt_state=optax.tree_utils.tree_set(
+        self.state.opt_state, learning_rate=new))
+
+  def _lr_leaf(self):
+    self._require_state("read or set the learning rate")
+    lr = optax.tree_utils.tree_get(self.state.opt_state, "learning_rate",
+                                   default=None)
+    if lr is None:
+      raise ValueError(
+          "The optimizer's learning rate is not part of its state, so it "
+          "cannot be changed during training. Build the optimizer with "
+          "optax.inject_hyperparams, e.g. "
+          "optax.inject_hyperparams(optax.adam)(learning_rate=1e-3).")
+    return lr
+
+  # --- building ----------------------------------------------------------
+
+  def build(self, x) -> TrainState:
+    """Initialises parameters and optimizer state from a batch of inputs `x`.
+
+    `fit`, `evaluate` and `predict` call it with their first batch.
+    """
+    if self.state is None:
+      key = jax.random.key(self._seed)
+      init_key, rng_key = jax.random.split(key)
+      sample = jax.tree.map(lambda a: np.asarray(a)[:1], x)
+      try:
+        params, model_state = self._model.init(init_key, sample)
+      except Exception as e:
+        raise ValueError(
+            f"The model cannot be initialised with inputs of shapes "
+            f"{objectives.describe(sample)} (one example of the data's x): "
+            f"{type(e).__name__}: {e}") from e
+      state = TrainState(jnp.int32(0), params, self._tx.init(params),
+                         model_state, jax.random.key_data(rng_key))
+      self.state = self.strategy.replicate(state)
+      self._global_step = 0
+    return self.state
+
+  def _require_state(self, what: str) -> None:
+    if self.state is None:
+      raise RuntimeError(f"The trainer has no parameters yet; call fit(), or "
+                         f"build(x) with a batch of inputs, to {what}.")
+
+  @functools.cached_property
+  def _steps(self):
+    s = self.strategy
+    return (s.function(steps_lib.make_train_step(self._model, self._loss,
+                                                 self._metrics, self._tx)),
+            s.function(steps_lib.make_eval_step(self._model, self._loss,
+                                                self._metrics)),
+            s.function(steps_lib.make_predict_step(self._model)))
+
+  def _prepare(self, source, what: str, *, with_loss: bool = True) -> None:
+    sample = source.peek()
+    self.build(sample["x"])
+    steps_lib.preflight(self._model, self.state, sample,
+                        self._loss if with_loss else None, self._metrics,
+                        what=what)
+
+  def _totals(self, sums: dict | None = None) -> SyncOnRead:
+    totals = steps_lib.zero_totals(self._metrics)
+    if sums:
+      totals = SyncOnRead({k: jnp.asarray(v, totals.value[k].dtype)
+                           for k, v in sums.items()}, "sum")
+    return self.strategy.replicate(totals)
+
+  def _distribute(self, batches):
+    return self.strategy.experimental_distribute_dataset(batches)
+
+  # --- fit -----------------------------------------------------------------
+
+  def fit(self, x=None, y=None, *, batch_size: int | None = None,
+          epochs: int = 1, steps_per_epoch: int | None = None,
+          validation_data=None, validation_split: float = 0.0,
+          validation_steps: int | None = None,
+          validation_batch_size: int | None = None, shuffle: bool = True,
+          callbacks: Sequence = (), verbose="auto",
+          initial_epoch: int = 0) -> History:
+    """Trains for `epochs` epochs; returns the `History` of per-epoch logs.
+
+    Args:
+      x: inputs as arrays (with `y` and `batch_size`), or the data as an
+        iterable of `(x, y)` / `{"x", "y"}` global batches (a list, a tf.data
+        dataset, a grain dataset or iterator, a generator).
+      y: targets, when `x` is arrays.
+      batch_size: the global batch size for arrays (default 32). It must be a
+        multiple of the number of replicas; the last batch may be shorter.
+      epochs: epochs to train (counting those before `initial_epoch`).
+      steps_per_epoch: batches per epoch (default: all of the data).
+      validation_data: `(x_val, y_val)` arrays or an iterable of batches,
+        evaluated at the end of every epoch (logged as `val_*`).
+      validation_split: for arrays, the last fraction of examples held out
+        for validation (taken before shuffling, as in Keras).
+      validation_steps: batches per validation (default: all).
+      validation_batch_size: batch size of validation arrays.
+      shuffle: shuffle arrays every epoch (the order depends only on the seed
+        and the epoch, so resuming reproduces it).
+      callbacks: `jdist.Callback` instances.
+      verbose: "auto" or 1 (a progress bar), 2 (a line per epoch), 0 (quiet).
+        Only process 0 prints.
+      initial_epoch: the epoch to start at.
+
+    Returns:
+      The `History`; also `trainer.history`.
+    """
+    source = data_lib.make_source(x, y, batch_size=batch_size,
+                                  steps_per_epoch=steps_per_epoch,
+                                  shuffle=shuffle, seed=self._seed)
+    val_source = None
+    if validation_split:
+      if not isinstance(source, data_lib.ArraySource):
+        raise ValueError("validation_split needs arrays; pass validation_data "
+                         "for other kinds of data.")
+      source, val_source = source.split(validation_split)
+    if validation_data is not None:
+      vx, vy = ((validation_data, None) if not isinstance(validation_data, tuple)
+                else (validation_data + (None,))[:2])
+      val_batch = None
+      if vy is not None:
+        val_batch = validation_batch_size or getattr(source, "batch_size", None)
+      val_source = data_lib.make_source(vx, vy, batch_size=val_batch,
+                                        steps_per_epoch=validation_steps)
+    self._prepare(source, "training data")
+    if val_source is not None:
+      self._prepare(val_source, "validation data")
+
+    self.history = History()
+    self._source = source
+    self.stop_training = False
+    self._position = Position(epoch=initial_epoch)
+    self._resume_sums = None
+    self._global_step = int(steps_lib._local(self.state.step))
+    cbs = CallbackList(list(callbacks) + [self.history], trainer=self,
+                       params={"epochs": epochs, "verbose": verbose,
+                               "steps": source.steps_per_epoch})
+    bar = ProgressBar(verbose, epochs)
+    train_step = self._steps[0]
+    logs: dict = {}
+    try:
+      cbs.call("on_train_begin", {})
+      while self._position.epoch < epochs:
+        epoch, start = self._position.epoch, self._position.batch
+        totals = self._totals(self._resume_sums if start else None)
+        self._resume_sums = None
+        self._totals_now = totals
+        cbs.call("on_epoch_begin", epoch, {})
+        bar.start_epoch(epoch, source.steps_per_epoch, initial=start)
+        ran = 0
+        for batch in self._distribute(source.batches(epoch, start)):
+          index = self._position.batch
+          cbs.call("on_train_batch_begin", index, {})
+          self.state, totals = train_step(self.state, totals, batch)
+          self._global_step += 1
+          self._position = self._position.next_batch()
+          self._totals_now = totals
+          batch_logs = LazyLogs(functools.partial(self._read_means, totals))
+          cbs.call("on_train_batch_end", index, batch_logs)
+          bar.step(batch_logs)
+          ran += 1
+          if self.stop_training:
+            break
+        if ran == 0 and start == 0:
+          warnings.warn(
+              f"The training data ran out at epoch {epoch + 1}: no batches were "
+              "left. Training stops here; pass steps_per_epoch and enough data "
+              "(or a re-iterable dataset) for every epoch.", UserWarning)
+          break
+        logs = self._read_means(totals)
+        if val_source is not None:
+          val = self._evaluate_source(val_source, cbs)
+          logs.update({f"val_{k}": v for k, v in val.items()})
+        self._position = self._position.next_epoch()
+        self._epoch_logs = (epoch, logs)
+        cbs.call("on_epoch_end", epoch, logs)
+        self._epoch_logs = None
+        bar.end_epoch(epoch, logs)
+        if self.stop_training:
+          break
+      cbs.call("on_train_end", logs)
+    finally:
+      bar.close()
+      cbs.release()
+    if isinstance(self._model, model_lib.NnxModel):
+      self.export()
+    return self.history
+
+  def _read_means(self, totals) -> dict:
+    return steps_lib.means(steps_lib.read_sums(self.strategy, totals))
+
+  # --- evaluate and predict ------------------------------------------------
+
+  def evaluate(self, x=None, y=None, *, batch_size: int | None = None,
+               steps: int | None = None, callbacks: Sequence = (),
+               verbose=0) -> dict:
+    """Loss and metrics over all of the data, exactly: `{name: value}`.
+
+    Every example counts once, whatever the batch size and the number of
+    replicas (a short last batch is padded and masked).
+    """
+    source = data_lib.make_source(x, y, batch_size=batch_size,
+                                  steps_per_epoch=steps)
+    self._prepare(source, "evaluation data")
+    cbs = CallbackList(callbacks, trainer=self, params={"steps": steps,
+                                                        "verbose": verbose})
+    return self._evaluate_source(source, cbs, verbose=verbose)
+
+  def _evaluate_source(self, source, cbs: CallbackList, verbose=0) -> dict:
+    eval_step = self._steps[1]
+    bar = ProgressBar(verbose, 1)
+    totals = self._totals()
+    cbs.call("on_test_begin", {})
+    bar.start_epoch(0, source.steps_per_epoch)
+    try:
+      for i, batch in enumerate(self._distribute(source.batches(0))):
+        cbs.call("on_test_batch_begin", i, {})
+        totals = eval_step(self.state, totals, batch)
+        logs = LazyLogs(functools.partial(self._read_means, totals))
+        cbs.call("on_test_batch_end", i, logs)
+        bar.step(logs)
+      logs = self._read_means(totals)
+      bar.end_epoch(0, logs)
+    finally:
+      bar.close()
+    cbs.call("on_test_end", logs)
+    return logs
+
+  def predict(self, x, *, batch_size: int | None = None,
+              steps: int | None = None, callbacks: Sequence = (), verbose=0):
+    """The model's outputs for every example of `x`, in order, on the host.
+
+    Returns:
+      A numpy array (or a pytree of them) with one row per example: the
+      padding of a short last batch is dropped.
+    """
+    source = data_lib.make_source(x, None, batch_size=batch_size,
+                                  steps_per_epoch=steps, need_y=False)
+    self._prepare(source, "prediction data", with_loss=False)
+    predict_step = self._steps[2]
+    cbs = CallbackList(callbacks, trainer=self, params={"steps": steps,
+                                                        "verbose": verbose})
+    bar = ProgressBar(verbose, 1)
+    outputs = []
+    cbs.call("on_predict_begin", {})
+    bar.start_epoch(0, source.steps_per_epoch)
+    try:
+      inputs = ({"x": b["x"]} for b in source.batches(0))
+      for i, batch in enumerate(self._distribute(inputs)):
+        cbs.call("on_predict_batch_begin", i, {})
+        outputs.append(predict_step(self.state, batch))
+        cbs.call("on_predict_batch_end", i, {"outputs": outputs[-1]})
+        bar.step({})
+      bar.end_epoch(0, {})
+    finally:
+      bar.close()
+    cbs.call("on_predict_end", {})
+    gathered = [self.strategy.gather(o) for o in outputs]
+    return jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]),
+                        *gathered)
+
+  # --- checkpoints -----------------------------------------------------------
+
+  def checkpoint_meta(self) -> dict:
+    """JSON metadata saved with a checkpoint: position, history, data state."""
+    history = self.history.to_dict() if self.history else {}
+    if self._epoch_logs is not None and history:
+      epoch, logs = self._epoch_logs
+      if epoch not in history["epoch"]:
+        history["epoch"].append(epoch)
+        for k, v in logs.items():
+          history["history"].setdefault(k, []).append(v)
+    pos = self._position
+    sums = None
+    if pos.batch and self._totals_now is not None:
+      sums = steps_lib.read_sums(self.strategy, self._totals_now)
+    data = self._source.state(pos.consumed) if self._source else {}
+    return {"epoch": pos.epoch, "batch": pos.batch, "consumed": pos.consumed,
+            "sums": sums, "history": history, "data": data}
+
+  def restore_from(self, state: TrainState, meta: dict) -> None:
+    """Continues from a restored checkpoint (used by `BackupAndRestore`)."""
+    self.state = state
+    self._global_step = int(meta["step"])
+    self._position = Position(int(meta["epoch"]), int(meta["batch"]),
+                              int(meta["consumed"]))
+    self._resume_sums = meta.get("sums")
+    if self.history is not None and meta.get("history"):
+      self.history.load_dict(meta["history"])
+    if self._source is not None:
+      self._source.resume(meta.get("data") or {}, self._position.consumed)
+
+  def load_checkpoint(self, directory, *, step: int | None = None) -> int:
+    """Loads the weights and optimizer state of a checkpoint; returns its step.
+
+    Reads checkpoints written by `ModelCheckpoint` or `BackupAndRestore`, on
+    any number of devices or processes. Call `build(x)` first if the trainer
+    has not run yet (the checkpoint must match the model's shapes).
+    """
+    self._require_state("load a checkpoint into")
+    ckpt = Checkpointer(directory)
+    try:
+      restored = ckpt.restore(self.state, self.strategy.mesh, step=step)
+    finally:
+      ckpt.close()
+    if restored is None:
+      raise FileNotFoundError(f"No checkpoint in {directory}.")
+    self.state, meta = restored
+    self._global_step = int(meta["step"])
+    return self._global_step
+
+  def export(self) -> Any:
+    """The trained model in its own terms.
+
+    A linen module's variables (`{"params": ..., **collections}`, for
+    `module.apply`); an nnx module, updated in place (also done by `fit`);
+    an apply function's parameters.
+    """
+    self._require_state("export")
+    return self._model.export(self.state.params, self.state.model_state)

@@ -1,0 +1,299 @@
+"""jdist.Trainer: fit, evaluate and predict, the way a Keras user calls them."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jdist
+from jdist.examples.models import MLP
+
+from conftest import strategy_on
+
+LOSS = "sparse_categorical_crossentropy"
+
+
+@pytest.fixture(scope="module")
+def split(digits_flat):
+  x, y = digits_flat
+  # 1000 training examples: 15 batches of 64 and one of 40; 297 to validate.
+  return (x[:1000], y[:1000]), (x[1500:], y[1500:])
+
+
+def trainer_on(n, model=None, **kwargs):
+  kwargs.setdefault("optimizer", optax.adam(1e-2))
+  kwargs.setdefault("loss", LOSS)
+  kwargs.setdefault("metrics", ["accuracy"])
+  return jdist.Trainer(model or MLP(), strategy=strategy_on(n), **kwargs)
+
+
+def assert_history_close(a, b, rtol=1e-4):
+  assert a.epoch == b.epoch
+  assert sorted(a.history) == sorted(b.history)
+  for key in a.history:
+    np.testing.assert_allclose(a.history[key], b.history[key], rtol=rtol,
+                               err_msg=key)
+
+
+def test_fit_gives_the_same_history_on_1_and_4_devices(split):
+  (x, y), val = split
+  runs = {}
+  for n in (1, 4):
+    trainer = trainer_on(n)
+    history = trainer.fit(x, y, batch_size=64, epochs=3, validation_data=val,
+                          verbose=0)
+    runs[n] = (trainer, history)
+  (t1, h1), (t4, h4) = runs[1], runs[4]
+  assert sorted(h4.history) == ["accuracy", "loss", "val_accuracy", "val_loss"]
+  assert h4.epoch == [0, 1, 2] and len(h4.history["loss"]) == 3
+  assert h4.history["loss"][-1] < h4.history["loss"][0] / 2  # it learned
+  assert_history_close(h1, h4)
+  for a, b in zip(jax.tree.leaves(t1.params), jax.tree.leaves(t4.params)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+  assert t4.global_step == 3 * 16 and int(t4.state.step) == 48
+  assert t4.params["Dense_0"]["kernel"].sharding.device_set == set(
+      jax.local_devices()[:4])
+
+
+def test_evaluate_and_predict_are_exact_on_uneven_data(split):
+  (x, y), (vx, vy) = split
+  trainer = trainer_on(4)
+  trainer.fit(x, y, batch_size=64, epochs=1, verbose=0)
+  variables = trainer.export()
+  logits = np.asarray(MLP().apply(variables, vx))
+  exact_loss = float(np.mean(optax.softmax_cross_entropy_with_integer_labels(
+      logits, vy)))
+  exact_acc = float(np.mean(np.argmax(logits, -1) == vy))
+  for batch_size in (64, 28, 4):  # 297 examples: every last batch is short
+    got = trainer.evaluate(vx, vy, batch_size=batch_size)
+    assert got["loss"] == pytest.approx(exact_loss, rel=1e-5)
+    assert got["accuracy"] == pytest.approx(exact_acc, abs=1e-9)
+    pred = trainer.predict(vx, batch_size=batch_size)
+    assert pred.shape == (297, 10)  # no padding rows, none dropped
+    np.testing.assert_allclose(pred, logits, rtol=1e-5, atol=1e-5)
+
+
+def test_trainer_made_in_a_scope_runs_on_that_strategy(split):
+  (x, y), _ = split
+  strategy = strategy_on(2)
+  with strategy.scope():
+    trainer = jdist.Trainer(MLP(), optimizer=optax.sgd(0.1), loss=LOSS)
+  assert trainer.strategy == strategy
+  trainer.fit(x[:256], y[:256], batch_size=64, verbose=0)
+  assert trainer.params["Dense_1"]["bias"].sharding.device_set == set(
+      strategy.devices)
+  # A trainer made outside any scope takes the scope open at its first use.
+  late = jdist.Trainer(MLP(), optimizer=optax.sgd(0.1), loss=LOSS)
+  with strategy.scope():
+    late.fit(x[:256], y[:256], batch_size=64, verbose=0)
+  assert late.strategy == strategy
+
+
+def test_batches_from_lists_generators_and_dicts(split):
+  """Arrays, a list of (x, y), dict batches and a one-shot generator agree."""
+  (x, y), _ = split
+  x, y = x[:320], y[:320]
+  as_arrays = trainer_on(2).fit(x, y, batch_size=64, epochs=2, shuffle=False,
+                                verbose=0)
+  tuples = [(x[i:i + 64], y[i:i + 64]) for i in range(0, 320, 64)]
+  as_list = trainer_on(2).fit(tuples, epochs=2, verbose=0)
+  dicts = [{"x": a, "y": b} for a, b in tuples]
+  as_dicts = trainer_on(2).fit(dicts, epochs=2, verbose=0)
+
+  def generator():
+    for _ in range(2):
+      yield from iter(tuples)
+  as_generator = trainer_on(2).fit(generator(), epochs=2, steps_per_epoch=5,
+                                   verbose=0)
+  for h in (as_list, as_dicts, as_generator):
+    assert_history_close(as_arrays, h, rtol=1e-6)
+
+
+def test_an_iterator_that_runs_out_stops_training_with_a_warning(split):
+  (x, y), _ = split
+  batches = iter([(x[i:i + 64], y[i:i + 64]) for i in range(0, 256, 64)])
+  trainer = trainer_on(2)
+  with pytest.warns(UserWarning, match="ran out at epoch 2"):
+    history = trainer.fit(batches, epochs=3, verbose=0)
+  assert history.epoch == [0] and trainer.global_step == 4
+
+
+def test_validation_split_and_steps_per_epoch(split):
+  (x, y), _ = split
+  trainer = trainer_on(2)
+  history = trainer.fit(x, y, batch_size=64, epochs=2, steps_per_epoch=3,
+                        validation_split=0.2, verbose=0)
+  assert trainer.global_step == 6
+  want = trainer.evaluate(x[800:], y[800:], batch_size=64)
+  assert history.history["val_loss"][-1] == pytest.approx(want["loss"], rel=1e-5)
+
+
+class NnxNet(nnx.Module):
+  def __init__(self, rngs, axis_name=None):
+    self.dense = nnx.Linear(64, 32, rngs=rngs)
+    self.norm = nnx.BatchNorm(32, axis_name=axis_name, use_fast_variance=False,
+                              rngs=rngs)
+    self.out = nnx.Linear(32, 10, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(nnx.relu(self.norm(self.dense(x))))
+
+
+def test_nnx_module_with_synced_batch_norm(split):
+  """An nnx module trains the same on 1 and 4 devices and is updated in place."""
+  (x, y), (vx, vy) = split
+  x, y = x[:768], y[:768]  # whole batches: batch statistics see no padding
+  runs = []
+  for n in (1, 4):
+    strategy = strategy_on(n)
+    model = NnxNet(nnx.Rngs(0), axis_name=strategy.axis_name)
+    # sgd: adam turns reduction-order noise in tiny gradients into drift of
+    # the running statistics (see test_conformance's float64 note).
+    trainer = jdist.Trainer(model, optimizer=optax.sgd(0.1), loss=LOSS,
+                            metrics=["accuracy"], strategy=strategy)
+    history = trainer.fit(x, y, batch_size=64, epochs=2,
+                          validation_data=(vx, vy), verbose=0)
+    runs.append((model, trainer, history))
+  (m1, _, h1), (m4, t4, h4) = runs
+  assert_history_close(h1, h4)
+  assert h4.history["val_accuracy"][-1] > h4.history["val_accuracy"][0] + 0.2
+  # The module object holds the trained state: running statistics included.
+  m4.eval()
+  np.testing.assert_allclose(np.asarray(m4(vx)), t4.predict(vx, batch_size=64),
+                             rtol=1e-5, atol=1e-5)
+  assert float(jnp.abs(m4.norm.mean[...]).sum()) > 0
+
+
+def test_nnx_batch_norm_without_sync_is_a_clear_error(split):
+  (x, y), _ = split
+  trainer = jdist.Trainer(NnxNet(nnx.Rngs(0)), optimizer=optax.adam(1e-2),
+                          loss=LOSS, strategy=strategy_on(2))
+  with pytest.raises(jdist.VaryingStateError, match="all_reduce"):
+    trainer.fit(x[:128], y[:128], batch_size=64, verbose=0)
+
+
+def test_apply_function_with_train_flag_and_rng(split):
+  """A plain apply function: params given, dropout from the step's key."""
+  (x, y), _ = split
+  init = MLP().init(jax.random.key(0), x[:1])["params"]
+  seen = {}
+
+  def apply_fn(params, inputs, *, train, rng):
+    seen["train"] = seen.get("train", set()) | {train}
+    logits = MLP().apply({"params": params}, inputs)
+    return jdist.dropout(rng, 0.2, logits, deterministic=not train)
+
+  def per_example_loss(logits, labels):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+
+  def top2(logits, labels):
+    top = jnp.argsort(logits, -1)[:, -2:]
+    return jnp.any(top == labels[:, None], -1)
+
+  histories = []
+  for n in (1, 2):
+    trainer = jdist.Trainer(apply_fn, params=init, optimizer=optax.adam(1e-2),
+                            loss=per_example_loss, metrics={"top2": top2},
+                            strategy=strategy_on(n), seed=3)
+    histories.append(trainer.fit(x, y, batch_size=64, epochs=2, verbose=0))
+  assert seen["train"] == {True, False}
+  assert_history_close(*histories)  # dropout masks keyed by example, not device
+  top2 = histories[0].history["top2"]
+  assert top2[-1] > top2[0] + 0.1
+
+
+def test_progress_bar_and_verbosity(split, capsys):
+  (x, y), val = split
+  trainer = trainer_on(2)
+  trainer.fit(x[:256], y[:256], batch_size=64, epochs=2, validation_data=val)
+  err = capsys.readouterr().err
+  assert "Epoch 1/2" in err and "Epoch 2/2" in err
+  assert "4/4" in err and "step/s" in err
+  assert "loss=" in err and "val_accuracy=" in err
+  trainer.fit(x[:256], y[:256], batch_size=64, epochs=1, verbose=2)
+  out = capsys.readouterr()
+  assert out.out.startswith("Epoch 1/1 - 4 steps") and "accuracy:" in out.out
+  assert out.err == ""
+  trainer.fit(x[:256], y[:256], batch_size=64, epochs=1, verbose=0)
+  assert capsys.readouterr() == ("", "")
+
+
+# --- bad input: a clear error before any step runs ---------------------------
+
+
+class Counter(jdist.Callback):
+  def __init__(self):
+    super().__init__()
+    self.batches = 0
+
+  def on_train_batch_begin(self, batch, logs=None):
+    self.batches += 1
+
+
+def test_data_that_does_not_fit_the_model(split):
+  (x, y), (vx, vy) = split
+  trainer = trainer_on(2)
+  trainer.fit(x[:128], y[:128], batch_size=64, verbose=0)
+  before = jax.tree.map(np.asarray, trainer.params)
+  counter = Counter()
+  with pytest.raises(ValueError, match=r"model cannot take the training data's "
+                     r"inputs.*\(64, 63\)"):
+    trainer.fit(x[:, :63], y, batch_size=64, callbacks=[counter], verbose=0)
+  with pytest.raises(ValueError, match=r"validation data's inputs"):
+    trainer.fit(x, y, batch_size=64, validation_data=(vx[:, :60], vy),
+                callbacks=[counter], verbose=0)
+  assert counter.batches == 0 and trainer.global_step == 2
+  for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(trainer.params)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_loss_returning_the_wrong_shape(split):
+  (x, y), _ = split
+  def mean_loss(logits, labels):  # a common slip: already averaged
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+  trainer = trainer_on(2, loss=mean_loss)
+  with pytest.raises(ValueError, match=r"loss returned a scalar.*one value per "
+                     r"example, shape \(64,\).*no \.mean\(\)"):
+    trainer.fit(x, y, batch_size=64, verbose=0)
+  assert trainer.global_step == 0 and int(trainer.state.step) == 0
+
+
+def test_targets_that_do_not_match_the_predictions(split):
+  (x, y), _ = split
+  trainer = trainer_on(2, loss="mse", metrics=[])
+  with pytest.raises(ValueError, match=r"loss cannot compare.*\(64, 10\).*"
+                     r"\(64,\).*do not match"):
+    trainer.fit(x, y, batch_size=64, verbose=0)
+  with pytest.raises(ValueError, match=r"x has 1000 examples but y has 999"):
+    trainer.fit(x, y[:-1], batch_size=64, verbose=0)
+
+
+def test_configuration_errors():
+  with pytest.raises(TypeError, match="optax GradientTransformation"):
+    jdist.Trainer(MLP(), optimizer="adam", loss=LOSS)
+  with pytest.raises(ValueError, match="Unknown loss 'crossentropy'"):
+    jdist.Trainer(MLP(), optimizer=optax.adam(1e-3), loss="crossentropy")
+  with pytest.raises(ValueError, match="Unknown metric 'f1'"):
+    jdist.Trainer(MLP(), optimizer=optax.adam(1e-3), loss=LOSS, metrics=["f1"])
+  with pytest.raises(ValueError, match="needs its parameters"):
+    jdist.Trainer(lambda p, x: x, optimizer=optax.adam(1e-3), loss=LOSS)
+  with pytest.raises(TypeError, match="Cannot train a int"):
+    jdist.Trainer(3, optimizer=optax.adam(1e-3), loss=LOSS)
+
+
+def test_batch_size_that_cannot_split_over_replicas(split):
+  (x, y), _ = split
+  with pytest.raises(ValueError, match="cannot split evenly over 4 replicas"):
+    trainer_on(4).fit(x, y, batch_size=30, verbose=0)
+
+
+def test_train_state_round_trips_through_jit(split):
+  (x, y), _ = split
+  trainer = trainer_on(1)
+  trainer.build(x[:1])
+  state = jax.jit(lambda s: s.replace(step=s.step + 1))(trainer.state)
+  assert isinstance(state, jdist.TrainState) and int(state.step) == 1
+  assert jax.tree.structure(state) == jax.tree.structure(trainer.state)
