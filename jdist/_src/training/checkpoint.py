@@ -100,7 +100,9 @@ def _storable(leaves) -> list:
 
 def _mismatch(saved: dict, expected: dict) -> list[str]:
   lines = []
-  for name in sorted(set(saved) | set(expected)):
+  # Parameters first: they say most plainly which model each side holds.
+  order = lambda n: (not n.startswith("params/"), n)
+  for name in sorted(set(saved) | set(expected), key=order):
     if name not in expected:
       lines.append(f"  {name}: in the checkpoint, not in this model")
     elif name not in saved:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import warnings
 from typing import Any, Sequence
 
@@ -189,12 +190,13 @@ class Trainer:
                                                 self._metrics)),
             s.function(steps_lib.make_predict_step(self._model)))
 
-  def _prepare(self, source, what: str, *, with_loss: bool = True) -> None:
+  def _prepare(self, source, what: str, *, with_loss: bool = True) -> dict:
     sample = source.peek()
     self.build(sample["x"])
     steps_lib.preflight(self._model, self.state, sample,
                         self._loss if with_loss else None, self._metrics,
                         what=what)
+    return sample
 
   def _totals(self, sums: dict | None = None) -> SyncOnRead:
     totals = steps_lib.zero_totals(self._metrics)
@@ -259,7 +261,7 @@ class Trainer:
         val_batch = validation_batch_size or getattr(source, "batch_size", None)
       val_source = data_lib.make_source(vx, vy, batch_size=val_batch,
                                         steps_per_epoch=validation_steps)
-    self._prepare(source, "training data")
+    first = self._prepare(source, "training data")
     if val_source is not None:
       self._prepare(val_source, "validation data")
 
@@ -285,7 +287,7 @@ class Trainer:
         cbs.call("on_epoch_begin", epoch, {})
         bar.start_epoch(epoch, source.steps_per_epoch, initial=start)
         ran = 0
-        for batch in self._distribute(source.batches(epoch, start)):
+        for batch in self._epoch_batches(source, epoch, start, first):
           index = self._position.batch
           cbs.call("on_train_batch_begin", index, {})
           self.state, totals = train_step(self.state, totals, batch)
@@ -322,6 +324,20 @@ class Trainer:
     if isinstance(self._model, model_lib.NnxModel):
       self.export()
     return self.history
+
+  def _epoch_batches(self, source, epoch: int, start: int, first: dict):
+    """The epoch's distributed batches from batch `start` on.
+
+    A distributed dataset takes its batch shape from its first batch. When a
+    resumed epoch starts at its short last batch, a full batch (the data's
+    first, already read) goes first to fix the shape, and is not trained on.
+    """
+    if not start:
+      return iter(self._distribute(source.batches(epoch)))
+    batches = iter(self._distribute(
+        itertools.chain([first], source.batches(epoch, start))))
+    next(batches)
+    return batches
 
   def _read_means(self, totals) -> dict:
     return steps_lib.means(steps_lib.read_sums(self.strategy, totals))

@@ -1,0 +1,227 @@
+"""Checkpoints and BackupAndRestore: resume exactly, on any device count.
+
+In-process tests interrupt `fit` with an exception; the crash and SIGTERM
+tests run tests/train_child.py as a separate process (4 fake devices).
+"""
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import jdist
+from jdist.examples.models import MLP
+
+from conftest import strategy_on
+
+LOSS = "sparse_categorical_crossentropy"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHILD = os.path.join(ROOT, "tests", "train_child.py")
+
+
+@pytest.fixture(scope="module")
+def data(digits_flat):
+  x, y = digits_flat
+  return (x[:1000], y[:1000]), (x[1500:], y[1500:])
+
+
+def make_trainer(n, model=None):
+  return jdist.Trainer(model or MLP(), optimizer=optax.adam(1e-2), loss=LOSS,
+                       metrics=["accuracy"], strategy=strategy_on(n), seed=0)
+
+
+def fit(trainer, data, callbacks=(), epochs=3):
+  (x, y), val = data
+  return trainer.fit(x, y, batch_size=64, epochs=epochs, validation_data=val,
+                     callbacks=list(callbacks), verbose=0)
+
+
+class Interrupt(jdist.Callback):
+  """Dies (raises) after a given global step, like a crashed job."""
+
+  def __init__(self, at):
+    super().__init__()
+    self.at = at
+
+  def on_train_batch_end(self, batch, logs=None):
+    if self.model.global_step == self.at:
+      raise KeyboardInterrupt(f"interrupted at step {self.at}")
+
+
+@pytest.fixture(scope="module")
+def reference(data, tmp_path_factory):
+  """An uninterrupted run (3 epochs x 16 steps) on 4 devices, with backups."""
+  backup = tmp_path_factory.mktemp("reference")
+  trainer = make_trainer(4)
+  history = fit(trainer, data, [jdist.BackupAndRestore(backup, save_freq=5)])
+  assert not os.path.exists(backup)  # deleted once training completed
+  return trainer, history
+
+
+def interrupted_backup(data, directory, at=23, n=4):
+  trainer = make_trainer(n)
+  with pytest.raises(KeyboardInterrupt):
+    fit(trainer, data, [Interrupt(at), jdist.BackupAndRestore(directory,
+                                                              save_freq=5)])
+  return sorted(int(d) for d in os.listdir(directory) if d.isdigit())
+
+
+def assert_same_run(reference, trainer, history, *, exact):
+  ref_trainer, ref_history = reference
+  assert trainer.global_step == 48 and int(trainer.state.step) == 48
+  assert history.epoch == ref_history.epoch
+  for key, values in ref_history.history.items():
+    np.testing.assert_allclose(history.history[key], values, rtol=1e-5,
+                               err_msg=key)
+  for a, b in zip(jax.tree.leaves(ref_trainer.params),
+                  jax.tree.leaves(trainer.params)):
+    if exact:
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    else:
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4,
+                                 atol=1e-5)
+
+
+def test_resume_after_an_interruption_is_exact(data, reference, tmp_path):
+  assert interrupted_backup(data, tmp_path) == [15, 20]  # max_to_keep=2
+  backup = jdist.BackupAndRestore(tmp_path, save_freq=5)
+  trainer = make_trainer(4)
+  history = fit(trainer, data, [backup])
+  assert backup.restored_step == 20  # mid-epoch: epoch 2, batch 4
+  assert_same_run(reference, trainer, history, exact=True)
+  assert not os.path.exists(tmp_path)
+
+
+@pytest.mark.parametrize("saved_on,resumed_on", [(4, 2), (2, 4)])
+def test_resume_on_another_device_count(data, reference, tmp_path, saved_on,
+                                        resumed_on):
+  interrupted_backup(data, tmp_path, at=37, n=saved_on)
+  backup = jdist.BackupAndRestore(tmp_path, save_freq=5)
+  trainer = make_trainer(resumed_on)
+  history = fit(trainer, data, [backup])
+  assert backup.restored_step == 35
+  assert trainer.params["Dense_0"]["kernel"].sharding.device_set == set(
+      jax.local_devices()[:resumed_on])
+  assert_same_run(reference, trainer, history, exact=False)
+
+
+def test_corrupt_latest_backup_falls_back_to_the_previous(data, reference,
+                                                          tmp_path):
+  assert interrupted_backup(data, tmp_path) == [15, 20]
+  for path in glob.glob(str(tmp_path / "20" / "state" / "**" / "*"),
+                        recursive=True):
+    if os.path.isfile(path) and "ocdbt" not in os.path.basename(path):
+      with open(path, "r+b") as f:  # flip the bytes of every data file
+        raw = f.read()
+        f.seek(0)
+        f.write(bytes(b ^ 0xFF for b in raw))
+  backup = jdist.BackupAndRestore(tmp_path, save_freq=5)
+  trainer = make_trainer(4)
+  with pytest.warns(UserWarning, match=r"/20 is corrupt.*Using the checkpoint "
+                    r"before it"):
+    history = fit(trainer, data, [backup])
+  assert backup.restored_step == 15
+  assert_same_run(reference, trainer, history, exact=True)
+
+
+def test_unreadable_metadata_is_corruption_too(data, tmp_path):
+  interrupted_backup(data, tmp_path, at=12)
+  with open(tmp_path / "10" / "meta" / "metadata", "w") as f:
+    f.write("{not json")
+  backup = jdist.BackupAndRestore(tmp_path, save_freq=5)
+  with pytest.warns(UserWarning, match=r"/10 is corrupt: its metadata"):
+    fit(make_trainer(2), data, [backup], epochs=1)
+  assert backup.restored_step == 5
+
+
+def test_backup_of_another_model_is_an_error_before_any_step(data, tmp_path):
+  interrupted_backup(data, tmp_path, at=6)
+  trainer = make_trainer(4, model=MLP(hidden=32))
+  steps = []
+
+  class Count(jdist.Callback):
+    def on_train_batch_begin(self, batch, logs=None):
+      steps.append(batch)
+
+  with pytest.raises(jdist.CheckpointMismatchError,
+                     match=r"(?s)different model.*params/Dense_0/kernel: checkpoint "
+                     r"\(64, 16\) float32, model \(64, 32\).*new directory"):
+    fit(trainer, data, [Count(), jdist.BackupAndRestore(tmp_path)])
+  assert steps == [] and trainer.global_step == 0
+  with pytest.raises(jdist.CheckpointMismatchError):
+    trainer.load_checkpoint(tmp_path)
+
+
+# --- real processes ------------------------------------------------------------
+
+
+def run_child(args, timeout=180):
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  return subprocess.run([sys.executable, CHILD] + args, env=env, timeout=timeout,
+                        capture_output=True, text=True)
+
+
+def final_params(path):
+  with np.load(path) as f:
+    return [f[f"p{i}"] for i in range(len(f.files))]
+
+
+def assert_params_equal(reference, path):
+  ref_trainer, _ = reference
+  got = final_params(path)
+  want = [np.asarray(p) for p in jax.tree.leaves(ref_trainer.params)]
+  assert len(got) == len(want)
+  for a, b in zip(want, got):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_crash_while_finalising_a_checkpoint_keeps_the_previous(reference,
+                                                                tmp_path):
+  backup, out = tmp_path / "backup", tmp_path / "params.npz"
+  crashed = run_child([str(backup), str(out), "--mode", "crash-in-finalize"])
+  assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-2000:]
+  # Saves every 4 steps: step 4 is complete, step 8 died while finalising.
+  assert "step 8\n" in crashed.stdout and "step 9\n" not in crashed.stdout
+  left = sorted(os.listdir(backup))
+  assert left[0] == "4" and len(left) == 2 and "orbax-checkpoint-tmp" in left[1]
+
+  resumed = run_child([str(backup), str(out)])
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert "resuming from step 4 " in resumed.stderr
+  assert "ran 44 steps" in resumed.stdout and "done 48 48" in resumed.stdout
+  assert_params_equal(reference, out)
+
+
+def test_sigterm_saves_exits_0_and_the_relaunch_finishes_exactly(reference,
+                                                                 tmp_path):
+  backup, out = tmp_path / "backup", tmp_path / "params.npz"
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  proc = subprocess.Popen(
+      [sys.executable, CHILD, str(backup), str(out), "--mode", "slow"],
+      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    for line in proc.stdout:
+      if line.strip() == "step 6":
+        proc.send_signal(signal.SIGTERM)
+        break
+    stdout, stderr = proc.communicate(timeout=120)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.communicate()
+  assert proc.returncode == 0, stderr[-3000:]
+  stopped = int(stdout.split("exit at step ")[1].split()[0])
+  assert 6 <= stopped < 48
+  assert f"preempted; saved step {stopped} " in stderr
+
+  resumed = run_child([str(backup), str(out)])
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert f"resuming from step {stopped} " in resumed.stderr
+  assert f"ran {48 - stopped} steps" in resumed.stdout
+  assert_params_equal(reference, out)

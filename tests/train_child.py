@@ -1,0 +1,87 @@
+"""A training job run as a child process by the checkpoint and preemption tests.
+
+    python tests/train_child.py BACKUP_DIR OUT.npz [--mode slow|crash-in-finalize]
+        [--processes N --process-id I --port P]
+
+Trains the MLP on 1,000 digits for 3 epochs of 16 steps on 4 replicas (4 fake
+devices, or N processes with 4/N each) with BackupAndRestore every 4 steps,
+prints "step K" after each step, and writes the final parameters to OUT.npz.
+"""
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+parser = argparse.ArgumentParser()
+parser.add_argument("backup")
+parser.add_argument("out")
+parser.add_argument("--mode", default="plain")
+parser.add_argument("--processes", type=int, default=1)
+parser.add_argument("--process-id", type=int, default=0)
+parser.add_argument("--port", type=int, default=0)
+args = parser.parse_args()
+
+devices = 4 // args.processes
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+if args.processes > 1:
+  jax.distributed.initialize(f"127.0.0.1:{args.port}", args.processes,
+                             args.process_id, initialization_timeout=60)
+
+import jdist  # noqa: E402
+from jdist.examples.data import load_digits  # noqa: E402
+from jdist.examples.models import MLP  # noqa: E402
+
+if args.mode == "crash-in-finalize":
+  # Die like a killed process while the second checkpoint is being committed:
+  # its files are written, the rename that finalises it has not happened.
+  from orbax.checkpoint._src.path import atomicity
+  finalize = atomicity.AtomicRenameTemporaryPath.finalize
+
+  async def dying_finalize(self, *a, **k):
+    if os.path.basename(str(self.get_final())) == "8":  # the step directory
+      os.kill(os.getpid(), signal.SIGKILL)
+    return await finalize(self, *a, **k)
+
+  atomicity.AtomicRenameTemporaryPath.finalize = dying_finalize
+
+
+class Progress(jdist.Callback):
+  def on_train_begin(self, logs=None):
+    self.ran = 0
+
+  def on_train_batch_end(self, batch, logs=None):
+    self.ran += 1
+    print(f"step {self.model.global_step}", flush=True)
+    if args.mode == "slow":
+      time.sleep(0.1)
+
+  def on_train_end(self, logs=None):
+    print(f"ran {self.ran} steps", flush=True)
+
+
+x, y = load_digits(image=False)
+strategy = jdist.Strategy(jax.devices())  # every device of every process
+trainer = jdist.Trainer(MLP(), optimizer=optax.adam(1e-2),
+                        loss="sparse_categorical_crossentropy",
+                        metrics=["accuracy"], strategy=strategy, seed=0)
+backup = jdist.BackupAndRestore(args.backup, save_freq=4)
+try:
+  trainer.fit(x[:1000], y[:1000], batch_size=64, epochs=3, verbose=0,
+              callbacks=[Progress(), backup])
+except SystemExit:
+  print(f"exit at step {trainer.global_step}", flush=True)
+  raise
+params = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), trainer.params)
+if jax.process_index() == 0:
+  np.savez(args.out, **{f"p{i}": p for i, p in enumerate(jax.tree.leaves(params))})
+print(f"done {trainer.global_step} {int(trainer.state.step.addressable_data(0))}",
+      flush=True)
+sys.exit(0)
