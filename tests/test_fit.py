@@ -221,6 +221,23 @@ def test_progress_bar_and_verbosity(split, capsys):
   assert capsys.readouterr() == ("", "")
 
 
+def test_progress_bar_is_tqdm_auto(split, monkeypatch):
+  """tqdm.auto: a widget in notebooks, text in a terminal."""
+  import tqdm.auto
+  made = []
+
+  class Recording(tqdm.auto.tqdm):
+    def __init__(self, *args, **kwargs):
+      made.append(kwargs)
+      super().__init__(*args, **kwargs)
+
+  monkeypatch.setattr(tqdm.auto, "tqdm", Recording)
+  (x, y), _ = split
+  trainer_on(1).fit(x[:128], y[:128], batch_size=64, epochs=2)
+  assert [(m["desc"], m["total"]) for m in made] == [("Epoch 1/2", 2),
+                                                     ("Epoch 2/2", 2)]
+
+
 # --- bad input: a clear error before any step runs ---------------------------
 
 

@@ -225,3 +225,66 @@ def test_sigterm_saves_exits_0_and_the_relaunch_finishes_exactly(reference,
   assert f"resuming from step {stopped} " in resumed.stderr
   assert f"ran {48 - stopped} steps" in resumed.stdout
   assert_params_equal(reference, out)
+
+
+# --- iterators: resumed by their own state, or by skipping ----------------------
+
+
+class StatefulBatches:
+  """An iterator with grain's DatasetIterator protocol: get_state/set_state."""
+
+  def __init__(self, batches):
+    self._batches, self._next, self.restored = batches, 0, []
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    if self._next >= len(self._batches):
+      raise StopIteration
+    self._next += 1
+    return self._batches[self._next - 1]
+
+  def get_state(self):
+    return {"next": self._next}
+
+  def set_state(self, state):
+    self.restored.append(state)
+    self._next = state["next"]
+
+
+@pytest.fixture(scope="module")
+def stream(data):
+  """3 epochs x 5 batches, each epoch in its own order."""
+  (x, y), _ = data
+  out = []
+  for epoch in range(3):
+    order = np.random.default_rng(epoch).permutation(320)
+    out += [(x[order[i:i + 64]], y[order[i:i + 64]]) for i in range(0, 320, 64)]
+  return out
+
+
+@pytest.mark.parametrize("kind", ["stateful", "generator"])
+def test_resume_a_one_shot_iterator(stream, tmp_path, kind):
+  make = {"stateful": lambda: StatefulBatches(stream),
+          "generator": lambda: (b for b in stream)}[kind]
+  reference = make_trainer(2)
+  ref_history = reference.fit(make(), epochs=3, steps_per_epoch=5, verbose=0)
+  run = lambda callbacks: make_trainer(2).fit(
+      make(), epochs=3, steps_per_epoch=5, callbacks=callbacks, verbose=0)
+  with pytest.raises(KeyboardInterrupt):
+    run([Interrupt(8), jdist.BackupAndRestore(tmp_path, save_freq=3)])
+  backup = jdist.BackupAndRestore(tmp_path, save_freq=3)
+  trainer = make_trainer(2)
+  source = make()
+  history = trainer.fit(source, epochs=3, steps_per_epoch=5, callbacks=[backup],
+                        verbose=0)
+  assert backup.restored_step == 6 and trainer.global_step == 15
+  if kind == "stateful":
+    assert source.restored == [{"next": 6}]  # its own state, not a replay
+  for key in ref_history.history:
+    np.testing.assert_allclose(history.history[key], ref_history.history[key],
+                               rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(reference.params),
+                  jax.tree.leaves(trainer.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

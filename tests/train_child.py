@@ -5,7 +5,9 @@
 
 Trains the MLP on 1,000 digits for 3 epochs of 16 steps on 4 replicas (4 fake
 devices, or N processes with 4/N each) with BackupAndRestore every 4 steps,
-prints "step K" after each step, and writes the final parameters to OUT.npz.
+prints "step K" after each step and a line per epoch (process 0), logs epochs
+to OUT.npz.csv (process 0, appending) and writes the final parameters to
+OUT.npz.
 """
 
 import argparse
@@ -74,8 +76,9 @@ trainer = jdist.Trainer(MLP(), optimizer=optax.adam(1e-2),
                         metrics=["accuracy"], strategy=strategy, seed=0)
 backup = jdist.BackupAndRestore(args.backup, save_freq=4)
 try:
-  trainer.fit(x[:1000], y[:1000], batch_size=64, epochs=3, verbose=0,
-              callbacks=[Progress(), backup])
+  trainer.fit(x[:1000], y[:1000], batch_size=64, epochs=3, verbose=2,
+              callbacks=[Progress(), backup,
+                         jdist.CSVLogger(args.out + ".csv", append=True)])
 except SystemExit:
   print(f"exit at step {trainer.global_step}", flush=True)
   raise

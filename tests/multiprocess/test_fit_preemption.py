@@ -118,9 +118,14 @@ def finish(tmp_path, backup, out, resume_at):
     for i in range(2):
       assert f"ran {STEPS - resume_at} steps" in job.out(i)  # none lost or redone
       assert f"done {STEPS} {STEPS}" in job.out(i)
+    # Only process 0 prints progress and writes the shared CSV log.
+    assert "Epoch 3/3 - " in job.out(0) and "Epoch" not in job.out(1)
   finally:
     job.close()
   assert not os.path.exists(backup)  # deleted once the job completed
+  with open(f"{out}.csv") as f:
+    lines = f.read().splitlines()
+  assert lines[0].startswith("epoch,") and [l[0] for l in lines[1:]] == list("012")
 
 
 def test_sigterm_to_one_process(reference, tmp_path):
