@@ -3,6 +3,17 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+# `make bench` compares jdist with its peers, which get a venv of their own and
+# never become jdist's dependencies. torch==2.13.0 is the CPU build on this
+# disk (plain `torch` would fetch a CUDA build of several GB): it is installed
+# with accelerate so that accelerate cannot pull another torch. Each group
+# installs on its own; one that fails is left out of RESULTS.md with the reason.
+PEERS_VENV ?= .venv-peers
+PEERS_PY := $(PEERS_VENV)/bin/python
+PEERS_GROUPS := "torch==2.13.0 accelerate==1.15.0" "jax==0.10.2 jaxlib==0.10.2 keras==3.15.1" \
+	"tensorflow-cpu==2.21.0"
+PEERS_STAMP := $(PEERS_VENV)/.installed-$(shell echo '$(PEERS_GROUPS)' | cksum | cut -d' ' -f1)
+BENCH_ARGS ?=
 
 .PHONY: demo test bench clean
 
@@ -13,14 +24,24 @@ $(STAMP): pyproject.toml
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
+$(PEERS_STAMP):
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_PY) -m pip install --quiet --upgrade pip
+	for group in $(PEERS_GROUPS); do \
+	  $(PEERS_PY) -m pip install --quiet $$group || \
+	    echo "make bench: '$$group' did not install; those peers will be left out"; \
+	done
+	rm -f $(PEERS_VENV)/.installed-*
+	touch $(PEERS_STAMP)
+
 demo: $(STAMP)
 	$(PY) -m jdist.examples.demo
 
 test: $(STAMP)
 	$(PY) -m pytest
 
-bench: $(STAMP)
-	$(PY) benchmarks/run.py
+bench: $(STAMP) $(PEERS_STAMP)
+	$(PY) benchmarks/run.py --peers-python $(PEERS_PY) $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(PEERS_VENV) .pytest_cache

@@ -142,15 +142,20 @@ def main(argv=None):
   parser = argparse.ArgumentParser()
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--json", action="store_true")
+  parser.add_argument("--devices", default="1,2,4", help="device counts, e.g. 1,2")
+  parser.add_argument("--steps", type=int, help="steps per round, both models (tests)")
+  parser.add_argument("--rounds", type=int, help="rounds, both models (tests)")
   args = parser.parse_args(argv)
   results = []
-  for n in (1, 2, 4):
+  for n in (int(d) for d in args.devices.split(",")):
     if n > len(jax.local_devices()):
       continue
-    results.append(measure("mlp", n, batch=256, steps=100 if args.quick else 400,
-                           rounds=5 if args.quick else 15))
-    results.append(measure("cnn", n, batch=64, steps=3 if args.quick else 10,
-                           rounds=3 if args.quick else 7))
+    results.append(measure("mlp", n, batch=256,
+                           steps=args.steps or (100 if args.quick else 400),
+                           rounds=args.rounds or (5 if args.quick else 15)))
+    results.append(measure("cnn", n, batch=64,
+                           steps=args.steps or (3 if args.quick else 10),
+                           rounds=args.rounds or (3 if args.quick else 7)))
   if args.json:
     print(json.dumps(results))
   else:

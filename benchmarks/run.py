@@ -1,12 +1,16 @@
 """`make bench`: runs the benchmarks and writes benchmarks/RESULTS.md.
 
 Every figure is a ratio measured within one run (jdist against the
-hand-written step, interleaved), because these machines are shared and noisy;
-absolute steps per second are printed for context only.
+hand-written step, and against its peers, interleaved), because these machines
+are shared and noisy; absolute steps or samples per second are printed for
+context only.
+
+  python benchmarks/run.py [--quick] [--peers-python .venv-peers/bin/python]
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -18,27 +22,59 @@ import sys
 HERE = pathlib.Path(__file__).resolve().parent
 
 
-def _run(script: str, devices: int, *args: str) -> list:
+def _run(script: str, devices: int, *args: str, timeout: float = 3600) -> list:
   env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
              XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-  proc = subprocess.run([sys.executable, str(HERE / script), "--json", *args],
-                        env=env, capture_output=True, text=True, timeout=3600)
+  # Progress goes to stderr, which is shown as it comes; the result is the
+  # last line of stdout. On a timeout the child gets SIGTERM, then SIGKILL.
+  proc = subprocess.Popen([sys.executable, str(HERE / script), "--json", *args],
+                          env=env, stdout=subprocess.PIPE, text=True)
+  try:
+    out, _ = proc.communicate(timeout=timeout)
+  finally:
+    if proc.poll() is None:  # timed out or interrupted: let it stop its workers
+      proc.terminate()
+      try:
+        proc.wait(timeout=60)
+      except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
   if proc.returncode:
-    raise RuntimeError(f"{script} failed:\n{proc.stderr[-4000:]}")
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+    raise RuntimeError(f"{script} failed with code {proc.returncode} (see above)")
+  return json.loads(out.strip().splitlines()[-1])
 
 
-def main() -> int:
-  quick = "--quick" in sys.argv
-  extra = ("--quick",) if quick else ()
+def _load() -> str:
+  return ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description="Runs the benchmarks, writes RESULTS.md.")
+  parser.add_argument("--quick", action="store_true", help="a fast smoke run")
+  parser.add_argument("--peers-python", default=None,
+                      help="the peers' venv python (default .venv-peers/bin/python)")
+  parser.add_argument("--no-peers", action="store_true", help="the overhead section only")
+  args = parser.parse_args(argv)
+  extra = ("--quick",) if args.quick else ()
   import jax
+  load_before = _load()
   overhead = _run("overhead.py", 4, *extra)
+  peers_result = None
+  if not args.no_peers:
+    peer_args = extra + (("--peers-python", args.peers_python) if args.peers_python else ())
+    try:
+      peers_result = _run("peers.py", 1, *peer_args, timeout=2400)
+    except (RuntimeError, subprocess.TimeoutExpired, ValueError, IndexError) as e:
+      peers_result = {"error": str(e)}
+  load_after = _load()
   lines = [
       "# Benchmarks",
       "",
       f"Written by `make bench` on {datetime.date.today()} "
       f"({platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__}, "
       f"Python {platform.python_version()}). Fake CPU devices share the cores.",
+      f"Load average (1, 5, 15 min) before the run: {load_before}; after: "
+      f"{load_after}." + (" A `--quick` smoke run: too short to quote." if args.quick else ""),
       "",
       "## Per-step overhead: jdist vs the same step hand-written",
       "",
@@ -58,11 +94,114 @@ def main() -> int:
         f"| {name} | {r['devices']} | {r['batch']} | {r['hand_steps_per_s']:.1f} "
         f"| {r['jdist_steps_per_s']:.1f} | **{r['ratio']:.3f}** | "
         f"{r['ratio_spread'][0]:.3f} to {r['ratio_spread'][1]:.3f} |")
+  if peers_result is not None:
+    lines += [""] + peers_section(peers_result)
   out = HERE / "RESULTS.md"
   out.write_text("\n".join(lines) + "\n")
   print("\n".join(lines))
   print(f"\nwrote {out}")
   return 0
+
+
+PEER_NOTES = {
+    "jax_hand": "not a peer but the floor: the same step as `jit(shard_map)` "
+                "with one `device_put` per batch; the gap to jdist is jdist's own cost",
+    "keras_jax": "`model.fit` on numpy arrays (the fast path; `train_on_batch` "
+                 "returns a float and so waits for every step), one epoch per block",
+    "keras_jax_spe": "the same with `steps_per_execution=32`, Keras's knob for "
+                     "small models (fewer callbacks; still one jitted call per step)",
+    "tf_mirrored": "the tutorial's custom loop: `tf.function` of `strategy.run` "
+                   "called once per step, distributed `tf.data`, Keras layers and SGD",
+    "torch_ddp": "N processes x 1 thread, gloo on 127.0.0.1, ready per-rank tensors "
+                 "(no DataLoader); at 1 replica it uses one core where TensorFlow "
+                 "uses both (XLA's CPU convolutions use about one core either way)",
+    "accelerate": "`Accelerator(cpu=True)` over the same N processes; "
+                  "`prepare(model, optimizer)`, `accelerator.backward`",
+}
+
+
+def peers_section(res: dict) -> list:
+  """The "vs peers" section of RESULTS.md from peers.py's JSON."""
+  if "error" in res:
+    return ["## vs peers", "", f"The peer comparison failed: {res['error']}"]
+  st = res["settings"]
+  rows = res["rows"]
+  lines = [
+      "## vs peers: the same training in other frameworks",
+      "",
+      "Every framework trains the seed models from the same initial weights on the",
+      "same synthetic batches (fixed seed; 4 global batches cycled), with SGD and",
+      "softmax cross-entropy: the MLP (Dense 16, Dense 10 on 10 features) at global",
+      "batch 256 and the CNN (Conv 32, Conv 64, Dense 64, Dense 10 on 28x28x1) at",
+      "global batch 64. Each framework runs in its own long-lived process(es),",
+      f"started and warmed up ({st['warmup']} steps) before timing; then each of",
+      f"{st['rounds']} rounds times one block of {_steps(st['steps'])} steps per framework",
+      "and model, the frameworks' order rotating from round to round so that noise",
+      "hits all alike. samples/s is the median over rounds, [min, max] beside it;",
+      "**jdist / peer** is the median over rounds of jdist's speed divided by the",
+      "peer's in the same round (above 1: jdist is faster), [min, max] beside it.",
+      "Fake CPU devices (JAX), logical CPU devices (TF) and processes (torch) all",
+      "share the machine's cores.",
+      "",
+      "jdist: `MirroredStrategy` and a custom loop under `strategy.function`, batches",
+      "from `experimental_distribute_dataset` (each host batch placed every step, as",
+      "in a user's loop; the overhead section above feeds one pre-placed batch).",
+  ]
+  for name, note in PEER_NOTES.items():
+    if any(r["framework"] == name for r in rows):
+      label = next(r["label"] for r in rows if r["framework"] == name)
+      lines.append(f"- {label}: {note}.")
+  lines.append("")
+  for model in dict.fromkeys(r["model"] for r in rows):
+    mrows = [r for r in rows if r["model"] == model]
+    r0 = mrows[0]
+    title = {"mlp": "MLP 10-16-10", "cnn": "CNN 28x28x1"}.get(model, model)
+    lines += [f"### {title}, global batch {r0['batch']}", "",
+              "| replicas | framework | samples/s | spread | jdist / peer | spread "
+              f"| loss after {_total(st, model)} steps |",
+              "|---|---|---|---|---|---|---|"]
+    for r in mrows:
+      sp = r.get("jdist_speedup")
+      name = f"**{r['label']}**" if r["framework"] == "jdist" else r["label"]
+      ratio = "1" if r["framework"] == "jdist" else (f"**{sp:.2f}**" if sp else "n/a")
+      rspread = ("" if r["framework"] == "jdist" or not sp else
+                 f"{r['jdist_speedup_spread'][0]:.2f} to {r['jdist_speedup_spread'][1]:.2f}")
+      lo, hi = r["samples_per_s_spread"]
+      lines.append(f"| {r['replicas']} | {name} | {r['samples_per_s']:,.0f} | "
+                   f"{lo:,.0f} to {hi:,.0f} | {ratio} | {rspread} | {r['loss']:.5f} |")
+    faster = [f"{r['label']} at {r['replicas']} ({1 / r['jdist_speedup']:.2f}x jdist)"
+              for r in mrows if r.get("jdist_speedup") and r["jdist_speedup"] < 1]
+    lines += ["", "Faster than jdist here (median): " + ("; ".join(faster) or "none") + "."]
+    loss0 = r0.get("loss0")
+    spread = _loss_spread(mrows)
+    lines += ["", f"Loss on the first global batch: {loss0:.5f} before training; after "
+              f"training, the largest relative difference to jdist's is {spread:.1e}"
+              + (" (all trained the same model)." if not res["loss_mismatch"] else
+                 f". MISMATCH: {res['loss_mismatch']}."), ""]
+  if res["skipped"]:
+    lines += ["Left out:", ""]
+    for name, why in res["skipped"].items():
+      lines.append(f"- {name}: {why}")
+    lines.append("")
+  versions = ", ".join(dict.fromkeys(v for v in res["versions"].values() if v))
+  lines.append(f"Versions: {versions}.")
+  return lines
+
+
+def _steps(steps: dict) -> str:
+  return ", ".join(f"{v} ({k})" for k, v in steps.items())
+
+
+def _total(settings: dict, model: str) -> int:
+  warm = dict(kv.split(":") for kv in settings["warmup"].split(","))
+  return int(warm.get(model, 1)) + settings["rounds"] * settings["steps"][model]
+
+
+def _loss_spread(rows: list) -> float:
+  ref = {r["replicas"]: r["loss"] for r in rows if r["framework"] == "jdist"}
+  diffs = [abs(r["loss"] - ref[r["replicas"]]) / abs(ref[r["replicas"]])
+           for r in rows if r["replicas"] in ref and r["loss"] is not None]
+  return max(diffs, default=0.0)
 
 
 if __name__ == "__main__":

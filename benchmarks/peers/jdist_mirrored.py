@@ -1,0 +1,91 @@
+"""jdist worker: MirroredStrategy, a custom loop under `strategy.function`.
+
+The step is the per-replica function of benchmarks/overhead.py's `with_jdist`
+(loss scaled by the global batch with `compute_average_loss`, optax SGD);
+batches come from `experimental_distribute_dataset` over the cycled synthetic
+global batches, as a user's loop would get them. Run with
+XLA_FLAGS=--xla_force_host_platform_device_count=N (peers.py does this).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import common
+
+
+class Trainer:
+
+  def __init__(self, name: str, strategy):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import jdist
+    from jdist.examples.models import CNN, MLP
+
+    spec = common.MODELS[name]
+    self.model = MLP(hidden=16, classes=common.CLASSES) if name == "mlp" else CNN()
+    self.x, self.y = common.data(name)
+    params = jax.tree.map(jnp.asarray, common.init_params(name))
+    ref = self.model.init(jax.random.key(0), self.x[0, :1])["params"]
+    same = jax.tree.map(lambda a, b: a.shape == b.shape, ref, params)
+    assert all(jax.tree.leaves(same)), "common.init_params does not fit the seed model"
+    tx = optax.sgd(spec["lr"])
+    model = self.model
+
+    @strategy.function
+    def step(state, batch):
+      params, opt = state
+      def loss_fn(p):
+        logits = model.apply({"params": p}, batch["x"])
+        return jdist.compute_average_loss(
+            optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]))
+      loss, grads = jax.value_and_grad(loss_fn)(params)
+      updates, opt = tx.update(grads, opt)
+      return (optax.apply_updates(params, updates), opt), loss
+
+    self._jax, self._np = jax, np
+    self.step = step
+    self.state = strategy.replicate((params, tx.init(params)))
+    batches = [{"x": self.x[i], "y": self.y[i]} for i in range(common.NUM_BATCHES)]
+    self.batches = iter(strategy.experimental_distribute_dataset(
+        itertools.cycle(batches)))
+
+  def run(self, steps: int) -> float:
+    start = time.perf_counter()
+    state = self.state
+    for _ in range(steps):
+      state, _ = self.step(state, next(self.batches))
+    self._jax.block_until_ready(state)
+    self.state = state
+    return time.perf_counter() - start
+
+  def evaluate(self) -> float:
+    logits = self.model.apply({"params": self.state[0]}, self.x[0])
+    return common.cross_entropy(self._np.asarray(logits), self.y[0])
+
+
+def main(argv=None):
+  args = common.parse_args(argv)
+  proto = common.Protocol()
+  import jax
+
+  import jdist
+  devices = jax.local_devices()[:args.replicas]
+  if len(devices) < args.replicas:
+    raise SystemExit(f"need {args.replicas} devices, have {len(jax.local_devices())}: "
+                     "set XLA_FLAGS=--xla_force_host_platform_device_count=N")
+  strategy = jdist.MirroredStrategy(devices)
+  trainers = {m: Trainer(m, strategy) for m in args.models}
+  loss0 = {m: t.evaluate() for m, t in trainers.items()}
+  common.warm_all(trainers, args.warmup)
+  common.serve(trainers, proto=proto, info={
+      "loss0": loss0, "version": f"jdist (jax {jax.__version__})",
+      "path": "custom loop: strategy.function + experimental_distribute_dataset"})
+
+
+if __name__ == "__main__":
+  main()
