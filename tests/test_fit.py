@@ -121,6 +121,16 @@ def test_an_iterator_that_runs_out_stops_training_with_a_warning(split):
   assert history.epoch == [0] and trainer.global_step == 4
 
 
+def test_validation_iterator_that_runs_out_is_a_clear_error(split):
+  (x, y), (vx, vy) = split
+  val = iter([(vx[:64], vy[:64])])  # enough for one evaluation only
+  trainer = trainer_on(2)
+  with pytest.raises(ValueError, match="evaluation data gave no batches"):
+    trainer.fit(x[:128], y[:128], batch_size=64, epochs=2, validation_data=val,
+                verbose=0)
+  assert trainer.history.epoch == [0]
+
+
 def test_validation_split_and_steps_per_epoch(split):
   (x, y), _ = split
   trainer = trainer_on(2)

@@ -7,6 +7,7 @@ exactly the missing optimizer steps. The job is tests/train_child.py.
 """
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -146,7 +147,7 @@ def test_sigterm_to_one_process(reference, tmp_path):
   assert_params_match(reference, out)
 
 
-def test_kill_9_of_one_process(reference, tmp_path):
+def test_kill_9_of_one_process(reference, tmp_path, digits_flat):
   backup, out = tmp_path / "backup", tmp_path / "params.npz"
   job = Job(tmp_path, "first", backup, out, mode="slow")
   try:
@@ -158,5 +159,19 @@ def test_kill_9_of_one_process(reference, tmp_path):
     job.close()
   saved = complete_steps(backup)
   assert saved and saved[-1] >= 8 and saved[-1] % 4 == 0
+  shutil.copytree(backup, tmp_path / "copy")
   finish(tmp_path, backup, out, resume_at=saved[-1])
   assert_params_match(reference, out)
+
+  # The two processes' backup also resumes in one process on 2 devices.
+  x, y = digits_flat
+  restore = jdist.BackupAndRestore(tmp_path / "copy")
+  trainer = jdist.Trainer(MLP(), optimizer=optax.adam(1e-2),
+                          loss="sparse_categorical_crossentropy",
+                          metrics=["accuracy"],
+                          strategy=jdist.MirroredStrategy(jax.local_devices()[:2]))
+  trainer.fit(x[:1000], y[:1000], batch_size=64, epochs=3, verbose=0,
+              callbacks=[restore])
+  assert restore.restored_step == saved[-1] and trainer.global_step == STEPS
+  for want, have in zip(reference, jax.tree.leaves(trainer.params)):
+    np.testing.assert_allclose(np.asarray(have), want, rtol=2e-5, atol=2e-6)

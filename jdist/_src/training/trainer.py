@@ -366,12 +366,19 @@ class Trainer:
     cbs.call("on_test_begin", {})
     bar.start_epoch(0, source.steps_per_epoch)
     try:
+      ran = 0
       for i, batch in enumerate(self._distribute(source.batches(0))):
         cbs.call("on_test_batch_begin", i, {})
         totals = eval_step(self.state, totals, batch)
         logs = LazyLogs(functools.partial(self._read_means, totals))
         cbs.call("on_test_batch_end", i, logs)
         bar.step(logs)
+        ran += 1
+      if not ran:
+        raise ValueError(
+            "The evaluation data gave no batches (a one-shot iterator used up "
+            "by an earlier evaluation?). Pass arrays or a re-iterable dataset, "
+            "or an iterator with enough batches and validation_steps.")
       logs = self._read_means(totals)
       bar.end_epoch(0, logs)
     finally:
