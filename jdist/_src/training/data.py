@@ -258,3 +258,25 @@ def make_source(x, y=None, *, batch_size=None, steps_per_epoch=None,
   if iter(x) is x:
     return IteratorSource(x, steps_per_epoch=steps_per_epoch, need_y=need_y)
   return IterableSource(x, steps_per_epoch=steps_per_epoch, need_y=need_y)
+
+
+def validation_source(source, validation_data, *, validation_split: float,
+                      steps: int | None, batch_size: int | None):
+  """`(training source, validation source or None)` from fit's arguments."""
+  val = None
+  if validation_split:
+    if not isinstance(source, ArraySource):
+      raise ValueError("validation_split needs arrays; pass validation_data "
+                       "for other kinds of data.")
+    source, val = source.split(validation_split)
+  if validation_data is not None:
+    if isinstance(validation_data, tuple):
+      vx, vy = (validation_data + (None,))[:2]
+    else:
+      vx, vy = validation_data, None
+    if vy is not None:
+      batch_size = batch_size or getattr(source, "batch_size", None)
+    else:
+      batch_size = None
+    val = make_source(vx, vy, batch_size=batch_size, steps_per_epoch=steps)
+  return source, val

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import itertools
 import warnings
 from typing import Any, Sequence
 
@@ -16,33 +14,20 @@ import optax
 from jdist._src import placement
 from jdist._src import scope
 from jdist._src.training import data as data_lib
+from jdist._src.training import loop
 from jdist._src.training import model as model_lib
 from jdist._src.training import objectives
 from jdist._src.training import steps as steps_lib
 from jdist._src.training.callbacks import CallbackList, LazyLogs
-from jdist._src.training.checkpoint import Checkpointer
 from jdist._src.training.history import History
 from jdist._src.training.progress import ProgressBar
+from jdist._src.training.loop import Position
+from jdist._src.training.resume import Resumable
 from jdist._src.training.state import TrainState
 from jdist._src.values import SyncOnRead
 
 
-@dataclasses.dataclass(frozen=True)
-class Position:
-  """Where training is: epoch, batch within it, batches taken from the data."""
-
-  epoch: int = 0
-  batch: int = 0
-  consumed: int = 0
-
-  def next_batch(self) -> "Position":
-    return Position(self.epoch, self.batch + 1, self.consumed + 1)
-
-  def next_epoch(self) -> "Position":
-    return Position(self.epoch + 1, 0, self.consumed)
-
-
-class Trainer:
+class Trainer(Resumable):
   """Trains a flax model with an optax optimizer on a jdist strategy.
 
   The per-replica step is built for you: the model runs on each replica's
@@ -247,20 +232,9 @@ class Trainer:
     source = data_lib.make_source(x, y, batch_size=batch_size,
                                   steps_per_epoch=steps_per_epoch,
                                   shuffle=shuffle, seed=self._seed)
-    val_source = None
-    if validation_split:
-      if not isinstance(source, data_lib.ArraySource):
-        raise ValueError("validation_split needs arrays; pass validation_data "
-                         "for other kinds of data.")
-      source, val_source = source.split(validation_split)
-    if validation_data is not None:
-      vx, vy = ((validation_data, None) if not isinstance(validation_data, tuple)
-                else (validation_data + (None,))[:2])
-      val_batch = None
-      if vy is not None:
-        val_batch = validation_batch_size or getattr(source, "batch_size", None)
-      val_source = data_lib.make_source(vx, vy, batch_size=val_batch,
-                                        steps_per_epoch=validation_steps)
+    source, val_source = data_lib.validation_source(
+        source, validation_data, validation_split=validation_split,
+        steps=validation_steps, batch_size=validation_batch_size)
     first = self._prepare(source, "training data")
     if val_source is not None:
       self._prepare(val_source, "validation data")
@@ -287,7 +261,8 @@ class Trainer:
         cbs.call("on_epoch_begin", epoch, {})
         bar.start_epoch(epoch, source.steps_per_epoch, initial=start)
         ran = 0
-        for batch in self._epoch_batches(source, epoch, start, first):
+        for batch in loop.epoch_batches(self._distribute, source, epoch, start,
+                                        first):
           index = self._position.batch
           cbs.call("on_train_batch_begin", index, {})
           self.state, totals = train_step(self.state, totals, batch)
@@ -325,20 +300,6 @@ class Trainer:
       self.export()
     return self.history
 
-  def _epoch_batches(self, source, epoch: int, start: int, first: dict):
-    """The epoch's distributed batches from batch `start` on.
-
-    A distributed dataset takes its batch shape from its first batch. When a
-    resumed epoch starts at its short last batch, a full batch (the data's
-    first, already read) goes first to fix the shape, and is not trained on.
-    """
-    if not start:
-      return iter(self._distribute(source.batches(epoch)))
-    batches = iter(self._distribute(
-        itertools.chain([first], source.batches(epoch, start))))
-    next(batches)
-    return batches
-
   def _read_means(self, totals) -> dict:
     return steps_lib.means(steps_lib.read_sums(self.strategy, totals))
 
@@ -360,31 +321,10 @@ class Trainer:
     return self._evaluate_source(source, cbs, verbose=verbose)
 
   def _evaluate_source(self, source, cbs: CallbackList, verbose=0) -> dict:
-    eval_step = self._steps[1]
-    bar = ProgressBar(verbose, 1)
-    totals = self._totals()
-    cbs.call("on_test_begin", {})
-    bar.start_epoch(0, source.steps_per_epoch)
-    try:
-      ran = 0
-      for i, batch in enumerate(self._distribute(source.batches(0))):
-        cbs.call("on_test_batch_begin", i, {})
-        totals = eval_step(self.state, totals, batch)
-        logs = LazyLogs(functools.partial(self._read_means, totals))
-        cbs.call("on_test_batch_end", i, logs)
-        bar.step(logs)
-        ran += 1
-      if not ran:
-        raise ValueError(
-            "The evaluation data gave no batches (a one-shot iterator used up "
-            "by an earlier evaluation?). Pass arrays or a re-iterable dataset, "
-            "or an iterator with enough batches and validation_steps.")
-      logs = self._read_means(totals)
-      bar.end_epoch(0, logs)
-    finally:
-      bar.close()
-    cbs.call("on_test_end", logs)
-    return logs
+    batches = self._distribute(source.batches(0))
+    return loop.evaluate(self._steps[1], self.state, batches, self._totals(),
+                         self._read_means, cbs,
+                         ProgressBar(verbose, 1), source.steps_per_epoch)
 
   def predict(self, x, *, batch_size: int | None = None,
               steps: int | None = None, callbacks: Sequence = (), verbose=0):
@@ -397,77 +337,11 @@ class Trainer:
     source = data_lib.make_source(x, None, batch_size=batch_size,
                                   steps_per_epoch=steps, need_y=False)
     self._prepare(source, "prediction data", with_loss=False)
-    predict_step = self._steps[2]
     cbs = CallbackList(callbacks, trainer=self, params={"steps": steps,
                                                         "verbose": verbose})
-    bar = ProgressBar(verbose, 1)
-    outputs = []
-    cbs.call("on_predict_begin", {})
-    bar.start_epoch(0, source.steps_per_epoch)
-    try:
-      inputs = ({"x": b["x"]} for b in source.batches(0))
-      for i, batch in enumerate(self._distribute(inputs)):
-        cbs.call("on_predict_batch_begin", i, {})
-        outputs.append(predict_step(self.state, batch))
-        cbs.call("on_predict_batch_end", i, {"outputs": outputs[-1]})
-        bar.step({})
-      bar.end_epoch(0, {})
-    finally:
-      bar.close()
-    cbs.call("on_predict_end", {})
-    gathered = [self.strategy.gather(o) for o in outputs]
-    return jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]),
-                        *gathered)
-
-  # --- checkpoints -----------------------------------------------------------
-
-  def checkpoint_meta(self) -> dict:
-    """JSON metadata saved with a checkpoint: position, history, data state."""
-    history = self.history.to_dict() if self.history else {}
-    if self._epoch_logs is not None and history:
-      epoch, logs = self._epoch_logs
-      if epoch not in history["epoch"]:
-        history["epoch"].append(epoch)
-        for k, v in logs.items():
-          history["history"].setdefault(k, []).append(v)
-    pos = self._position
-    sums = None
-    if pos.batch and self._totals_now is not None:
-      sums = steps_lib.read_sums(self.strategy, self._totals_now)
-    data = self._source.state(pos.consumed) if self._source else {}
-    return {"epoch": pos.epoch, "batch": pos.batch, "consumed": pos.consumed,
-            "sums": sums, "history": history, "data": data}
-
-  def restore_from(self, state: TrainState, meta: dict) -> None:
-    """Continues from a restored checkpoint (used by `BackupAndRestore`)."""
-    self.state = state
-    self._global_step = int(meta["step"])
-    self._position = Position(int(meta["epoch"]), int(meta["batch"]),
-                              int(meta["consumed"]))
-    self._resume_sums = meta.get("sums")
-    if self.history is not None and meta.get("history"):
-      self.history.load_dict(meta["history"])
-    if self._source is not None:
-      self._source.resume(meta.get("data") or {}, self._position.consumed)
-
-  def load_checkpoint(self, directory, *, step: int | None = None) -> int:
-    """Loads the weights and optimizer state of a checkpoint; returns its step.
-
-    Reads checkpoints written by `ModelCheckpoint` or `BackupAndRestore`, on
-    any number of devices or processes. Call `build(x)` first if the trainer
-    has not run yet (the checkpoint must match the model's shapes).
-    """
-    self._require_state("load a checkpoint into")
-    ckpt = Checkpointer(directory)
-    try:
-      restored = ckpt.restore(self.state, self.strategy.mesh, step=step)
-    finally:
-      ckpt.close()
-    if restored is None:
-      raise FileNotFoundError(f"No checkpoint in {directory}.")
-    self.state, meta = restored
-    self._global_step = int(meta["step"])
-    return self._global_step
+    inputs = self._distribute({"x": b["x"]} for b in source.batches(0))
+    return loop.predict(self._steps[2], self.state, inputs, self.strategy, cbs,
+                        ProgressBar(verbose, 1), source.steps_per_epoch)
 
   def export(self) -> Any:
     """The trained model in its own terms.
