@@ -158,6 +158,25 @@ def test_backup_of_another_model_is_an_error_before_any_step(data, tmp_path):
     trainer.load_checkpoint(tmp_path)
 
 
+def test_sigterm_after_the_last_step_is_passed_on(data, tmp_path):
+  """A SIGTERM that no step saw reaches the handler that was there before."""
+  received = []
+  previous = signal.signal(signal.SIGTERM, lambda *_: received.append("TERM"))
+
+  class TermDuringValidation(jdist.Callback):
+    def on_test_end(self, logs=None):
+      if self.model.global_step == 16:  # the last epoch's validation
+        os.kill(os.getpid(), signal.SIGTERM)
+
+  try:
+    trainer = make_trainer(2)
+    fit(trainer, data, [TermDuringValidation(), jdist.BackupAndRestore(tmp_path)],
+        epochs=1)
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+  assert trainer.global_step == 16 and received == ["TERM"]
+
+
 # --- real processes ------------------------------------------------------------
 
 

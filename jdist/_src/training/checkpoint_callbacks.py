@@ -157,6 +157,7 @@ class BackupAndRestore(Callback):
   def on_train_batch_end(self, batch, logs=None):
     trainer = self.model
     if self._watcher.reached(trainer.global_step):
+      self._watcher.handled()
       _save(self._ckpt, trainer)
       self._release()
       if is_chief():

@@ -8,6 +8,7 @@ process, a SIGTERM handler sets a flag that the next step sees.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
@@ -37,6 +38,7 @@ class PreemptionWatcher:
 
   def __init__(self):
     self._flag = False
+    self._handled = False
     self._previous = None
     self._multi = jax.process_count() > 1 and _distributed_client()
     if not self._multi and threading.current_thread() is threading.main_thread():
@@ -56,8 +58,18 @@ class PreemptionWatcher:
       return bool(multihost_utils.reached_preemption_sync_point(step))
     return self._flag
 
+  def handled(self) -> None:
+    """Marks the SIGTERM as dealt with (saved and exiting)."""
+    self._handled = True
+
   def close(self) -> None:
-    """Puts back the SIGTERM handler that was there before."""
+    """Puts back the SIGTERM handler that was there before.
+
+    A SIGTERM that came too late to stop training at a step (during the last
+    validation, say) is sent again, so the process still ends as asked.
+    """
     if self._previous is not None:
       signal.signal(signal.SIGTERM, self._previous)
       self._previous = None
+      if self._flag and not self._handled:
+        os.kill(os.getpid(), signal.SIGTERM)
