@@ -307,3 +307,30 @@ def test_resume_a_one_shot_iterator(stream, tmp_path, kind):
   for a, b in zip(jax.tree.leaves(reference.params),
                   jax.tree.leaves(trainer.params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_resume_a_grain_iterator(data, tmp_path):
+  """grain's DatasetIterator resumes from its own state (get/set_state)."""
+  import grain
+  (x, y), _ = data
+  records = [{"x": x[i], "y": y[i]} for i in range(320)]
+  dataset = grain.MapDataset.source(records).shuffle(seed=0).repeat(3).batch(64)
+  make = lambda: iter(dataset.to_iter_dataset())
+  reference = make_trainer(2)
+  ref_history = reference.fit(make(), epochs=3, steps_per_epoch=5, verbose=0)
+  with pytest.raises(KeyboardInterrupt):
+    make_trainer(2).fit(make(), epochs=3, steps_per_epoch=5, verbose=0,
+                        callbacks=[Interrupt(8),
+                                   jdist.BackupAndRestore(tmp_path, save_freq=3)])
+  with open(tmp_path / "6" / "meta" / "metadata") as f:
+    assert '"iterator_state": {"next_index": 6}' in f.read()
+  backup = jdist.BackupAndRestore(tmp_path, save_freq=3)
+  trainer = make_trainer(2)
+  history = trainer.fit(make(), epochs=3, steps_per_epoch=5, verbose=0,
+                        callbacks=[backup])
+  assert backup.restored_step == 6
+  np.testing.assert_allclose(history.history["loss"],
+                             ref_history.history["loss"], rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(reference.params),
+                  jax.tree.leaves(trainer.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
