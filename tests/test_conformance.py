@@ -30,6 +30,8 @@ def _strategies():
       "mirrored_1": mirrored(1),
       "mirrored_2": mirrored(2),
       "mirrored_4": mirrored(4),
+      # Without a cluster: one process over every local device.
+      "multi_worker": jdist.MultiWorkerMirroredStrategy,
   }
 
 

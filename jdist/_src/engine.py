@@ -84,6 +84,9 @@ class DistributedFunction:
     # waiting for step k-1 after dispatching step k avoids it at no cost.
     self._throttle = (strategy.devices[0].platform == "cpu" and
                       strategy.num_replicas_in_sync > 1)
+    # Multi-process runs check the traced program and watch each step.
+    self._guard = strategy._step_guard
+    self._name = getattr(fn, "__name__", "step")
     self._in_flight = None
     self._compilations = 0
     functools.update_wrapper(self, fn)
@@ -122,10 +125,14 @@ class DistributedFunction:
             "that made them; place state with this strategy's replicate() and "
             "distribute batches with its experimental_distribute_dataset().") from e
       raise
-    if self._throttle:
-      previous, self._in_flight = self._in_flight, _first_array(out)
-      if previous is not None and not previous.is_deleted():
-        previous.block_until_ready()
+    if self._throttle or self._guard is not None:
+      first, last = _end_arrays(out)
+      if self._guard is not None:  # the last leaf: outputs fed back get donated
+        self._guard.track(self._name, last)
+      if self._throttle:
+        previous, self._in_flight = self._in_flight, first
+        if previous is not None and not previous.is_deleted():
+          previous.block_until_ready()
     return out
 
   # --- tracing -------------------------------------------------------------
@@ -229,7 +236,11 @@ class DistributedFunction:
 
     # Pass 1: every output per-replica (P(axis) is a prefix of any output
     # structure), only to learn from the traced types which outputs vary.
-    jax.eval_shape(mapped(True, P(axis)), *leaves)
+    if self._guard is None:
+      jax.eval_shape(mapped(True, P(axis)), *leaves)
+    else:  # the same trace, kept as a jaxpr to compare with the other processes
+      self._guard.check_program(self._name,
+                                jax.make_jaxpr(mapped(True, P(axis)))(*leaves))
     kinds = record["kinds"]
     out_specs = [P() if k == "mirrored" else P(axis) for k in kinds]
     results = mapped(False, out_specs)(*leaves)
@@ -263,11 +274,10 @@ def _varying(x: Any, axis: str) -> jax.Array:
   return jax.lax.pcast(x, axis, to="varying")
 
 
-def _first_array(tree: Any):
-  for leaf in jax.tree.leaves(tree):
-    if isinstance(leaf, jax.Array):
-      return leaf
-  return None
+def _end_arrays(tree: Any):
+  """The first and the last array leaves of `tree` (None if it has none)."""
+  arrays = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
+  return (arrays[0], arrays[-1]) if arrays else (None, None)
 
 
 def _check_state(out, call_args, axis: str, name: str) -> None:

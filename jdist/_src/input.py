@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, Iterator
 import jax
 import numpy as np
 
+from jdist._src import input_sync
 from jdist._src import placement
 from jdist._src.values import PerReplica
 
@@ -144,13 +145,20 @@ class DistributedIterator:
     self._size = None  # global batch (global mode) or per-replica batch
     self._done = False
     self.position = 0  # batches handed out so far
+    # Processes must agree on how many steps there are, or one waits forever.
+    self._agreement = None
+    if placement.spans_processes(dataset.strategy.mesh):
+      self._agreement = input_sync.StepAgreement(
+          self._next_host_batch, per_process=dataset._mode != "global",
+          timeout=dataset.strategy.communication_options.timeout_seconds)
 
   def __iter__(self):
     return self
 
   def __next__(self) -> PerReplica:
     while not self._done and len(self._buffer) < self._ds._prefetch:
-      item = self._next_host_batch()
+      item = (self._next_host_batch() if self._agreement is None
+              else self._agreement.next())
       if item is None:
         self._done = True
         break
@@ -249,10 +257,7 @@ def per_replica_batches(strategy, dataset_fn: Callable, *, prefetch: int = 2):
   """See `Strategy.distribute_datasets_from_function`."""
   ctx = InputContext(jax.process_count(), jax.process_index(),
                      strategy.num_replicas_in_sync)
-  if len({d.process_index for d in strategy.devices}) > 1:
-    # Each process only knows its own rows: count valid examples in the step.
-    return DistributedDataset(strategy, lambda: iter(dataset_fn(ctx)),
-                              "per_replica", prefetch=prefetch,
-                              global_valid_count=False)
+  # Across processes, StepAgreement turns each process's count into the
+  # global one, so steps never need an all-reduce to count examples.
   return DistributedDataset(strategy, lambda: iter(dataset_fn(ctx)),
                             "per_replica", prefetch=prefetch)

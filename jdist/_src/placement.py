@@ -23,7 +23,8 @@ def per_replica_sharding(mesh, axis_name: str) -> NamedSharding:
   return NamedSharding(mesh, P(axis_name))
 
 
-def _multiprocess(mesh) -> bool:
+def spans_processes(mesh) -> bool:
+  """Whether `mesh` has devices of more than one process."""
   return len({d.process_index for d in mesh.devices.flat}) > 1
 
 
@@ -32,8 +33,12 @@ def put_replicated(x: Any, mesh) -> jax.Array:
   sharding = replicated_sharding(mesh)
   if isinstance(x, jax.Array) and x.sharding == sharding:
     return x
-  if not _multiprocess(mesh):
+  if not spans_processes(mesh):
     return jax.device_put(x, sharding)
+  if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+    # Typed keys have no host form: place their data, then re-wrap it.
+    data = put_replicated(jax.random.key_data(x), mesh)
+    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
   host = np.asarray(x)
   return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
@@ -42,7 +47,7 @@ def put_per_replica(local_rows: Any, mesh, axis_name: str,
                     num_replicas: int) -> jax.Array:
   """Places this process's rows `(local_replicas, ...)` as a `(R, ...)` array."""
   sharding = per_replica_sharding(mesh, axis_name)
-  if not _multiprocess(mesh):
+  if not spans_processes(mesh):
     return jax.device_put(local_rows, sharding)
   local_rows = np.asarray(local_rows)
   global_shape = (num_replicas,) + local_rows.shape[1:]

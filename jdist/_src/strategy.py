@@ -18,6 +18,7 @@ from jax.sharding import AxisType, Mesh
 
 from jdist._src import context
 from jdist._src import cross_replica
+from jdist._src import guard
 from jdist._src import input as input_lib
 from jdist._src import placement
 from jdist._src.engine import DistributedFunction
@@ -43,7 +44,8 @@ class Strategy:
     9.0
   """
 
-  def __init__(self, devices: Sequence[Any], *, axis_name: str = "replica"):
+  def __init__(self, devices: Sequence[Any], *, axis_name: str = "replica",
+               communication_options=None):
     devices = tuple(devices)
     if not devices:
       raise ValueError("A strategy needs at least one device.")
@@ -52,6 +54,11 @@ class Strategy:
     self._mesh = Mesh(np.array(devices, dtype=object), (axis_name,),
                       axis_types=(AxisType.Auto,))
     self._run_cache = weakref.WeakKeyDictionary()
+    self._communication_options = guard.CommunicationOptions.of(
+        communication_options)
+    # Only a mesh that spans processes needs the cross-process checks.
+    self._step_guard = (guard.StepGuard(self._communication_options)
+                        if placement.spans_processes(self._mesh) else None)
 
   # --- identity --------------------------------------------------------------
 
@@ -90,6 +97,11 @@ class Strategy:
   def num_replicas_in_sync(self) -> int:
     """How many replicas run each step."""
     return len(self._devices)
+
+  @property
+  def communication_options(self):
+    """The `jdist.CommunicationOptions` of this strategy's collectives."""
+    return self._communication_options
 
   @property
   def extended(self):

@@ -70,3 +70,31 @@ class VaryingStateError(DistributionError):
 
 class StrategyMismatchError(DistributionError):
   """A distributed value or scope belongs to a different strategy."""
+
+
+class ClusterError(RuntimeError):
+  """This process could not join (or describe) a multi-process run."""
+
+
+class ProgramMismatchError(DistributionError):
+  """Processes of one run compiled different programs for the same step."""
+
+
+class CollectiveTimeoutError(RuntimeError):
+  """Peers did not join a collective or a rendezvous within the timeout."""
+
+
+class PeerFailureError(RuntimeError):
+  """Another process of the run failed, so this one cannot continue.
+
+  The process monitor prints it (`jdist.PeerFailureError: ...`) and ends the
+  process, whose main thread is blocked in a collective that will never end.
+  """
+
+
+# Tracebacks show the public name (jdist.ClusterError), not jdist._src.types.
+for _error in (DistributionError, DoubleReductionError, VaryingStateError,
+               StrategyMismatchError, ClusterError, ProgramMismatchError,
+               CollectiveTimeoutError, PeerFailureError):
+  _error.__module__ = "jdist"
+del _error

@@ -1,0 +1,34 @@
+"""How a process finds its multi-process run (TensorFlow's `cluster_resolver`).
+
+`jdist.initialize()` and `jdist.MultiWorkerMirroredStrategy()` use, in order:
+an explicit resolver, jdist's own variables (set by `jdist launch`),
+`TF_CONFIG`, and JAX's detection of SLURM, Open MPI, Kubernetes and Cloud TPU.
+
+Example:
+  >>> import jdist
+  >>> r = jdist.cluster_resolver.TFConfigClusterResolver(
+  ...     {"cluster": {"worker": ["h0:2222", "h1:2222"]},
+  ...      "task": {"type": "worker", "index": 1}})
+  >>> r.resolve().process_id
+  1
+"""
+
+from jdist._src.cluster import ClusterConfig
+from jdist._src.cluster import ClusterResolver
+from jdist._src.cluster import EnvironmentClusterResolver
+from jdist._src.cluster import JaxClusterResolver
+from jdist._src.cluster import SimpleClusterResolver
+from jdist._src.cluster import TFConfigClusterResolver
+from jdist._src.cluster import TPUClusterResolver
+from jdist._src.cluster import resolve
+
+__all__ = [
+    "ClusterConfig",
+    "ClusterResolver",
+    "EnvironmentClusterResolver",
+    "JaxClusterResolver",
+    "SimpleClusterResolver",
+    "TFConfigClusterResolver",
+    "TPUClusterResolver",
+    "resolve",
+]

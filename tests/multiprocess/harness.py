@@ -1,0 +1,103 @@
+"""Starting real processes on 127.0.0.1 for the multi-process tests.
+
+Every process gets a timeout and is killed (with its process group) in a
+`finally`, so a failing test never leaves processes behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+WORKER = os.path.join(HERE, "worker.py")
+PYTHON = sys.executable
+
+
+@dataclasses.dataclass
+class Result:
+  returncode: int | None   # None: killed by the harness at its timeout
+  stdout: str
+  stderr: str
+  seconds: float
+
+  @property
+  def output(self) -> str:
+    return self.stdout + self.stderr
+
+
+def free_port() -> int:
+  from jdist._src.launch import free_port as pick
+  return pick()
+
+
+def base_env(devices: int = 2, **extra) -> dict:
+  env = {k: v for k, v in os.environ.items()
+         if not k.startswith(("JDIST_", "TF_CONFIG", "XLA_FLAGS"))}
+  env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+             PYTHONPATH=os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]),
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  env.update({k: str(v) for k, v in extra.items()})
+  return env
+
+
+def run_processes(cmds_envs, *, timeout: float) -> list:
+  """Starts each `(cmd, env)`; waits for all, killing any still alive at `timeout`."""
+  procs, outs = [], []
+  start = time.monotonic()
+  try:
+    for cmd, env in cmds_envs:
+      out = tempfile.TemporaryFile()
+      err = tempfile.TemporaryFile()
+      outs.append((out, err))
+      procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=err,
+                                    start_new_session=True, cwd=ROOT))
+    ended = [None] * len(procs)
+    while any(e is None for e in ended) and time.monotonic() - start < timeout:
+      for i, p in enumerate(procs):
+        if ended[i] is None and p.poll() is not None:
+          ended[i] = time.monotonic() - start
+      time.sleep(0.05)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        try:
+          os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+          pass
+      p.wait()
+  results = []
+  for p, (out, err), t in zip(procs, outs, ended):
+    out.seek(0)
+    err.seek(0)
+    results.append(Result(p.returncode if t is not None else None,
+                          out.read().decode(errors="replace"),
+                          err.read().decode(errors="replace"),
+                          t if t is not None else timeout))
+    out.close()
+    err.close()
+  return results
+
+
+def run_workers(mode: str, out_dir, *, timeout: float, n: int = 2,
+                devices: int = 2, only=None, **env) -> list:
+  """Runs `worker.py mode out_dir` as processes 0..n-1 of one run."""
+  port = free_port()
+  jobs = []
+  for rank in (range(n) if only is None else only):
+    e = base_env(devices, JDIST_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                 JDIST_NUM_PROCESSES=n, JDIST_PROCESS_ID=rank, **env)
+    jobs.append(([PYTHON, WORKER, mode, str(out_dir)], e))
+  return run_processes(jobs, timeout=timeout)
+
+
+def run_launcher(args, *, timeout: float, devices_env: int = 1, **env) -> Result:
+  """Runs `python -m jdist.launch *args`."""
+  cmd = [PYTHON, "-m", "jdist.launch", *map(str, args)]
+  return run_processes([(cmd, base_env(devices_env, **env))], timeout=timeout)[0]

@@ -1,0 +1,165 @@
+"""Real multi-process runs on 127.0.0.1: 2 processes x 2 fake CPU devices.
+
+Each test starts processes of `worker.py` (directly, or through `jdist
+launch`), each with a timeout, and checks what a user would see: the trained
+parameters, or how and how fast every process ends when something goes wrong.
+Run them one at a time (pytest does): CPU collectives abort under heavy load.
+"""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+import jdist
+import jdist.testing
+from jdist.examples.data import batches, load_digits
+from jdist.examples.models import MLP
+from test_conformance import classifier_step, make_state
+
+import harness
+
+pytestmark = pytest.mark.multiprocess
+
+# Generous: this 2-core machine needs ~10 s just to start two JAX processes.
+RUN_TIMEOUT = 120
+
+
+def params_of(npz) -> dict:
+  return {k: npz[k] for k in npz.files if k.startswith("[")}
+
+
+def assert_all_failed(results, pattern, *, within):
+  for rank, r in enumerate(results):
+    assert r.returncode not in (0, None), f"process {rank}:\n{r.output[-3000:]}"
+    assert r.seconds < within, f"process {rank} took {r.seconds:.1f} s"
+  for rank, r in enumerate(results):
+    assert re.search(pattern, r.stderr), f"process {rank}:\n{r.stderr[-3000:]}"
+
+
+def test_training_matches_four_local_devices(tmp_path, digits_flat):
+  """The conformance training via `jdist launch -n 2 --devices-per-process 2`."""
+  r = harness.run_launcher(["-n", 2, "--devices-per-process", 2, harness.WORKER,
+                            "train_global", tmp_path], timeout=RUN_TIMEOUT)
+  assert r.returncode == 0, r.output[-5000:]
+  assert "[0] " in r.stdout and "[1] " in r.stdout
+  p0, p1 = (np.load(tmp_path / f"train_global-{i}.npz") for i in (0, 1))
+  # strategy.reduce gives bit-identical results on every process.
+  np.testing.assert_array_equal(p0["losses"], p1["losses"])
+  x, y = digits_flat
+  data = batches(x[:1280], y[:1280], 64)
+  local = jdist.testing.run_training(jdist.MirroredStrategy(), classifier_step,
+                                     make_state(MLP(), data[0]["x"]), data)
+  expected = {jax.tree_util.keystr(p): v for p, v in
+              jax.tree_util.tree_flatten_with_path(local.state.params)[0]}
+  problems = jdist.testing.compare_trees(expected, params_of(p0), rtol=1e-5,
+                                         atol=1e-6, names=("4 local", "2x2"))
+  assert not problems, "\n".join(problems)
+  np.testing.assert_allclose([o["loss"] for o in local.outputs], p0["losses"],
+                             rtol=1e-5)
+  for k, v in params_of(p0).items():
+    np.testing.assert_array_equal(v, p1[k])
+
+
+def test_per_process_inputs_that_end_at_different_steps(tmp_path, digits_flat):
+  """Process 0 has 400 examples, process 1 160: 13 steps on both, none lost."""
+  results = harness.run_workers("train_per_process", tmp_path, timeout=RUN_TIMEOUT)
+  for r in results:
+    assert r.returncode == 0, r.output[-5000:]
+  p0, p1 = (np.load(tmp_path / f"train_per_process-{i}.npz") for i in (0, 1))
+  assert int(p0["steps"]) == int(p1["steps"]) == 13
+  assert int(p0["seen"]) == int(p1["seen"]) == 560
+  # The same per-replica batches in one process: step j takes process 0's
+  # batches 2j, 2j+1 and process 1's (empty once its data has ended).
+  x, y = digits_flat
+  own = {0: batches(x[:400], y[:400], 16), 1: batches(x[400:560], y[400:560], 16)}
+  empty = {"x": x[:0], "y": y[:0]}
+  stream = [own[p][i] if i < len(own[p]) else empty
+            for j in range(13) for p in (0, 1) for i in (2 * j, 2 * j + 1)]
+  strategy = jdist.MirroredStrategy()
+  step = strategy.function(classifier_step)
+  state = strategy.replicate(make_state(MLP(), x[:16]))
+  for batch in strategy.distribute_datasets_from_function(lambda ctx: stream):
+    state, _ = step(state, batch)
+  expected = {jax.tree_util.keystr(p): np.asarray(v) for p, v in
+              jax.tree_util.tree_flatten_with_path(state.params)[0]}
+  problems = jdist.testing.compare_trees(expected, params_of(p0), rtol=1e-5,
+                                         atol=1e-6, names=("1 process", "2x2"))
+  assert not problems, "\n".join(problems)
+
+
+def test_a_mismatched_program_fails_on_every_process(tmp_path):
+  """Process 1 uses another learning rate; both raise before any collective."""
+  results = harness.run_workers("mismatch", tmp_path, timeout=RUN_TIMEOUT)
+  assert_all_failed(results, r"jdist.ProgramMismatchError: The processes compiled "
+                    r"different programs for classifier_step .*processes \[1\] "
+                    r"differ from process 0\. The inputs agree; the computation "
+                    r"differs", within=RUN_TIMEOUT)
+  assert all("ran to the end" not in r.stdout for r in results)
+
+
+def test_an_exception_in_one_process_stops_the_other_at_once(tmp_path):
+  results = harness.run_workers("crash", tmp_path, timeout=RUN_TIMEOUT)
+  assert_all_failed(results, r"RuntimeError: boom in process 1|process 1 failed",
+                    within=RUN_TIMEOUT)
+  assert "jdist.PeerFailureError: process 1 failed with RuntimeError: boom in " \
+         "process 1" in results[0].stderr
+  assert abs(results[0].seconds - results[1].seconds) < 5
+
+
+def test_a_killed_process_is_named_by_the_others(tmp_path):
+  results = harness.run_workers("kill", tmp_path, timeout=RUN_TIMEOUT)
+  assert results[1].returncode == -9
+  survivor = results[0]
+  assert survivor.returncode == 1, survivor.output[-3000:]
+  assert ("jdist.PeerFailureError: process 1 has stopped responding" in
+          survivor.stderr or
+          # Killed while waiting rather than in a collective: JAX's heartbeat
+          # (10 s with jdist.initialize) names the task that stopped.
+          "unhealthy (stopped sending heartbeats):\n1" in survivor.stderr), \
+      survivor.stderr[-3000:]
+  assert survivor.seconds - results[1].seconds < 15
+
+
+def test_a_stuck_process_times_out_with_its_name(tmp_path):
+  """timeout_seconds=3; process 1 sleeps in its loop before step 4."""
+  results = harness.run_workers("stuck", tmp_path, timeout=RUN_TIMEOUT,
+                                WORKER_TIMEOUT=3)
+  waiting, stuck = results
+  assert_all_failed(results, r"jdist\.", within=RUN_TIMEOUT)
+  assert ("jdist.CollectiveTimeoutError: step 4 (classifier_step) did not "
+          "complete within timeout_seconds=3 on process 0. Not started there: "
+          "process 1 (dispatched 3 steps)") in waiting.stderr, waiting.stderr
+  assert "jdist.PeerFailureError: process 0 stopped: jdist.CollectiveTimeout" \
+         in stuck.stderr
+  assert stuck.seconds < 30  # it was asleep for 60 s: ended by its monitor
+
+
+def test_processes_that_run_different_numbers_of_steps(tmp_path):
+  """Process 1 breaks out of its loop after 5 steps; process 0 is told why."""
+  results = harness.run_workers("early_exit", tmp_path, timeout=RUN_TIMEOUT)
+  assert_all_failed(results, r"jdist\.", within=RUN_TIMEOUT)
+  assert ("waits in step 6 (classifier_step), but process 1 (after 5 steps) "
+          "already reached the end of its program") in results[0].stderr
+
+
+def test_global_datasets_of_different_lengths(tmp_path):
+  results = harness.run_workers("uneven_global", tmp_path, timeout=RUN_TIMEOUT)
+  assert_all_failed(results, r"jdist.DistributionError: experimental_distribute_"
+                    r"dataset needs the same global batches on every process",
+                    within=RUN_TIMEOUT)
+
+
+@pytest.mark.parametrize("alone, message", [
+    (1, r"jdist.ClusterError: Process 1 of 2 could not reach the coordinator at "
+        r"127\.0\.0\.1:\d+ within 3 s"),
+    (0, r"jdist.ClusterError: process 0 of 2 waited 3 s at the coordinator "
+        r"127\.0\.0\.1:\d+ for all 2 processes to join"),
+])
+def test_a_missing_process_at_startup(tmp_path, alone, message):
+  """Process 1 without a coordinator, or the coordinator without process 1."""
+  (r,) = harness.run_workers("no_coordinator", tmp_path, timeout=60, only=[alone])
+  assert r.returncode == 1, r.output[-3000:]
+  assert r.seconds < 3 + 15  # its timeout, plus starting Python and JAX
+  assert re.search(message, r.stderr), r.stderr[-3000:]

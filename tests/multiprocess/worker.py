@@ -1,0 +1,165 @@
+"""One process of a multi-process test: `python worker.py MODE OUT_DIR`.
+
+Started by the tests in this directory (directly or through `jdist launch`),
+two processes with two fake CPU devices each. The cluster comes from jdist's
+environment variables. Results go to OUT_DIR/<mode>-<process>.npz; failures
+go to stderr, where the tests look for them.
+"""
+
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), os.path.dirname(os.path.dirname(HERE))]
+
+import jdist  # noqa: E402
+
+MODE, OUT = sys.argv[1], sys.argv[2]
+TIMEOUT = float(os.environ.get("WORKER_TIMEOUT", "0")) or None
+
+if MODE == "no_coordinator":
+  jdist.initialize(initialization_timeout=3)
+  raise AssertionError("initialize() returned without a coordinator")
+
+strategy = jdist.MultiWorkerMirroredStrategy(
+    communication_options=jdist.CommunicationOptions(timeout_seconds=TIMEOUT))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jdist.examples.data import batches, load_digits  # noqa: E402
+from jdist.examples.models import MLP  # noqa: E402
+from test_conformance import classifier_step, make_state  # noqa: E402
+
+ME = jax.process_index()
+
+
+def save(**arrays):
+  np.savez(os.path.join(OUT, f"{MODE}-{ME}.npz"), **arrays)
+
+
+def host(tree):
+  return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)
+
+
+def digits():
+  x, y = load_digits(image=False)
+  return batches(x[:1280], y[:1280], 64)
+
+
+def train_global():
+  """The conformance training; every process iterates the same global batches."""
+  data = digits()
+  step = strategy.function(classifier_step)
+  state = strategy.replicate(make_state(MLP(), data[0]["x"]))
+  losses = []
+  for batch in strategy.experimental_distribute_dataset(data):
+    state, out = step(state, batch)
+    losses.append(strategy.reduce("sum", out["loss"]))
+  flat = jax.tree_util.tree_flatten_with_path(host(state.params))[0]
+  save(losses=np.array([np.asarray(l.addressable_data(0)) for l in losses]),
+       **{jax.tree_util.keystr(p): v for p, v in flat})
+
+
+def per_process_shards():
+  """Each process's own per-replica batches; process 1's data ends first."""
+  x, y = load_digits(image=False)
+  shards = {0: (x[:400], y[:400]), 1: (x[400:560], y[400:560])}
+  return shards
+
+
+def train_per_process():
+  shards = per_process_shards()
+
+  def dataset_fn(ctx):
+    assert ctx.num_input_pipelines == 2 and ctx.num_replicas_in_sync == 4
+    xs, ys = shards[ctx.input_pipeline_id]
+    return batches(xs, ys, ctx.get_per_replica_batch_size(64))
+
+  step = strategy.function(classifier_step)
+  count = strategy.function(
+      lambda batch: jax.numpy.sum(jdist.get_replica_context().example_mask))
+  state = strategy.replicate(make_state(MLP(), shards[0][0][:16]))
+  seen, steps, t0 = 0, 0, None
+  for batch in strategy.distribute_datasets_from_function(dataset_fn):
+    state, _ = step(state, batch)
+    seen += int(np.asarray(strategy.reduce("sum", count(batch)).addressable_data(0)))
+    steps += 1
+    if steps == 1:
+      t0 = time.perf_counter()
+  flat = jax.tree_util.tree_flatten_with_path(host(state.params))[0]
+  save(seen=seen, steps=steps, **{jax.tree_util.keystr(p): v for p, v in flat})
+
+
+def mismatch():
+  """Process 1 uses another learning rate: same shapes, different program."""
+  data = digits()[:3]
+  step = strategy.function(classifier_step)
+  state = strategy.replicate(make_state(MLP(), data[0]["x"], lr=1e-2 * (1 + ME)))
+  for batch in strategy.experimental_distribute_dataset(data):
+    state, _ = step(state, batch)
+  print("mismatch: ran to the end", flush=True)
+
+
+def misbehave(at_step: int, action):
+  data = digits()
+  step = strategy.function(classifier_step)
+  state = strategy.replicate(make_state(MLP(), data[0]["x"]))
+  for i, batch in enumerate(strategy.experimental_distribute_dataset(data * 20)):
+    if ME == 1 and i == at_step:
+      print(f"process 1 misbehaves at step {i}", flush=True)
+      action()
+    state, out = step(state, batch)
+  print("ran to the end", flush=True)
+
+
+def crash():
+  raise RuntimeError("boom in process 1")
+
+
+def kill():
+  import signal
+  os.kill(os.getpid(), signal.SIGKILL)
+
+
+def stuck():
+  time.sleep(60)
+
+
+def early_exit():
+  """Process 1 runs 5 steps, process 0 all: the classic uneven-loop bug."""
+  data = digits()
+  step = strategy.function(classifier_step)
+  state = strategy.replicate(make_state(MLP(), data[0]["x"]))
+  ds = strategy.distribute_datasets_from_function(
+      lambda ctx: batches(*load_digits(image=False), 16))
+  for i, batch in enumerate(ds):
+    if ME == 1 and i == 5:
+      break
+    state, _ = step(state, batch)
+  print("loop ended", flush=True)
+
+
+def uneven_global():
+  data = digits()[:10 - 4 * ME]
+  step = strategy.function(classifier_step)
+  state = strategy.replicate(make_state(MLP(), data[0]["x"]))
+  for batch in strategy.experimental_distribute_dataset(data):
+    state, _ = step(state, batch)
+
+
+MODES = {
+    "train_global": train_global,
+    "train_per_process": train_per_process,
+    "mismatch": mismatch,
+    "crash": lambda: misbehave(3, crash),
+    "kill": lambda: misbehave(3, kill),
+    "stuck": lambda: misbehave(3, stuck),
+    "early_exit": early_exit,
+    "uneven_global": uneven_global,
+}
+
+if __name__ == "__main__":
+  MODES[MODE]()

@@ -1,0 +1,100 @@
+"""`jdist launch`, run as a user runs it, on small plain-Python scripts."""
+
+import os
+import sys
+import textwrap
+
+import pytest
+
+from jdist._src import launch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "multiprocess"))
+import harness  # noqa: E402
+
+
+@pytest.fixture
+def script(tmp_path):
+  def write(body: str) -> str:
+    path = tmp_path / "job.py"
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+  return write
+
+
+def test_arguments_are_checked(tmp_path, capsys):
+  for argv, message in [
+      (["launch", "job.py"], "required: -n"),
+      (["-n", "0", __file__], "-n must be at least 1"),
+      (["-n", "2", str(tmp_path / "missing.py")], "no such script"),
+      (["-n", "2", "--devices-per-process", "0", __file__],
+       "--devices-per-process must be at least 1"),
+  ]:
+    with pytest.raises(SystemExit):
+      launch.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_each_process_gets_its_rank_and_devices():
+  env = launch.child_env({"XLA_FLAGS": "--xla_dump_to=/tmp/x"}, 1, 3, 4321, 2)
+  assert env["JDIST_COORDINATOR_ADDRESS"] == "127.0.0.1:4321"
+  assert (env["JDIST_NUM_PROCESSES"], env["JDIST_PROCESS_ID"]) == ("3", "1")
+  assert env["JDIST_LOCAL_DEVICE_IDS"] == "2,3"
+  assert env["XLA_FLAGS"] == ("--xla_dump_to=/tmp/x "
+                              "--xla_force_host_platform_device_count=2")
+  args = launch.parse_args(["launch", "-n", "2", __file__, "--lr", "0.1", "-v"])
+  assert (args.num_processes, args.args) == (2, ["--lr", "0.1", "-v"])
+
+
+def test_output_is_prefixed_by_rank(script):
+  job = script("""
+      import os, sys
+      rank = os.environ["JDIST_PROCESS_ID"]
+      print("hello from", rank, "of", os.environ["JDIST_NUM_PROCESSES"], sys.argv[1:])
+      print("warning", rank, file=sys.stderr)
+  """)
+  r = harness.run_launcher(["-n", "3", job, "--flag", "x"], timeout=60)
+  assert r.returncode == 0, r.output
+  for rank in range(3):
+    assert f"[{rank}] hello from {rank} of 3 ['--flag', 'x']" in r.stdout
+    assert f"[{rank}] warning {rank}" in r.stderr
+
+
+def test_a_failing_process_stops_the_others(script):
+  job = script("""
+      import os, sys, time
+      if os.environ["JDIST_PROCESS_ID"] == "1":
+          time.sleep(0.5)
+          raise ValueError("bad shard in process 1")
+      time.sleep(120)
+  """)
+  r = harness.run_launcher(["-n", "3", "--grace-period", "2", job], timeout=60)
+  assert r.returncode == 1, r.output
+  assert r.seconds < 20
+  assert "jdist launch: process 1 of 3 failed (exit code 1)" in r.stderr
+  assert "  | ValueError: bad shard in process 1" in r.stderr  # its error, repeated
+
+
+def test_a_killed_process_is_reported(script):
+  job = script("""
+      import os, signal, time
+      if os.environ["JDIST_PROCESS_ID"] == "0":
+          os.kill(os.getpid(), signal.SIGKILL)
+      time.sleep(120)
+  """)
+  r = harness.run_launcher(["-n", "2", "--grace-period", "1", job], timeout=60)
+  assert r.returncode == 128 + 9, r.output
+  assert "process 0 of 2 failed (killed by SIGKILL)" in r.stderr
+
+
+def test_modules_and_the_jdist_command(tmp_path):
+  (tmp_path / "mymod.py").write_text(
+      "import os\nprint('module rank', os.environ['JDIST_PROCESS_ID'])\n")
+  r = harness.run_launcher(["-n", "2", "-m", "mymod"], timeout=60,
+                           PYTHONPATH=f"{tmp_path}{os.pathsep}{harness.ROOT}")
+  assert r.returncode == 0, r.output
+  assert "[1] module rank 1" in r.stdout
+  # `python -m jdist launch ...`, what the `jdist` console script runs.
+  cmd = [sys.executable, "-m", "jdist", "launch", "-n", "2", "-m", "mymod"]
+  env = harness.base_env(PYTHONPATH=f"{tmp_path}{os.pathsep}{harness.ROOT}")
+  r = harness.run_processes([(cmd, env)], timeout=60)[0]
+  assert r.returncode == 0 and "[0] module rank 0" in r.stdout, r.output
