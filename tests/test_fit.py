@@ -93,7 +93,7 @@ def test_trainer_made_in_a_scope_runs_on_that_strategy(split):
 
 
 def test_batches_from_lists_generators_and_dicts(split):
-  """Arrays, a list of (x, y), dict batches and a one-shot generator agree."""
+  """Arrays, a list of (x, y), dict batches, a generator and grain agree."""
   (x, y), _ = split
   x, y = x[:320], y[:320]
   as_arrays = trainer_on(2).fit(x, y, batch_size=64, epochs=2, shuffle=False,
@@ -108,7 +108,11 @@ def test_batches_from_lists_generators_and_dicts(split):
       yield from iter(tuples)
   as_generator = trainer_on(2).fit(generator(), epochs=2, steps_per_epoch=5,
                                    verbose=0)
-  for h in (as_list, as_dicts, as_generator):
+  import grain
+  records = [{"x": a, "y": b} for a, b in zip(x, y)]
+  as_grain = trainer_on(2).fit(grain.MapDataset.source(records).batch(64),
+                               epochs=2, verbose=0)  # re-iterable: a pass per epoch
+  for h in (as_list, as_dicts, as_generator, as_grain):
     assert_history_close(as_arrays, h, rtol=1e-6)
 
 
