@@ -142,7 +142,7 @@ def preflight(model, state: TrainState, sample: dict, loss_fn, metric_fns,
 def read_sums(strategy, totals: SyncOnRead) -> dict:
   """The accumulated totals on the host, summed over replicas (one transfer)."""
   sums = strategy.reduce("sum", totals) if totals.per_replica else totals.value
-  sums = jax.device_get(jax.tree.map(_local, sums))
+  sums = jax.device_get(jax.tree.map(local, sums))
   return {k: int(v) if k == "count" else float(v) for k, v in sums.items()}
 
 
@@ -152,7 +152,8 @@ def means(sums: dict) -> dict[str, float]:
   return {k: v / count for k, v in sums.items() if k != "count"}
 
 
-def _local(x: Any):
+def local(x: Any):
+  """This process's copy of a replicated array (any array in one process)."""
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
     return x.addressable_data(0)
   return x

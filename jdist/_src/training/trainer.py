@@ -20,8 +20,8 @@ from jdist._src.training import objectives
 from jdist._src.training import steps as steps_lib
 from jdist._src.training.callbacks import CallbackList, LazyLogs
 from jdist._src.training.history import History
-from jdist._src.training.progress import ProgressBar
 from jdist._src.training.loop import Position
+from jdist._src.training.progress import ProgressBar
 from jdist._src.training.resume import Resumable
 from jdist._src.training.state import TrainState
 from jdist._src.values import SyncOnRead
@@ -115,7 +115,7 @@ class Trainer(Resumable):
   @property
   def learning_rate(self) -> float:
     """The optimizer's learning rate (needs `optax.inject_hyperparams`)."""
-    return float(steps_lib._local(self._lr_leaf()))
+    return float(steps_lib.local(self._lr_leaf()))
 
   @learning_rate.setter
   def learning_rate(self, value: float) -> None:
@@ -244,7 +244,7 @@ class Trainer(Resumable):
     self.stop_training = False
     self._position = Position(epoch=initial_epoch)
     self._resume_sums = None
-    self._global_step = int(steps_lib._local(self.state.step))
+    self._global_step = int(steps_lib.local(self.state.step))
     cbs = CallbackList(list(callbacks) + [self.history], trainer=self,
                        params={"epochs": epochs, "verbose": verbose,
                                "steps": source.steps_per_epoch})
