@@ -29,15 +29,18 @@ devices = 4 // args.processes
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
+import jdist  # noqa: E402
+
+if args.processes > 1:  # joins the run before JAX starts its backend
+  strategy = jdist.MultiWorkerMirroredStrategy(
+      jdist.cluster_resolver.SimpleClusterResolver(
+          f"127.0.0.1:{args.port}", args.processes, args.process_id))
+else:
+  strategy = jdist.MirroredStrategy()
+
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-
-if args.processes > 1:
-  jax.distributed.initialize(f"127.0.0.1:{args.port}", args.processes,
-                             args.process_id, initialization_timeout=60)
-
-import jdist  # noqa: E402
 from jdist.examples.data import load_digits  # noqa: E402
 from jdist.examples.models import MLP  # noqa: E402
 
@@ -70,7 +73,6 @@ class Progress(jdist.Callback):
 
 
 x, y = load_digits(image=False)
-strategy = jdist.Strategy(jax.devices())  # every device of every process
 trainer = jdist.Trainer(MLP(), optimizer=optax.adam(1e-2),
                         loss="sparse_categorical_crossentropy",
                         metrics=["accuracy"], strategy=strategy, seed=0)
