@@ -77,9 +77,11 @@ class DistributedFunction:
     self._strategy = strategy
     self._fn = fn
     self._check_state = check_state
-    self._jitted = jax.jit(self._global_step, donate_argnums=donate_argnums,
-                           static_argnums=static_argnums,
-                           static_argnames=static_argnames)
+    self._jit_options = dict(donate_argnums=donate_argnums,
+                             static_argnums=static_argnums,
+                             static_argnames=static_argnames)
+    self._jitted = jax.jit(self._global_step, **self._jit_options)
+    self._lowerer = None
     # CPU collectives deadlock when many steps are in flight (jax#25861):
     # waiting for step k-1 after dispatching step k avoids it at no cost.
     self._throttle = (strategy.devices[0].platform == "cpu" and
@@ -102,8 +104,15 @@ class DistributedFunction:
     return self._compilations
 
   def lower(self, *args, **kwargs):
-    """Lowers the step for these arguments (see `jax.jit(...).lower`)."""
-    return self._jitted.lower(*args, **kwargs)
+    """Lowers the step for these arguments (see `jax.jit(...).lower`).
+
+    Lowering may run on one process only (to inspect the program), so it
+    traces apart from the calls and takes no part in the multi-process check.
+    """
+    if self._lowerer is None:
+      self._lowerer = jax.jit(functools.partial(self._build, check=False),
+                              **self._jit_options)
+    return self._lowerer.lower(*args, **kwargs)
 
   def __call__(self, *args, **kwargs):
     if context.current_replica_context() is not None:
@@ -139,6 +148,9 @@ class DistributedFunction:
 
   def _global_step(self, *args, **kwargs):
     self._compilations += 1
+    return self._build(*args, check=True, **kwargs)
+
+  def _build(self, *args, check: bool, **kwargs):
     strategy = self._strategy
     n = strategy.num_replicas_in_sync
     axis = strategy.axis_name
@@ -236,7 +248,7 @@ class DistributedFunction:
 
     # Pass 1: every output per-replica (P(axis) is a prefix of any output
     # structure), only to learn from the traced types which outputs vary.
-    if self._guard is None:
+    if self._guard is None or not check:
       jax.eval_shape(mapped(True, P(axis)), *leaves)
     else:  # the same trace, kept as a jaxpr to compare with the other processes
       self._guard.check_program(self._name,

@@ -37,7 +37,7 @@ class MultiWorkerMirroredStrategy(Strategy):
     axis_name: name of the replica mesh axis.
 
   Example:
-    >>> import jdist
+    >>> import jax, jdist
     >>> strategy = jdist.MultiWorkerMirroredStrategy()
     >>> strategy.num_replicas_in_sync == len(jax.devices())
     True

@@ -55,7 +55,9 @@ def train_global():
   step = strategy.function(classifier_step)
   state = strategy.replicate(make_state(MLP(), data[0]["x"]))
   losses = []
-  for batch in strategy.experimental_distribute_dataset(data):
+  for i, batch in enumerate(strategy.experimental_distribute_dataset(data)):
+    if i == 0 and ME == 0:  # inspecting the program on one process only
+      assert step.lower(state, batch).compile().cost_analysis() is not None
     state, out = step(state, batch)
     losses.append(strategy.reduce("sum", out["loss"]))
   flat = jax.tree_util.tree_flatten_with_path(host(state.params))[0]
