@@ -18,9 +18,9 @@ from jdist._src.cluster import ClusterResolver
 from jdist._src.cluster import EnvironmentClusterResolver
 from jdist._src.cluster import JaxClusterResolver
 from jdist._src.cluster import SimpleClusterResolver
-from jdist._src.cluster import TFConfigClusterResolver
 from jdist._src.cluster import TPUClusterResolver
 from jdist._src.cluster import resolve
+from jdist._src.tf_config import TFConfigClusterResolver
 
 __all__ = [
     "ClusterConfig",

@@ -16,7 +16,7 @@ import jdist.testing
 from jdist._src import input_sync
 from jdist._src import multihost
 from jdist._src.multi_worker import global_devices
-from jdist.examples.data import batches, load_digits
+from jdist.examples.data import batches
 from jdist.examples.models import MLP
 from test_conformance import classifier_step, make_state
 

@@ -14,9 +14,11 @@ peers reported through the coordination service's key-value store:
   the peers that have not started the step (from `jdist/beat/<id>`).
 
 Ending means printing a `jdist.<Error>: ...` line to stderr and `os._exit(1)`,
-because the main thread is blocked inside XLA and cannot be interrupted. A peer
-that is killed outright is detected by JAX's own heartbeats (see
-`jdist.initialize`). The main thread pays one tuple assignment per step.
+because the main thread is blocked inside XLA and cannot be interrupted. An
+uncaught exception goes through `fail`: the peers learn of it at once, and a
+collective error caused by a peer that went silent (killed) names that peer.
+JAX's own heartbeats are the last resort (see `jdist.initialize`). The main
+thread pays one tuple assignment per step.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import sys
 import threading
 import time
 from typing import Any, Callable
+
+from jdist._src import peer_errors
 
 TICK_SECONDS = 0.5
 STALL_SECONDS = 2.0     # a wait this long makes the monitor look at peers
@@ -122,15 +126,15 @@ class Monitor:
       return
     try:
       failed = self._reports(self._client_fn(), "failed")
-      if not failed and _is_runtime_error(error):
+      if not failed and peer_errors.is_runtime_error(error):
         silent = self._silent_peers()
         failed = self._reports(self._client_fn(), "failed")
         self._dead.update(silent)
         if silent and not failed:
-          error = _peer_silent(silent, error)
+          error = peer_errors.silent(silent, error)
           print(error, file=sys.stderr)
       if failed and failed[0][1].get("error") != error.splitlines()[0][:500]:
-        print(_peer_failure(*failed[0]), file=sys.stderr)
+        print(peer_errors.failure(*failed[0]), file=sys.stderr)
       self._publish("ack" if failed else "failed", error)
     finally:
       self._exit()
@@ -167,7 +171,7 @@ class Monitor:
     if client is None:
       return
     for pid, info in self._reports(client, "failed"):
-      self._end(_peer_failure(pid, info), publish=False)
+      self._end(peer_errors.failure(pid, info), publish=False)
     # The oldest unfinished wait is the one that blocks.
     wait = next((w for w in (self._previous, self._wait)
                  if w is not None and not _is_ready(w[3])), None)
@@ -183,10 +187,11 @@ class Monitor:
     done = [(p, i) for p, i in self._reports(client, "done")
             if rendezvous or i.get("steps", 0) < seq]
     if done:
-      self._end(_peer_done(self, seq, what, done), publish=True)
+      self._end(peer_errors.ran_fewer_steps(self.process_id, seq, what, done), publish=True)
     if timeout is not None and waited > timeout:
       beats = dict(self._reports(client, "beat"))
-      self._end(_timeout_message(self, seq, what, timeout, beats), publish=True)
+      self._end(peer_errors.timeout(self.process_id, self.num_processes, seq, what,
+                                   timeout, beats, EXIT_CODE), publish=True)
 
   def _reports(self, client, kind: str) -> list:
     out = []
@@ -252,59 +257,3 @@ class Monitor:
       if len(seen) >= self.num_processes - 1:
         return
       time.sleep(0.1)
-
-
-def _is_runtime_error(error: str) -> bool:
-  return error.split(":", 1)[0].endswith(("JaxRuntimeError", "XlaRuntimeError"))
-
-
-def _peer_silent(silent: list, error: str) -> str:
-  who = ", ".join(f"process {p}" for p in silent)
-  verb = "has" if len(silent) == 1 else "have"
-  return (f"jdist.PeerFailureError: {who} {verb} stopped responding (probably "
-          "killed: out of memory, a scheduler, a crash); this process's "
-          f"collective failed as a result ({error.splitlines()[0][:300]}).")
-
-
-def _peer_failure(pid: int, info: dict) -> str:
-  error = info.get("error", "an error").rstrip(".")
-  if error.startswith("jdist."):
-    cause = f"process {pid} stopped: {error}"
-  else:
-    cause = f"process {pid} failed with {error}"
-  return (f"jdist.PeerFailureError: {cause}. This process cannot continue "
-          "without it (its collectives would never complete), so jdist ends it; "
-          f"see process {pid}'s output for the cause.")
-
-
-def _peer_done(monitor: Monitor, seq: int, what: str, done: list) -> str:
-  ended = ", ".join(f"process {p} (after {i.get('steps', '?')} steps)"
-                    for p, i in done)
-  return (f"jdist.CollectiveTimeoutError: process {monitor.process_id} waits in "
-          f"{_describe(seq, what)}, but {ended} already reached the end of its "
-          "program. The processes ran different numbers of steps: every process "
-          "must call each step the same number of times (give each process the "
-          "same number of batches, or use distribute_datasets_from_function, "
-          "which keeps them in step).")
-
-
-def _timeout_message(monitor: Monitor, seq: int, what: str, timeout: float,
-                     beats: dict) -> str:
-  me = monitor.process_id
-  behind = sorted(p for p in range(monitor.num_processes)
-                  if p != me and beats.get(p, {}).get("steps", 0) < seq)
-  if behind:
-    who = ", ".join(f"process {p} (dispatched {beats.get(p, {}).get('steps', 0)} "
-                    "steps)" for p in behind)
-    cause = f"Not started there: {who}; they are alive but stuck or busy elsewhere."
-  else:
-    cause = ("Every process has started it, so a collective inside it did not "
-             "complete (a process may be stuck in it).")
-  return (f"jdist.CollectiveTimeoutError: {_describe(seq, what)} did not complete "
-          f"within timeout_seconds={timeout:g} on process {me}. {cause} An XLA "
-          "collective cannot be cancelled, so jdist ends this process (exit code "
-          f"{EXIT_CODE}); the other processes stop too.")
-
-
-def _describe(seq: int, what: str) -> str:
-  return what if what.startswith(("the ", "a ")) else f"step {seq} ({what})"

@@ -14,7 +14,7 @@ import pytest
 
 import jdist
 import jdist.testing
-from jdist.examples.data import batches, load_digits
+from jdist.examples.data import batches
 from jdist.examples.models import MLP
 from test_conformance import classifier_step, make_state
 
@@ -120,6 +120,17 @@ def test_a_killed_process_is_named_by_the_others(tmp_path):
           "unhealthy (stopped sending heartbeats):\n1" in survivor.stderr), \
       survivor.stderr[-3000:]
   assert survivor.seconds - results[1].seconds < 15
+
+
+def test_a_killed_coordinator_ends_the_others_at_once(tmp_path):
+  """Process 0 hosts the coordination service: JAX itself ends the others."""
+  results = harness.run_workers("kill", tmp_path, timeout=RUN_TIMEOUT,
+                                WORKER_VICTIM=0)
+  assert results[0].returncode == -9
+  survivor = results[1]
+  assert survivor.returncode not in (0, None), survivor.output[-3000:]
+  assert "the leader task was preempted/died" in survivor.stderr
+  assert survivor.seconds - results[0].seconds < 10
 
 
 def test_a_stuck_process_times_out_with_its_name(tmp_path):

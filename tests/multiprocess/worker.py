@@ -34,6 +34,7 @@ from jdist.examples.models import MLP  # noqa: E402
 from test_conformance import classifier_step, make_state  # noqa: E402
 
 ME = jax.process_index()
+VICTIM = int(os.environ.get("WORKER_VICTIM", "1"))
 
 
 def save(**arrays):
@@ -84,13 +85,11 @@ def train_per_process():
   count = strategy.function(
       lambda batch: jax.numpy.sum(jdist.get_replica_context().example_mask))
   state = strategy.replicate(make_state(MLP(), shards[0][0][:16]))
-  seen, steps, t0 = 0, 0, None
+  seen, steps = 0, 0
   for batch in strategy.distribute_datasets_from_function(dataset_fn):
     state, _ = step(state, batch)
     seen += int(np.asarray(strategy.reduce("sum", count(batch)).addressable_data(0)))
     steps += 1
-    if steps == 1:
-      t0 = time.perf_counter()
   flat = jax.tree_util.tree_flatten_with_path(host(state.params))[0]
   save(seen=seen, steps=steps, **{jax.tree_util.keystr(p): v for p, v in flat})
 
@@ -110,8 +109,8 @@ def misbehave(at_step: int, action):
   step = strategy.function(classifier_step)
   state = strategy.replicate(make_state(MLP(), data[0]["x"]))
   for i, batch in enumerate(strategy.experimental_distribute_dataset(data * 20)):
-    if ME == 1 and i == at_step:
-      print(f"process 1 misbehaves at step {i}", flush=True)
+    if ME == VICTIM and i == at_step:
+      print(f"process {ME} misbehaves at step {i}", flush=True)
       action()
     state, out = step(state, batch)
   print("ran to the end", flush=True)
