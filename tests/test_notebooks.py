@@ -46,6 +46,12 @@ def test_notebook_runs(path, tmp_path):
   env_dir = tmp_path / "run"
   env_dir.mkdir()
   os.environ.setdefault("MPLBACKEND", "Agg")
+  # The kernel runs in a scratch directory: let it import this checkout's jdist
+  # even when it is not installed (an installed jdist works the same).
+  root = str(NOTEBOOKS.parent)
+  paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+  os.environ["PYTHONPATH"] = os.pathsep.join(
+      [root] + [os.path.abspath(p) for p in paths if os.path.abspath(p) != root])
   client = NotebookClient(nb, timeout=900, kernel_name="python3",
                           resources={"metadata": {"path": str(env_dir)}})
   client.execute()  # raises CellExecutionError, naming the cell, on any error

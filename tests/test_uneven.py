@@ -161,3 +161,17 @@ def test_each_iter_is_a_new_pass_and_position_counts():
   assert it.position == 1
   assert len(list(it)) == 2
   assert len(list(ds)) == 3
+
+
+def test_declared_global_batch_size_lets_the_first_batch_be_short():
+  """A pass that starts at the short last batch keeps the static shape."""
+  strategy = strategy_on(4)
+  step = strategy.function(lambda b: jdist.compute_average_loss(b))
+  full = strategy.experimental_distribute_dataset([np.ones(8, np.float32)])
+  short = strategy.experimental_distribute_dataset([np.ones(3, np.float32)],
+                                                   global_batch_size=8)
+  for batch in list(full) + list(short):
+    assert float(strategy.reduce("sum", step(batch))) == pytest.approx(1.0)
+  assert step.num_compilations == 1
+  with pytest.raises(ValueError, match="multiple of the 4 replicas"):
+    strategy.experimental_distribute_dataset([], global_batch_size=6)

@@ -104,15 +104,24 @@ def gather_stacked(x, axis: int):
   return moved.reshape(shape)
 
 
+def _unpack(validity):
+  """A batch's `(R, b + 1)` validity array -> (mask, global count)."""
+  if validity is None:
+    return None, None
+  return validity[:, :-1] > 0, validity[0, -1]
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled(mesh, what: str, op, axis):
   out = placement.replicated_sharding(mesh)
   if what == "reduce":
-    fn = lambda x, mask, nv: reduce_stacked(op, x, mask, nv, axis)
+    fn = lambda x, validity: reduce_stacked(op, x, *_unpack(validity), axis)
   elif what == "reduce_mirrored":
-    fn = lambda x, mask, nv: reduce_mirrored(op, x, axis)
-  else:
-    fn = lambda x, mask, nv: gather_stacked(x, axis)
+    fn = lambda x, validity: reduce_mirrored(op, x, axis)
+  elif what == "gather":
+    fn = lambda x, validity: gather_stacked(x, axis)
+  else:  # "replicate": a copy every process can read
+    fn = lambda x, validity: x
   return jax.jit(fn, out_shardings=out)
 
 
@@ -124,18 +133,18 @@ def reduce(strategy, op, value: Any, axis=None) -> Any:
   """See `Strategy.reduce`."""
   op = ReduceOp.of(op)
 
-  def stacked(tree, mask, num_valid):
+  def stacked(tree, validity):
     def leaf(x):
       if _traced(x):
-        return reduce_stacked(op, x, mask, num_valid, axis)
-      return _compiled(strategy.mesh, "reduce", op, axis)(x, mask, num_valid)
+        return reduce_stacked(op, x, *_unpack(validity), axis)
+      return _compiled(strategy.mesh, "reduce", op, axis)(x, validity)
     return jax.tree.map(leaf, tree)
 
   def one(node):
     if isinstance(node, PerReplica):
-      return stacked(node.values, node.mask, node.num_valid)
+      return stacked(node.values, node.validity)
     if isinstance(node, SyncOnRead) and node.per_replica:
-      return stacked(node.value, None, None)
+      return stacked(node.value, None)
     if isinstance(node, SyncOnRead):
       node = node.value
     def leaf(x):
@@ -143,7 +152,7 @@ def reduce(strategy, op, value: Any, axis=None) -> Any:
         return reduce_mirrored(op, x, axis)
       if axis is None:
         return x
-      return _compiled(strategy.mesh, "reduce_mirrored", op, axis)(x, None, None)
+      return _compiled(strategy.mesh, "reduce_mirrored", op, axis)(x, None)
     return jax.tree.map(leaf, node)
 
   return jax.tree.map(one, value, is_leaf=_is_node)
@@ -157,16 +166,22 @@ def gather(strategy, value: Any, axis: int = 0) -> Any:
     if not isinstance(node, PerReplica):
       return jax.tree.map(
           lambda x: jnp.concatenate([jnp.asarray(x)] * n, axis=axis), node)
+    keep = []  # rows to keep, read from the validity at most once per value
+
     def leaf(x):
-      trim = _masked_axes(jnp.asarray(x), node.mask, axis % max(x.ndim - 1, 1))
       if _traced(x):
         return gather_stacked(x, axis)
-      out = _compiled(strategy.mesh, "gather", None, axis)(x, None, None)
-      out = _local(out)
-      if trim:
-        keep = np.flatnonzero(np.asarray(_local(node.mask)).reshape(-1))
-        if keep.size != out.shape[0]:
-          out = jnp.take(out, keep, axis=0)
+      out = _local(_compiled(strategy.mesh, "gather", None, axis)(x, None))
+      per_replica_rows = (None if node.validity is None
+                          else node.validity.shape[1] - 1)
+      if (axis % max(x.ndim - 1, 1) == 0 and x.ndim >= 2 and
+          x.shape[1] == per_replica_rows):
+        if not keep:
+          validity = _local(_compiled(strategy.mesh, "replicate", None, None)(
+              node.validity, None))
+          keep.append(np.flatnonzero(np.asarray(validity)[:, :-1].reshape(-1)))
+        if keep[0].size != out.shape[0]:
+          out = jnp.take(out, keep[0], axis=0)
       return out
     return jax.tree.map(leaf, node.values)
 

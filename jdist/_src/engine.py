@@ -64,7 +64,7 @@ def _tile_sync(sync: SyncOnRead, n: int) -> SyncOnRead:
 
 def _find_batch(units) -> PerReplica | None:
   for u in units:
-    if u.kind == "per_replica" and u.node.mask is not None:
+    if u.kind == "per_replica" and u.node.validity is not None:
       return u.node
   return None
 
@@ -180,23 +180,17 @@ class DistributedFunction:
         specs.append(P())
         rebuild.append((u.kind, None, 1))
       else:
-        sub, sub_tree = jax.tree_util.tree_flatten(u.node)
-        # A batch's scalar num_valid is mirrored; everything else is stacked.
-        kinds = [P() if (u.kind == "per_replica" and u.node.num_valid is not None
-                         and leaf is u.node.num_valid) else P(axis)
-                 for leaf in sub]
+        # A PerReplica's values (its validity enters once, for the batch).
+        node = u.node.values if u.kind == "per_replica" else u.node
+        sub, sub_tree = jax.tree_util.tree_flatten(node)
         leaves.extend(sub)
-        specs.extend(kinds)
+        specs.extend([P(axis)] * len(sub))
         rebuild.append((u.kind, sub_tree, len(sub)))
-    mask_pos = num_valid_pos = None
+    validity_pos = None
     if batch is not None:
-      mask_pos = len(leaves)
-      leaves.append(batch.mask)
+      validity_pos = len(leaves)
+      leaves.append(batch.validity)
       specs.append(P(axis))
-      if batch.num_valid is not None:
-        num_valid_pos = len(leaves)
-        leaves.append(batch.num_valid)
-        specs.append(P())
 
     record = {}
 
@@ -213,12 +207,14 @@ class DistributedFunction:
           continue
         node = jax.tree_util.tree_unflatten(sub_tree, chunk)
         if kind == "per_replica":
-          nodes.append(jax.tree.map(lambda x: x[0], node.values))
+          nodes.append(jax.tree.map(lambda x: x[0], node))
         else:
           nodes.append(SyncOnRead(jax.tree.map(lambda x: x[0], node.value),
                                   node.aggregation, True))
-      mask = None if mask_pos is None else local[mask_pos][0]
-      num_valid = None if num_valid_pos is None else local[num_valid_pos]
+      mask = num_valid = None
+      if validity_pos is not None:  # this replica's row: mask, then the count
+        row = local[validity_pos][0]
+        mask, num_valid = row[:-1] > 0, row[-1]
       call_args, call_kwargs = jax.tree_util.tree_unflatten(in_tree, nodes)
       ctx = ReplicaContext(strategy, mask=mask, num_valid=num_valid)
       with context.replica_scope(ctx):
@@ -261,8 +257,8 @@ class DistributedFunction:
       if kind == "sync":
         wrapped.append(SyncOnRead(x, agg, True))
       elif kind == "per_replica":
-        wrapped.append(PerReplica(x, None if batch is None else batch.mask,
-                                  None if batch is None else batch.num_valid))
+        wrapped.append(PerReplica(
+            x, validity=None if batch is None else batch.validity))
       else:
         wrapped.append(x)
     return jax.tree_util.tree_unflatten(record["tree"], wrapped)

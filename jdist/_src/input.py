@@ -84,30 +84,34 @@ class _Placer:
   def __init__(self, strategy):
     self.strategy = strategy
     self.local_ids = placement.local_replica_ids(strategy.devices)
+    ids = self.local_ids
+    # This process's replicas: a slice (a view of the batch) when contiguous.
+    contiguous = ids == tuple(range(ids[0], ids[-1] + 1))
+    self.local_rows = slice(ids[0], ids[-1] + 1) if contiguous else list(ids)
     self._full = {}
 
   def put(self, local_rows):
+    """Places a pytree of local rows, all leaves in one transfer."""
     s = self.strategy
     return placement.put_per_replica(local_rows, s.mesh, s.axis_name,
                                      s.num_replicas_in_sync)
 
-  def mask_and_count(self, local_mask: np.ndarray, num_valid: int | None):
-    """Device copies of the mask and count; full batches reuse cached ones."""
-    full = bool(local_mask.all()) and num_valid in (None, self._capacity(local_mask))
+  def validity(self, local_mask: np.ndarray, num_valid: int | None):
+    """The device copy of `[mask | global count]`; full batches reuse one."""
+    if num_valid is None:
+      num_valid = int(local_mask.sum())  # one process holds every row
+    capacity = self.strategy.num_replicas_in_sync * local_mask.shape[1]
+    full = num_valid == capacity and bool(local_mask.all())
     key = local_mask.shape
     if full and key in self._full:
       return self._full[key]
-    mask = self.put(local_mask)
-    count = None
-    if num_valid is not None:
-      s = self.strategy
-      count = placement.put_replicated(np.int32(num_valid), s.mesh)
+    host = np.empty((local_mask.shape[0], local_mask.shape[1] + 1), np.int32)
+    host[:, :-1] = local_mask
+    host[:, -1] = num_valid
+    validity = self.put(host)
     if full:
-      self._full[key] = (mask, count)
-    return mask, count
-
-  def _capacity(self, local_mask):
-    return self.strategy.num_replicas_in_sync * local_mask.shape[1]
+      self._full[key] = validity
+    return validity
 
 
 class DistributedDataset:
@@ -119,12 +123,14 @@ class DistributedDataset:
   """
 
   def __init__(self, strategy, make_iterator: Callable[[], Iterator],
-               mode: str, *, prefetch: int = 2, global_valid_count: bool = True):
+               mode: str, *, prefetch: int = 2, global_valid_count: bool = True,
+               batch_size: int | None = None):
     self._strategy = strategy
     self._make_iterator = make_iterator
     self._mode = mode
     self._prefetch = max(1, int(prefetch))
     self._global_valid_count = global_valid_count
+    self._batch_size = batch_size
 
   @property
   def strategy(self):
@@ -142,7 +148,8 @@ class DistributedIterator:
     self._source = iter(dataset._make_iterator())
     self._placer = _Placer(dataset.strategy)
     self._buffer = collections.deque()
-    self._size = None  # global batch (global mode) or per-replica batch
+    # The static batch: global (global mode) or per replica; None: the first.
+    self._size = dataset._batch_size
     self._done = False
     self.position = 0  # batches handed out so far
     # Processes must agree on how many steps there are, or one waits forever.
@@ -198,11 +205,10 @@ class DistributedIterator:
           "may shrink at the end of the data but not grow: keep the global "
           "batch size fixed.")
     b = self._size // n
-    ids = self._placer.local_ids
-    def rows(x):
-      x = _pad(x, self._size).reshape((n, b) + x.shape[1:])
-      return x[list(ids)]
-    valid = (np.arange(self._size) < size).reshape(n, b)[list(ids)]
+    local = self._placer.local_rows
+    def rows(x):  # views, no copies, unless the batch is short
+      return _pad(x, self._size).reshape((n, b) + x.shape[1:])[local]
+    valid = (np.arange(self._size) < size).reshape(n, b)[local]
     return jax.tree.map(rows, batch), valid, size
 
   def _next_per_replica(self):
@@ -230,9 +236,8 @@ class DistributedIterator:
     return stacked, valid, count
 
   def _place(self, rows, valid, count) -> PerReplica:
-    values = jax.tree.map(self._placer.put, rows)
-    mask, num_valid = self._placer.mask_and_count(valid, count)
-    return PerReplica(values, mask, num_valid)
+    return PerReplica(self._placer.put(rows),
+                      validity=self._placer.validity(valid, count))
 
 
 def from_values(strategy, value_fn: Callable) -> PerReplica:
@@ -243,14 +248,20 @@ def from_values(strategy, value_fn: Callable) -> PerReplica:
   values = [value_fn(ValueContext(i, n)) for i in ids]
   stacked = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]),
                          *values)
-  placer = _Placer(strategy)
-  return PerReplica(jax.tree.map(placer.put, stacked))
+  return PerReplica(_Placer(strategy).put(stacked))
 
 
-def global_batches(strategy, dataset: Iterable, *, prefetch: int = 2):
+def global_batches(strategy, dataset: Iterable, *, prefetch: int = 2,
+                   global_batch_size: int | None = None):
   """See `Strategy.experimental_distribute_dataset`."""
+  n = strategy.num_replicas_in_sync
+  if global_batch_size is not None and (global_batch_size <= 0 or
+                                        global_batch_size % n):
+    raise ValueError(
+        f"global_batch_size={global_batch_size} must be a positive multiple of "
+        f"the {n} replicas.")
   return DistributedDataset(strategy, lambda: iter(dataset), "global",
-                            prefetch=prefetch)
+                            prefetch=prefetch, batch_size=global_batch_size)
 
 
 def per_replica_batches(strategy, dataset_fn: Callable, *, prefetch: int = 2):

@@ -44,14 +44,19 @@ def put_replicated(x: Any, mesh) -> jax.Array:
 
 
 def put_per_replica(local_rows: Any, mesh, axis_name: str,
-                    num_replicas: int) -> jax.Array:
-  """Places this process's rows `(local_replicas, ...)` as a `(R, ...)` array."""
+                    num_replicas: int) -> Any:
+  """Places this process's rows `(local_replicas, ...)` as `(R, ...)` arrays.
+
+  `local_rows` may be a pytree; every leaf goes in one transfer.
+  """
   sharding = per_replica_sharding(mesh, axis_name)
   if not spans_processes(mesh):
     return jax.device_put(local_rows, sharding)
-  local_rows = np.asarray(local_rows)
-  global_shape = (num_replicas,) + local_rows.shape[1:]
-  return jax.make_array_from_process_local_data(sharding, local_rows, global_shape)
+  def one(rows):
+    rows = np.asarray(rows)
+    return jax.make_array_from_process_local_data(
+        sharding, rows, (num_replicas,) + rows.shape[1:])
+  return jax.tree.map(one, local_rows)
 
 
 def local_replica_ids(devices) -> tuple:

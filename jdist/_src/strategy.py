@@ -238,24 +238,29 @@ class Strategy:
     return jax.tree.map(place, tree, is_leaf=lambda x: isinstance(
         x, (PerReplica, SyncOnRead)))
 
-  def experimental_distribute_dataset(self, dataset: Iterable, options=None):
+  def experimental_distribute_dataset(self, dataset: Iterable, options=None, *,
+                                      global_batch_size: int | None = None):
     """Splits each global batch of `dataset` over the replicas.
 
-    The first batch fixes the global batch size, which must divide evenly over
-    the replicas. A shorter batch (the end of the data) is padded and masked so
-    nothing is dropped or counted twice, and the step does not recompile.
+    The global batch size (by default that of the first batch) must divide
+    evenly over the replicas. A shorter batch (the end of the data) is padded
+    and masked so nothing is dropped or counted twice, and the step does not
+    recompile.
 
     Args:
       dataset: any iterable of batches (pytrees of arrays with a leading batch
         axis): a list, a generator function's result, a tf.data or grain
         iterator. Each `iter()` of the result iterates `dataset` again.
       options: accepted for compatibility; unused.
+      global_batch_size: the static batch size, when the first batch may be a
+        short one (a pass resumed near the end of the data).
 
     Returns:
       A `DistributedDataset` of `PerReplica` batches.
     """
     del options
-    return input_lib.global_batches(self, dataset)
+    return input_lib.global_batches(self, dataset,
+                                    global_batch_size=global_batch_size)
 
   def distribute_datasets_from_function(self, dataset_fn: Callable,
                                         options=None):

@@ -28,10 +28,12 @@ class PerReplica:
   """One value per replica, stacked on a leading (sharded) replica axis.
 
   Every leaf of `values` has shape `(num_replicas, ...)`; inside a step each
-  replica sees its own slice, without the replica axis. `mask` (shape
+  replica sees its own slice, without the replica axis. A batch from a
+  distributed dataset also knows which of its rows are real: `mask` (shape
   `(num_replicas, per_replica_batch)`, boolean) marks the valid examples of a
-  padded batch and `num_valid` is their global count (a scalar); both are `None`
-  for values that are not batches.
+  padded batch and `num_valid` is their global count; both are None for values
+  that are not batches. (They travel as one `validity` array, `mask` then the
+  count in the last column, so a step gets one extra buffer, not two.)
 
   Example:
     >>> import jdist, jax.numpy as jnp
@@ -42,20 +44,39 @@ class PerReplica:
     Array(0., dtype=float32)
   """
 
-  __slots__ = ("values", "mask", "num_valid")
+  __slots__ = ("values", "validity")
 
-  def __init__(self, values: Any, mask: Any = None, num_valid: Any = None):
+  def __init__(self, values: Any, mask: Any = None, num_valid: Any = None, *,
+               validity: Any = None):
     self.values = values
-    self.mask = mask
-    self.num_valid = num_valid
+    if validity is None and mask is not None:
+      mask = jnp.asarray(mask)
+      if num_valid is None:
+        num_valid = jnp.sum(mask)
+      count = jnp.broadcast_to(jnp.asarray(num_valid, jnp.int32),
+                               mask.shape[:1] + (1,))
+      validity = jnp.concatenate([mask.astype(jnp.int32), count], axis=1)
+    self.validity = validity
 
   def tree_flatten(self):
-    return (self.values, self.mask, self.num_valid), None
+    return (self.values, self.validity), None
 
   @classmethod
   def tree_unflatten(cls, aux, children):
     del aux
-    return cls(*children)
+    obj = object.__new__(cls)
+    obj.values, obj.validity = children
+    return obj
+
+  @property
+  def mask(self):
+    """Which rows of each replica's batch are real examples, or None."""
+    return None if self.validity is None else self.validity[:, :-1] > 0
+
+  @property
+  def num_valid(self):
+    """The global number of real examples in the batch, or None."""
+    return None if self.validity is None else self.validity[0, -1]
 
   @property
   def num_replicas(self) -> int:
@@ -66,12 +87,12 @@ class PerReplica:
     return int(np.shape(leaves[0])[0])
 
   def replace(self, values: Any) -> "PerReplica":
-    """Returns a PerReplica with new `values` and the same mask."""
-    return PerReplica(values, self.mask, self.num_valid)
+    """Returns a PerReplica with new `values` and the same validity."""
+    return PerReplica(values, validity=self.validity)
 
   def __repr__(self) -> str:
     shapes = jax.tree.map(lambda x: tuple(np.shape(x)), self.values)
-    masked = "" if self.mask is None else ", masked"
+    masked = "" if self.validity is None else ", masked"
     return f"PerReplica({shapes}{masked})"
 
 
