@@ -112,7 +112,8 @@ def test_a_killed_process_is_named_by_the_others(tmp_path):
   results = harness.run_workers("kill", tmp_path, timeout=RUN_TIMEOUT)
   assert results[1].returncode == -9
   survivor = results[0]
-  assert survivor.returncode == 1, survivor.output[-3000:]
+  # jdist's exit code 1, or JAX's abort when the heartbeat path ends it.
+  assert survivor.returncode not in (0, None), survivor.output[-3000:]
   assert ("jdist.PeerFailureError: process 1 has stopped responding" in
           survivor.stderr or
           # Killed while waiting rather than in a collective: JAX's heartbeat
