@@ -173,5 +173,5 @@ def test_declared_global_batch_size_lets_the_first_batch_be_short():
   for batch in list(full) + list(short):
     assert float(strategy.reduce("sum", step(batch))) == pytest.approx(1.0)
   assert step.num_compilations == 1
-  with pytest.raises(ValueError, match="multiple of the 4 replicas"):
+  with pytest.raises(ValueError, match="6 examples cannot split evenly over 4"):
     strategy.experimental_distribute_dataset([], global_batch_size=6)

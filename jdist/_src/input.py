@@ -71,6 +71,14 @@ def _batch_len(batch: Any, what: str) -> int:
   return next(iter(sizes))
 
 
+def _split_error(size: int, n: int) -> ValueError:
+  return ValueError(
+      f"A global batch of {size} examples cannot split evenly over {n} "
+      f"replicas. Use a global batch size that is a multiple of {n} "
+      f"(for example {max(n, size - size % n)} or {size + n - size % n}); "
+      "the last, shorter batch of an epoch may be any size and is padded.")
+
+
 def _pad(x: np.ndarray, size: int) -> np.ndarray:
   if x.shape[0] == size:
     return x
@@ -193,11 +201,7 @@ class DistributedIterator:
     size = _batch_len(batch, "batch")
     if self._size is None:
       if size % n:
-        raise ValueError(
-            f"A global batch of {size} examples cannot split evenly over {n} "
-            f"replicas. Use a global batch size that is a multiple of {n} "
-            f"(for example {max(n, size - size % n)} or {size + n - size % n}); "
-            "the last, shorter batch of an epoch may be any size and is padded.")
+        raise _split_error(size, n)
       self._size = size
     elif size > self._size:
       raise ValueError(
@@ -257,9 +261,7 @@ def global_batches(strategy, dataset: Iterable, *, prefetch: int = 2,
   n = strategy.num_replicas_in_sync
   if global_batch_size is not None and (global_batch_size <= 0 or
                                         global_batch_size % n):
-    raise ValueError(
-        f"global_batch_size={global_batch_size} must be a positive multiple of "
-        f"the {n} replicas.")
+    raise _split_error(global_batch_size, n)
   return DistributedDataset(strategy, lambda: iter(dataset), "global",
                             prefetch=prefetch, batch_size=global_batch_size)
 

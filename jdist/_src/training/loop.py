@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 from typing import Callable
 
 import jax
@@ -33,15 +32,12 @@ def epoch_batches(distribute: Callable, source, epoch: int, start: int,
                   first: dict):
   """The epoch's distributed batches from batch `start` on.
 
-  A distributed dataset takes its batch shape from its first batch. When a
-  resumed epoch starts at its short last batch, a full batch (the data's
-  first, already read) goes first to fix the shape, and is not trained on.
+  The global batch size is that of the data's first batch, declared up front,
+  so a resumed epoch that starts at its short last batch is padded to it and
+  the step does not recompile.
   """
-  if not start:
-    return iter(distribute(source.batches(epoch)))
-  batches = iter(distribute(itertools.chain([first], source.batches(epoch, start))))
-  next(batches)
-  return batches
+  size = int(np.shape(jax.tree.leaves(first)[0])[0])
+  return iter(distribute(source.batches(epoch, start), global_batch_size=size))
 
 
 def evaluate(eval_step, state, batches, totals, read: Callable,

@@ -190,8 +190,9 @@ class Trainer(Resumable):
                            for k, v in sums.items()}, "sum")
     return self.strategy.replicate(totals)
 
-  def _distribute(self, batches):
-    return self.strategy.experimental_distribute_dataset(batches)
+  def _distribute(self, batches, global_batch_size=None):
+    return self.strategy.experimental_distribute_dataset(
+        batches, global_batch_size=global_batch_size)
 
   # --- fit -----------------------------------------------------------------
 
