@@ -196,7 +196,7 @@ class DistributedFunction:
 
     def body(*local, probe: bool):
       local = list(local)
-      pos, nodes, mirrored_in = 0, [], []
+      pos, nodes = 0, []
       for kind, sub_tree, count in rebuild:
         chunk, pos = local[pos:pos + count], pos + count
         if kind == "static":
