@@ -79,6 +79,7 @@ class Monitor:
     self._beats = 0
     self._dead = set()          # peers found dead: process 0 need not wait
     self._ending = False
+    self._stop = threading.Event()
     self._lock = threading.Lock()
     self._thread = threading.Thread(target=self._run, name="jdist-monitor",
                                     daemon=True)
@@ -116,6 +117,17 @@ class Monitor:
     self._set(f"jdist/done/{self.process_id}",
               json.dumps({"steps": self.dispatched}))
 
+  def stop(self) -> None:
+    """Stops the thread and waits for it (after the runtime shut down).
+
+    Left running into interpreter shutdown, the thread could be inside the
+    runtime's C++ client when Python unwinds daemon threads, which aborts the
+    process ("FATAL: exception not rethrown").
+    """
+    self._stop.set()
+    if threading.current_thread() is not self._thread:
+      self._thread.join(timeout=10 * self._tick)
+
   def fail(self, error: str) -> None:
     """Reports this process's uncaught error to the peers and ends the process.
 
@@ -145,14 +157,15 @@ class Monitor:
     before = dict(self._reports(client, "beat"))
     time.sleep(3 * self._tick)
     after = dict(self._reports(client, "beat"))
-    return [p for p in range(self.num_processes) if p != self.process_id and
+    done = dict(self._reports(client, "done"))
+    return [p for p in range(self.num_processes)
+            if p != self.process_id and p not in done and
             after.get(p, {}).get("n") == before.get(p, {}).get("n")]
 
   # --- the thread -------------------------------------------------------------
 
   def _run(self) -> None:
-    while True:
-      time.sleep(self._tick)
+    while not self._stop.wait(self._tick):
       if self._client_fn() is None:
         return  # the distributed runtime was shut down
       try:

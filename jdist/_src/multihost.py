@@ -22,6 +22,8 @@ import threading
 import time
 import traceback
 
+import jax
+
 from jdist._src import cluster
 from jdist._src.monitor import Monitor
 from jdist._src.types import ClusterError, CollectiveTimeoutError
@@ -203,10 +205,18 @@ def _install_failure_reporting(monitor: Monitor) -> None:
 
 
 def _finish(monitor: Monitor) -> None:
+  """At exit: report the end, shut the runtime down while watched, stop."""
   try:
     monitor.finish()
+    # JAX's own exit handler would do this after ours; doing it here keeps the
+    # monitor watching its shutdown barrier (a peer that fails meanwhile still
+    # ends this process with a message), then lets the thread stop before the
+    # interpreter does. JAX's later call is then a no-op.
+    jax.distributed.shutdown()
   except Exception:
     pass
+  finally:
+    monitor.stop()
 
 
 def process_id() -> int:
