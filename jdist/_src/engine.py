@@ -32,7 +32,7 @@ class _Arg:
   __slots__ = ("kind", "node")
 
   def __init__(self, kind: str, node: Any):
-    self.kind = kind  # "mirrored" | "per_replica" | "sync"
+    self.kind = kind  # "mirrored" | "per_replica" | "sync" | "static"
     self.node = node
 
 

@@ -87,7 +87,7 @@ def _pad(x: np.ndarray, size: int) -> np.ndarray:
 
 
 class _Placer:
-  """Places stacked local rows as global `(R, b, ...)` arrays, caching masks."""
+  """Places stacked local rows as global `(R, b, ...)` arrays; caches validity."""
 
   def __init__(self, strategy):
     self.strategy = strategy

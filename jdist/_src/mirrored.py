@@ -20,7 +20,7 @@ class MirroredStrategy(Strategy):
     axis_name: name of the replica mesh axis.
 
   Example:
-    >>> import jdist
+    >>> import jax, jdist
     >>> strategy = jdist.MirroredStrategy()
     >>> strategy.num_replicas_in_sync == len(jax.local_devices())
     True

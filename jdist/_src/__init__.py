@@ -1,0 +1,1 @@
+"""jdist internals: one concept per module; the public API is `jdist`."""
