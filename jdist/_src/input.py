@@ -52,23 +52,30 @@ class InputContext:
 
 
 def _batch_len(batch: Any, what: str) -> int:
+  """The batch size shared by every leaf of `batch` (numpy arrays)."""
+  leaves = jax.tree.leaves(batch)
+  sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in leaves}
+  if len(sizes) == 1 and None not in sizes:
+    return sizes.pop()
+  return _batch_len_error(batch, what)
+
+
+def _batch_len_error(batch: Any, what: str):
+  """Raises the error that explains why `batch` has no single batch size."""
   leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
   if not leaves:
     raise ValueError(f"The {what} has no arrays in it.")
   sizes = {}
   for path, leaf in leaves:
-    shape = np.shape(leaf)
-    if not shape:
+    if not np.ndim(leaf):
       raise ValueError(
           f"{what.capitalize()} leaf {jax.tree_util.keystr(path)} is a scalar; "
           "every leaf of a batch needs a leading batch axis.")
-    sizes.setdefault(shape[0], jax.tree_util.keystr(path))
-  if len(sizes) > 1:
-    detail = ", ".join(f"{p or '<batch>'} has {n}" for n, p in sizes.items())
-    raise ValueError(
-        f"The leaves of one {what} disagree on the batch size ({detail}); "
-        "every leaf must have the same leading axis.")
-  return next(iter(sizes))
+    sizes.setdefault(np.shape(leaf)[0], jax.tree_util.keystr(path))
+  detail = ", ".join(f"{p or '<batch>'} has {n}" for n, p in sizes.items())
+  raise ValueError(
+      f"The leaves of one {what} disagree on the batch size ({detail}); "
+      "every leaf must have the same leading axis.")
 
 
 def _split_error(size: int, n: int) -> ValueError:
@@ -96,7 +103,15 @@ class _Placer:
     # This process's replicas: a slice (a view of the batch) when contiguous.
     contiguous = ids == tuple(range(ids[0], ids[-1] + 1))
     self.local_rows = slice(ids[0], ids[-1] + 1) if contiguous else list(ids)
-    self._full = {}
+    self._full = {}        # (rows, b) -> device validity of a full batch
+    self._full_masks = {}  # (rows, b) -> the host mask of a full batch
+
+  def full_mask(self, rows: int, b: int) -> np.ndarray:
+    """The all-valid host mask of shape (rows, b), one object per shape."""
+    mask = self._full_masks.get((rows, b))
+    if mask is None:
+      mask = self._full_masks[(rows, b)] = np.ones((rows, b), bool)
+    return mask
 
   def put(self, local_rows):
     """Places a pytree of local rows, all leaves in one transfer."""
@@ -106,11 +121,12 @@ class _Placer:
 
   def validity(self, local_mask: np.ndarray, num_valid: int | None):
     """The device copy of `[mask | global count]`; full batches reuse one."""
+    key = local_mask.shape
     if num_valid is None:
       num_valid = int(local_mask.sum())  # one process holds every row
     capacity = self.strategy.num_replicas_in_sync * local_mask.shape[1]
-    full = num_valid == capacity and bool(local_mask.all())
-    key = local_mask.shape
+    full = num_valid == capacity and (
+        local_mask is self._full_masks.get(key) or bool(local_mask.all()))
     if full and key in self._full:
       return self._full[key]
     host = np.empty((local_mask.shape[0], local_mask.shape[1] + 1), np.int32)
@@ -197,8 +213,9 @@ class DistributedIterator:
       batch = next(self._source)
     except StopIteration:
       return None
-    batch = jax.tree.map(np.asarray, batch)
-    size = _batch_len(batch, "batch")
+    leaves, treedef = jax.tree.flatten(batch)
+    leaves = [np.asarray(x) for x in leaves]
+    size = _batch_len(leaves, "batch") if leaves else _batch_len(batch, "batch")
     if self._size is None:
       if size % n:
         raise _split_error(size, n)
@@ -210,10 +227,14 @@ class DistributedIterator:
           "batch size fixed.")
     b = self._size // n
     local = self._placer.local_rows
-    def rows(x):  # views, no copies, unless the batch is short
-      return _pad(x, self._size).reshape((n, b) + x.shape[1:])[local]
-    valid = (np.arange(self._size) < size).reshape(n, b)[local]
-    return jax.tree.map(rows, batch), valid, size
+    # Views, no copies, unless the batch is short.
+    rows = [_pad(x, self._size).reshape((n, b) + x.shape[1:])[local]
+            for x in leaves]
+    if size == self._size:
+      valid = self._placer.full_mask(len(self._placer.local_ids), b)
+    else:
+      valid = (np.arange(self._size) < size).reshape(n, b)[local]
+    return jax.tree.unflatten(treedef, rows), valid, size
 
   def _next_per_replica(self):
     ids = self._placer.local_ids
