@@ -39,51 +39,64 @@ workdir = pathlib.Path(tempfile.mkdtemp(prefix="jdist-04-"))
 # %% [markdown]
 # ## 1. A training script for many processes
 #
-# The only multi-host line is the strategy: `MultiWorkerMirroredStrategy()` joins
-# the run (from the variables `jdist launch` sets, or `TF_CONFIG`, or SLURM...).
-# Every process iterates the same global batches; each keeps its own replicas' rows.
-# `strategy.reduce` gives every process the same value.
+# The training lives in a small module, `digits_training.py`, used both by the
+# launched script and, in part 3, by this notebook. The only multi-host line is
+# the strategy: `MultiWorkerMirroredStrategy()` joins the run (from the variables
+# `jdist launch` sets, or `TF_CONFIG`, or SLURM...). Every process iterates the
+# same global batches; each keeps its own replicas' rows. `strategy.reduce`
+# gives every process the same value.
 
 # %%
-script = workdir / "train.py"
-script.write_text(textwrap.dedent('''
-    import sys, json
+(workdir / "digits_training.py").write_text(textwrap.dedent('''
+    import jax, optax
     import jdist
-    strategy = jdist.MultiWorkerMirroredStrategy()     # first: joins the run
-    import jax, numpy as np, optax
     from jdist.examples.data import load_digits, batches
     from jdist.examples.models import MLP
 
-    x, y = load_digits(image=False)
-    data = batches(x[:1280], y[:1280], 64)
-    model, tx = MLP(), optax.adam(1e-2)
-    params = model.init(jax.random.key(0), x[:1])["params"]
+    def train(strategy, learning_rate=1e-2):
+        """20 steps of the seed MLP on digits; returns the losses and Dense_0's kernel."""
+        x, y = load_digits(image=False)
+        data = batches(x[:1280], y[:1280], 64)
+        model, tx = MLP(), optax.adam(learning_rate)
+        params = model.init(jax.random.key(0), x[:1])["params"]
 
-    @strategy.function
-    def step(state, batch):
-        params, opt = state
-        def loss_fn(p):
-            logits = model.apply({"params": p}, batch["x"])
-            return jdist.compute_average_loss(
-                optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]))
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt = tx.update(grads, opt, params)
-        return (optax.apply_updates(params, updates), opt), loss
+        @strategy.function
+        def step(state, batch):
+            params, opt = state
+            def loss_fn(p):
+                logits = model.apply({"params": p}, batch["x"])
+                return jdist.compute_average_loss(
+                    optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]))
+            loss, grads = jax.value_and_grad(loss_fn)(params)
+            updates, opt = tx.update(grads, opt, params)
+            return (optax.apply_updates(params, updates), opt), loss
 
-    state = strategy.replicate((params, tx.init(params)))
-    losses = []
-    for batch in strategy.experimental_distribute_dataset(data):
-        state, loss = step(state, batch)
-        losses.append(float(strategy.reduce("sum", loss)))
+        state = strategy.replicate((params, tx.init(params)))
+        losses = []
+        for batch in strategy.experimental_distribute_dataset(data):
+            state, loss = step(state, batch)
+            losses.append(float(strategy.reduce("sum", loss)))
+        kernel = state[0]["Dense_0"]["kernel"]
+        return losses, kernel.addressable_data(0)
+'''))
+
+script = workdir / "train.py"
+script.write_text(textwrap.dedent('''
+    import json, sys
+    import jdist
+    strategy = jdist.MultiWorkerMirroredStrategy()     # first: joins the run
+    import jax, numpy as np
+    from digits_training import train
+
+    losses, kernel = train(strategy)
     me = jax.process_index()
     print(f"process {me} of {jax.process_count()}: {strategy.num_replicas_in_sync} "
           f"replicas, {len(jax.local_devices())} local; final loss {losses[-1]:.6f}")
     if me == 0:
-        kernel = np.asarray(state[0]["Dense_0"]["kernel"].addressable_data(0))
-        np.save(sys.argv[1], kernel)
+        np.save(sys.argv[1], np.asarray(kernel))
         json.dump(losses, open(sys.argv[1] + ".json", "w"))
 '''))
-print(script)
+print(script.read_text())
 
 # %% [markdown]
 # ## 2. Launch it on 2 processes × 2 devices
@@ -95,6 +108,7 @@ print(script)
 # %%
 def launch(*args, timeout=300):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(workdir), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, "-m", "jdist.launch", *map(str, args)],
                           capture_output=True, text=True, timeout=timeout, env=env)
     out = [l for l in (proc.stdout + proc.stderr).splitlines() if "Gloo" not in l]
@@ -107,43 +121,20 @@ print(output)
 # %% [markdown]
 # ## 3. The same as 4 devices in one process
 #
-# The 2×2 run and a 4-device run in this notebook (same script body, a
-# `MirroredStrategy`) give the same losses and parameters.
+# The same `train` on a `MirroredStrategy` over this notebook's 4 devices gives the
+# same losses and parameters as the 2×2 run.
 
 # %%
-import optax
-from jdist.examples.data import load_digits, batches
-from jdist.examples.models import MLP
+sys.path.insert(0, str(workdir))
+from digits_training import train
 
 strategy = jdist.MirroredStrategy()
-x, y = load_digits(image=False)
-data = batches(x[:1280], y[:1280], 64)
-model, tx = MLP(), optax.adam(1e-2)
-params = model.init(jax.random.key(0), x[:1])["params"]
-
-@strategy.function
-def step(state, batch):
-    params, opt = state
-    def loss_fn(p):
-        logits = model.apply({"params": p}, batch["x"])
-        return jdist.compute_average_loss(
-            optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]))
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    updates, opt = tx.update(grads, opt, params)
-    return (optax.apply_updates(params, updates), opt), loss
-
-state = strategy.replicate((params, tx.init(params)))
-local_losses = []
-for batch in strategy.experimental_distribute_dataset(data):
-    state, loss = step(state, batch)
-    local_losses.append(float(strategy.reduce("sum", loss)))
-
+local_losses, local_kernel = train(strategy)
 multi_losses = json.load(open(workdir / "kernel.npy.json"))
 multi_kernel = np.load(workdir / "kernel.npy")
-local_kernel = np.asarray(state[0]["Dense_0"]["kernel"])
 print(f"{strategy.num_replicas_in_sync} local devices vs 2 processes x 2 devices:")
 print("  largest loss difference:  ", max(abs(a - b) for a, b in zip(local_losses, multi_losses)))
-print("  largest weight difference:", float(np.max(np.abs(local_kernel - multi_kernel))))
+print("  largest weight difference:", float(np.max(np.abs(np.asarray(local_kernel) - multi_kernel))))
 
 import matplotlib.pyplot as plt
 fig, ax = plt.subplots(figsize=(6, 3.2))
@@ -164,7 +155,7 @@ plt.show()
 # %%
 bad = workdir / "mismatch.py"
 bad.write_text(script.read_text().replace(
-    "optax.adam(1e-2)", "optax.adam(1e-2 if jax.process_index() == 0 else 1e-3)"))
+    "train(strategy)", "train(strategy, 1e-2 if jax.process_index() == 0 else 1e-3)"))
 code, output = launch("-n", 2, "--devices-per-process", 2, bad, workdir / "bad.npy")
 print("exit code", code)
 print("\n".join(l for l in output.splitlines() if "ProgramMismatchError" in l or "launch" in l)[:1500])
