@@ -175,3 +175,15 @@ def test_declared_global_batch_size_lets_the_first_batch_be_short():
   assert step.num_compilations == 1
   with pytest.raises(ValueError, match="6 examples cannot split evenly over 4"):
     strategy.experimental_distribute_dataset([], global_batch_size=6)
+
+
+def test_donated_batches_keep_working():
+  """A step may donate its batches: prefetched batches share no buffers."""
+  strategy = strategy_on(2)  # (sharing one donated buffer crashed jax here)
+  step = strategy.function(lambda w, b: (w + jdist.all_reduce("sum", jnp.sum(b)),
+                                         jdist.compute_average_loss(b)),
+                           donate_argnums=(0, 1))
+  w = strategy.replicate(jnp.float32(0))
+  for batch in strategy.experimental_distribute_dataset([np.ones(4, np.float32)] * 3):
+    w, _ = step(w, batch)
+  assert float(w) == 12.0

@@ -103,7 +103,7 @@ class _Placer:
     # This process's replicas: a slice (a view of the batch) when contiguous.
     contiguous = ids == tuple(range(ids[0], ids[-1] + 1))
     self.local_rows = slice(ids[0], ids[-1] + 1) if contiguous else list(ids)
-    self._full = {}        # (rows, b) -> device validity of a full batch
+    self._full = {}        # (rows, b) -> host validity of a full batch
     self._full_masks = {}  # (rows, b) -> the host mask of a full batch
 
   def full_mask(self, rows: int, b: int) -> np.ndarray:
@@ -120,7 +120,11 @@ class _Placer:
                                      s.num_replicas_in_sync)
 
   def validity(self, local_mask: np.ndarray, num_valid: int | None):
-    """The device copy of `[mask | global count]`; full batches reuse one."""
+    """The host array `[mask | global count]`; full batches reuse one.
+
+    Only the host copy is shared: every batch gets device buffers of its own,
+    so a step that donates its batch cannot delete another batch's.
+    """
     key = local_mask.shape
     if num_valid is None:
       num_valid = int(local_mask.sum())  # one process holds every row
@@ -132,10 +136,9 @@ class _Placer:
     host = np.empty((local_mask.shape[0], local_mask.shape[1] + 1), np.int32)
     host[:, :-1] = local_mask
     host[:, -1] = num_valid
-    validity = self.put(host)
     if full:
-      self._full[key] = validity
-    return validity
+      self._full[key] = host
+    return host
 
 
 class DistributedDataset:
@@ -261,8 +264,9 @@ class DistributedIterator:
     return stacked, valid, count
 
   def _place(self, rows, valid, count) -> PerReplica:
-    return PerReplica(self._placer.put(rows),
-                      validity=self._placer.validity(valid, count))
+    values, validity = self._placer.put(
+        (rows, self._placer.validity(valid, count)))  # one transfer
+    return PerReplica(values, validity=validity)
 
 
 def from_values(strategy, value_fn: Callable) -> PerReplica:
