@@ -6,7 +6,6 @@ parameters, per-step losses and per-example outputs against a one-device run.
 
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -1,6 +1,5 @@
 """jdist.Trainer: fit, evaluate and predict, the way a Keras user calls them."""
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -24,10 +24,10 @@ def _is_node(x) -> bool:
   return isinstance(x, (PerReplica, SyncOnRead))
 
 
-def _masked_axes(x, mask, axis):
-  """Whether `axis` of each replica's value is the batch axis `mask` covers."""
-  return (mask is not None and axis == 0 and x.ndim >= 2 and
-          x.shape[1] == mask.shape[1])
+def _is_batch_axis(x, rows, axis) -> bool:
+  """Whether `axis` of each replica's value is its batch of `rows` examples."""
+  return (rows is not None and axis == 0 and x.ndim >= 2 and
+          x.shape[1] == rows)
 
 
 def reduce_stacked(op: ReduceOp, x, mask, num_valid, axis):
@@ -53,13 +53,12 @@ def reduce_stacked(op: ReduceOp, x, mask, num_valid, axis):
     raise ValueError(
         f"axis={axis} is out of range for per-replica values of rank "
         f"{x.ndim - 1}.")
-  if not _masked_axes(x, mask, axis):
+  if not _is_batch_axis(x, None if mask is None else mask.shape[1], axis):
     return _plain(op, x, (0, axis + 1))
   m = mask.reshape(mask.shape + (1,) * (x.ndim - 2))
   if op is ReduceOp.MEAN:
     total = jnp.sum(jnp.where(m, x, 0), axis=(0, 1))
-    count = num_valid if num_valid is not None else jnp.sum(mask)
-    return (total / jnp.maximum(count, 1)).astype(x.dtype)
+    return (total / jnp.maximum(num_valid, 1)).astype(x.dtype)
   if op is ReduceOp.SUM:
     return jnp.sum(jnp.where(m, x, 0), axis=(0, 1))
   return _plain(op, jnp.where(m, x, _identity(op, x.dtype)), (0, 1))
@@ -172,10 +171,8 @@ def gather(strategy, value: Any, axis: int = 0) -> Any:
       if _traced(x):
         return gather_stacked(x, axis)
       out = _local(_compiled(strategy.mesh, "gather", None, axis)(x, None))
-      per_replica_rows = (None if node.validity is None
-                          else node.validity.shape[1] - 1)
-      if (axis % max(x.ndim - 1, 1) == 0 and x.ndim >= 2 and
-          x.shape[1] == per_replica_rows):
+      rows = None if node.validity is None else node.validity.shape[1] - 1
+      if _is_batch_axis(x, rows, axis % max(x.ndim - 1, 1)):
         if not keep:
           validity = _local(_compiled(strategy.mesh, "replicate", None, None)(
               node.validity, None))

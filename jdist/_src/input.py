@@ -150,13 +150,11 @@ class DistributedDataset:
   """
 
   def __init__(self, strategy, make_iterator: Callable[[], Iterator],
-               mode: str, *, prefetch: int = 2, global_valid_count: bool = True,
-               batch_size: int | None = None):
+               mode: str, *, prefetch: int = 2, batch_size: int | None = None):
     self._strategy = strategy
     self._make_iterator = make_iterator
     self._mode = mode
     self._prefetch = max(1, int(prefetch))
-    self._global_valid_count = global_valid_count
     self._batch_size = batch_size
 
   @property
@@ -260,7 +258,7 @@ class DistributedIterator:
     stacked = jax.tree.map(lambda *xs: np.stack([_pad(x, self._size) for x in xs]),
                            *parts)
     valid = np.arange(self._size)[None, :] < np.asarray(sizes)[:, None]
-    count = sum(sizes) if self._ds._global_valid_count else None
+    count = sum(sizes)  # across processes, the input agreement adds them up
     return stacked, valid, count
 
   def _place(self, rows, valid, count) -> PerReplica:

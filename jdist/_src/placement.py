@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -74,11 +73,3 @@ def local_shards(x: jax.Array) -> dict:
   return out
 
 
-def is_concrete(x: Any) -> bool:
-  return not isinstance(x, jax.core.Tracer)
-
-
-def as_array(x: Any) -> Any:
-  if isinstance(x, (jax.Array, np.ndarray)):
-    return x
-  return jnp.asarray(x)

@@ -63,11 +63,6 @@ class ReplicaContext:
   @property
   def num_valid_examples(self) -> jax.Array | None:
     """Global count of valid examples in the step's batch, or None."""
-    if self._mask is None:
-      return None
-    if self._num_valid is None:
-      self._num_valid = lax.psum(jnp.sum(self._mask, dtype=jnp.int32),
-                                 self.axis_name)
     return self._num_valid
 
   def all_reduce(self, reduce_op, value: Any) -> Any:
