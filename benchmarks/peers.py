@@ -54,6 +54,12 @@ class Framework:
 
 FRAMEWORKS = {
     "jdist": Framework("jdist MirroredStrategy", "jdist_mirrored.py", peer=False),
+    "jdist_multi": Framework(
+        "jdist custom loop, multi_step over 32 batches", "jdist_mirrored.py",
+        peer=False, args=("--steps-per-execution", "32")),
+    "jdist_fit_spe": Framework(
+        "jdist Trainer fit, steps_per_execution=32", "jdist_fit.py",
+        peer=False, args=("--steps-per-execution", "32")),
     "jax_hand": Framework("hand-written JAX (reference)", "jax_hand.py", peer=False),
     "keras_jax": Framework("Keras 3 (JAX) DataParallel, fit", "keras_jax.py"),
     "keras_jax_spe": Framework(
@@ -66,8 +72,9 @@ FRAMEWORKS = {
 }
 MODEL_LABELS = {"mlp": "MLP 10-16-10", "cnn": "CNN 28x28x1"}
 
-FULL = {"replicas": "1,2,4", "rounds": 5, "steps": "mlp:500,cnn:10",
-        "warmup": "mlp:100,cnn:4"}
+# MLP blocks are whole groups of 32 steps, for the steps_per_execution=32 rows.
+FULL = {"replicas": "1,2,4", "rounds": 5, "steps": "mlp:512,cnn:10",
+        "warmup": "mlp:128,cnn:4"}
 QUICK = {"replicas": "2", "rounds": 2, "steps": "mlp:100,cnn:2",
          "warmup": "mlp:10,cnn:2"}
 
@@ -267,7 +274,8 @@ def compare(replicas: int, frameworks: list, models: list, *, rounds: int,
              "steps_per_block": steps[m], "rounds": len(t),
              "samples_per_s": statistics.median(sps), "samples_per_s_spread": _spread(sps),
              "loss0": info[name].get("loss0", {}).get(m), "loss": losses.get((m, name)),
-             "path": info[name].get("path"), "version": info[name].get("version")}
+             "path": info[name].get("path"), "version": info[name].get("version"),
+             "seconds": t}
       if base and len(base) == len(t):
         ratios = [p / j for j, p in zip(base, t)]  # jdist speed / peer speed
         row["jdist_speedup"] = statistics.median(ratios)

@@ -6,6 +6,11 @@ are shared and noisy; absolute steps or samples per second are printed for
 context only.
 
   python benchmarks/run.py [--quick] [--peers-python .venv-peers/bin/python]
+      [--frameworks jdist,jax_hand,...] [--models mlp] [--replicas 1,2]
+
+It also draws benchmarks/throughput.png (samples/s by framework and replica
+count; needs matplotlib, the `bench` extra) and checks a step-time model
+against the measurements (benchmarks/step_model.py).
 """
 
 from __future__ import annotations
@@ -19,7 +24,11 @@ import platform
 import subprocess
 import sys
 
+
 HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import ps  # noqa: E402  (its RESULTS.md section)
+import step_model  # noqa: E402  (issue 12's sections)
 
 
 def _run(script: str, devices: int, *args: str, timeout: float = 3600) -> list:
@@ -54,18 +63,33 @@ def main(argv=None) -> int:
   parser.add_argument("--peers-python", default=None,
                       help="the peers' venv python (default .venv-peers/bin/python)")
   parser.add_argument("--no-peers", action="store_true", help="the overhead section only")
+  parser.add_argument("--frameworks", help="peers.py's --frameworks (a subset)")
+  parser.add_argument("--models", help="peers.py's --models, e.g. mlp")
+  parser.add_argument("--replicas", help="peers.py's --replicas, e.g. 1,2,4")
+  parser.add_argument("--rounds", help="peers.py's --rounds")
+  parser.add_argument("--no-ps", action="store_true",
+                      help="leave out the parameter-server comparison (ps.py)")
   args = parser.parse_args(argv)
   extra = ("--quick",) if args.quick else ()
   import jax
   load_before = _load()
   overhead = _run("overhead.py", 4, *extra)
-  peers_result = None
+  peers_result = ps_result = None
   if not args.no_peers:
     peer_args = extra + (("--peers-python", args.peers_python) if args.peers_python else ())
+    subset = ()
+    for name in ("frameworks", "models", "replicas", "rounds"):
+      if getattr(args, name):
+        subset += (f"--{name}", getattr(args, name))
     try:
-      peers_result = _run("peers.py", 1, *peer_args, timeout=2400)
+      peers_result = _run("peers.py", 1, *peer_args, *subset, timeout=2400)
     except (RuntimeError, subprocess.TimeoutExpired, ValueError, IndexError) as e:
       peers_result = {"error": str(e)}
+    try:
+      if not args.no_ps:
+        ps_result = _run("ps.py", 1, *peer_args, timeout=1800)
+    except (RuntimeError, subprocess.TimeoutExpired, ValueError, IndexError) as e:
+      ps_result = {"error": str(e)}
   load_after = _load()
   lines = [
       "# Benchmarks",
@@ -94,8 +118,16 @@ def main(argv=None) -> int:
         f"| {name} | {r['devices']} | {r['batch']} | {r['hand_steps_per_s']:.1f} "
         f"| {r['jdist_steps_per_s']:.1f} | **{r['ratio']:.3f}** | "
         f"{r['ratio_spread'][0]:.3f} to {r['ratio_spread'][1]:.3f} |")
+  lines += [""] + zero_section(_run("zero_memory.py", 4, *extra))
   if peers_result is not None:
     lines += [""] + peers_section(peers_result)
+    if "rows" in peers_result:
+      lines += [""] + step_model.targets_section(peers_result["rows"])
+      lines += [""] + step_model.chart(peers_result["rows"],
+                                       HERE / "throughput.png")
+      lines += [""] + step_model.model_section(peers_result["rows"])
+  if ps_result is not None:
+    lines += [""] + ps.section(ps_result)
   out = HERE / "RESULTS.md"
   out.write_text("\n".join(lines) + "\n")
   print("\n".join(lines))
@@ -103,7 +135,55 @@ def main(argv=None) -> int:
   return 0
 
 
+def zero_section(res: dict) -> list:
+  """The "sharded optimizer state" section of RESULTS.md (zero_memory.py)."""
+  modes = res["modes"]
+  lines = [
+      "## Sharded optimizer state (ZeRO): memory per device",
+      "",
+      f"An MLP 64-512-512-10 ({res['params']:,} parameters) with adam on "
+      f"{res['devices']} replicas, the same 20 steps three ways: mirrored "
+      "state (`optax.adam`), ZeRO-1 (`jdist.ShardedOptimizer`, gradients "
+      "summed by autodiff, each replica takes its block) and ZeRO-2 (its "
+      "`value_and_grad`: gradients reduce-scattered). State bytes: the "
+      "optimizer state's arrays' addressable shards on one device. Step "
+      "memory: the compiled step's memory analysis on one device, arguments "
+      "+ outputs + temporaries (nothing donated). Collectives: "
+      "counted in the compiled program. Speed: steps/s over mirrored's, the "
+      "median of interleaved rounds; on CPU the collectives are memory "
+      "copies, so only the ratio's direction means anything here.",
+      "",
+      "| state | opt. state bytes/device | vs mirrored | step memory/device "
+      "(args + out + temp) | all-reduce / reduce-scatter / all-gather | "
+      "max param diff after 20 steps | speed vs mirrored |",
+      "|---|---|---|---|---|---|---|",
+  ]
+  names = {"mirrored": "mirrored", "zero1": "ZeRO-1", "zero2": "ZeRO-2"}
+  for mode, r in modes.items():
+    c = r["collectives"]
+    lines.append(
+        f"| {names[mode]} | {r['opt_state_bytes_per_device']:,} | "
+        f"**{r['state_ratio']:.3f}** | {_step_memory(r)} | {c['all-reduce']} / "
+        f"{c['reduce-scatter']} / {c['all-gather']} | "
+        f"{r['max_param_diff']:.1e} (of {r['param_scale']:.2f}) | "
+        f"{r['speed_ratio']:.2f} ({r['speed_spread'][0]:.2f} to "
+        f"{r['speed_spread'][1]:.2f}) |")
+  return lines
+
+
+def _step_memory(r: dict) -> str:
+  parts = [r.get(k) for k in ("argument_bytes", "output_bytes", "temp_bytes")]
+  if any(p is None for p in parts):
+    return "n/a"
+  return f"{sum(parts):,} ({' + '.join(f'{p:,}' for p in parts)})"
+
+
 PEER_NOTES = {
+    "jdist_multi": "the same custom loop with `jdist.multi_step(step)` over "
+                   "`experimental_distribute_dataset(block).group(32)`: 32 steps "
+                   "per dispatch, the block's batches stacked 32 at a time",
+    "jdist_fit_spe": "`jdist.Trainer(..., steps_per_execution=32).fit` on numpy "
+                     "arrays, one epoch per block, as the Keras rows",
     "jax_hand": "not a peer but the floor: the same step as `jit(shard_map)` "
                 "with one `device_put` per batch; the gap to jdist is jdist's own cost",
     "keras_jax": "`model.fit` on numpy arrays (the fast path; `train_on_batch` "
@@ -170,7 +250,8 @@ def peers_section(res: dict) -> list:
       lines.append(f"| {r['replicas']} | {name} | {r['samples_per_s']:,.0f} | "
                    f"{lo:,.0f} to {hi:,.0f} | {ratio} | {rspread} | {r['loss']:.5f} |")
     faster = [f"{r['label']} at {r['replicas']} ({1 / r['jdist_speedup']:.2f}x jdist)"
-              for r in mrows if r.get("jdist_speedup") and r["jdist_speedup"] < 1]
+              for r in mrows if r.get("jdist_speedup") and r["jdist_speedup"] < 1
+              and not r["framework"].startswith("jdist")]
     lines += ["", "Faster than jdist here (median): " + ("; ".join(faster) or "none") + "."]
     loss0 = r0.get("loss0")
     spread = _loss_spread(mrows)

@@ -21,12 +21,14 @@ from jdist._src.multiprocess.cluster import SimpleClusterResolver
 from jdist._src.multiprocess.cluster import TPUClusterResolver
 from jdist._src.multiprocess.resolution import resolve
 from jdist._src.multiprocess.tf_config import TFConfigClusterResolver
+from jdist._src.ps.cluster import LocalClusterResolver
 
 __all__ = [
     "ClusterConfig",
     "ClusterResolver",
     "EnvironmentClusterResolver",
     "JaxClusterResolver",
+    "LocalClusterResolver",
     "SimpleClusterResolver",
     "TFConfigClusterResolver",
     "TPUClusterResolver",

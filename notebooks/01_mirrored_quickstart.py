@@ -235,3 +235,18 @@ for size, t1, tn in zip(sizes, timings["1 device"], multi):
     verdict = "faster" if tn < t1 else "slower"
     print(f"batch {size:>5}: all devices are {max(t1, tn) / min(t1, tn):.2f}x {verdict} than one")
 print("platform:", jax.devices()[0].platform)
+
+# %% [markdown]
+# ### Where the time goes: `jdist.diagnose`
+#
+# `jdist.diagnose(step, state, batches)` runs the step on one device and on all of
+# them and splits each step into input wait (host batches against batches already on
+# the devices), compute, collectives (the step's all-reduces, timed alone) and
+# dispatch; it counts recompilations and callbacks to Python, names the bottleneck
+# and says what to change. Everything is measured on the machine you run on.
+
+# %%
+diagnosis = jdist.diagnose(train_step, (params, tx.init(params)),
+                           batches(x_train, y_train, BATCH)[:6], steps=5)
+print(diagnosis)
+print("bottleneck:", diagnosis.bottleneck, "| speedup:", round(diagnosis.speedup, 2))

@@ -58,6 +58,14 @@ def test_peers_jdist_part_runs():
   assert all(r["jdist_speedup"] > 0 for r in res["rows"])
 
 
+def test_parameter_server_jdist_part_runs():
+  res = _run([BENCH / "ps.py", "--quick", "--json", "--frameworks", "jdist"])
+  assert not res["skipped"], res["skipped"]
+  (row,) = res["rows"]
+  assert (row["workers"], row["framework"]) == (2, "jdist")
+  assert row["examples_per_s"] > 0 and row["loss"] < row["loss0"]
+
+
 def test_results_section_renders():
   sys.path.insert(0, str(BENCH))
   try:
@@ -89,3 +97,85 @@ def test_peers_run():
   assert not res["skipped"], res["skipped"]
   assert len(res["rows"]) == 2 * 5
   assert not res["loss_mismatch"], res["loss_mismatch"]
+
+
+def test_issue_12_sections_render(tmp_path):
+  """The targets, the chart and the step-time model read peers.py's rows."""
+  sys.path.insert(0, str(BENCH))
+  try:
+    import step_model
+  finally:
+    sys.path.remove(str(BENCH))
+  rows = []
+  # Per step: hand 100 us; jdist 110 us one step per dispatch, 40 us with 32.
+  per_step = {"jax_hand": 100e-6, "jdist": 110e-6, "jdist_multi": 40e-6,
+              "jdist_fit_spe": 45e-6, "keras_jax_spe": 90e-6}
+  for n in (1, 2, 4):
+    for name, t in per_step.items():
+      rows.append({"model": "mlp", "replicas": n, "framework": name,
+                   "label": name, "steps_per_block": 512,
+                   "samples_per_s": 256 / t, "seconds": [512 * t * n] * 3})
+  text = "\n".join(step_model.targets_section(rows))
+  assert "| Trainer fit, steps_per_execution=32 / Keras 3 fit, " \
+         "steps_per_execution=32 (mlp) | 2 | **2.00** |" in text
+  assert "hand-written JAX (mlp) | 1 | **0.91** | 0.91 to 0.91 | >= 0.9 | yes |" \
+      in text
+  model = "\n".join(step_model.model_section(rows))
+  # dispatch = (110 - 40) * 32 / 31 us at every N.
+  assert "| 1 | 110.0 | 40.0 | 72.3 |" in model
+  assert "GPUs and TPUs" in model
+  link = step_model.chart(rows, tmp_path / "throughput.png")
+  assert link == ["![samples/s by framework and replica count](throughput.png)"]
+  assert (tmp_path / "throughput.png").stat().st_size > 1000
+
+
+def test_steps_per_execution_workers_run():
+  res = _run([BENCH / "peers.py", *TINY, "--models", "mlp",
+              "--frameworks", "jdist,jdist_multi,jdist_fit_spe"])
+  assert not res["skipped"], res["skipped"]
+  assert {r["framework"] for r in res["rows"]} == {
+      "jdist", "jdist_multi", "jdist_fit_spe"}
+  assert not res["loss_mismatch"], res["loss_mismatch"]
+
+
+def test_parameter_server_section_renders():
+  sys.path.insert(0, str(BENCH))
+  try:
+    import ps
+  finally:
+    sys.path.remove(str(BENCH))
+  jd = {"workers": 2, "framework": "jdist", "label": "jdist, threads",
+        "examples_per_s": 2e5, "spread": [1.5e5, 2.5e5], "loss0": 2.5,
+        "loss": 2.2, "vs_tf": 3.0, "vs_tf_spread": [2.0, 4.0]}
+  tf = dict(jd, framework="tf", label="TensorFlow", examples_per_s=6e4,
+            spread=[5e4, 7e4])
+  del tf["vs_tf"], tf["vs_tf_spread"]
+  text = "\n".join(ps.section({"rows": [jd, tf], "skipped": {},
+                               "versions": {"jdist": "jdist"},
+                               "settings": {"rounds": 1, "steps": 20,
+                                            "warmup": 5}}))
+  assert "| 2 | jdist, threads | 200,000 | 150,000 to 250,000 | **3.00** |" in text
+  assert "Slower than TensorFlow here (median): none." in text
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not PEERS_PYTHON.exists(),
+                    reason=f"no peers' venv at {PEERS_PYTHON} (`make bench` builds it)")
+def test_parameter_server_against_tensorflow_runs():
+  res = _run([BENCH / "ps.py", "--quick", "--json", "--frameworks", "jdist,tf",
+              "--peers-python", PEERS_PYTHON], timeout=400)
+  assert not res["skipped"], res["skipped"]
+  by = {r["framework"]: r for r in res["rows"]}
+  assert set(by) == {"jdist", "tf"} and by["jdist"]["vs_tf"] > 0
+  # Both start from the same weights on the same data.
+  assert by["jdist"]["loss0"] == pytest.approx(by["tf"]["loss0"], rel=1e-4)
+
+
+def test_zero_memory_runs():
+  res = _run([BENCH / "zero_memory.py", "--quick", "--json", "--steps", "2"],
+             devices=4)
+  modes = res["modes"]
+  assert set(modes) == {"mirrored", "zero1", "zero2"}
+  assert all(modes[m]["state_ratio"] <= 0.3 for m in ("zero1", "zero2"))
+  assert modes["zero2"]["collectives"]["reduce-scatter"] > 0

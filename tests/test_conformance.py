@@ -31,6 +31,8 @@ def _strategies():
       "mirrored_4": mirrored(4),
       # Without a cluster: one process over every local device.
       "multi_worker": jdist.MultiWorkerMirroredStrategy,
+      # Variables held once on cpu:0, steps on all four devices.
+      "central_storage": jdist.CentralStorageStrategy,
   }
 
 

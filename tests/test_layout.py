@@ -20,7 +20,11 @@ LAYERS = [
     ("jdist._src.core",),
     ("jdist._src.input",),
     ("jdist._src.strategies",),
-    ("jdist._src.current", "jdist._src.ops", "jdist._src.equivalence"),
+    ("jdist._src.current", "jdist._src.ops", "jdist._src.equivalence",
+     "jdist._src.diagnose"),
+    # A separate engine (DESIGN.md 2.7): it runs the strategies' steps on
+    # workers against parameter servers; the Trainer builds on it.
+    ("jdist._src.ps",),
     ("jdist._src.training",),
     ("jdist",),  # the facade and public modules, examples
 ]

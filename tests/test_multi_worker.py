@@ -14,7 +14,6 @@ import pytest
 import jdist
 import jdist.testing
 from jdist._src.input import agreement
-from jdist._src.strategies.multi_worker import global_devices
 from jdist.examples.data import batches
 from jdist.examples.models import MLP
 from test_conformance import classifier_step, make_state
@@ -29,12 +28,6 @@ def test_without_a_cluster_it_spans_the_local_devices():
                            .replica_id_in_sync_group)
   batch = next(iter(strategy.experimental_distribute_dataset([np.ones((8, 1))])))
   assert float(strategy.reduce("sum", step(batch), axis=0).sum()) == 12.0
-
-
-def test_devices_are_ordered_by_process_then_id():
-  Dev = collections.namedtuple("Dev", "process_index id")
-  devs = [Dev(1, 2049), Dev(0, 1), Dev(1, 2048), Dev(0, 0)]
-  assert global_devices(devs) == (Dev(0, 0), Dev(0, 1), Dev(1, 2048), Dev(1, 2049))
 
 
 def test_communication_options():

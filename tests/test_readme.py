@@ -1,5 +1,6 @@
 """The README's complete programs run as printed (issue 9.12): the first
-example (flax linen with flax's TrainState) and the flax nnx custom loop."""
+example (flax linen with flax's TrainState), the flax nnx custom loop, the
+parameter-server loop and the sharded optimizer state's example."""
 
 import os
 import pathlib
@@ -39,3 +40,18 @@ def test_the_nnx_recipe_trains_and_evaluates(tmp_path):
   accuracy = float(re.search(r"test accuracy: (\S+)", out).group(1))
   assert accuracy > 0.9
   assert out.count("epoch ") == 3
+
+
+def test_the_parameter_server_example_trains_and_stops(tmp_path):
+  program, = [b for b in _blocks() if "ClusterCoordinator(strategy)" in b]
+  out = _run(program, tmp_path)
+  first, last = map(float, re.search(r"loss (\S+) -> (\S+);", out).groups())
+  assert last < first
+  assert "updates per server {0: 200}" in out
+
+
+def test_the_sharded_optimizer_example_keeps_a_quarter_of_adams_state(tmp_path):
+  example, = [b for b in _blocks() if "jdist.ShardedOptimizer(" in b]
+  out = _run(example, tmp_path)
+  state_bytes = int(out.split("adam state on one device:")[1])
+  assert state_bytes == 602_196  # README: 0.250x of mirrored's 2,408,532

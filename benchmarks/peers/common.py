@@ -83,6 +83,17 @@ def cross_entropy(logits: np.ndarray, y: np.ndarray) -> float:
   return float(-logp[np.arange(len(y)), y].mean())
 
 
+def pop_option(argv: list, flag: str, default):
+  """Removes `flag VALUE` from `argv` (a worker's own option); its value,
+  converted like `default`, or `default`."""
+  if flag not in argv:
+    return default
+  i = argv.index(flag)
+  value = argv.pop(i + 1)
+  argv.pop(i)
+  return type(default)(value)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser()
   parser.add_argument("--replicas", type=int, required=True)

@@ -88,15 +88,8 @@ class Trainer:
 
 def main(argv=None):
   argv = list(sys.argv[1:] if argv is None else argv)
-  path, spe = "fit", 1
-  if "--path" in argv:
-    i = argv.index("--path")
-    path = argv.pop(i + 1)
-    argv.pop(i)
-  if "--steps-per-execution" in argv:
-    i = argv.index("--steps-per-execution")
-    spe = int(argv.pop(i + 1))
-    argv.pop(i)
+  path = common.pop_option(argv, "--path", "fit")
+  spe = common.pop_option(argv, "--steps-per-execution", 1)
   args = common.parse_args(argv)
   proto = common.Protocol()
   import jax

@@ -81,7 +81,8 @@ def compare_trees(expected, actual, *, rtol: float, atol: float,
   return problems
 
 
-def _devices_hint(n: int) -> str:
+def devices_hint(n: int) -> str:
+  """What to do when a test or a diagnosis needs `n` local devices."""
   return (f"Only {len(jax.local_devices())} local devices; {n} are needed. On a "
           f"CPU, start Python with XLA_FLAGS=--xla_force_host_platform_device_count"
           f"={n} (or call jdist.testing.fake_cpu_devices({n}) before JAX starts).")
@@ -129,7 +130,7 @@ def assert_equivalent(step_fn: Callable, state: Any, batches: Iterable,
   if strategy is None:
     n = num_replicas or len(jax.local_devices())
     if n > len(jax.local_devices()):
-      raise ValueError(_devices_hint(n))
+      raise ValueError(devices_hint(n))
     strategy = MirroredStrategy(jax.local_devices()[:n])
   reference = reference or OneDeviceStrategy(jax.local_devices()[0])
   expected = run_training(reference, step_fn, state, batches,

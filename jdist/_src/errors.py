@@ -39,6 +39,10 @@ class StrategyMismatchError(DistributionError):
   """A distributed value, step or scope belongs to a different strategy."""
 
 
+class ShardingError(DistributionError):
+  """Optimizer state cannot be split over the replicas as asked."""
+
+
 class ProgramMismatchError(DistributionError):
   """Processes of one run compiled different programs for the same step."""
 
@@ -87,12 +91,41 @@ class CheckpointMismatchError(DistributionError):
   """A checkpoint holds a different model or optimizer than the trainer."""
 
 
+class WorkerFailedError(Error, RuntimeError):
+  """A worker of a parameter-server cluster failed.
+
+  The coordinator runs the worker's functions again on the other workers (a
+  function may run more than once); raise it from a scheduled function to
+  say that its worker is unusable (the threads backend's stand-in for a
+  dead worker). It reaches `join()` only when no worker is left.
+  """
+
+
+class ParameterServerError(Error, RuntimeError):
+  """A parameter server is unavailable: its variables are lost.
+
+  Raised by `ClusterCoordinator.join()`, `schedule()` and `done()`, and by
+  reading variables, within the strategy's `timeout_seconds`. Restart the
+  cluster and restore the variables from a checkpoint.
+  """
+
+
+class CancelledError(Error, RuntimeError):
+  """A scheduled function did not run because an earlier one failed."""
+
+
+class OutOfRangeError(Error, IndexError):
+  """A per-worker iterator ran out of data inside a scheduled function."""
+
+
 PUBLIC = (Error, DistributionError, DoubleReductionError, VaryingStateError,
           LossScalingError,
-          StrategyMismatchError, ProgramMismatchError, ReplicaContextError,
+          StrategyMismatchError, ProgramMismatchError, ShardingError,
+          ReplicaContextError,
           ClusterError, CollectiveTimeoutError, PeerFailureError,
           CheckpointError, CheckpointNotFoundError, CheckpointMismatchError,
-          CheckpointDirectoryError, CheckpointInUseError)
+          WorkerFailedError, ParameterServerError, CancelledError,
+          OutOfRangeError, CheckpointDirectoryError, CheckpointInUseError)
 
 # Tracebacks show the public name (jdist.ClusterError), not jdist._src.errors.
 for _error in PUBLIC:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 # Private modules, each used by one function below (see its docstring).
 from jax._src import cloud_tpu_init
 from jax._src import clusters
@@ -89,3 +90,43 @@ def is_cloud_tpu_cluster(env) -> bool:
 def running_in_cloud_tpu_vm() -> bool:
   """Whether this process runs on a Cloud TPU VM (private flag of JAX's)."""
   return bool(cloud_tpu_init.running_in_cloud_tpu_vm)
+
+# --- placing host batches ---------------------------------------------------------
+
+try:
+  # Private: jax.device_put spends ~25 us of Python per leaf (pytree and
+  # sharding checks, copy semantics, aval updates); a small model's input
+  # path is dominated by it. These are the calls it ends in.
+  from jax._src import core as _core
+  from jax._src import dispatch as _dispatch
+  from jax._src.interpreters import pxla as _pxla
+except ImportError:  # pragma: no cover - depends on the jax version
+  _pxla = None
+
+_index_maps: dict = {}  # (sharding, shape) -> the shards' indices
+
+
+def put_host_arrays(xs: list, sharding) -> list:
+  """`jax.device_put(xs, sharding)` for numpy arrays in one process, faster.
+
+  The same arrays (type, committed placement, sharding in the aval) as
+  `jax.device_put`, at about a third of its Python cost per leaf. Anything
+  it does not handle (a dtype JAX would convert, another JAX) goes through
+  `jax.device_put`.
+  """
+  if _pxla is None or not all(
+      type(x) is np.ndarray and jax.dtypes.canonicalize_dtype(x.dtype) == x.dtype
+      for x in xs):
+    return jax.device_put(xs, sharding)
+  devices = sharding._addressable_device_assignment
+  out = []
+  for x in xs:
+    key = (sharding, x.shape)
+    indices = _index_maps.get(key)
+    if indices is None:
+      indices = _index_maps[key] = tuple(
+          sharding.addressable_devices_indices_map(x.shape).values())
+    aval = _dispatch.update_dp_aval(_core.shaped_abstractify(x), sharding)
+    out.append(_pxla.batched_device_put(aval, sharding,
+                                        [x[i] for i in indices], devices))
+  return out

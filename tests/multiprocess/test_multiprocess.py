@@ -14,6 +14,7 @@ import time
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 import jdist
@@ -48,7 +49,11 @@ def test_training_matches_four_local_devices(tmp_path, digits_flat):
                             "train_global", tmp_path], timeout=RUN_TIMEOUT)
   assert r.returncode == 0, r.output[-5000:]
   assert "[0] " in r.stdout and "[1] " in r.stdout
-  p0, p1 = (np.load(tmp_path / f"train_global-{i}.npz") for i in (0, 1))
+  assert_trained_like_four_local_devices(tmp_path, "train_global", digits_flat)
+
+
+def assert_trained_like_four_local_devices(tmp_path, mode, digits_flat):
+  p0, p1 = (np.load(tmp_path / f"{mode}-{i}.npz") for i in (0, 1))
   # strategy.reduce gives bit-identical results on every process.
   np.testing.assert_array_equal(p0["losses"], p1["losses"])
   x, y = digits_flat
@@ -62,6 +67,42 @@ def test_training_matches_four_local_devices(tmp_path, digits_flat):
   assert not problems, "\n".join(problems)
   np.testing.assert_allclose([o["loss"] for o in local.outputs], p0["losses"],
                              rtol=1e-5)
+  for k, v in params_of(p0).items():
+    np.testing.assert_array_equal(v, p1[k])
+
+
+def test_replicas_alternating_between_processes_train_alike(tmp_path,
+                                                            digits_flat):
+  """A TPU pod's ring may alternate hosts: each process feeds replicas that
+  are not contiguous (0 and 2, 1 and 3), and the result is unchanged."""
+  results = harness.run_workers("train_interleaved", tmp_path,
+                                timeout=RUN_TIMEOUT)
+  for r in results:
+    assert r.returncode == 0, r.output[-5000:]
+  assert_trained_like_four_local_devices(tmp_path, "train_interleaved",
+                                         digits_flat)
+
+
+def test_sharded_optimizer_state_across_processes(tmp_path, digits_flat):
+  """ZeRO-2 over 2 processes x 2 devices: each device keeps a quarter of
+  adam's state, and training equals mirrored state on 4 local devices."""
+  from test_sharded_optimizer import _train
+  results = harness.run_workers("train_sharded", tmp_path, timeout=RUN_TIMEOUT)
+  for rank, r in enumerate(results):
+    assert r.returncode == 0, f"process {rank}:\n{r.output[-5000:]}"
+  p0, p1 = (np.load(tmp_path / f"train_sharded-{i}.npz") for i in (0, 1))
+  assert p0["mu_blocks"].tolist() == [[16, 32]] * 2  # this process's 2 blocks
+  x, y = digits_flat
+  data = batches(x[:1280], y[:1280], 64)[:10]
+  state, losses, _ = _train(jdist.MirroredStrategy(), optax.adam(1e-2), data,
+                            own_grads=False)
+  expected = {jax.tree_util.keystr(p): v for p, v in
+              jax.tree_util.tree_flatten_with_path(
+                  jax.device_get(state.params))[0]}
+  problems = jdist.testing.compare_trees(expected, params_of(p0), rtol=1e-5,
+                                         atol=1e-6, names=("mirrored", "2x2"))
+  assert not problems, "\n".join(problems)
+  np.testing.assert_allclose(p0["losses"], losses, rtol=1e-5)
   for k, v in params_of(p0).items():
     np.testing.assert_array_equal(v, p1[k])
 

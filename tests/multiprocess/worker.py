@@ -62,7 +62,7 @@ def digits():
   return batches(x[:1280], y[:1280], 64)
 
 
-def train_global():
+def train_global(strategy=strategy):
   """The conformance training; every process iterates the same global batches."""
   data = digits()
   step = strategy.function(classifier_step)
@@ -75,6 +75,28 @@ def train_global():
     losses.append(strategy.reduce("sum", out["loss"]))
   flat = jax.tree_util.tree_flatten_with_path(host(state.params))[0]
   save(losses=np.array([np.asarray(l.addressable_data(0)) for l in losses]),
+       **{jax.tree_util.keystr(p): v for p, v in flat})
+
+
+def train_interleaved():
+  """train_global with the replicas alternating between the processes, as a
+  TPU pod's ring may order them (each process's replicas are not contiguous)."""
+  own = [sorted((d for d in jax.devices() if d.process_index == p),
+                key=lambda d: d.id) for p in (0, 1)]
+  devices = [d for pair in zip(*own) for d in pair]
+  assert [d.process_index for d in devices] == [0, 1, 0, 1]
+  train_global(jdist.Strategy(devices))
+
+
+def train_sharded():
+  """Adam with its state split over the 4 replicas of both processes."""
+  from test_sharded_optimizer import _train  # the tests' custom loop
+  tx = jdist.ShardedOptimizer(optax.adam(1e-2), strategy)
+  state, losses, _ = _train(strategy, tx, digits()[:10], own_grads=True)
+  mu = state.opt_state.value[0].mu["Dense_0"]["kernel"]
+  flat = jax.tree_util.tree_flatten_with_path(host(state.params))[0]
+  save(losses=np.array(losses), mu_blocks=np.array(
+      [s.data.shape for s in mu.addressable_shards]),
        **{jax.tree_util.keystr(p): v for p, v in flat})
 
 
@@ -225,7 +247,9 @@ def peer_fails_at_rendezvous():
 
 MODES = {
     "train_global": train_global,
+    "train_interleaved": train_interleaved,
     "train_per_process": train_per_process,
+    "train_sharded": train_sharded,
     "mismatch": mismatch,
     "crash": lambda: misbehave(3, crash),
     "kill": lambda: misbehave(3, kill),

@@ -47,6 +47,10 @@ class DistributedFunction:
                       strategy.num_replicas_in_sync > 1)
     # Multi-process runs check the traced program and watch each step.
     self._guard = strategy.step_guard
+    # State held off the mesh (CentralStorageStrategy) moves around each call;
+    # the default placement moves nothing and costs one test per call.
+    placement = strategy.state_placement
+    self._placement = placement if placement.moves else None
     self._name = getattr(fn, "__name__", "step")
     self._in_flight = None
     self._allow_unplaced = False
@@ -63,6 +67,11 @@ class DistributedFunction:
     return self._strategy
 
   @property
+  def python_function(self) -> Callable:
+    """The per-replica function this step runs (as `tf.function` names it)."""
+    return self._fn
+
+  @property
   def num_compilations(self) -> int:
     """How many times the step was traced and compiled (once per input shape)."""
     return self._compilations
@@ -76,6 +85,9 @@ class DistributedFunction:
     if self._lowerer is None:
       self._lowerer = jax.jit(functools.partial(self._trace, check=False),
                               **self._jit_options)
+    if self._placement is not None:
+      args, kwargs = self._placement.to_compute(args, kwargs,
+                                                self._strategy.mesh)
     return self._lowerer.lower(*args, **kwargs)
 
   def __call__(self, *args, **kwargs):
@@ -89,6 +101,9 @@ class DistributedFunction:
       raise StrategyMismatchError(
           f"This step belongs to {self._strategy!r} but runs inside the scope of "
           f"{scope!r}. Build the step with the strategy whose scope is open.")
+    if self._placement is not None:
+      args, kwargs = self._placement.to_compute(args, kwargs,
+                                                self._strategy.mesh)
     try:
       try:
         out = self._jitted(*args, **kwargs)
@@ -119,6 +134,8 @@ class DistributedFunction:
         previous, self._in_flight = self._in_flight, first
         if previous is not None and not previous.is_deleted():
           previous.block_until_ready()
+    if self._placement is not None:
+      out = self._placement.to_storage(out, self._strategy.mesh)
     return out
 
   def _call_placed(self, args: tuple, kwargs: dict):

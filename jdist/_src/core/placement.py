@@ -13,6 +13,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jdist._src import jax_compat
+
 
 def replicated_sharding(mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
@@ -24,7 +26,14 @@ def per_replica_sharding(mesh, axis_name: str) -> NamedSharding:
 
 def spans_processes(mesh) -> bool:
   """Whether `mesh` has devices of more than one process."""
-  return len({d.process_index for d in mesh.devices.flat}) > 1
+  # Asked for every batch: a mesh's devices never change, so remember it.
+  known = _spans.get(mesh)
+  if known is None:
+    known = _spans[mesh] = len({d.process_index for d in mesh.devices.flat}) > 1
+  return known
+
+
+_spans: dict = {}  # mesh -> whether it spans processes
 
 
 def put_replicated(x: Any, mesh) -> jax.Array:
@@ -50,12 +59,43 @@ def put_per_replica(local_rows: Any, mesh, axis_name: str,
   """
   sharding = per_replica_sharding(mesh, axis_name)
   if not spans_processes(mesh):
-    return jax.device_put(local_rows, sharding)
+    leaves, treedef = jax.tree.flatten(local_rows)
+    return jax.tree.unflatten(treedef,
+                              jax_compat.put_host_arrays(leaves, sharding))
   def one(rows):
     rows = np.asarray(rows)
     return jax.make_array_from_process_local_data(
         sharding, rows, (num_replicas,) + rows.shape[1:])
   return jax.tree.map(one, local_rows)
+
+
+class StatePlacement:
+  """Where a strategy keeps mirrored values (the state) between steps.
+
+  The default keeps a copy on every device of the mesh, where steps run, so
+  nothing moves around a step: `moves` is False and `DistributedFunction`
+  never calls the hooks. A strategy that holds its variables elsewhere
+  (`CentralStorageStrategy`: once, on one device) overrides all three.
+  """
+
+  moves = False
+
+  def put(self, x: Any, mesh) -> jax.Array:
+    """Places one mirrored leaf (`Strategy.replicate`)."""
+    return put_replicated(x, mesh)
+
+  def to_compute(self, args: tuple, kwargs: dict, mesh) -> tuple:
+    """A step's `(args, kwargs)`, with the held state moved onto `mesh`."""
+    del mesh
+    return args, kwargs
+
+  def to_storage(self, outputs: Any, mesh) -> Any:
+    """A step's outputs, with mirrored leaves moved back where state is held."""
+    del mesh
+    return outputs
+
+
+MESH_PLACEMENT = StatePlacement()
 
 
 def local_replica_ids(devices) -> tuple:

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jdist._src.core.validity import Validity
-from jdist._src.core.values import PerReplica, SyncOnRead, is_distributed
+from jdist._src.core.values import (BatchGroup, PerReplica, Sharded,
+                                    SyncOnRead, is_distributed)
 from jdist._src.errors import StrategyMismatchError
 
 
@@ -28,6 +29,7 @@ class ArgKind(enum.Enum):
   MIRRORED = "mirrored"          # an array, whole on every replica: P()
   PER_REPLICA = "per_replica"    # a PerReplica: each replica gets its row
   SYNC_ON_READ = "sync_on_read"  # a SyncOnRead: each replica its own copy
+  SHARDED = "sharded"            # a Sharded: each replica its blocks
   STATIC = "static"              # not an array under jit: a program constant
 
 
@@ -40,7 +42,7 @@ class Slot:
     count: how many `shard_map` inputs it takes.
     treedef: PER_REPLICA and SYNC_ON_READ: the structure of those inputs.
     value: STATIC: the value itself; SYNC_ON_READ: the `SyncOnRead` (for its
-      aggregation).
+      aggregation); SHARDED: the `Sharded` (for its layout).
   """
 
   kind: ArgKind
@@ -59,6 +61,24 @@ def _check_replica_axis(tree: Any, n: int, what: str) -> None:
           f"this strategy has {n} replicas. The value was distributed by a "
           "different strategy; distribute it again with this strategy (for "
           "example strategy.experimental_distribute_dataset).")
+
+
+def _check_sharded(node: Sharded, strategy) -> None:
+  n = strategy.num_replicas_in_sync
+  if node.axis_name != strategy.axis_name:
+    raise StrategyMismatchError(
+        f"A Sharded value split over the mesh axis {node.axis_name!r} was "
+        f"passed to a step of a strategy whose axis is {strategy.axis_name!r}. "
+        "Initialise the optimizer state with this strategy.")
+  flat = jax.tree_util.tree_flatten_with_path(node.value)[0]
+  for (path, leaf), axis in zip(flat, node.axes):
+    if axis is not None and jnp.shape(leaf)[axis] % n:
+      raise StrategyMismatchError(
+          f"Sharded leaf {jax.tree_util.keystr(path) or '<value>'} of shape "
+          f"{jnp.shape(leaf)} cannot be split over this strategy's {n} "
+          f"replicas along axis {axis}: it was laid out for another number of "
+          "replicas. Initialise the optimizer state with this strategy, or "
+          "restore it from a checkpoint onto it.")
 
 
 def _is_static(x: Any) -> bool:
@@ -92,6 +112,13 @@ class InputPlan:
     replicas = P(strategy.axis_name)
     flat, in_tree = jax.tree_util.tree_flatten((args, kwargs),
                                                is_leaf=is_distributed)
+    if any(isinstance(x, BatchGroup) for x in jax.tree.leaves(
+        (args, kwargs), is_leaf=lambda x: isinstance(x, BatchGroup))):
+      raise TypeError(
+          "A step got a BatchGroup (several batches stacked, from "
+          "DistributedDataset.group). A step runs one batch: pass the group "
+          "to jdist.multi_step(step), which runs the step once per batch in "
+          "one compiled call, or iterate the dataset without group().")
     slots, leaves, specs, validity = [], [], [], None
     for node in flat:
       if isinstance(node, PerReplica):
@@ -109,6 +136,12 @@ class InputPlan:
         slots.append(Slot(ArgKind.SYNC_ON_READ, len(sub), treedef, node))
         leaves.extend(sub)
         specs.extend([replicas] * len(sub))
+      elif isinstance(node, Sharded):
+        _check_sharded(node, strategy)
+        sub, treedef = jax.tree_util.tree_flatten(node.value)
+        slots.append(Slot(ArgKind.SHARDED, len(sub), treedef, node))
+        leaves.extend(sub)
+        specs.extend(node.partition_specs())
       elif _is_static(node):
         slots.append(Slot(ArgKind.STATIC, 0, value=node))
       else:
@@ -133,6 +166,9 @@ class InputPlan:
         nodes.append(slot.value)
       elif slot.kind is ArgKind.MIRRORED:
         nodes.append(chunk[0])
+      elif slot.kind is ArgKind.SHARDED:  # blocks keep their axes
+        nodes.append(slot.value.replace(
+            jax.tree_util.tree_unflatten(slot.treedef, chunk)))
       else:
         own = [x[0] for x in chunk]  # drop the replica axis
         tree = jax.tree_util.tree_unflatten(slot.treedef, own)

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from jdist._src.core import in_step
 from jdist._src.core import scaling_check
 from jdist._src.core.validity import Validity
-from jdist._src.core.values import PerReplica, SyncOnRead
+from jdist._src.core.values import PerReplica, Sharded, SyncOnRead
 from jdist._src.errors import LossScalingError, VaryingStateError
 
 
@@ -32,14 +32,20 @@ class OutKind(enum.Enum):
   MIRRORED = "mirrored"          # the same on every replica: one array
   PER_REPLICA = "per_replica"    # varies: a PerReplica (leading replica axis)
   SYNC_ON_READ = "sync_on_read"  # a SyncOnRead: its per-replica copies
+  SHARDED = "sharded"            # a Sharded: its blocks, in its layout
 
 
 def _is_sync(x) -> bool:
   return isinstance(x, SyncOnRead)
 
 
+def _is_node(x) -> bool:
+  """A distributed value kept whole through a step (its `.value` varies)."""
+  return isinstance(x, (SyncOnRead, Sharded))
+
+
 def _flatten(out):
-  return jax.tree_util.tree_flatten(out, is_leaf=_is_sync)
+  return jax.tree_util.tree_flatten(out, is_leaf=_is_node)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,34 +53,44 @@ class OutputPlan:
   """How each output of a step leaves the `shard_map`, and is wrapped after.
 
   Attributes:
-    tree: the outputs' structure, `SyncOnRead` values as leaves.
+    tree: the outputs' structure, `SyncOnRead` and `Sharded` values as
+      leaves.
     kinds: one `OutKind` per flattened output.
     aggregations: the `SyncOnRead` outputs' aggregations (None for others).
+    layouts: the `Sharded` outputs' `(structure, Sharded)` (None for others).
   """
 
   tree: Any
   kinds: tuple
   aggregations: tuple
+  layouts: tuple = ()
 
   @classmethod
   def of(cls, out: Any, axis: str) -> "OutputPlan":
     """Reads the plan from outputs traced inside the map."""
     flat, tree = _flatten(out)
     kinds = tuple(
+        OutKind.SHARDED if isinstance(x, Sharded) else
         OutKind.SYNC_ON_READ if _is_sync(x) else
         OutKind.PER_REPLICA if in_step.is_varying(x, axis) else
         OutKind.MIRRORED for x in flat)
+    layouts = tuple((jax.tree_util.tree_structure(x.value), x)
+                    if isinstance(x, Sharded) else None for x in flat)
     return cls(tree, kinds, tuple(getattr(x, "aggregation", None)
-                                  for x in flat))
+                                  for x in flat), layouts)
 
   def out_specs(self, axis: str) -> list:
-    return [P() if k is OutKind.MIRRORED else P(axis) for k in self.kinds]
+    return [list(layout[1].partition_specs()) if k is OutKind.SHARDED else
+            P() if k is OutKind.MIRRORED else P(axis)
+            for k, layout in zip(self.kinds, self.layouts)]
 
   def local_results(self, out: Any, axis: str) -> list:
     """Inside the map: this replica's outputs, shaped for `out_specs`."""
     results = []
     for x, kind in zip(_flatten(out)[0], self.kinds):
-      if kind is OutKind.SYNC_ON_READ:
+      if kind is OutKind.SHARDED:
+        results.append([jnp.asarray(v) for v in jax.tree.leaves(x.value)])
+      elif kind is OutKind.SYNC_ON_READ:
         results.append(jax.tree.map(
             lambda v: in_step.to_varying(v, axis)[None], x.value))
       elif kind is OutKind.PER_REPLICA:
@@ -86,8 +102,12 @@ class OutputPlan:
   def wrap(self, results: list, validity: Validity | None) -> Any:
     """Outside the map: the step's outputs as the user gets them."""
     wrapped = []
-    for kind, x, agg in zip(self.kinds, results, self.aggregations):
-      if kind is OutKind.SYNC_ON_READ:
+    for kind, x, agg, layout in zip(self.kinds, results, self.aggregations,
+                                    self.layouts):
+      if kind is OutKind.SHARDED:
+        wrapped.append(layout[1].replace(
+            jax.tree_util.tree_unflatten(layout[0], x)))
+      elif kind is OutKind.SYNC_ON_READ:
         wrapped.append(SyncOnRead(x, agg, True))
       elif kind is OutKind.PER_REPLICA:
         wrapped.append(PerReplica(x, validity=validity))
@@ -131,7 +151,7 @@ def probe(run_replica: Callable, leaves: tuple, specs: tuple, strategy, *,
       check_mirrored_state(out, state_trees, axis, name)
     plans.append(OutputPlan.of(out, axis))
     return [jax.tree.map(lambda v: in_step.to_varying(v, axis)[None],
-                         x.value if _is_sync(x) else x)
+                         x.value if _is_node(x) else x)
             for x in _flatten(out)[0]]
 
   mapped = jax.shard_map(body, mesh=strategy.mesh, in_specs=specs,
@@ -156,9 +176,9 @@ def mirrored_structures(call_args, axis: str) -> list:
   in place, so afterwards its state would already look varying."""
   in_trees = []
   for a in call_args:
-    leaves, tree = jax.tree_util.tree_flatten(a, is_leaf=_is_sync)
+    leaves, tree = jax.tree_util.tree_flatten(a, is_leaf=_is_node)
     if tree.num_nodes > 1 and not any(
-        in_step.is_varying(x, axis) for x in leaves if not _is_sync(x)):
+        in_step.is_varying(x, axis) for x in leaves if not _is_node(x)):
       in_trees.append(tree)
   return in_trees
 
@@ -174,11 +194,11 @@ def check_mirrored_state(out, in_trees: list, axis: str, name: str) -> None:
   """
   outputs = out if isinstance(out, tuple) else (out,)
   for i, o in enumerate(outputs):
-    leaves, tree = jax.tree_util.tree_flatten_with_path(o, is_leaf=_is_sync)
+    leaves, tree = jax.tree_util.tree_flatten_with_path(o, is_leaf=_is_node)
     if tree not in in_trees:
       continue
     bad = [jax.tree_util.keystr(p) for p, x in leaves
-           if not _is_sync(x) and in_step.is_varying(x, axis)]
+           if not _is_node(x) and in_step.is_varying(x, axis)]
     if bad:
       where = f"output {i}" if isinstance(out, tuple) else "the output"
       raise VaryingStateError(

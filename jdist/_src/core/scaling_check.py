@@ -49,8 +49,9 @@ _BINARY = {
     "mul": lambda a, b: a * b, "div": lambda a, b: a / b,
     "add": lambda a, b: a + b, "sub": lambda a, b: a - b,
 }
-# Where gradients of mirrored parameters are summed over replicas.
-_SUMS = {"psum", "psum_invariant", "psum2"}
+# Where gradients of mirrored parameters are summed over replicas (a
+# reduce-scatter: a ShardedOptimizer's update of each replica's gradients).
+_SUMS = {"psum", "psum_invariant", "psum2", "reduce_scatter"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Distributed values: `PerReplica` and `SyncOnRead`, both pytrees.
+"""Distributed values: `PerReplica`, `SyncOnRead` and `Sharded`, all pytrees.
 
 A `PerReplica` holds one value per replica, stacked on a leading replica axis
 that is sharded over the strategy's mesh. Batches from a distributed dataset are
@@ -9,6 +9,9 @@ can be exact without recompiling for the short batch.
 A `SyncOnRead` wraps state that every replica updates on its own inside a step
 (metric accumulators, batch-norm statistics) and that is aggregated only when it
 is read outside.
+
+A `Sharded` holds state split over the replicas (each replica keeps one block
+of every leaf): the optimizer state of `jdist.ShardedOptimizer`.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jdist._src.core import context
 from jdist._src.core.reduce_op import VariableAggregation
@@ -89,6 +93,61 @@ class PerReplica:
     shapes = jax.tree.map(lambda x: tuple(np.shape(x)), self.values)
     masked = "" if self.validity is None else ", masked"
     return f"PerReplica({shapes}{masked})"
+
+
+@jax.tree_util.register_pytree_node_class
+class BatchGroup:
+  """Several distributed batches stacked for one multi-step call.
+
+  What `DistributedDataset.group(k)` yields and what a `jdist.multi_step`
+  function takes: every leaf of `values` has shape
+  `(num_replicas, steps, b, ...)`: the replica axis (sharded), then one entry
+  per step; `validity` holds each step's mask and count. A multi-step
+  function hands step `i` the `PerReplica` batch `group.batch(i)`.
+
+  Example:
+    >>> import jdist, numpy as np
+    >>> strategy = jdist.get_strategy()
+    >>> data = [np.ones((4, 3), np.float32)] * 5
+    >>> groups = list(strategy.experimental_distribute_dataset(data).group(2))
+    >>> [g.num_steps for g in groups]
+    [2, 2, 1]
+  """
+
+  __slots__ = ("values", "validity")
+
+  def __init__(self, values: Any, validity: Validity | None = None):
+    self.values = values
+    self.validity = validity
+
+  def tree_flatten(self):
+    return (self.values, self.validity), None
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    del aux
+    obj = object.__new__(cls)
+    obj.values, obj.validity = children
+    return obj
+
+  @property
+  def num_steps(self) -> int:
+    """How many batches (steps) the group holds."""
+    leaves = jax.tree.leaves(self.values)
+    if not leaves:
+      raise ValueError("BatchGroup has no array leaves.")
+    return int(np.shape(leaves[0])[1])
+
+  def batch(self, i) -> PerReplica:
+    """The `i`-th batch of the group (`i` may be traced), with its validity."""
+    take = lambda x: jax.lax.dynamic_index_in_dim(x, i, axis=1, keepdims=False)
+    validity = (None if self.validity is None else
+                Validity(take(self.validity.packed)))
+    return PerReplica(jax.tree.map(take, self.values), validity=validity)
+
+  def __repr__(self) -> str:
+    shapes = jax.tree.map(lambda x: tuple(np.shape(x)), self.values)
+    return f"BatchGroup({shapes}, steps={self.num_steps})"
 
 
 @jax.tree_util.register_pytree_node_class
@@ -178,6 +237,60 @@ class SyncOnRead:
     return f"SyncOnRead({shapes}, {self.aggregation.name}, {where})"
 
 
+@jax.tree_util.register_pytree_node_class
+class Sharded:
+  """State split over the replicas along one axis of each leaf (ZeRO).
+
+  Each leaf of `value` is a global array whose axis `axes[i]` is divided into
+  one block per replica (`axes[i]` None: the leaf is whole on every replica).
+  Inside a step each replica sees only its own blocks, and returns its new
+  blocks in a `Sharded` of the same layout. `jdist.ShardedOptimizer` keeps
+  optimizer state this way; the leaves' shapes are those of the unsharded
+  state, so a checkpoint of it restores onto any number of devices.
+
+  Attributes:
+    value: the pytree of arrays (global outside a step, blocks inside).
+    axes: for each leaf of `value`, the axis split over replicas, or None.
+    axis_name: the mesh axis of the replicas.
+
+  Example:
+    >>> import jdist, jax.numpy as jnp
+    >>> s = jdist.Sharded({"w": jnp.zeros((4, 3))}, (0,), "replica")
+    >>> s.partition_specs()
+    (P('replica',),)
+  """
+
+  __slots__ = ("value", "axes", "axis_name")
+
+  def __init__(self, value: Any, axes: tuple, axis_name: str):
+    self.value = value
+    self.axes = tuple(axes)
+    self.axis_name = axis_name
+
+  def tree_flatten(self):
+    return (self.value,), (self.axes, self.axis_name)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    obj = object.__new__(cls)
+    obj.value = children[0]
+    obj.axes, obj.axis_name = aux
+    return obj
+
+  def partition_specs(self) -> tuple:
+    """One `PartitionSpec` per leaf of `value`, in flattening order."""
+    return tuple(P() if a is None else P(*([None] * a), self.axis_name)
+                 for a in self.axes)
+
+  def replace(self, value: Any) -> "Sharded":
+    """Returns a `Sharded` holding `value` with the same layout."""
+    return Sharded(value, self.axes, self.axis_name)
+
+  def __repr__(self) -> str:
+    shapes = jax.tree.map(lambda x: tuple(np.shape(x)), self.value)
+    return f"Sharded({shapes}, axes={self.axes})"
+
+
 def _read_in_step(value: Any, agg: VariableAggregation, ctx) -> Any:
   if agg is VariableAggregation.ONLY_FIRST_REPLICA:
     first = ctx.replica_id_in_sync_group == 0
@@ -202,7 +315,7 @@ def read_value(tree: Any) -> Any:
 
 
 def is_distributed(x: Any) -> bool:
-  return isinstance(x, (PerReplica, SyncOnRead))
+  return isinstance(x, (PerReplica, SyncOnRead, Sharded))
 
 
 @dataclasses.dataclass(frozen=True)

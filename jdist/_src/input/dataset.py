@@ -17,10 +17,12 @@ import jax
 import numpy as np
 
 from jdist._src.core import placement
-from jdist._src.core.values import PerReplica, ValueContext
+from jdist._src.core.values import BatchGroup, PerReplica, ValueContext
 from jdist._src.input import host
 from jdist._src.input.agreement import StepAgreement
 from jdist._src.input.context import InputContext
+from jdist._src.input.options import InputOptions
+from jdist._src.input.prefetch import BackgroundPrefetch
 
 
 class Mode(enum.Enum):
@@ -35,19 +37,41 @@ class DistributedDataset:
 
   Made by `strategy.experimental_distribute_dataset` (global batches in) or
   `strategy.distribute_datasets_from_function` (per-replica batches in). Every
-  item is a `PerReplica` whose leaves have shape `(num_replicas, b, ...)`.
+  item is a `PerReplica` whose leaves have shape `(num_replicas, b, ...)`
+  (or, after `group(k)`, a `BatchGroup` of k batches).
   """
 
   def __init__(self, strategy, make_iterator: Callable[[], Iterator],
-               mode: Mode, *, prefetch: int = 2, batch_size: int | None = None,
-               identity: str = ""):
+               mode: Mode, *, options: InputOptions | None = None,
+               batch_size: int | None = None, identity: str = "",
+               steps: int | None = None):
     self._strategy = strategy
     self._make_iterator = make_iterator
     self._mode = mode
-    self._prefetch = max(1, int(prefetch))
+    self._options = options or InputOptions()
     self._batch_size = batch_size
     self._identity = f"{mode.value}/{batch_size or 'auto'}/{identity}"
+    self._steps = steps
     self._first_pass = None  # its first DistributedIterator
+
+  def group(self, steps: int) -> "DistributedDataset":
+    """The same batches, `steps` at a time, for a `jdist.multi_step` call.
+
+    Each item is a `BatchGroup` of `steps` consecutive batches (the last
+    group of a pass may hold fewer), stacked on the host and placed on the
+    devices in one transfer; each batch keeps its own padding mask.
+
+    Args:
+      steps: batches per group (Keras' `steps_per_execution`), at least 1.
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+      raise ValueError(f"group() takes a whole number of steps of at least 1, "
+                       f"got {steps!r}.")
+    grouped = DistributedDataset(self._strategy, self._make_iterator,
+                                 self._mode, options=self._options,
+                                 batch_size=self._batch_size, steps=steps)
+    grouped._identity = self._identity  # the same data for the agreement
+    return grouped
 
   @property
   def strategy(self):
@@ -68,8 +92,8 @@ class DistributedDataset:
           "experimental_distribute_dataset again with a new generator.")
     it = DistributedIterator(
         self._strategy, source, self._mode,
-        prefetch=self._prefetch, batch_size=self._batch_size,
-        identity=self._identity)
+        options=self._options, batch_size=self._batch_size,
+        identity=self._identity, steps=self._steps)
     if first is None:
       self._first_pass = it
     return it
@@ -82,24 +106,30 @@ class DistributedIterator:
     strategy: the strategy to place batches for.
     source: the host iterator (global or per-replica batches, by `mode`).
     mode: a `Mode`.
-    prefetch: batches placed on the devices ahead of the one handed out.
+    options: an `InputOptions` (how far ahead to place batches, and where).
     batch_size: the static batch (global, or per replica); None: the first.
     identity: what the dataset is, for the multi-process input agreement's
       rendezvous keys (with an occurrence count, the same on every process).
+    steps: if set, items are `BatchGroup`s of this many batches.
   """
 
   def __init__(self, strategy, source: Iterator, mode: Mode, *,
-               prefetch: int = 2, batch_size: int | None = None,
-               identity: str = ""):
+               options: InputOptions | None = None,
+               batch_size: int | None = None, identity: str = "",
+               steps: int | None = None):
+    options = options or InputOptions()
     self._strategy = strategy
     self._source = source
     self._mode = mode
-    self._prefetch = prefetch
+    self._ahead = options.experimental_per_replica_buffer_size
+    self._background = None
+    self._drained = False  # the background thread's items are all handed out
     self._placer = host.Placer(strategy)
     self._buffer = collections.deque()
     self._size = batch_size
     self._done = False
-    self.position = 0  # batches handed out so far
+    self._steps = steps
+    self.position = 0  # items handed out so far
     # Processes must agree on how many steps there are, or one waits forever.
     self._agreement = None
     if placement.spans_processes(strategy.mesh):
@@ -109,6 +139,10 @@ class DistributedIterator:
           self._next_host_batch, runtime=runtime, key=key,
           per_process=mode is Mode.PER_REPLICA,
           timeout=strategy.communication_options.timeout_seconds)
+    # The multi-process agreement talks to the other processes: it stays in
+    # the loop's thread.
+    self._in_thread = (options.experimental_prefetch_in_thread and
+                       self._agreement is None)
 
   @property
   def source(self) -> Iterator:
@@ -118,26 +152,60 @@ class DistributedIterator:
   @property
   def started(self) -> bool:
     """Whether it has read from its source."""
-    return self.position > 0 or bool(self._buffer) or self._done
+    return (self.position > 0 or bool(self._buffer) or self._done or
+            self._background is not None)
 
   def __iter__(self):
     return self
 
-  def __next__(self) -> PerReplica:
-    while not self._done and len(self._buffer) < self._prefetch:
-      item = (self._next_host_batch() if self._agreement is None
-              else self._agreement.next())
+  def __next__(self) -> PerReplica | BatchGroup:
+    if self._in_thread:
+      if self._background is None:
+        self._background = BackgroundPrefetch(self._produce, self._ahead)
+      # _done is the reading thread's: items may still wait in the queue.
+      item = None if self._drained else self._background.next()
       if item is None:
-        self._done = True
-        break
-      values, validity = self._placer.place(*item)
-      self._buffer.append(PerReplica(values, validity=validity))
-    if not self._buffer:
-      raise StopIteration
+        self._drained = True
+        raise StopIteration
+    else:
+      while not self._done and len(self._buffer) <= self._ahead:
+        item = self._produce()
+        if item is None:
+          break
+        self._buffer.append(item)
+      if not self._buffer:
+        raise StopIteration
+      item = self._buffer.popleft()
     self.position += 1
-    return self._buffer.popleft()
+    return item
+
+  def _produce(self) -> PerReplica | BatchGroup | None:
+    """The next batch (or group), placed; None at the end of the data."""
+    if self._steps is None:
+      item = self._next_agreed()
+      if item is None:
+        return None
+      values, validity = self._placer.place(*item)
+      return PerReplica(values, validity=validity)
+    items = []
+    while len(items) < self._steps:
+      item = self._next_agreed()
+      if item is None:
+        break
+      items.append(item)
+    if not items:
+      return None
+    return BatchGroup(*self._placer.put(self._placer.host_group(items)))
 
   # --- reading and padding on the host --------------------------------------
+
+  def _next_agreed(self):
+    """The next host batch (agreed on across processes), or None at the end."""
+    item = (self._next_host_batch() if self._agreement is None
+            else self._agreement.next())
+    if item is None:
+      self._done = True
+    return item
 
   def _next_host_batch(self):
     if self._mode is Mode.GLOBAL:
@@ -221,7 +289,8 @@ def from_values(strategy, value_fn: Callable) -> PerReplica:
   return PerReplica(host.Placer(strategy).put(stacked))
 
 
-def global_batches(strategy, dataset: Iterable, *, prefetch: int = 2,
+def global_batches(strategy, dataset: Iterable, *,
+                   options: InputOptions | None = None,
                    global_batch_size: int | None = None) -> DistributedDataset:
   """See `Strategy.experimental_distribute_dataset`."""
   n = strategy.num_replicas_in_sync
@@ -229,17 +298,18 @@ def global_batches(strategy, dataset: Iterable, *, prefetch: int = 2,
                                         global_batch_size % n):
     raise host.split_error(global_batch_size, n)
   return DistributedDataset(strategy, lambda: iter(dataset), Mode.GLOBAL,
-                            prefetch=prefetch, batch_size=global_batch_size,
+                            options=options, batch_size=global_batch_size,
                             identity=_name(dataset))
 
 
 def per_replica_batches(strategy, dataset_fn: Callable, *,
-                        prefetch: int = 2) -> DistributedDataset:
+                        options: InputOptions | None = None
+                        ) -> DistributedDataset:
   """See `Strategy.distribute_datasets_from_function`."""
   ctx = InputContext(jax.process_count(), jax.process_index(),
                      strategy.num_replicas_in_sync)
   # Across processes, StepAgreement turns each process's count into the
   # global one, so steps never need an all-reduce to count examples.
   return DistributedDataset(strategy, lambda: iter(dataset_fn(ctx)),
-                            Mode.PER_REPLICA, prefetch=prefetch,
+                            Mode.PER_REPLICA, options=options,
                             identity=_name(dataset_fn))

@@ -116,3 +116,20 @@ class Placer:
   def place(self, rows, valid: np.ndarray, count: int | None):
     """`(values, validity)` on the mesh from host rows, in one transfer."""
     return self.put((rows, self.validity(valid, count)))
+
+  def host_group(self, items: list):
+    """`(values, validity)` of several host batches stacked on a step axis.
+
+    Args:
+      items: `(rows, valid, count)` host batches, as `place` takes them.
+
+    Returns:
+      Values `(local replicas, steps, b, ...)` and a `Validity`
+      `(local replicas, steps, b + 1)`, on the host (`put` places them in
+      one transfer).
+    """
+    rows = jax.tree.map(lambda *xs: np.stack(xs, axis=1),
+                        *[item[0] for item in items])
+    packed = np.stack([self.validity(valid, count).packed
+                       for _, valid, count in items], axis=1)
+    return rows, Validity(packed)

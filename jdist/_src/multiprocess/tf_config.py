@@ -32,12 +32,12 @@ class TFConfigClusterResolver(ClusterResolver):
   def __init__(self, tf_config: str | Mapping | None = None):
     self._tf_config = tf_config
 
-  def resolve(self) -> ClusterConfig | None:
+  def _parsed(self) -> dict:
     raw = self._tf_config
     if raw is None:
       raw = os.environ.get("TF_CONFIG")
       if not raw:
-        return None
+        return {}
     if isinstance(raw, str):
       try:
         raw = json.loads(raw)
@@ -46,6 +46,24 @@ class TFConfigClusterResolver(ClusterResolver):
     if not isinstance(raw, Mapping):
       raise ClusterError("TF_CONFIG must be a JSON object with 'cluster' and "
                          "'task' entries.")
+    return raw
+
+  def cluster_spec(self) -> dict:
+    """TF_CONFIG's cluster, every role (also "ps", which `resolve` rejects)."""
+    return dict(self._parsed().get("cluster") or {})
+
+  @property
+  def task_type(self) -> str | None:
+    """This process's role in TF_CONFIG ("chief", "worker", "ps", ...)."""
+    return (self._parsed().get("task") or {}).get("type")
+
+  @property
+  def task_id(self) -> int:
+    """This process's index among the tasks of its role."""
+    return int((self._parsed().get("task") or {}).get("index", 0))
+
+  def resolve(self) -> ClusterConfig | None:
+    raw = self._parsed()
     cluster, task = raw.get("cluster") or {}, raw.get("task") or {}
     if not cluster:
       return None  # TensorFlow treats a TF_CONFIG without cluster as local.

@@ -35,8 +35,12 @@ def example_keys(key: jax.Array, batch_size: int, *,
   """
   if replica_id is None:
     ctx = resolve_batch().replica_context
-    replica_id = 0 if ctx is None else ctx.replica_id_in_sync_group
-  index = replica_id * batch_size + jnp.arange(batch_size, dtype=jnp.int32)
+    # The context knows where its rows sit (a micro-batch's are within the
+    # step's batch: see jdist.accumulate_gradients).
+    index = (jnp.arange(batch_size, dtype=jnp.int32) if ctx is None
+             else ctx.example_index(batch_size))
+  else:
+    index = replica_id * batch_size + jnp.arange(batch_size, dtype=jnp.int32)
   return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, index)
 
 

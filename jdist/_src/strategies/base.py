@@ -21,8 +21,9 @@ from jdist._src.core import context
 from jdist._src.core import cross_replica
 from jdist._src.core import placement
 from jdist._src.core.function import DistributedFunction
-from jdist._src.core.values import PerReplica, SyncOnRead
+from jdist._src.core.values import PerReplica, Sharded, SyncOnRead
 from jdist._src.input import dataset as input_lib
+from jdist._src.input.options import InputOptions
 from jdist._src.multiprocess import runtime as runtime_lib
 from jdist._src.multiprocess.options import CommunicationOptions
 from jdist._src.multiprocess.program_check import StepGuard
@@ -51,7 +52,8 @@ class Strategy:
   """
 
   def __init__(self, devices: Sequence[Any], *, axis_name: str = "replica",
-               communication_options=None):
+               communication_options=None,
+               state_placement: placement.StatePlacement | None = None):
     devices = tuple(devices)
     if not devices:
       raise ValueError("A strategy needs at least one device.")
@@ -60,6 +62,7 @@ class Strategy:
     self._mesh = Mesh(np.array(devices, dtype=object), (axis_name,),
                       axis_types=(AxisType.Auto,))
     self._run_cache = weakref.WeakKeyDictionary()
+    self._state_placement = state_placement or placement.MESH_PLACEMENT
     self._run_codes = {}  # code object -> functions compiled by run() for it
     self._communication_options = CommunicationOptions.of(
         communication_options)
@@ -121,6 +124,11 @@ class Strategy:
   def step_guard(self):
     """The multi-process checks of this strategy's steps (None in one process)."""
     return self._step_guard
+
+  @property
+  def state_placement(self) -> placement.StatePlacement:
+    """Where mirrored values are held between steps (see `StatePlacement`)."""
+    return self._state_placement
 
   @property
   def extended(self):
@@ -258,12 +266,13 @@ class Strategy:
     """Places every leaf of `tree` on every replica (mirrored placement).
 
     `SyncOnRead` subtrees get one copy per replica, arranged so that reading
-    them gives back the value; `PerReplica` values are left where they are.
+    them gives back the value; `PerReplica` and `Sharded` values are left
+    where they are.
     """
     n = self.num_replicas_in_sync
 
     def place(node):
-      if isinstance(node, PerReplica):
+      if isinstance(node, (PerReplica, Sharded)):
         return node
       if isinstance(node, SyncOnRead):
         if node.per_replica:
@@ -273,10 +282,10 @@ class Strategy:
         return SyncOnRead(placement.put_per_replica(
             jax.tree.map(lambda x: x[ids], rows.value), self._mesh,
             self._axis_name, n), node.aggregation, True)
-      return placement.put_replicated(node, self._mesh)
+      return self._state_placement.put(node, self._mesh)
 
     return jax.tree.map(place, tree, is_leaf=lambda x: isinstance(
-        x, (PerReplica, SyncOnRead)))
+        x, (PerReplica, SyncOnRead, Sharded)))
 
   def experimental_distribute_dataset(self, dataset: Iterable, options=None, *,
                                       global_batch_size: int | None = None):
@@ -291,15 +300,17 @@ class Strategy:
       dataset: any iterable of batches (pytrees of arrays with a leading batch
         axis): a list, a generator function's result, a tf.data or grain
         iterator. Each `iter()` of the result iterates `dataset` again.
-      options: accepted for compatibility; unused.
+      options: a `jdist.InputOptions` (or TF's `tf.distribute.InputOptions`):
+        how many batches to place on the devices ahead of the step (default:
+        one), and whether in a background thread.
       global_batch_size: the static batch size, when the first batch may be a
         short one (a pass resumed near the end of the data).
 
     Returns:
       A `DistributedDataset` of `PerReplica` batches.
     """
-    del options
     return input_lib.global_batches(self, dataset,
+                                    options=InputOptions.of(options),
                                     global_batch_size=global_batch_size)
 
   def distribute_datasets_from_function(self, dataset_fn: Callable,
@@ -308,10 +319,11 @@ class Strategy:
 
     `dataset_fn` returns an iterable of per-replica batches; each step takes
     one for each of the process's replicas, in replica order. A short or
-    missing batch at the end of the data is padded and masked.
+    missing batch at the end of the data is padded and masked. `options`:
+    a `jdist.InputOptions`, as for `experimental_distribute_dataset`.
     """
-    del options
-    return input_lib.per_replica_batches(self, dataset_fn)
+    return input_lib.per_replica_batches(self, dataset_fn,
+                                         options=InputOptions.of(options))
 
   def experimental_distribute_values_from_function(self, value_fn: Callable):
     """Makes a `PerReplica` from `value_fn(ctx)` called for each local replica."""

@@ -6,6 +6,7 @@ import re
 from typing import Any, Sequence
 
 import jax
+from jax.experimental import mesh_utils
 
 # "cpu:1", "/gpu:0", "/device:TPU:3", and TensorFlow's full names such as
 # "/job:localhost/replica:0/task:0/device:CPU:0".
@@ -66,9 +67,10 @@ def resolve_device(spec: Any, candidates: Sequence[Any]) -> Any:
 
 def resolve_devices(specs: Sequence[Any] | None,
                     candidates: Sequence[Any]) -> tuple:
-  """Resolves a list of device specs; None means every candidate."""
+  """Resolves a list of device specs, in the order given; None means every
+  candidate, in `replica_order`."""
   if specs is None:
-    return tuple(candidates)
+    return replica_order(candidates)
   if isinstance(specs, (str, jax.Device)):
     specs = [specs]
   resolved = tuple(resolve_device(s, candidates) for s in specs)
@@ -87,3 +89,54 @@ def resolve_devices(specs: Sequence[Any] | None,
         f"The devices mix platforms ({sorted(platforms)}); one strategy runs one "
         "compiled program, so use devices of one platform.")
   return resolved
+
+
+def _process_order(devices: Sequence[Any]) -> tuple:
+  return tuple(sorted(devices, key=lambda d: (d.process_index, d.id)))
+
+
+def _ring_order(devices: Sequence[Any]) -> tuple:
+  """One slice's devices in the order `jax.make_mesh((n,), ...)` gives them."""
+  devices = _process_order(devices)  # the handlers expect jax.devices() order
+  try:
+    return tuple(mesh_utils.create_device_mesh((len(devices),), devices).flat)
+  except (AssertionError, ValueError, NotImplementedError):
+    # mesh_utils knows no layout for these devices (not a full cuboid of
+    # chips, an unknown TPU kind): the order is a speed matter, not a
+    # correctness one, so keep the process order.
+    return devices
+
+
+def replica_order(devices: Sequence[Any]) -> tuple:
+  """The order of the replicas over `devices`: the physical topology's on
+  TPU and GPU, each process's devices together on other platforms.
+
+  The replica axis is a ring for the all-reduce, so on TPU and GPU the
+  replicas follow `jax.experimental.mesh_utils.create_device_mesh` (what
+  `jax.make_mesh` uses): TPU cores in the order of the chips' interconnect
+  (a TPU v3-8 gives ids 0, 1, 2, 3, 6, 7, 4, 5), GPUs by XLA's global
+  numbering. Several TPU slices (multislice, joined by the data-center
+  network) come one after the other by `slice_index`, each in its ring order,
+  as `mesh_utils.create_hybrid_device_mesh` lays out a 1-D mesh. Elsewhere
+  (CPU), and where mesh_utils knows no layout, devices are ordered by
+  (process, id): ids are not positions (a 2-process CPU run has ids 0, 1,
+  2048, 2049).
+
+  On a TPU pod the ring may alternate between hosts; a process then supplies
+  the rows of replicas that are not contiguous (each process gathers its
+  rows of the global batch, which costs a host copy), and results are the
+  same as with any other order.
+
+  Args:
+    devices: jax Devices of one platform.
+
+  Returns:
+    The same devices, as a tuple in replica order.
+  """
+  devices = tuple(devices)
+  if not devices or devices[0].platform not in ("tpu", "gpu"):
+    return _process_order(devices)
+  slices = {}
+  for d in devices:
+    slices.setdefault(getattr(d, "slice_index", 0) or 0, []).append(d)
+  return tuple(d for key in sorted(slices) for d in _ring_order(slices[key]))

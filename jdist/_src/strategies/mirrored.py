@@ -18,8 +18,10 @@ class MirroredStrategy(Strategy):
   Args:
     devices: the devices to use, one replica each: jax Devices, indices, or
       strings such as "cpu:0", "/gpu:1" or TensorFlow's
-      "/job:localhost/replica:0/task:0/device:GPU:1". Defaults to every local
-      device.
+      "/job:localhost/replica:0/task:0/device:GPU:1", in replica order.
+      Defaults to every local device, in the order of the physical topology
+      on GPU and TPU (that of `jax.make_mesh`, so the all-reduce follows the
+      interconnect's ring).
     axis_name: name of the replica mesh axis.
     cross_device_ops: TensorFlow's choice of all-reduce:
       `jdist.NcclAllReduce()`, `jdist.HierarchicalCopyAllReduce()` or
@@ -99,6 +101,10 @@ class _LazyMirrored:
   @property
   def strategy(self) -> MirroredStrategy:
     return self._compiled().strategy
+
+  @property
+  def python_function(self) -> Callable:
+    return self._fn
 
   def _compiled(self):
     if self._step is None:

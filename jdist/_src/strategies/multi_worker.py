@@ -6,15 +6,7 @@ import jax
 
 from jdist._src.multiprocess import runtime as runtime_lib
 from jdist._src.strategies.base import Strategy
-
-
-def global_devices(devices) -> tuple:
-  """Orders devices so each process's are contiguous (ids are not positions).
-
-  On multi-process CPU runs device ids jump (0, 1, 2048, 2049), and a process
-  can only supply the rows of a contiguous block of replicas.
-  """
-  return tuple(sorted(devices, key=lambda d: (d.process_index, d.id)))
+from jdist._src.strategies.devices import replica_order
 
 
 class MultiWorkerMirroredStrategy(Strategy):
@@ -28,6 +20,10 @@ class MultiWorkerMirroredStrategy(Strategy):
   batches and keeps its rows; with `distribute_datasets_from_function` each
   reads its own shard (`ctx.input_pipeline_id` of `ctx.num_input_pipelines`),
   and processes whose data ends at different steps are kept in step.
+
+  The replicas follow the physical topology on GPU and TPU (the ring
+  `jax.make_mesh` builds) and each process's devices in turn on CPU; see
+  `strategy.devices` for the order.
 
   Args:
     cluster_resolver: how to find the cluster (see `jdist.cluster_resolver`);
@@ -47,7 +43,7 @@ class MultiWorkerMirroredStrategy(Strategy):
                axis_name: str = "replica"):
     self._cluster_config = runtime_lib.initialize(cluster_resolver).config
     self._cluster_resolver = cluster_resolver
-    super().__init__(global_devices(jax.devices()), axis_name=axis_name,
+    super().__init__(replica_order(jax.devices()), axis_name=axis_name,
                      communication_options=communication_options)
 
   @property

@@ -9,8 +9,9 @@ as they were. On restore, a checkpoint whose files cannot be read or whose
 checksums disagree is skipped with a warning and the one before it is used; a
 checkpoint of a different model is an error.
 
-Arrays are restored with the target's replicated sharding on the current
-mesh, so a checkpoint saved on 4 devices (or 2 processes) restores onto 2
+Arrays are restored with the target's sharding on the current mesh
+(replicated, or split over the replicas for a `jdist.ShardedOptimizer`'s
+state), so a checkpoint saved on 4 devices (or 2 processes) restores onto 2
 devices (or 1 process) and back.
 """
 
@@ -108,6 +109,17 @@ def nonfinite_leaves(state) -> list[str]:
 
 def _storable(leaves) -> list:
   return [jax.random.key_data(x) if _is_key(x) else x for x in leaves]
+
+
+def _target_sharding(leaf, replicated: NamedSharding) -> NamedSharding:
+  """Where a leaf is restored: split as the target's leaf is (optimizer
+  state sharded over this mesh's replicas, orbax reads each device's block),
+  otherwise whole on every device."""
+  sharding = getattr(leaf, "sharding", None)
+  if (isinstance(sharding, NamedSharding) and
+      sharding.mesh == replicated.mesh and any(sharding.spec)):
+    return sharding
+  return replicated
 
 
 def _digest(meta: dict) -> str:
@@ -250,7 +262,7 @@ class Checkpointer:
 
   def read_meta(self, step: int) -> dict:
     ocp = self._ocp
-    with orbax_errors.summarised():
+    with orbax_errors.summarised(f"{self.directory}/{step}/"):
       return self._manager.restore(step, args=ocp.args.Composite(
           meta=ocp.args.JsonRestore()))["meta"]
 
@@ -297,10 +309,11 @@ class Checkpointer:
             f"The checkpoint {self.directory}/{s} was saved from a different "
             f"model or optimizer:\n{shown}{more}\nPoint the callback at a new "
             "directory, or delete this one to start over.")
-      abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+      abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                       sharding=_target_sharding(x, sharding))
                   for x in stored]
       try:
-        with orbax_errors.summarised():
+        with orbax_errors.summarised(f"{self.directory}/{s}/"):
           restored = self._manager.restore(s, args=ocp.args.Composite(
               state=ocp.args.StandardRestore(_nest(names, abstract))))["state"]
         got = _unnest(names, restored)

@@ -19,6 +19,7 @@ import warnings
 
 import numpy as np
 
+from jdist._src.ps.variables import resolve
 from jdist._src.training.callbacks import Callback, is_chief, resolve_mode
 from jdist._src.training.checkpoint import Checkpointer, nonfinite_leaves
 from jdist._src.training.preemption import PreemptionWatcher
@@ -31,6 +32,13 @@ def _check_freq(save_freq):
   return save_freq
 
 
+def _save_due(callback: Callback, save_freq) -> bool:
+  # With steps_per_execution the step count moves by several at a time: as
+  # in Keras, the save happens at the end of the execution that reached the
+  # count (a group boundary, where training resumes exactly).
+  return save_freq != "epoch" and callback.fit_loop.reached_multiple(save_freq)
+
+
 def _check_directory(path, what: str):
   """`path` as given, unless it cannot name a directory (TensorFlow: a
   ValueError for an empty backup_dir)."""
@@ -41,7 +49,7 @@ def _check_directory(path, what: str):
 
 def _save(ckpt: Checkpointer, callback: Callback) -> bool:
   loop = callback.fit_loop
-  return ckpt.save(loop.global_step, callback.model.state,
+  return ckpt.save(loop.global_step, resolve(callback.model.state),
                    loop.checkpoint_meta())
 
 
@@ -142,7 +150,7 @@ class ModelCheckpoint(Callback):
             f"{ckpt.directory} ({why}).")
 
   def on_train_batch_end(self, batch, logs=None):
-    if self.save_freq != "epoch" and self.model.global_step % self.save_freq == 0:
+    if _save_due(self, self.save_freq):
       self._write(f"every {self.save_freq} steps",
                   self.model.position.epoch, batch, logs)
 
@@ -215,7 +223,8 @@ class BackupAndRestore(Callback):
     trainer = self.model
     self._ckpt = Checkpointer(self.backup_dir, max_to_keep=self.max_to_keep,
                               claim=True)
-    restored = self._ckpt.restore(trainer.state, trainer.strategy.mesh)
+    restored = self._ckpt.restore(resolve(trainer.state),
+                                  trainer.strategy.mesh)
     if restored is not None:
       state, meta = restored
       self.fit_loop.restore(state, meta)
@@ -237,7 +246,7 @@ class BackupAndRestore(Callback):
               f"to {self.backup_dir}. Exiting; relaunch to resume.",
               file=sys.stderr, flush=True)
       raise SystemExit(0)
-    if self.save_freq != "epoch" and trainer.global_step % self.save_freq == 0:
+    if _save_due(self, self.save_freq):
       _save(self._ckpt, self)
 
   def on_epoch_end(self, epoch, logs=None):
@@ -255,7 +264,8 @@ class BackupAndRestore(Callback):
   def on_train_end(self, logs=None):
     if self._ckpt is None:
       return
-    bad = nonfinite_leaves(self.model.state) if self.delete_checkpoint else []
+    bad = (nonfinite_leaves(resolve(self.model.state))
+           if self.delete_checkpoint else [])
     if bad and is_chief():
       print(f"BackupAndRestore: training ended with NaN or infinite values in "
             f"the train state ({bad[0]}, ...); the backups in "

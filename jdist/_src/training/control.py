@@ -8,6 +8,7 @@ from typing import Callable
 
 import numpy as np
 
+from jdist._src.ps.variables import resolve
 from jdist._src.training.callbacks import Callback, is_chief, resolve_mode
 
 
@@ -112,12 +113,13 @@ class EarlyStopping(Callback):
     if epoch < self.start_from_epoch:
       return
     if self.restore_best_weights and self.best_state is None:
-      self.best_state = self.model.state
+      self.best_state = resolve(self.model.state)
     self.wait += 1
     if self._improved(value, self.best):
       self.best, self.best_epoch = value, epoch
       if self.restore_best_weights:
-        self.best_state = self.model.state  # arrays are immutable: no copy
+        # Arrays are immutable: no copy (variables on servers are read).
+        self.best_state = resolve(self.model.state)
       if self.baseline is None or self._improved(value, self.baseline):
         self.wait = 0
       return

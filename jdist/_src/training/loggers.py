@@ -119,20 +119,25 @@ class TensorBoard(Callback):
     self._steps = 0
 
   def on_train_batch_begin(self, batch, logs=None):
+    # With steps_per_execution, one call runs several steps: trace the
+    # execution that holds the first step to profile.
+    ahead = self.fit_loop.steps_per_execution if self.fit_loop else 1
     if (self.profile_batch and is_chief() and not self._tracing and
-        self._steps + 1 == self.profile_batch[0]):
+        self._steps < self.profile_batch[0] <= self._steps + ahead):
       jax.profiler.start_trace(self.log_dir)
       self._tracing = True
 
   def on_train_batch_end(self, batch, logs=None):
-    self._steps += 1
+    ran = self.fit_loop.last_execution if self.fit_loop else 1
+    self._steps += ran
     step = self.model.global_step
     if self._tracing and self._steps >= self.profile_batch[1]:
       jax.block_until_ready(self.model.state)
       jax.profiler.stop_trace()
       self._tracing = False
     if (self.update_freq != "epoch" and is_chief() and
-        self._steps % self.update_freq == 0):
+        self._steps // self.update_freq > (self._steps - ran) //
+        self.update_freq):
       writer = self._writer("train")
       for k, v in (logs or {}).items():
         writer.add_scalar(f"batch_{k}", v, step)

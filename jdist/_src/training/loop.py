@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from jdist._src.core import placement
+from jdist._src.ps.variables import assign
 from jdist._src.training import steps as steps_lib
 from jdist._src.training.callbacks import CallbackList, LazyLogs
 from jdist._src.training.history import History
@@ -31,8 +32,8 @@ class Position:
   batch: int = 0
   consumed: int = 0
 
-  def next_batch(self) -> "Position":
-    return Position(self.epoch, self.batch + 1, self.consumed + 1)
+  def next_batch(self, steps: int = 1) -> "Position":
+    return Position(self.epoch, self.batch + steps, self.consumed + steps)
 
   def next_epoch(self) -> "Position":
     return Position(self.epoch + 1, 0, self.consumed)
@@ -55,10 +56,16 @@ class FitLoop:
     read_means: `read_means(totals) -> logs`: their means, on the host.
     batch_size: the static global batch size (the first batch's, or a short
       only batch's padded size).
+    steps_per_execution: batches per call of `train_step` (Keras' name);
+      above 1, `train_step` is a `jdist.multi_step` step that takes a
+      `BatchGroup`.
 
   Attributes:
     position: the epoch and batch training is at.
     global_step: optimizer steps applied so far.
+    steps_per_execution: batches per call of the train step.
+    last_execution: steps the last call of the train step ran (1, or up to
+      `steps_per_execution`): `global_step` moved by this much.
     totals: the epoch's running sums on the devices (`jdist.metrics`).
     history: the run's `History`.
   """
@@ -66,7 +73,8 @@ class FitLoop:
   def __init__(self, trainer, train_step, source, *, epochs: int,
                initial_epoch: int, global_step: int,
                validate: Callable | None, make_totals: Callable,
-               read_means: Callable, batch_size: int | None = None):
+               read_means: Callable, batch_size: int | None = None,
+               steps_per_execution: int = 1):
     self.trainer = trainer
     self.source = source
     self.history = History()
@@ -81,6 +89,14 @@ class FitLoop:
     self._read_means = read_means
     self._batch_size = batch_size  # the static global batch (None: the first)
     self._warned_nonfinite = False
+    self.steps_per_execution = steps_per_execution
+    self.last_execution = 1
+
+  def reached_multiple(self, every: int) -> bool:
+    """Whether the last execution made `global_step` reach a multiple of
+    `every` (with `steps_per_execution`, it moves several steps at once)."""
+    step, ran = self.global_step, self.last_execution
+    return step // every > (step - ran) // every
 
   # --- checkpoints ----------------------------------------------------------
 
@@ -96,7 +112,7 @@ class FitLoop:
 
   def restore(self, state, meta: dict) -> None:
     """Continues from a restored checkpoint (used by `BackupAndRestore`)."""
-    self.trainer.state = state
+    self.trainer.state = assign(self.trainer.state, state)
     self.global_step = int(meta["step"])
     self.position = Position(int(meta["epoch"]), int(meta["batch"]),
                              int(meta["consumed"]))
@@ -121,18 +137,24 @@ class FitLoop:
       ran = 0
       batches = trainer.strategy.experimental_distribute_dataset(
           self.source.batches(epoch, start), global_batch_size=self._batch_size)
+      if self.steps_per_execution > 1:
+        batches = batches.group(self.steps_per_execution)
       for batch in batches:
+        # As Keras: once per execution, begin with its first batch's index
+        # and end with its last one's.
+        steps = getattr(batch, "num_steps", 1)
         index = self.position.batch
         cbs.call("on_train_batch_begin", index, {})
         trainer.state, self.totals = self._train_step(trainer.state, self.totals,
                                                       batch)
-        self.global_step += 1
-        self.position = self.position.next_batch()
+        self.global_step += steps
+        self.last_execution = steps
+        self.position = self.position.next_batch(steps)
         batch_logs = LazyLogs(functools.partial(self._read_means,
                                                 self.totals))
-        cbs.call("on_train_batch_end", index, batch_logs)
-        bar.step(batch_logs)
-        ran += 1
+        cbs.call("on_train_batch_end", index + steps - 1, batch_logs)
+        bar.step(batch_logs, steps)
+        ran += steps
         if trainer.stop_training:
           break
       if ran == 0 and start == 0:

@@ -18,7 +18,10 @@ so are Python's "coroutine ... was never awaited" warnings for the coroutines
 it abandoned (after a failure only: they arrive whenever the garbage collector
 finds them, as late as interpreter exit). The late "Event loop is closed"
 reports say only that a result nobody waits for anymore arrived; they are
-dropped whenever they come.
+dropped whenever they come. So are orbax's error logs, and asyncio's reports
+of futures whose exception nobody retrieved, that name the files of a call
+that failed (`summarised(path)`) and arrive after it returned: they come from
+threads and garbage collection that the wait above cannot cover.
 """
 
 from __future__ import annotations
@@ -65,13 +68,33 @@ def _filtered_hook(previous):
   return hook
 
 
+class _Echoes(logging.Filter):
+  """Drops orbax's error logs about the files of calls that failed."""
+
+  def __init__(self):
+    super().__init__()
+    self.paths: set[str] = set()
+
+  def names_failed_files(self, text: str) -> bool:
+    return any(p in text for p in self.paths)
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return record.levelno < logging.ERROR or not self.names_failed_files(
+        record.getMessage())
+
+
+_ECHOES = _Echoes()
+
+
 class _Orphans(logging.Filter):
-  """Drops asyncio's reports of the tasks a failed orbax call left behind."""
+  """Drops asyncio's reports of the tasks and futures a failed orbax call left
+  behind (a future's report names the files, not orbax)."""
 
   def filter(self, record: logging.LogRecord) -> bool:
     text = record.getMessage()
     return not (("never retrieved" in text or "destroyed but it is pending"
-                 in text) and "orbax" in text)
+                 in text) and ("orbax" in text or
+                               _ECHOES.names_failed_files(text)))
 
 
 _ORPHANS = _Orphans()
@@ -107,8 +130,13 @@ def _join_orbax_threads(timeout: float = 30.0) -> None:
 
 
 @contextlib.contextmanager
-def summarised():
-  """Holds orbax's error reports while a call runs; see the module docstring."""
+def summarised(path: str | None = None):
+  """Holds orbax's error reports while a call runs; see the module docstring.
+
+  Args:
+    path: the files the call reads or writes; if it fails, orbax's later
+      error logs that name them are dropped too.
+  """
   _install()
   hold = _Hold()
   absl = logging.getLogger("absl")
@@ -119,6 +147,10 @@ def summarised():
     ok = True
   finally:
     if not ok:
+      if path is not None:
+        _ECHOES.paths.add(str(path))
+        if _ECHOES not in absl.filters:
+          absl.addFilter(_ECHOES)
       _join_orbax_threads()
       warnings.filterwarnings("ignore", message=r"coroutine '.*' was never "
                               "awaited", category=RuntimeWarning)

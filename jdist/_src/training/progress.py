@@ -46,12 +46,12 @@ class ProgressBar:
                        desc=f"Epoch {epoch + 1}/{self.epochs}", file=sys.stderr,
                        dynamic_ncols=True, leave=True)
 
-  def step(self, logs) -> None:
-    """One step done; `logs` (a lazy mapping) is read only when shown."""
-    self._steps += 1
+  def step(self, logs, steps: int = 1) -> None:
+    """`steps` steps done; `logs` (a lazy mapping) is read only when shown."""
+    self._steps += steps
     if self._bar is None:
       return
-    self._bar.update(1)
+    self._bar.update(steps)
     now = time.perf_counter()
     if now - self._shown >= self.refresh:
       self._shown = now

@@ -18,9 +18,12 @@ from jdist._src.core import in_step
 from jdist._src.core import placement
 from jdist._src.core.replica_context import resolve_batch
 from jdist._src.core.values import SyncOnRead
+from jdist._src.ops import accumulation
+from jdist._src.ops import loss_scale
 from jdist._src.ops import losses
 from jdist._src.ops import metrics as metrics_lib
 from jdist._src.ops.loss_objects import Loss
+from jdist._src.ps.variables import resolve
 from jdist._src.training import objectives
 from jdist._src.training.state import TrainState
 
@@ -80,26 +83,49 @@ def _mirror_model_state(model_state):
   return jax.tree.map(mirror, model_state)
 
 
+def _loss_scaling(opt_state):
+  """Multiplies the loss by the optimizer's loss scale, if it has one
+  (`jdist.loss_scale_optimizer`, which divides the gradients by it)."""
+  if isinstance(opt_state, loss_scale.LossScaleState):
+    return opt_state.loss_scale.scale_loss
+  return lambda loss: loss
+
+
 def make_train_step(model, loss: Loss, tx: optax.GradientTransformation,
-                    weighted: frozenset = frozenset()):
-  """`(state, totals, batch) -> (state, totals)`, run once per replica."""
+                    weighted: frozenset = frozenset(), *,
+                    accumulation_steps: int = 1):
+  """`(state, totals, batch) -> (state, totals)`, run once per replica.
+
+  With `accumulation_steps` K > 1 each replica's batch runs as K
+  micro-batches with one gradient reduction (`jdist.accumulate_gradients`);
+  the model's state is carried from one micro-batch to the next.
+  """
 
   def train_step(state: TrainState, totals: dict, batch: dict):
-    x, y = batch["x"], batch["y"]
-    sw = batch.get("sample_weight")
-    b = _batch_size(x)
     key = state.step_key()
+    scale = _loss_scaling(state.opt_state)
 
-    def loss_of(params):
-      y_pred, model_state = model.apply(params, state.model_state, x,
-                                        train=True, rng=key)
-      per_ex = _per_example_loss(loss, y, y_pred, b)
+    def loss_of(params, model_state, micro):
+      x, y = micro["x"], micro["y"]
+      sw = micro.get("sample_weight")
+      y_pred, model_state = model.apply(params, model_state, x, train=True,
+                                        rng=key)
+      per_ex = _per_example_loss(loss, y, y_pred, _batch_size(x))
       scaled = losses.compute_average_loss(
           per_ex if sw is None else per_ex * sw)
-      return scaled, (y_pred, model_state, per_ex)
+      return scale(scaled), (model_state, (y_pred, per_ex))
 
-    (_, (y_pred, model_state, per_ex)), grads = jax.value_and_grad(
-        loss_of, has_aux=True)(state.params)
+    if accumulation_steps == 1 and hasattr(tx, "value_and_grad"):
+      # A ShardedOptimizer's gradients are each replica's own: its update
+      # reduce-scatters them instead of the all-reduce autodiff would do.
+      (_, (model_state, (y_pred, per_ex))), grads = tx.value_and_grad(
+          lambda p: loss_of(p, state.model_state, batch),
+          has_aux=True)(state.params)
+    else:
+      (_, (model_state, rows)), grads = accumulation.scan_micro_batches(
+          loss_of, state.params, state.model_state, batch,
+          num_micro_batches=accumulation_steps)
+      y_pred, per_ex = accumulation.merge_micro_batches(rows)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     new_state = state.replace(step=state.step + 1,
                               params=optax.apply_updates(state.params, updates),
@@ -226,6 +252,7 @@ def restore_totals(totals: dict, sums: dict) -> dict:
 
 def device_sums(strategy, totals: dict) -> dict:
   """`{name: {"total", "count"}}` summed over replicas, still on the devices."""
+  totals = resolve(totals)  # read from the servers under parameter servers
   sync = {k: m.totals for k, m in totals.items()}
   if any(s.per_replica for s in sync.values()):
     return strategy.reduce("sum", sync)

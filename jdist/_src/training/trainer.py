@@ -12,9 +12,16 @@ import optax
 
 from jdist._src import current
 from jdist._src.core import placement
+from jdist._src.core.function import DistributedFunction
+from jdist._src.core.multi_step import multi_step
 from jdist._src.errors import CheckpointNotFoundError
+from jdist._src.ops import accumulation
+from jdist._src.ops import precision
+from jdist._src.ops.sharded_optimizer import ShardedOptimizer
+from jdist._src.ps.variables import ServerVariables, assign, resolve, shapes
 from jdist._src.training import data as data_lib
 from jdist._src.training import loop
+from jdist._src.training import mixed_precision
 from jdist._src.training import model as model_lib
 from jdist._src.training import objectives
 from jdist._src.training import steps as steps_lib
@@ -55,6 +62,33 @@ class Trainer:
       module, its variables (skips initialisation).
     strategy: the strategy to run on; default: the current one.
     seed: seeds initialisation, shuffling and the training random stream.
+    shard_optimizer_state: keep the optimizer state split over the replicas
+      instead of whole on each (ZeRO: `jdist.ShardedOptimizer`); the same
+      updates, a fraction of the memory.
+    steps_per_execution: training batches run per compiled call (Keras'
+      argument): the host dispatches once per group of this many steps,
+      which speeds up small models (and is what TPUs want). The results are
+      those of one step per call. As in Keras, per-batch callbacks are called
+      once per execution: `on_train_batch_begin` with the index of its first
+      batch, `on_train_batch_end` with its last; checkpoints every
+      `save_freq` steps are saved at the end of the execution that reaches
+      them. `evaluate` and `predict` run one batch per call.
+    dtype_policy: mixed precision, by Keras' names: "float32" (default),
+      "mixed_bfloat16" or "mixed_float16" (or a `jdist.DTypePolicy`). The
+      mixed policies keep parameters and optimizer state in float32 and run
+      the model in bfloat16 / float16 (parameters and inputs cast on the way
+      in, predictions back to float32 for the loss). "mixed_float16" wraps
+      the optimizer in `jdist.loss_scale_optimizer` (unless it is already);
+      fit's logs then carry "loss_scale" and "skipped_steps" (steps whose
+      gradients overflowed and were skipped, so far).
+    gradient_accumulation_steps: K: each replica's share of a batch runs as
+      K micro-batches, one after another in the same compiled step, with
+      one gradient reduction and one optimizer update per batch
+      (`jdist.accumulate_gradients`). `batch_size` stays the batch of one
+      optimizer step, so training is the same as with K = 1 (exactly also
+      on a padded last batch) on a fraction of the activation memory; each
+      replica's batch must be a multiple of K. (Keras 3's optimizer option
+      of this name counts `batch_size` as the micro-batch instead.)
 
   Example:
     >>> import jdist, optax, numpy as np
@@ -72,15 +106,21 @@ class Trainer:
 
   def __init__(self, model, *, optimizer: optax.GradientTransformation, loss,
                metrics=None, weighted_metrics=None, params=None, strategy=None,
-               seed: int = 0):
+               seed: int = 0, shard_optimizer_state: bool = False,
+               steps_per_execution: int = 1, dtype_policy="float32",
+               gradient_accumulation_steps: int = 1):
     if not isinstance(optimizer, optax.GradientTransformation):
       raise TypeError(
           f"optimizer must be an optax GradientTransformation (for example "
           f"optax.adam(1e-3)), got {type(optimizer).__name__}.")
     self._strategy = strategy or (current.get_strategy()
                                   if current.has_strategy() else None)
+    self._policy = precision.policy_of(dtype_policy)
     self._model = model_lib.adapt(model, params)
-    self._tx = optimizer
+    # What the steps run: the model under the policy (itself for float32).
+    self._compute_model = mixed_precision.adapt(self._model, self._policy)
+    self._tx = optimizer  # loss-scaled in build() if the policy needs it
+    self._shard_optimizer_state = bool(shard_optimizer_state)
     self._loss = objectives.resolve_loss(loss)
     self._metric_items = objectives.metric_items(metrics)
     self._weighted_items = objectives.metric_items(weighted_metrics,
@@ -93,6 +133,20 @@ class Trainer:
     self._metrics: dict | None = None   # built from the first data's shapes
     self._checked_first_batch = False
     self._seed = int(seed)
+    _check_count(steps_per_execution, "steps_per_execution", minimum=1)
+    self._steps_per_execution = int(steps_per_execution)
+    self._accumulation = accumulation.check_steps(gradient_accumulation_steps)
+    if self._shard_optimizer_state and self._policy.needs_loss_scaling:
+      raise ValueError(
+          f"shard_optimizer_state=True with dtype_policy="
+          f"{self._policy.name!r} is not supported yet: the loss scale "
+          "would be hidden inside the sharded optimizer's state. Use "
+          "\"mixed_bfloat16\" (no loss scaling), or mirrored optimizer state.")
+    if self._shard_optimizer_state and self._accumulation > 1:
+      raise ValueError(
+          "shard_optimizer_state=True with gradient_accumulation_steps="
+          f"{self._accumulation} is not supported yet: the sharded optimizer "
+          "reduce-scatters one batch's gradients. Use one of the two.")
     self.state: TrainState | None = None
     self.stop_training = False
     self.history: History | None = None
@@ -111,7 +165,7 @@ class Trainer:
   @property
   def params(self):
     """The model's current parameters (mirrored arrays)."""
-    return None if self.state is None else self.state.params
+    return None if self.state is None else resolve(self.state).params
 
   @property
   def global_step(self) -> int:
@@ -119,6 +173,18 @@ class Trainer:
     if self._fit_loop is not None:
       return self._fit_loop.global_step
     return self._global_step
+
+  @property
+  def steps_per_execution(self) -> int:
+    """Training batches run per compiled call (Keras' attribute)."""
+    return self._steps_per_execution
+
+  @property
+  def train_function(self):
+    """The compiled train step `fit` calls (Keras' `model.train_function`):
+    a `jdist.DistributedFunction`, or with `steps_per_execution` above 1 a
+    `jdist.MultiStepFunction`; its `num_compilations` counts its compiles."""
+    return self._steps[0]
 
   @property
   def metrics_names(self) -> list[str]:
@@ -139,10 +205,11 @@ class Trainer:
   @learning_rate.setter
   def learning_rate(self, value: float) -> None:
     old = self._lr_leaf()
-    new = placement.put_replicated(np.asarray(value, dtype=old.dtype),
-                                   self.strategy.mesh)
+    new = np.asarray(value, dtype=old.dtype)
+    if not isinstance(self.state, ServerVariables):  # servers take host values
+      new = self.strategy.replicate(new)
     self.state = self.state.replace(opt_state=optax.tree_utils.tree_set(
-        self.state.opt_state, learning_rate=new))
+        resolve(self.state).opt_state, learning_rate=new))
 
   @property
   def optimizer(self) -> OptimizerView:
@@ -153,7 +220,8 @@ class Trainer:
 
   def _lr_leaf(self):
     self._require_state("read or set the learning rate")
-    lr = optax.tree_utils.tree_get(self.state.opt_state, "learning_rate",
+    lr = optax.tree_utils.tree_get(resolve(self.state).opt_state,
+                                   "learning_rate",
                                    default=None)
     if lr is None:
       raise ValueError(
@@ -187,7 +255,8 @@ class Trainer:
             "empty), so training would change nothing. "
             "Check that its layers are created (flax linen: in setup or "
             "@nn.compact __call__; nnx: as attributes in __init__).")
-      state = TrainState(jnp.int32(0), params, self._tx.init(params),
+      self._tx = mixed_precision.optimizer(self._tx, self._policy, params)
+      state = TrainState(jnp.int32(0), params, self._optimizer.init(params),
                          model_state, jax.random.key_data(rng_key))
       self.state = self.strategy.replicate(state)
       self._global_step = 0
@@ -199,14 +268,32 @@ class Trainer:
                          f"build(x) with a batch of inputs, to {what}.")
 
   @functools.cached_property
+  def _optimizer(self):
+    """What the train step calls: the optimizer, or its sharded form."""
+    if self._shard_optimizer_state:
+      return ShardedOptimizer(self._tx, self.strategy)
+    return self._tx
+
+  @functools.cached_property
   def _steps(self):
     s = self.strategy
     weighted = frozenset(n for n, _ in self._weighted_items)
-    return (s.function(steps_lib.make_train_step(self._model, self._loss,
-                                                 self._tx, weighted)),
-            s.function(steps_lib.make_eval_step(self._model, self._loss,
-                                                weighted)),
-            s.function(steps_lib.make_predict_step(self._model)))
+    model = self._compute_model
+    train = s.function(steps_lib.make_train_step(
+        model, self._loss, self._optimizer, weighted,
+        accumulation_steps=self._accumulation))
+    if self._steps_per_execution > 1:
+      if not isinstance(train, DistributedFunction):
+        raise ValueError(
+            f"steps_per_execution={self._steps_per_execution} runs several "
+            "steps in one compiled call, which needs a synchronous strategy "
+            "(Mirrored, MultiWorkerMirrored, TPU, OneDevice, CentralStorage); "
+            f"under {type(s).__name__} every step is scheduled on a worker "
+            "on its own. Use steps_per_execution=1 there.")
+      train = multi_step(train)
+    return (train,
+            s.function(steps_lib.make_eval_step(model, self._loss, weighted)),
+            s.function(steps_lib.make_predict_step(model)))
 
   def _prepare(self, source, what: str, *, with_loss: bool = True
                ) -> tuple[dict, int | None]:
@@ -214,9 +301,12 @@ class Trainer:
     batch and the static global batch size."""
     sample = source.peek()
     self.build(sample["x"])
-    y_pred = steps_lib.output_spec(self._model, self.state, sample, what)
+    y_pred = steps_lib.output_spec(self._compute_model, shapes(self.state),
+                                   sample, what)
     static = data_lib.static_batch_size(
         source, sample, self.strategy.num_replicas_in_sync, what)
+    if what == "training data":
+      static = self._micro_batched(source, static)
     if not with_loss:
       return sample, static
     if "y" not in sample:
@@ -233,7 +323,7 @@ class Trainer:
     if not self._checked_first_batch:
       self._checked_first_batch = True
       objectives.check_predictions(self._loss, steps_lib.predictions(
-          self._model, self.state, sample["x"]))
+          self._compute_model, resolve(self.state), sample["x"]))
     num_classes = y_pred.shape[-1] if y_pred.ndim > 1 else None
     check = functools.partial(objectives.check_targets, self._loss,
                               num_classes=num_classes)
@@ -243,6 +333,20 @@ class Trainer:
       source.target_check = check
       check(sample["y"], lambda row: f"row {row} of batch 0")
     return sample, static
+
+  def _micro_batched(self, source, static: int | None) -> int | None:
+    """The static batch, checked to split into micro-batches on every
+    replica (data shorter than one batch is padded up to that)."""
+    k, n = self._accumulation, self.strategy.num_replicas_in_sync
+    if static is None or static % (n * k) == 0:
+      return static
+    if source.steps_per_epoch == 1:
+      return static + (-static) % (n * k)
+    raise ValueError(
+        f"gradient_accumulation_steps={k} splits each replica's batch into "
+        f"{k} micro-batches, but the global batch of {static} gives "
+        f"{static // n} rows to each of {n} replicas. Use a batch size "
+        f"that is a multiple of {n * k} (replicas x accumulation steps).")
 
   def _totals(self, sums: dict | None = None) -> dict:
     totals = steps_lib.make_totals(*self._metrics)
@@ -314,9 +418,11 @@ class Trainer:
                                    val_static)
     fit_loop = FitLoop(self, self._steps[0], source, epochs=epochs,
                        initial_epoch=initial_epoch,
-                       global_step=int(placement.to_host(self.state.step)),
+                       global_step=int(placement.to_host(
+                           resolve(self.state).step)),
                        validate=validate, make_totals=self._totals,
-                       read_means=self._read_means, batch_size=static)
+                       read_means=self._read_train_logs, batch_size=static,
+                       steps_per_execution=self._steps_per_execution)
     self.history = fit_loop.history
     cbs = CallbackList(callbacks, trainer=self,
                        params={"epochs": epochs, "verbose": verbose,
@@ -336,7 +442,19 @@ class Trainer:
     return self.history
 
   def _read_means(self, totals) -> dict:
+    totals = resolve(totals)  # one read from the servers under parameter servers
     return steps_lib.means(totals, steps_lib.read_sums(self.strategy, totals))
+
+  def _read_train_logs(self, totals) -> dict:
+    """The training logs: the means, and the loss scale's state if any."""
+    logs = self._read_means(totals)
+    # (Under parameter servers the policy's loss scale is not reported.)
+    extra = (None if isinstance(self.state, ServerVariables)
+             else mixed_precision.train_logs(self.state.opt_state))
+    if extra:
+      logs.update({k: float(v) for k, v in
+                   placement.to_host(extra).items()})
+    return logs
 
   # --- evaluate and predict ------------------------------------------------
 
@@ -391,7 +509,8 @@ class Trainer:
     an apply function's parameters.
     """
     self._require_state("export")
-    return self._model.export(self.state.params, self.state.model_state)
+    state = resolve(self.state)
+    return self._model.export(state.params, state.model_state)
 
   def load_checkpoint(self, directory, *, step: int | None = None) -> int:
     """Loads the weights and optimizer state of a checkpoint; returns its step.
@@ -411,7 +530,9 @@ class Trainer:
     ckpt = Checkpointer(directory)
     try:
       weights_only = _weights_only(ckpt, step)
-      target = self.state.replace(opt_state=()) if weights_only else self.state
+      current_state = resolve(self.state)
+      target = (current_state.replace(opt_state=()) if weights_only
+                else current_state)
       restored = ckpt.restore(target, self.strategy.mesh, step=step)
     finally:
       ckpt.close()
@@ -421,10 +542,10 @@ class Trainer:
           "directory a ModelCheckpoint or BackupAndRestore wrote.")
     state, meta = restored
     if weights_only:  # Keras' load_weights: the optimizer and step stay
-      self.state = self.state.replace(params=state.params,
-                                      model_state=state.model_state)
+      self.state = assign(self.state, current_state.replace(
+          params=state.params, model_state=state.model_state))
       return int(meta["step"])
-    self.state = state
+    self.state = assign(self.state, state)
     self._global_step = int(meta["step"])
     return self._global_step
 

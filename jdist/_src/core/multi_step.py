@@ -1,0 +1,185 @@
+"""`jdist.multi_step`: many steps of a `strategy.function` step per dispatch.
+
+Keras' `steps_per_execution` for custom loops (TF users write a `tf.range`
+loop inside a `tf.function`): one compiled call runs the step over the K
+batches of a `BatchGroup` with `lax.scan`, so the host dispatches once per K
+steps. Small models on many devices spend most of a step in dispatch; this
+is where that time goes away.
+
+The step is traced as `DistributedFunction` traces it (plan, probe, one
+`shard_map`), once, inside the scan's body; each scan iteration hands it one
+batch of the group with that batch's own validity, so masks, counts and
+`compute_average_loss` are those of K separate calls.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jdist._src.core.function import DistributedFunction
+from jdist._src.core.values import (BatchGroup, PerReplica, SyncOnRead,
+                                    is_distributed)
+
+
+class MultiStepFunction(DistributedFunction):
+  """A step run once per batch of a `BatchGroup`, in one compiled call.
+
+  Called as `multi(*carried, group)`: the step's own arguments, the batch
+  replaced by a group of K batches. See `multi_step`.
+  """
+
+  def __init__(self, step: DistributedFunction):
+    options = step._jit_options
+    if options["static_argnums"] or options["static_argnames"]:
+      raise ValueError(
+          f"jdist.multi_step cannot run {step.__name__}: it has static "
+          "arguments (static_argnums / static_argnames), which a compiled "
+          "loop over steps cannot vary. Pass those values as arrays, or "
+          "build a step per value.")
+    super().__init__(step.strategy, step._fn,
+                     donate_argnums=options["donate_argnums"],
+                     check_state=step._check_state,
+                     check_loss_scaling=step._check_loss_scaling)
+    self._step = step
+
+  def _trace(self, *args, check: bool, **kwargs):
+    if kwargs:
+      raise TypeError(
+          f"A multi-step {self._name} takes positional arguments only: the "
+          "carried values (state, metrics, ...), then the BatchGroup.")
+    if not args or not isinstance(args[-1], BatchGroup):
+      got = type(args[-1]).__name__ if args else "no arguments"
+      raise TypeError(
+          f"A multi-step {self._name} takes the carried values, then a "
+          f"BatchGroup last (got {got}). Make groups with "
+          "strategy.experimental_distribute_dataset(data).group(k).")
+    carry, group = tuple(args[:-1]), args[-1]
+    one_step = functools.partial(DistributedFunction._trace, self, check=check)
+    layout = []
+
+    def body(carried, i):
+      out = one_step(*carried, group.batch(i))
+      new, extras, single = _split(out, carried, self._name)
+      layout[:] = [single]
+      return _like(new, carried), jax.tree.map(_unmasked, extras,
+                                               is_leaf=is_distributed)
+
+    try:
+      carry, stacked = jax.lax.scan(body, carry, jnp.arange(group.num_steps))
+    except TypeError as e:
+      if "carry" not in str(e):
+        raise
+      raise TypeError(
+          f"{self._name} returns carried values whose types differ from its "
+          "arguments' (a multi-step call feeds each step's outputs to the "
+          "next step): every carried output must keep the shape, dtype and "
+          f"placement of its argument. {e}") from None
+    stacked = jax.tree.map(_replicas_first, stacked, is_leaf=is_distributed)
+    if layout[0]:
+      return carry[0]
+    return carry + stacked
+
+
+def _split(out: Any, carried: tuple, name: str):
+  """`(new carried values, other outputs, whether out was the state alone)`."""
+  def shape(tree):  # the structure, distributed values told from arrays
+    kinds = jax.tree.map(lambda x: type(x) if is_distributed(x) else None,
+                         tree, is_leaf=is_distributed)
+    return jax.tree.structure(tree, is_leaf=is_distributed), jax.tree.leaves(
+        kinds, is_leaf=lambda x: x is None)
+  m = len(carried)
+  if (isinstance(out, tuple) and len(out) >= m and
+      all(shape(o) == shape(c) for o, c in zip(out, carried))):
+    return tuple(out[:m]), tuple(out[m:]), False
+  if m == 1 and shape(out) == shape(carried[0]):
+    return (out,), (), True
+  raise TypeError(
+      f"jdist.multi_step runs {name} step after step, feeding its outputs "
+      "back: it must return the new values of its arguments before the "
+      f"batch ({m} of them, in order, with the same structure), then "
+      "anything else (losses, outputs: those come back stacked, one entry "
+      "per step). Return `(state, loss)` for a step `(state, batch)`.")
+
+
+def _like(new: tuple, carried: tuple) -> tuple:
+  """`new` with each `PerReplica`'s validity as its carried argument had it
+  (a step's outputs carry the batch's validity; the loop's input may not)."""
+  def one(n, c):
+    if isinstance(n, PerReplica) and isinstance(c, PerReplica):
+      return PerReplica(n.values, validity=c.validity)
+    return n
+  return jax.tree.map(one, new, carried, is_leaf=is_distributed)
+
+
+def _unmasked(x: Any) -> Any:
+  # Each step's validity is the batch's: stacked, it would no longer be one
+  # batch's mask, which `strategy.reduce` reads. The values stay exact.
+  return PerReplica(x.values) if isinstance(x, PerReplica) else x
+
+
+def _replicas_first(x: Any) -> Any:
+  """A stacked per-replica output as `(replicas, steps, ...)`."""
+  move = lambda v: jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1), v)
+  if isinstance(x, PerReplica):
+    return PerReplica(move(x.values))
+  if isinstance(x, SyncOnRead):
+    return x.assign(move(x.value))
+  return x
+
+
+def multi_step(step: DistributedFunction) -> MultiStepFunction:
+  """Runs `step` once per batch of a `BatchGroup`, all in one compiled call.
+
+  Keras' `steps_per_execution` for a custom loop: the host dispatches once per
+  group of K batches instead of once per batch, which is what small models on
+  many devices (and TPUs) need. The result is exactly that of K calls of
+  `step` (same masks and counts per batch, float tolerance).
+
+  `step` takes the values it carries (state, metrics) first and the batch
+  last, and returns the new carried values first, in the same order, then
+  anything else: `(state, batch) -> (state, loss)`. The multi-step function
+  is called with the carried values and a group, and returns the last
+  step's carried values and the other outputs stacked on a step axis: a
+  `PerReplica` loss comes back with leaves `(replicas, K, ...)` (so
+  `strategy.reduce("sum", losses)` gives the K per-step losses), a mirrored
+  output as `(K, ...)`. Stacked `PerReplica` outputs carry no validity mask:
+  reduce them with SUM, or mask per-example outputs yourself.
+
+  It compiles once per group length: an epoch whose length is not a
+  multiple of K ends with one shorter group, which compiles once more.
+
+  Args:
+    step: a `strategy.function` step (its `donate_argnums` apply to the
+      multi-step call; static arguments are not supported).
+
+  Returns:
+    A `MultiStepFunction`, called as `multi(*carried, group)`.
+
+  Example:
+    >>> import jdist, jax, jax.numpy as jnp, numpy as np
+    >>> strategy = jdist.get_strategy()
+    >>> @strategy.function
+    ... def step(w, batch):
+    ...   loss = lambda w: jdist.compute_average_loss((batch @ w) ** 2)
+    ...   value, grad = jax.value_and_grad(loss)(w)
+    ...   return w - 0.1 * grad, value
+    >>> data = [np.ones((4, 2), np.float32)] * 3
+    >>> w = strategy.replicate(jnp.ones(2))
+    >>> run3 = jdist.multi_step(step)
+    >>> for group in strategy.experimental_distribute_dataset(data).group(3):
+    ...   w, losses = run3(w, group)
+    >>> strategy.reduce("sum", losses).shape
+    (3,)
+  """
+  if isinstance(step, MultiStepFunction):
+    return step
+  if not isinstance(step, DistributedFunction):
+    raise TypeError(
+        f"jdist.multi_step takes a step built with strategy.function, got "
+        f"{type(step).__name__}. Decorate the per-replica step with "
+        "@strategy.function first.")
+  return MultiStepFunction(step)

@@ -1,0 +1,226 @@
+"""Gradient accumulation: K micro-batches, one gradient reduction per step.
+
+Each replica's share of the step's batch is split into K micro-batches that
+run one after another in a `lax.scan`, inside the same compiled step, so the
+activations of only one micro-batch are alive at a time. The gradients stay
+local to each replica while they add up (the parameters are typed as varying
+before autodiff, so no all-reduce is inserted per micro-batch), and are summed
+over replicas once, after the last micro-batch: one reduction per optimizer
+step, not K.
+
+Why not `optax.MultiSteps`: it accumulates across calls, one dispatch per
+micro-batch. Under jdist the gradient of mirrored parameters is summed over
+replicas inside each call (autodiff does it), so MultiSteps would all-reduce K
+times per update and keep a parameter-sized accumulator in the optimizer state
+between calls (in every checkpoint). And the divisor of a micro-batch's loss
+must be the count of valid examples of the whole update, which a call does not
+know before the last micro-batch has arrived: on a padded last batch, a mean
+of micro-batch means is not the mean. A scan in one step knows the whole
+batch: the loss of each micro-batch is divided by the step's global count
+(`compute_average_loss` reads it from the step), and the sum is exact.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jdist._src.core import context
+from jdist._src.core import in_step
+from jdist._src.core.replica_context import ReplicaContext
+from jdist._src.core.validity import Validity
+
+
+def check_steps(num_micro_batches) -> int:
+  """`num_micro_batches` as an int, or a clear error.
+
+  Raises:
+    TypeError: it is not a whole number.
+    ValueError: it is less than 1.
+  """
+  k = num_micro_batches
+  if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+    raise TypeError(
+        f"The number of gradient accumulation steps (micro-batches per "
+        f"optimizer step) must be a whole number, got {k!r}.")
+  if k < 1:
+    raise ValueError(
+        f"The number of gradient accumulation steps (micro-batches per "
+        f"optimizer step) must be at least 1, got {k}. Use 1 for no "
+        "accumulation.")
+  return int(k)
+
+
+class MicroBatchContext(ReplicaContext):
+  """The replica context of one micro-batch of a step.
+
+  Its validity is the micro-batch's rows with the whole step's global count
+  (so `compute_average_loss` divides by the step's examples), and
+  `example_index` gives the rows' positions in the step's global batch (so
+  `jdist.dropout` and `example_keys` draw what the whole batch would).
+  """
+
+  def __init__(self, parent: ReplicaContext, validity: Validity | None,
+               index, num_micro_batches: int):
+    super().__init__(parent.strategy, validity)
+    self._parent = parent
+    self._index = index
+    self._k = num_micro_batches
+
+  def example_index(self, batch_size: int) -> jax.Array:
+    step_rows = batch_size * self._k
+    return (self.replica_id_in_sync_group * step_rows +
+            self._index * batch_size + jnp.arange(batch_size, dtype=jnp.int32))
+
+
+def _split(batch, k: int):
+  """Every leaf `(b, ...)` as `(k, b // k, ...)`, or a clear error."""
+  def split(path, x):
+    x = jnp.asarray(x)
+    if x.ndim == 0 or x.shape[0] % k:
+      rows = "a scalar" if x.ndim == 0 else f"{x.shape[0]} rows"
+      raise ValueError(
+          f"Cannot split the batch into {k} micro-batches: "
+          f"{jax.tree_util.keystr(path) or 'the batch'} has {rows} on this "
+          f"replica. Each replica's batch (the global batch divided by the "
+          f"number of replicas) must be a multiple of {k}; choose a batch "
+          "size or a number of accumulation steps that divide.")
+    return x.reshape((k, x.shape[0] // k) + x.shape[1:])
+  return jax.tree_util.tree_map_with_path(split, batch)
+
+
+def merge_micro_batches(tree):
+  """`(k, m, ...)` leaves back to `(k * m, ...)`: rows of the whole batch."""
+  return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), tree)
+
+
+def scan_micro_batches(loss_fn: Callable, params, carry, batch, *,
+                       num_micro_batches: int):
+  """The engine of `accumulate_gradients`, with a carry between micro-batches.
+
+  Args:
+    loss_fn: `loss_fn(params, carry, micro_batch) -> (loss, (carry, aux))`,
+      with a scalar loss.
+    params: the parameters to differentiate (mirrored inside a step).
+    carry: state threaded through the micro-batches in order (e.g. a model's
+      batch statistics); `None` for none.
+    batch: this replica's batch, a pytree of `(b, ...)` arrays.
+    num_micro_batches: K; `b` must be a multiple of it.
+
+  Returns:
+    `((loss, (carry, aux)), grads)`: the loss and gradients summed over the
+    micro-batches (inside a step; their mean outside one), the last carry, and
+    `aux` stacked along a leading axis of K.
+  """
+  k = check_steps(num_micro_batches)
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  if k == 1:
+    (loss, (carry, aux)), grads = grad_fn(params, carry, batch)
+    return (loss, (carry, jax.tree.map(lambda a: a[None], aux))), grads
+  micro = _split(batch, k)
+  ctx = context.current_replica_context()
+  masks = None
+  if ctx is not None:
+    axis = ctx.axis_name
+    invariant = jax.tree.map(lambda p: not in_step.is_varying(p, axis), params)
+    # Typed as varying, the parameters get per-replica gradients: autodiff
+    # inserts no all-reduce per micro-batch (its psum is the transpose of the
+    # implicit broadcast of an invariant input, which this makes explicit).
+    params = jax.tree.map(lambda p: in_step.to_varying(p, axis), params)
+    # A scan's carry keeps its type: state that one micro-batch may make
+    # differ between replicas is typed as varying from the start.
+    carry = jax.tree.map(lambda c: in_step.to_varying(c, axis), carry)
+    if ctx.validity is not None:
+      masks = ctx.validity.mask.reshape(k, -1)
+
+  def body(acc, xs):
+    index, micro_batch, mask = xs
+    loss_acc, grad_acc, carry = acc
+    if ctx is None:
+      (loss, (carry, aux)), grads = grad_fn(params, carry, micro_batch)
+    else:
+      sub = (None if mask is None else
+             Validity.pack(mask, ctx.validity.num_valid))
+      with context.replica_scope(MicroBatchContext(ctx, sub, index, k)):
+        (loss, (carry, aux)), grads = grad_fn(params, carry, micro_batch)
+      carry = jax.tree.map(lambda c: in_step.to_varying(c, axis), carry)
+    grads = jax.tree.map(lambda a, g: a + g.astype(a.dtype), grad_acc, grads)
+    return (loss_acc + loss.astype(loss_acc.dtype), grads, carry), aux
+
+  loss0 = jnp.zeros((), jnp.result_type(float))
+  if ctx is not None:
+    loss0 = in_step.to_varying(loss0, axis)
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  xs = (jnp.arange(k, dtype=jnp.int32), micro, masks)
+  (loss, grads, carry), aux = lax.scan(body, (loss0, zeros, carry), xs)
+  if ctx is None:  # plain code: the micro-batches' losses are means
+    return (loss / k, (carry, aux)), jax.tree.map(lambda g: g / k, grads)
+  # The one reduction of the step.
+  grads = jax.tree.map(lambda g, inv: lax.psum(g, axis) if inv else g,
+                       grads, invariant)
+  return (loss, (carry, aux)), grads
+
+
+def accumulate_gradients(loss_fn: Callable, params, batch, *,
+                         num_micro_batches: int, has_aux: bool = False) -> Any:
+  """`jax.value_and_grad` over a batch split into micro-batches.
+
+  Inside a step, each replica's batch is split into `num_micro_batches`
+  micro-batches that run one after another (a `lax.scan` in the same compiled
+  step), so activations of one micro-batch at a time are alive. Gradients add
+  up on each replica and are summed over replicas once, at the end: one
+  all-reduce per optimizer step. The result equals `jax.value_and_grad` of the
+  whole batch's loss, exactly also on a padded last batch, provided the loss
+  is scaled with `jdist.compute_average_loss`: inside a micro-batch it
+  divides by the whole step's count of valid examples and masks the
+  micro-batch's padding rows. `jdist.dropout` draws the same masks as on the
+  whole batch. Outside a step (plain single-device code) the micro-batches'
+  losses and gradients are averaged instead.
+
+  Args:
+    loss_fn: `loss_fn(params, micro_batch) -> loss` (or `(loss, aux)` with
+      `has_aux`), written as for the whole batch.
+    params: what to differentiate (the mirrored parameters).
+    batch: this replica's batch: a pytree of arrays with a leading axis of
+      rows, a multiple of `num_micro_batches`.
+    num_micro_batches: micro-batches per step (K >= 1).
+    has_aux: whether `loss_fn` returns `(loss, aux)`; `aux` is then stacked
+      over micro-batches along a new leading axis (as `lax.scan` does).
+
+  Returns:
+    `(loss, grads)`, or `((loss, aux), grads)` with `has_aux`, shaped as
+    `jax.value_and_grad` returns them for the whole batch.
+
+  Raises:
+    ValueError: `num_micro_batches` is less than 1, or a replica's batch does
+      not split into that many micro-batches.
+
+  Example:
+    >>> import jdist, jax.numpy as jnp, numpy as np
+    >>> strategy = jdist.get_strategy()
+    >>> def loss_fn(w, batch):
+    ...   return jdist.compute_average_loss((batch["x"] @ w - batch["y"]) ** 2)
+    >>> @strategy.function
+    ... def step(w, batch):
+    ...   loss, grad = jdist.accumulate_gradients(loss_fn, w, batch,
+    ...                                           num_micro_batches=4)
+    ...   return w - 0.1 * grad, loss
+    >>> data = {"x": np.ones((8, 2), np.float32), "y": np.ones(8, np.float32)}
+    >>> batches = strategy.experimental_distribute_dataset([data])
+    >>> w, loss = step(jnp.zeros(2), next(iter(batches)))
+    >>> float(strategy.reduce("sum", loss))
+    1.0
+  """
+  def with_carry(p, carry, micro_batch):
+    out = loss_fn(p, micro_batch)
+    loss, aux = out if has_aux else (out, None)
+    return loss, (carry, aux)
+
+  (loss, (_, aux)), grads = scan_micro_batches(
+      with_carry, params, None, batch, num_micro_batches=num_micro_batches)
+  return ((loss, aux), grads) if has_aux else (loss, grads)
+

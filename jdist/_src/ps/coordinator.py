@@ -1,0 +1,273 @@
+"""`ClusterCoordinator`: schedules functions on workers, TensorFlow's contract.
+
+`schedule(fn, args, kwargs)` queues a function and returns a `RemoteValue`
+at once; one thread per worker takes functions from the queue and runs them
+on its worker (in that thread, or as a call to its Ray actor). A function
+whose worker fails goes back to the front of the queue and runs on another
+worker (so a function may run more than once: "at least once"); the failed
+worker is restarted empty (its per-worker datasets are built again when it
+next needs them). An error of a function reaches `join()`, `done()` or the
+next `schedule()` once nothing is running, and cancels the functions still
+queued; a parameter server's failure does so every time from then on.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any, Callable
+
+import jax
+
+from jdist._src.errors import ParameterServerError, WorkerFailedError
+from jdist._src.ps.datasets import PerWorkerDataset
+from jdist._src.ps.remote import Closure, ClosureQueue, RemoteValue
+from jdist._src.ps.variables import ServerVariables
+
+# A function whose worker failed this many times (per worker of the cluster)
+# fails itself: a function that kills every worker it runs on would otherwise
+# be retried forever.
+ATTEMPTS_PER_WORKER = 3
+
+
+class ClusterCoordinator:
+  """Schedules functions on a `ParameterServerStrategy`'s workers.
+
+  There is one coordinator per strategy: `ClusterCoordinator(strategy)`
+  returns it. It starts the cluster's workers, and `shutdown()` (or leaving
+  a `with` block) stops them and the parameter servers.
+
+  Args:
+    strategy: a `jdist.ParameterServerStrategy`.
+
+  Example:
+    >>> import jdist, numpy as np
+    >>> strategy = jdist.ParameterServerStrategy(
+    ...     jdist.cluster_resolver.LocalClusterResolver(num_workers=2, num_ps=1))
+    >>> with jdist.ClusterCoordinator(strategy) as coordinator:
+    ...   dataset = coordinator.create_per_worker_dataset(
+    ...       lambda: (np.full((4, 1), 1.0, np.float32) for _ in range(100)))
+    ...   iterator = iter(dataset)
+    ...   def fn(iterator):
+    ...     return strategy.reduce("sum", next(iterator), axis=0)
+    ...   results = [coordinator.schedule(fn, args=(iterator,)) for _ in range(6)]
+    ...   coordinator.join()
+    ...   [float(r.fetch()[0]) for r in results]
+    [4.0, 4.0, 4.0, 4.0, 4.0, 4.0]
+  """
+
+  def __new__(cls, strategy):
+    existing = getattr(strategy, "_coordinator", None)
+    if existing is not None:
+      return existing
+    if not hasattr(strategy, "_start_cluster"):
+      raise TypeError(
+          f"ClusterCoordinator works with jdist.ParameterServerStrategy, got "
+          f"{type(strategy).__name__}. Synchronous strategies run steps "
+          "directly: call the step, or strategy.run(fn, args).")
+    self = super().__new__(cls)
+    strategy._coordinator = self
+    self._init(strategy)
+    return self
+
+  def __init__(self, strategy):
+    del strategy  # set up once, in __new__
+
+  def _init(self, strategy) -> None:
+    self._strategy = strategy
+    self._cluster = strategy._start_cluster()
+    self._queue = ClosureQueue()
+    self._fatal: BaseException | None = None
+    self._closed = False
+    self._lock = threading.Lock()
+    workers = self._cluster.workers
+    self._alive = len(workers)
+    self._max_attempts = ATTEMPTS_PER_WORKER * max(len(workers), 1)
+    self._threads = [threading.Thread(target=self._serve, args=(w,),
+                                      name=f"jdist-worker-{w.index}",
+                                      daemon=True) for w in workers]
+    for t in self._threads:
+      t.start()
+
+  # --- TensorFlow's API --------------------------------------------------------
+
+  @property
+  def strategy(self):
+    """The `ParameterServerStrategy` this coordinator schedules for."""
+    return self._strategy
+
+  def schedule(self, fn: Callable, args=(), kwargs=None) -> RemoteValue:
+    """Queues `fn(*args, **kwargs)` to run on some worker; returns at once.
+
+    `fn` runs at least once (more than once if its worker fails while it
+    runs). Per-worker values in `args` and `kwargs` (iterators of
+    `create_per_worker_dataset`) become the running worker's own.
+
+    Args:
+      fn: a function; under the Ray backend it must be picklable.
+      args: positional arguments.
+      kwargs: keyword arguments.
+
+    Returns:
+      A `RemoteValue` of `fn`'s result.
+
+    Raises:
+      TypeError: `fn` is not callable, or an argument is a `RemoteValue`.
+      The first error of an earlier function, if one failed since the last
+      `join()` (queued functions are then cancelled).
+    """
+    if not callable(fn):
+      raise TypeError(
+          f"coordinator.schedule needs a function to run on a worker, got "
+          f"{type(fn).__name__} {fn!r:.80}. Pass the function itself and its "
+          "arguments separately: schedule(fn, args=(iterator,)).")
+    if not isinstance(args, (tuple, list)):
+      raise TypeError(f"schedule(args=...) must be a tuple of arguments, got "
+                      f"{type(args).__name__}; write args=(x,) for one argument.")
+    kwargs = dict(kwargs or {})
+    if any(isinstance(x, RemoteValue) for x in jax.tree.leaves(
+        (args, kwargs), is_leaf=lambda x: isinstance(x, RemoteValue))):
+      raise TypeError(
+          "A RemoteValue cannot be an argument of a scheduled function: fetch() "
+          "it first, or compute it inside the function that needs it.")
+    self._check_open()
+    self._raise_fatal()
+    closure = Closure(fn, tuple(args), kwargs)
+    self._cluster.prepare(closure)
+    self._queue.put(closure)
+    return closure.result
+
+  def join(self) -> None:
+    """Waits until every scheduled function has finished.
+
+    Raises:
+      The first error of a scheduled function since the last `join()` (the
+      functions still queued are cancelled), once nothing runs any more.
+      `jdist.ParameterServerError` after a parameter server failed.
+    """
+    self._raise_fatal()
+    self._queue.wait()
+    self._raise_fatal()
+
+  def done(self) -> bool:
+    """Whether every scheduled function has finished (raises like `join`)."""
+    self._raise_fatal()
+    return self._queue.done()
+
+  def fetch(self, value: Any) -> Any:
+    """`value` with every `RemoteValue` fetched (waiting for it) and every
+    `ServerVariables` read; other values are returned as they are."""
+    def one(x):
+      if isinstance(x, RemoteValue):
+        return x.fetch()
+      if isinstance(x, ServerVariables):
+        return x.read()
+      return x
+    return jax.tree.map(one, value, is_leaf=lambda x: isinstance(
+        x, (RemoteValue, ServerVariables)))
+
+  def create_per_worker_dataset(self, dataset_fn) -> PerWorkerDataset:
+    """A dataset each worker builds with `dataset_fn`; see `PerWorkerDataset`.
+
+    `dataset_fn` runs on the workers, when a scheduled function first takes
+    the worker's iterator (and again on a worker that failed and came back);
+    an error it raises reaches `join()` with its traceback.
+    """
+    self._check_open()
+    return PerWorkerDataset(dataset_fn)
+
+  # --- lifetime ----------------------------------------------------------------
+
+  @property
+  def num_workers(self) -> int:
+    """Workers able to run functions now."""
+    return self._alive
+
+  def shutdown(self, timeout: float = 60.0) -> None:
+    """Stops the workers and the parameter servers; the variables are lost.
+
+    Functions still queued are cancelled; the running ones are waited for up
+    to `timeout` seconds. Afterwards no thread, actor or process of the
+    cluster is left.
+    """
+    if self._closed:
+      return
+    self._closed = True
+    self._queue.stop()
+    deadline = time.monotonic() + timeout
+    for t in self._threads:
+      t.join(max(0.0, deadline - time.monotonic()))
+    self._cluster.close()
+
+  def __enter__(self) -> "ClusterCoordinator":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.shutdown()
+
+  # --- the workers' threads ------------------------------------------------------
+
+  def _serve(self, worker) -> None:
+    # Up to `worker.depth` closures are sent ahead (a Ray worker gets its
+    # next function while it runs one: the call's round trip is hidden).
+    pending = collections.deque()
+    while True:
+      while len(pending) < worker.depth:
+        closure = self._queue.get(block=not pending)
+        if closure is None:
+          break
+        closure.attempts += 1
+        pending.append((closure, worker.submit(closure)))
+      if not pending:
+        return  # stopped: a blocking get() gives None only then
+      failure = self._finish(worker, *pending.popleft())
+      if failure is not None:
+        while pending:  # what the worker still had: done, or back in the queue
+          self._finish(worker, *pending.popleft())
+        if not self._closed and not worker.recover():
+          self._lose(worker, failure)
+          return
+
+  def _finish(self, worker, closure, ticket) -> WorkerFailedError | None:
+    """Waits for one closure on `worker`; returns the worker's failure, if any."""
+    try:
+      value = worker.result(ticket)
+    except WorkerFailedError as e:
+      if closure.attempts >= self._max_attempts:
+        self._queue.failed(closure, WorkerFailedError(
+            f"The scheduled function {_name(closure.fn)} was started "
+            f"{closure.attempts} times and its worker failed each time; "
+            f"the last failure: {e}"))
+      else:
+        self._queue.put_back(closure)
+      return e
+    except ParameterServerError as e:
+      self._fatal = e
+      self._queue.failed(closure, e)
+    except BaseException as e:  # the function's own error, for join()
+      self._queue.failed(closure, e)
+    else:
+      self._queue.finished(closure, value)
+    return None
+
+  def _lose(self, worker, error) -> None:
+    with self._lock:
+      self._alive -= 1
+      if self._alive == 0:
+        self._queue.fail_all(WorkerFailedError(
+            f"No worker is left to run scheduled functions: worker "
+            f"{worker.index} was the last, and it did not come back ({error})."))
+
+  def _raise_fatal(self) -> None:
+    if self._fatal is not None:
+      raise self._fatal
+
+  def _check_open(self) -> None:
+    if self._closed:
+      raise RuntimeError("This ClusterCoordinator was shut down, and its "
+                         "cluster with it; make a new ParameterServerStrategy.")
+
+
+def _name(fn) -> str:
+  return getattr(fn, "__name__", None) or type(fn).__name__

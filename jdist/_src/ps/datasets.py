@@ -1,0 +1,127 @@
+"""Input under ParameterServerStrategy: per-worker datasets and shipped batches.
+
+`ClusterCoordinator.create_per_worker_dataset(dataset_fn)` makes every worker
+build its own input from `dataset_fn` (TensorFlow's way: data never passes
+through the coordinator). `iter()` of it gives a `PerWorkerIterator`, passed
+to scheduled functions through their arguments; on each worker it is that
+worker's iterator of `PerReplica` batches over its devices.
+
+`ParameterServerStrategy.experimental_distribute_dataset(batches)` instead
+iterates batches on the coordinator and ships each with the step that
+consumes it (`WorkerBatch`), which is what `Trainer.fit` does with arrays.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import uuid
+from typing import Any, Callable, Iterable
+
+import jax
+import numpy as np
+
+from jdist._src.ps.worker import PerWorkerResource
+
+
+def _takes_input_context(fn: Callable) -> bool:
+  try:
+    params = [p for p in inspect.signature(fn).parameters.values()
+              if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY,
+                                                     p.POSITIONAL_OR_KEYWORD)]
+  except (TypeError, ValueError):
+    return False
+  return len(params) >= 1
+
+
+class PerWorkerDataset:
+  """A dataset every worker builds for itself; `iter()` it to get iterators.
+
+  Args:
+    dataset_fn: called on each worker, with no argument or with a
+      `jdist.InputContext` (`input_pipeline_id` is the worker's index among
+      `num_input_pipelines` workers); returns an iterable of global batches for
+      that worker's steps. Or an iterable, which each worker iterates itself.
+  """
+
+  def __init__(self, dataset_fn):
+    if not callable(dataset_fn) and not isinstance(dataset_fn, Iterable):
+      raise TypeError(
+          f"create_per_worker_dataset needs a function that returns a dataset "
+          f"(or an iterable), got {type(dataset_fn).__name__}.")
+    self._dataset_fn = dataset_fn
+    self._key = uuid.uuid4().hex[:12]
+    self._count = itertools.count()
+
+  def __iter__(self) -> "PerWorkerIterator":
+    return PerWorkerIterator(self._dataset_fn, f"{self._key}/{next(self._count)}")
+
+
+class PerWorkerIterator(PerWorkerResource):
+  """Each worker's iterator over its dataset; pass it to scheduled functions.
+
+  Inside a scheduled function it is the running worker's iterator:
+  `next(iterator)` gives a `PerReplica` batch over the worker's devices. A
+  worker that failed and came back builds its dataset again.
+  """
+
+  def __init__(self, dataset_fn, key: str):
+    self._dataset_fn = dataset_fn
+    self.key = key
+
+  def build(self, worker_context) -> Any:
+    fn = self._dataset_fn
+    if not callable(fn):
+      data = fn
+    elif _takes_input_context(fn):
+      data = fn(worker_context.input_context())
+    else:
+      data = fn()
+    return iter(worker_context.strategy.experimental_distribute_dataset(data))
+
+  def __next__(self):
+    raise TypeError(
+        "A per-worker iterator is not iterated on the coordinator: pass it to "
+        "coordinator.schedule(fn, args=(iterator,)) and call next() on it "
+        "inside fn, where it is the worker's own iterator.")
+
+  def __repr__(self) -> str:
+    return f"PerWorkerIterator({self.key})"
+
+
+class WorkerBatch:
+  """A host batch shipped with a step; the worker that runs it distributes it.
+
+  Attributes:
+    batch: the global batch of this step (numpy arrays).
+    global_batch_size: its static size (a short last batch is padded to it).
+  """
+
+  def __init__(self, batch: Any, global_batch_size: int | None):
+    self.batch = batch
+    self.global_batch_size = global_batch_size
+
+  def distribute(self, strategy):
+    """The batch as a `PerReplica` over `strategy`'s devices."""
+    return next(iter(strategy.experimental_distribute_dataset(
+        [self.batch], global_batch_size=self.global_batch_size)))
+
+
+class WorkerBatches:
+  """What `experimental_distribute_dataset` returns under parameter servers."""
+
+  def __init__(self, dataset: Iterable, global_batch_size: int | None):
+    self._dataset = dataset
+    self._size = global_batch_size
+
+  def __iter__(self):
+    size = self._size
+    for batch in self._dataset:
+      if size is None:
+        size = _batch_size(batch)
+      yield WorkerBatch(batch, size)
+
+
+def _batch_size(batch) -> int:
+  leaves = jax.tree.leaves(batch)
+  return int(np.shape(leaves[0])[0]) if leaves else 0

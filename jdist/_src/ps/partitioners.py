@@ -1,0 +1,168 @@
+"""How a variable is split over parameter servers: TensorFlow's partitioners.
+
+A partitioner is called with a variable's shape and dtype and returns how
+many pieces each axis is cut into; as in TensorFlow's
+`ParameterServerStrategy`, only the first axis is split, rank-0 variables are
+never split, and the pieces are "div" partitions: the first `rows % n` pieces
+take one extra row.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+
+def _element_bytes(dtype, bytes_per_string: int) -> int:
+  dtype = np.dtype(dtype)
+  if dtype.kind in "OSU":
+    return bytes_per_string
+  return dtype.itemsize
+
+
+def _positive(name: str, value) -> None:
+  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+
+class Partitioner:
+  """Base class: `partitioner(shape, dtype, axis=0)` -> pieces per axis.
+
+  Subclasses implement `__call__`, returning a list with one entry per axis:
+  1 everywhere except `axis`, which gets the number of pieces.
+  """
+
+  def __call__(self, shape: Sequence[int], dtype, axis: int = 0) -> list:
+    raise NotImplementedError
+
+
+class FixedShardsPartitioner(Partitioner):
+  """Cuts the first axis into `num_shards` pieces (fewer if it is shorter).
+
+  Example:
+    >>> import numpy as np, jdist
+    >>> jdist.FixedShardsPartitioner(num_shards=2)((10, 3), np.float32)
+    [2, 1]
+  """
+
+  def __init__(self, num_shards: int):
+    _positive("num_shards", num_shards)
+    self._num_shards = num_shards
+
+  def __call__(self, shape, dtype, axis: int = 0) -> list:
+    del dtype
+    result = [1] * len(shape)
+    result[axis] = min(self._num_shards, int(shape[axis]))
+    return result
+
+
+class MinSizePartitioner(Partitioner):
+  """As many pieces as possible with at least `min_shard_bytes` each.
+
+  At most `max_shards` pieces (and at most one per row).
+
+  Args:
+    min_shard_bytes: the smallest piece, in bytes (256 KiB by default).
+    max_shards: the most pieces (1 by default: no split).
+    bytes_per_string: the size assumed for one string element.
+
+  Example:
+    >>> import numpy as np, jdist
+    >>> jdist.MinSizePartitioner(min_shard_bytes=4, max_shards=2)((6, 1), np.float32)
+    [2, 1]
+    >>> jdist.MinSizePartitioner(min_shard_bytes=4, max_shards=10)((6, 1), np.float32)
+    [6, 1]
+  """
+
+  def __init__(self, min_shard_bytes: int = 256 << 10, max_shards: int = 1,
+               bytes_per_string: int = 16):
+    _positive("min_shard_bytes", min_shard_bytes)
+    _positive("max_shards", max_shards)
+    _positive("bytes_per_string", bytes_per_string)
+    self._min_shard_bytes = min_shard_bytes
+    self._max_shards = max_shards
+    self._bytes_per_string = bytes_per_string
+
+  def __call__(self, shape, dtype, axis: int = 0) -> list:
+    if axis >= len(shape):
+      raise ValueError(f"Cannot partition a variable of shape {tuple(shape)} "
+                       f"along axis {axis}.")
+    total = math.prod(shape) * _element_bytes(dtype, self._bytes_per_string)
+    result = [1] * len(shape)
+    result[axis] = max(1, min(int(shape[axis]), self._max_shards,
+                              math.ceil(total / self._min_shard_bytes)))
+    return result
+
+
+class MaxSizePartitioner(Partitioner):
+  """As few pieces as possible with at most `max_shard_bytes` each.
+
+  With `max_shards`, pieces may end up larger than `max_shard_bytes`; a row
+  larger than `max_shard_bytes` gets a piece of its own.
+
+  Args:
+    max_shard_bytes: the largest piece, in bytes.
+    max_shards: the most pieces (None: no limit).
+    bytes_per_string: the size assumed for one string element.
+
+  Example:
+    >>> import numpy as np, jdist
+    >>> jdist.MaxSizePartitioner(max_shard_bytes=4)((6, 1), np.float32)
+    [6, 1]
+    >>> jdist.MaxSizePartitioner(max_shard_bytes=4, max_shards=2)((6, 1), np.float32)
+    [2, 1]
+    >>> jdist.MaxSizePartitioner(max_shard_bytes=1024)((6, 1), np.float32)
+    [1, 1]
+  """
+
+  def __init__(self, max_shard_bytes: int, max_shards: int | None = None,
+               bytes_per_string: int = 16):
+    _positive("max_shard_bytes", max_shard_bytes)
+    if max_shards is not None:
+      _positive("max_shards", max_shards)
+    _positive("bytes_per_string", bytes_per_string)
+    self._max_shard_bytes = max_shard_bytes
+    self._max_shards = max_shards
+    self._bytes_per_string = bytes_per_string
+
+  def __call__(self, shape, dtype, axis: int = 0) -> list:
+    rows = int(shape[axis])
+    row_bytes = (math.prod(shape) / max(rows, 1) *
+                 _element_bytes(dtype, self._bytes_per_string))
+    rows_per_shard = max(1, math.floor(self._max_shard_bytes / row_bytes))
+    shards = math.ceil(rows / rows_per_shard)
+    if self._max_shards:
+      shards = min(self._max_shards, shards)
+    result = [1] * len(shape)
+    result[axis] = shards
+    return result
+
+
+def row_splits(shape: Sequence[int], dtype, partitioner) -> tuple | None:
+  """The `(start, stop)` rows of each piece of a variable; None: not split.
+
+  Raises:
+    ValueError: the partitioner's answer is not one count per axis with only
+      the first axis above 1.
+  """
+  if partitioner is None or len(shape) == 0:
+    return None
+  parts = list(partitioner(tuple(int(d) for d in shape), np.dtype(dtype)))
+  if (len(parts) != len(shape) or parts[0] < 1 or
+      any(p != 1 for p in parts[1:])):
+    raise ValueError(
+        f"The variable_partitioner returned {parts} for shape {tuple(shape)}; it "
+        "must return one count per axis, 1 everywhere but the first axis (only "
+        "the first axis is split).")
+  n = min(int(parts[0]), int(shape[0]))
+  if n <= 1:
+    return None
+  base, extra = divmod(int(shape[0]), n)
+  bounds, start = [], 0
+  for i in range(n):  # "div" partitions: the first `extra` get one more row
+    stop = start + base + (1 if i < extra else 0)
+    bounds.append((start, stop))
+    start = stop
+  return tuple(bounds)

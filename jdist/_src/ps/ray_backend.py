@@ -1,0 +1,327 @@
+"""The Ray backend: parameter servers and workers as Ray actors.
+
+An optional extra (`pip install jdist[ray]`): Ray starts, places, restarts
+and reaches the actors, so jdist has no network layer of its own. Each
+parameter server is an actor around a `ParameterServer` (never restarted: a
+server that dies has lost its variables, which `jdist.ParameterServerError`
+reports). Each worker is an actor whose process runs scheduled functions on
+its own devices; Ray restarts a worker whose process dies, and the
+coordinator then sends it its functions again and it rebuilds its per-worker
+datasets. Functions and arguments travel pickled (cloudpickle); a function
+is sent to each worker once.
+
+Ray is imported when the backend starts, so jdist imports without it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+import weakref
+from typing import Any
+
+import jax
+
+from jdist._src.errors import ParameterServerError, WorkerFailedError
+from jdist._src.ps import worker as worker_lib
+from jdist._src.ps.remote import to_numpy
+from jdist._src.ps.server import ParameterServer
+from jdist._src.strategies.mirrored import MirroredStrategy
+
+
+def _ray():
+  try:
+    import ray
+  except ImportError as e:
+    raise ImportError(
+        "ParameterServerStrategy(backend='ray') needs Ray: pip install "
+        "'jdist[ray]' (or pip install ray).") from e
+  return ray
+
+
+def _pickle():
+  return _ray().cloudpickle
+
+
+class TrainingWorker:
+  """The body of a worker actor: a worker context over its process's devices."""
+
+  def __init__(self, index: int, num_workers: int, strategy_bytes: bytes):
+    strategy = _pickle().loads(strategy_bytes)
+    # The process's own devices (XLA_FLAGS of its runtime_env on CPU).
+    # A read is a round trip: start each step from the values the servers
+    # answered the last update with (its next call is already waiting).
+    self._ctx = worker_lib.WorkerContext(index, num_workers, MirroredStrategy(),
+                                         strategy, reuse_answers=True)
+    self._functions: dict = {}
+
+  def ping(self) -> int:
+    return os.getpid()
+
+  def run(self, key: str, fn_bytes: bytes | None, definitions: list,
+          args_bytes: bytes) -> bytes:
+    pickle = _pickle()
+    if fn_bytes is not None:
+      self._functions[key] = pickle.loads(fn_bytes)
+    for name, data in definitions:
+      self._ctx.definitions[name] = pickle.loads(data)
+    fn = self._functions[key]
+    args, kwargs = pickle.loads(args_bytes)
+    value = worker_lib.run(self._ctx, fn, args, kwargs)
+    return pickle.dumps(to_numpy(value))
+
+  def restart(self) -> None:
+    self._ctx.restart()
+
+
+class RayStore:
+  """The servers' API over parameter-server actors (picklable: workers use it).
+
+  Every call waits at most `timeout` seconds; a server that died or does not
+  answer in time raises `jdist.ParameterServerError`.
+  """
+
+  def __init__(self, actors: list, addresses: tuple, timeout: float):
+    self._actors = actors
+    self._addresses = addresses
+    self._timeout = timeout
+    self._closed = False
+
+  def _call(self, calls: dict) -> dict:
+    """`{server: (method, args)}` -> `{server: result}`, calls in parallel."""
+    ray = _ray()
+    if self._closed:
+      raise ParameterServerError(
+          "The parameter servers are shut down (the coordinator's shutdown() "
+          "stopped the cluster); their variables are gone.")
+    refs = {s: getattr(self._actors[s], m).remote(*a)
+            for s, (m, a) in calls.items()}
+    out = {}
+    deadline = time.monotonic() + self._timeout
+    for s, ref in refs.items():
+      try:
+        out[s] = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+      except ray.exceptions.GetTimeoutError:
+        raise ParameterServerError(
+            f"Parameter server {s} ({self._addresses[s]}) did not answer within "
+            f"timeout_seconds={self._timeout:g}. Its variables cannot be read "
+            "or updated: restart the cluster and restore the variables from a "
+            "checkpoint.") from None
+      except ray.exceptions.RayActorError as e:
+        raise ParameterServerError(
+            f"Parameter server {s} ({self._addresses[s]}) is unavailable: its "
+            f"actor died ({type(e).__name__}). Its variables are lost: restart "
+            "the cluster and restore them from a checkpoint.") from None
+      except ray.exceptions.RayTaskError as e:
+        cause = getattr(e, "cause", None)
+        raise ParameterServerError(
+            f"Parameter server {s} ({self._addresses[s]}) failed: "
+            f"{type(cause).__name__}: {cause}") from None
+    return out
+
+  def create(self, set_id, per_server: dict, kinds: dict) -> None:
+    self._call({s: ("create", (set_id, shards, kinds[s]))
+                for s, shards in per_server.items()})
+
+  def read(self, set_id, servers) -> dict:
+    return self._call({s: ("read", (set_id,)) for s in servers})
+
+  def push(self, set_id, pushes: dict, max_staleness) -> dict:
+    return self._call({s: ("push", (set_id, base, changes, max_staleness))
+                       for s, (base, changes) in pushes.items()})
+
+  def assign(self, set_id, per_server: dict) -> None:
+    self._call({s: ("assign", (set_id, shards))
+                for s, shards in per_server.items()})
+
+  def delete(self, set_id) -> None:
+    if self._closed:
+      return
+    for actor in self._actors:
+      try:
+        actor.delete.remote(set_id)  # nobody waits for a variable set's end
+      except Exception:  # the server is dead: nothing to free there
+        pass
+
+  def stats(self) -> list:
+    got = self._call({s: ("stats", ()) for s in range(len(self._actors))})
+    return [got[s] for s in range(len(self._actors))]
+
+
+# How long a worker whose process died may take to come back (Ray restarts it)
+# before its functions are left to the other workers for good.
+RESTART_TIMEOUT = 600.0
+
+
+class RayWorker:
+  """The coordinator's side of one worker actor."""
+
+  def __init__(self, index: int, actor, timeout: float):
+    self.index = index
+    self.actor = actor
+    self._timeout = timeout
+    self._sent: set = set()  # functions this incarnation of the actor has
+
+  depth = 2  # the next call waits in the actor while it runs one
+
+  def submit(self, closure):
+    """Sends the closure to the actor: its function and per-worker datasets
+    only the first time."""
+    key, fn_bytes, definitions, args_bytes = closure.payload
+    send = None if key in self._sent else fn_bytes
+    new = [(k, b) for k, b in definitions if k not in self._sent]
+    # The actor runs calls in order: later ones find what this one brings.
+    self._sent.add(key)
+    self._sent.update(k for k, _ in new)
+    return self.actor.run.remote(key, send, new, args_bytes)
+
+  def result(self, ref) -> Any:
+    ray = _ray()
+    try:
+      out = ray.get(ref)
+    except ray.exceptions.RayActorError as e:
+      self._sent.clear()
+      raise WorkerFailedError(
+          f"Worker {self.index}'s actor died ({type(e).__name__}).") from None
+    except ray.exceptions.RayTaskError as e:
+      raise _unwrap(e) from None
+    return _pickle().loads(out)
+
+  def recover(self) -> bool:
+    """Waits for Ray to bring the actor back; False if it will not.
+
+    A restart starts a new process that imports JAX and rebuilds the worker:
+    seconds, or close to a minute on a loaded machine. The wait is bounded by
+    `RESTART_TIMEOUT` (at least the strategy's `timeout_seconds`), not by
+    `timeout_seconds` alone, so a slow restart does not lose the worker for
+    good; the other workers run its functions meanwhile.
+    """
+    ray = _ray()
+    self._sent.clear()
+    deadline = time.monotonic() + max(self._timeout, RESTART_TIMEOUT)
+    while time.monotonic() < deadline:
+      try:
+        ray.get(self.actor.restart.remote(),
+                timeout=max(0.0, min(self._timeout,
+                                     deadline - time.monotonic())))
+        return True
+      except ray.exceptions.ActorDiedError:
+        return False  # out of restarts, or its constructor failed
+      except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        time.sleep(0.1)  # restarting
+    return False
+
+  def pid(self) -> int:
+    return _ray().get(self.actor.ping.remote(), timeout=self._timeout)
+
+
+def _unwrap(error) -> BaseException:
+  """The exception a function raised in a worker actor, with its traceback."""
+  cause = getattr(error, "cause", None)
+  if cause is None:
+    return error
+  if isinstance(cause, (WorkerFailedError, ParameterServerError)):
+    return cause
+  note = str(error)
+  try:
+    cause.add_note(f"Raised on a Ray worker:\n{note}")
+  except AttributeError:
+    pass
+  return cause
+
+
+class RayCluster:
+  """Parameter-server and worker actors of a `ParameterServerStrategy`.
+
+  Args:
+    spec: the `ClusterSpec`.
+    strategy: the strategy (pickled to the workers without its cluster).
+    options: `{"worker": {...}, "ps": {...}}` actor options, and
+      "devices_per_worker" (fake CPU devices per worker process, default 1).
+    timeout: the strategy's `timeout_seconds`.
+  """
+
+  def __init__(self, spec, strategy, options: dict, timeout: float):
+    ray = _ray()
+    if not ray.is_initialized():
+      ray.init()
+    options = dict(options)
+    per_worker = int(options.pop("devices_per_worker", 1))
+    worker_opts = dict(options.pop("worker", {}))
+    ps_opts = dict(options.pop("ps", {}))
+    if options:
+      raise ValueError(f"Unknown ray_options {sorted(options)}; use 'worker', "
+                       "'ps' and 'devices_per_worker'.")
+    env = dict(worker_opts.pop("runtime_env", {}) or {})
+    env_vars = dict(env.get("env_vars", {}))
+    # A worker process sees its own devices, not the driver's fake ones.
+    env_vars.setdefault(
+        "XLA_FLAGS", f"--xla_force_host_platform_device_count={per_worker}")
+    env["env_vars"] = env_vars
+    self._tag = uuid.uuid4().hex[:8]
+    server_cls = ray.remote(ParameterServer)
+    self._servers = [server_cls.options(
+        max_restarts=0, max_concurrency=spec.num_workers + 2,
+        num_cpus=ps_opts.pop("num_cpus", 0), **ps_opts).remote(i)
+        for i in range(spec.num_ps)]
+    worker_cls = ray.remote(TrainingWorker)
+    strategy_bytes = _pickle().dumps(strategy)
+    actors = [worker_cls.options(
+        max_restarts=worker_opts.pop("max_restarts", -1), max_task_retries=0,
+        num_cpus=worker_opts.pop("num_cpus", 1), runtime_env=env,
+        **worker_opts).remote(i, spec.num_workers, strategy_bytes)
+        for i in range(spec.num_workers)]
+    self.store = RayStore(self._servers, spec.ps, timeout)
+    self.workers = [RayWorker(i, a, timeout) for i, a in enumerate(actors)]
+    self.replicas_per_worker = per_worker
+    self._payloads = weakref.WeakKeyDictionary()
+    # Fail now, with Ray's message, if an actor cannot start.
+    ray.get([s.ping.remote() for s in self._servers] +
+            [a.ping.remote() for a in actors], timeout=max(timeout, 120))
+
+  def _pickled(self, obj, key=None) -> tuple:
+    """`(key, bytes)` of `obj`, pickled once per object."""
+    try:
+      cached = self._payloads.get(obj)
+    except TypeError:  # not weak-referenceable: pickled every time
+      cached = None
+    if cached is None:
+      cached = (key or uuid.uuid4().hex, _pickle().dumps(obj))
+      try:
+        self._payloads[obj] = cached
+      except TypeError:
+        pass
+    return cached
+
+  def prepare(self, closure) -> None:
+    """Pickles the closure: its function and per-worker datasets once each
+    (arguments carry their keys), the other arguments every time."""
+    is_resource = lambda x: isinstance(x, worker_lib.PerWorkerResource)
+    definitions = {}
+
+    def ref(x):
+      definitions[x.key] = self._pickled(x, x.key)[1]
+      return worker_lib.ResourceRef(x.key)
+
+    try:
+      fn_key, fn_bytes = self._pickled(closure.fn)
+      args = jax.tree.map(lambda x: ref(x) if is_resource(x) else x,
+                          (closure.args, closure.kwargs), is_leaf=is_resource)
+      args_bytes = _pickle().dumps(args)
+    except Exception as e:
+      raise TypeError(
+          f"With backend='ray' a scheduled function and its arguments travel "
+          f"to a worker process, so they must be picklable (cloudpickle): "
+          f"{type(e).__name__}: {e}") from e
+    closure.payload = (fn_key, fn_bytes, sorted(definitions.items()),
+                       args_bytes)
+
+  def close(self) -> None:
+    ray = _ray()
+    self.store._closed = True
+    for actor in [w.actor for w in self.workers] + self._servers:
+      try:
+        ray.kill(actor, no_restart=True)
+      except Exception:  # already gone
+        pass

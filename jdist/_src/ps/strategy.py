@@ -1,0 +1,339 @@
+"""`ParameterServerStrategy`: asynchronous training with parameter servers.
+
+The strategy describes the cluster (workers, parameter servers), how
+variables are split over the servers, and how stale an update may be. Its
+`ClusterCoordinator` runs the cluster: `local.py` (threads of this process)
+or `ray_backend.py` (Ray actors), chosen with `backend=`.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from jdist._src.core import context
+from jdist._src.core import cross_replica
+from jdist._src.core.reduce_op import ReduceOp
+from jdist._src.core.values import PerReplica, SyncOnRead, is_distributed
+from jdist._src.ps import cluster as cluster_lib
+from jdist._src.ps import worker as worker_lib
+from jdist._src.ps.coordinator import ClusterCoordinator
+from jdist._src.ps.datasets import WorkerBatches
+from jdist._src.ps.function import ParameterServerFunction
+from jdist._src.ps import ray_backend
+from jdist._src.ps.local import ThreadCluster
+from jdist._src.ps.variables import Layout, ServerVariables
+
+BACKENDS = ("threads", "ray")
+
+
+class ParameterServerStrategy:
+  """Asynchronous data parallelism: workers update variables on servers.
+
+  Variables (`strategy.replicate(state)`) live on the parameter servers,
+  split with `variable_partitioner` and spread round-robin. Steps are the
+  per-replica steps written for the synchronous strategies,
+  `step(state, batch) -> (state, outputs)`; a `jdist.ClusterCoordinator`
+  schedules them on the workers, each of which reads the variables, runs the
+  step on its own batch and devices, and sends the servers the change, with
+  no lock-step between workers.
+
+  Updates are asynchronous: for numbers, a server adds the worker's change
+  (new value minus the value it read), so plain SGD is TensorFlow's
+  asynchronous SGD exactly, and with one worker (or `max_staleness=0`)
+  training is the same as on one device, step by step. Optimizer state
+  (Adam's moments, step counts) gets the same treatment: moments mix
+  changes computed from slightly different reads, counts count every
+  applied step. Booleans and PRNG keys are replaced (the last update wins).
+
+  Staleness is bounded: a server refuses an update computed from variables
+  that it has updated more than `max_staleness` times since they were read;
+  the worker then reads again and recomputes the step on the same batch, so
+  no applied update is staler than that (with several servers, each server
+  checks its own variables).
+
+  Args:
+    cluster_resolver: the cluster: a `jdist.cluster_resolver.
+      TFConfigClusterResolver` (TF_CONFIG with "chief", "worker" and "ps"
+      tasks), a `LocalClusterResolver(num_workers, num_ps)`, a mapping of
+      roles to task lists, or None (TF_CONFIG if set, else one worker per
+      local device and one server).
+    variable_partitioner: a `jdist.FixedShardsPartitioner`,
+      `MinSizePartitioner` or `MaxSizePartitioner` (or any callable with
+      their signature) to split variables along their first axis; None keeps
+      every variable whole.
+    max_staleness: the most updates a server may have applied between a
+      worker's read and its update; default twice the number of workers.
+      0 makes training sequential (one update at a time, each on the latest
+      values); `math.inf` never refuses (TensorFlow's behaviour).
+    timeout_seconds: how long a call to a parameter server may take before
+      the server counts as failed (`jdist.ParameterServerError`).
+    backend: "threads" (workers are threads of this process on its local
+      devices, servers objects in it) or "ray" (Ray actors; needs
+      `pip install jdist[ray]` and a Ray cluster, `ray.init()`).
+    ray_options: with backend="ray": `{"worker": {...}, "ps": {...}}` extra
+      options for the actors (`num_cpus`, `num_gpus`, `resources`,
+      `runtime_env`, ...), and "devices_per_worker" (fake CPU devices of a
+      worker process, default 1).
+
+  Example:
+    >>> import jdist, jax, jax.numpy as jnp, numpy as np
+    >>> strategy = jdist.ParameterServerStrategy(
+    ...     jdist.cluster_resolver.LocalClusterResolver(num_workers=2, num_ps=1))
+    >>> def step(w, batch):
+    ...   loss, g = jax.value_and_grad(lambda w: jdist.compute_average_loss(
+    ...       (batch @ w - 1.0) ** 2))(w)
+    ...   return w - 0.1 * g, loss
+    >>> w = strategy.replicate(jnp.zeros(2))
+    >>> batches = [np.ones((4, 2), np.float32)] * 20
+    >>> for batch in strategy.experimental_distribute_dataset(batches):
+    ...   w, loss = strategy.run(step, args=(w, batch))   # scheduled
+    >>> np.round(w.read(), 2).tolist()                    # waits, then reads
+    [0.5, 0.5]
+    >>> jdist.ClusterCoordinator(strategy).shutdown()
+  """
+
+  def __init__(self, cluster_resolver=None, variable_partitioner=None, *,
+               max_staleness: int | None = None, timeout_seconds: float = 60.0,
+               backend: str = "threads", ray_options: dict | None = None):
+    self._spec = cluster_lib.resolve(cluster_resolver)
+    if variable_partitioner is not None and not callable(variable_partitioner):
+      raise TypeError(
+          f"variable_partitioner must be a partitioner (jdist."
+          f"FixedShardsPartitioner, MinSizePartitioner, MaxSizePartitioner) or "
+          f"None, got {type(variable_partitioner).__name__}.")
+    if max_staleness is None:
+      max_staleness = 2 * self._spec.num_workers
+    if not (max_staleness == math.inf or (
+        isinstance(max_staleness, int) and not isinstance(max_staleness, bool)
+        and max_staleness >= 0)):
+      raise ValueError(f"max_staleness must be a non-negative integer or "
+                       f"math.inf, got {max_staleness!r}.")
+    if backend not in BACKENDS:
+      raise ValueError(f"Unknown backend {backend!r}; choose 'threads' (this "
+                       "process) or 'ray' (Ray actors).")
+    if (isinstance(timeout_seconds, bool) or
+        not isinstance(timeout_seconds, (int, float)) or timeout_seconds <= 0):
+      raise ValueError(f"timeout_seconds must be a positive number, got "
+                       f"{timeout_seconds!r}.")
+    self._cluster_resolver = cluster_resolver
+    self._partitioner = variable_partitioner
+    self._max_staleness = max_staleness
+    self._timeout = float(timeout_seconds)
+    self._backend = backend
+    self._ray_options = dict(ray_options or {})
+    self._layout = Layout(self._spec.num_ps, variable_partitioner)
+    self._coordinator = None
+    self._cluster = None
+    self._run_cache = weakref.WeakKeyDictionary()
+    self._lock = threading.Lock()
+    self._mesh = None
+
+  def __getstate__(self):
+    # What a Ray worker needs of the strategy: its settings, not the cluster.
+    state = dict(self.__dict__)
+    for key in ("_coordinator", "_cluster", "_run_cache", "_lock",
+                "_cluster_resolver", "_layout", "_mesh"):
+      state[key] = None
+    return state
+
+  def __setstate__(self, state):
+    self.__dict__.update(state)
+    self._run_cache = weakref.WeakKeyDictionary()
+    self._lock = threading.Lock()
+
+  def __repr__(self) -> str:
+    return (f"ParameterServerStrategy(workers={self._spec.num_workers}, "
+            f"ps={self._spec.num_ps}, backend={self._backend!r})")
+
+  # --- the cluster --------------------------------------------------------------
+
+  def _start_cluster(self):
+    """Starts the servers and workers (once; the coordinator calls it)."""
+    with self._lock:
+      if self._cluster is None:
+        if self._backend == "ray":
+          self._cluster = ray_backend.RayCluster(self._spec, self,
+                                                 self._ray_options,
+                                                 self._timeout)
+        else:
+          self._cluster = ThreadCluster(self._spec, self)
+      return self._cluster
+
+  @property
+  def coordinator(self) -> ClusterCoordinator:
+    """The strategy's `ClusterCoordinator` (made on first use)."""
+    return self._coordinator or ClusterCoordinator(self)
+
+  @property
+  def cluster_resolver(self):
+    """The resolver given at construction."""
+    return self._cluster_resolver
+
+  @property
+  def cluster_spec(self) -> cluster_lib.ClusterSpec:
+    """The cluster's workers and parameter servers."""
+    return self._spec
+
+  @property
+  def num_workers(self) -> int:
+    return self._spec.num_workers
+
+  @property
+  def num_ps(self) -> int:
+    return self._spec.num_ps
+
+  @property
+  def max_staleness(self):
+    """See the class docstring."""
+    return self._max_staleness
+
+  @property
+  def variable_partitioner(self):
+    return self._partitioner
+
+  @property
+  def num_replicas_in_sync(self) -> int:
+    """Replicas of one worker's step (its devices), as in TensorFlow."""
+    ctx = worker_lib.current()
+    if ctx is not None:
+      return ctx.strategy.num_replicas_in_sync
+    return int(self._ray_options.get("devices_per_worker", 1))
+
+  @property
+  def mesh(self):
+    """A one-device mesh on the coordinator: where values read from the
+    servers are placed (a checkpoint restored before it is assigned)."""
+    if self._mesh is None:
+      self._mesh = Mesh(np.array(jax.local_devices()[:1], dtype=object),
+                        ("replica",), axis_types=(AxisType.Auto,))
+    return self._mesh
+
+  @property
+  def extended(self):
+    return self
+
+  def scope(self):
+    """Makes this the current strategy (`jdist.get_strategy()`)."""
+    return context.strategy_scope(self)
+
+  # --- variables and steps ---------------------------------------------------------
+
+  def replicate(self, tree: Any) -> ServerVariables:
+    """Places `tree`'s leaves on the parameter servers; returns their handle.
+
+    Leaves are split by the `variable_partitioner` (first axis only; rank-0
+    leaves never) and their pieces spread round-robin over the servers.
+    """
+    coordinator = self.coordinator
+    return ServerVariables(self._cluster.store, self._layout, tree,
+                           coordinator=coordinator)
+
+  def function(self, fn: Callable | None = None, *, donate_argnums=(),
+               static_argnums=(), static_argnames=(), check_state: bool = True):
+    """A step run on the workers; see `ParameterServerFunction`.
+
+    Called inside a scheduled function it runs on that worker; called on the
+    coordinator it is scheduled (`coordinator.schedule`) and returns at once,
+    with the variables' handle where the step returns the new state.
+    """
+    options = dict(donate_argnums=donate_argnums, static_argnums=static_argnums,
+                   static_argnames=static_argnames, check_state=check_state)
+    if fn is None:
+      return lambda f: self.function(f, **options)
+    return ParameterServerFunction(self, fn, **options)
+
+  def run(self, fn: Callable, args=(), kwargs=None) -> Any:
+    """`strategy.function(fn)(*args, **kwargs)`, compiled once per `fn`."""
+    try:
+      step = self._run_cache.get(fn)
+    except TypeError:
+      step = None
+    if step is None:
+      step = self.function(fn)
+      try:
+        self._run_cache[fn] = step
+      except TypeError:
+        pass
+    return step(*args, **(kwargs or {}))
+
+  # --- input -------------------------------------------------------------------------
+
+  def experimental_distribute_dataset(self, dataset, options=None, *,
+                                      global_batch_size: int | None = None):
+    """Global batches iterated here, each shipped with the step that takes it.
+
+    The worker that runs the step splits the batch over its devices (padding
+    a short last batch, as the synchronous strategies do). To read data on
+    the workers instead, use `coordinator.create_per_worker_dataset`.
+    """
+    del options
+    return WorkerBatches(dataset, global_batch_size)
+
+  def distribute_datasets_from_function(self, dataset_fn, options=None):
+    del dataset_fn, options
+    raise TypeError(
+        "Under ParameterServerStrategy each worker builds its own input: use "
+        "jdist.ClusterCoordinator(strategy).create_per_worker_dataset("
+        "dataset_fn) and pass iter() of it to coordinator.schedule.")
+
+  # --- reading results -----------------------------------------------------------------
+
+  def reduce(self, reduce_op, value: Any, axis: int | None = None) -> Any:
+    """Combines per-replica values: on a worker over its replicas; on the
+    coordinator, of fetched results (`RemoteValue`s are fetched first)."""
+    ctx = worker_lib.current()
+    if ctx is not None:
+      return ctx.strategy.reduce(reduce_op, value, axis)
+    op = ReduceOp.of(reduce_op)
+    value = self.coordinator.fetch(value)
+
+    def one(node):
+      if isinstance(node, PerReplica):
+        v = node.validity
+        mask, count = (None, None) if v is None else (v.mask, v.num_valid)
+        return jax.tree.map(lambda x: np.asarray(cross_replica.reduce_stacked(
+            op, x, mask, count, axis)), node.values)
+      if isinstance(node, SyncOnRead):
+        return jax.tree.map(np.asarray, node.read())
+      return jax.tree.map(lambda x: np.asarray(cross_replica.reduce_mirrored(
+          op, x, axis)), node)
+    return jax.tree.map(one, value, is_leaf=is_distributed)
+
+  def gather(self, value: Any, axis: int = 0) -> Any:
+    """Concatenates per-replica values (padding rows dropped), like `reduce`."""
+    ctx = worker_lib.current()
+    if ctx is not None:
+      return ctx.strategy.gather(value, axis)
+    value = self.coordinator.fetch(value)
+
+    def one(node):
+      if not isinstance(node, PerReplica):
+        return node
+      keep = None
+      if node.validity is not None and axis == 0:
+        keep = np.flatnonzero(np.asarray(node.validity.mask).reshape(-1))
+      def leaf(x):
+        out = np.asarray(cross_replica.gather_stacked(x, axis))
+        return out if keep is None else out[keep]
+      return jax.tree.map(leaf, node.values)
+    return jax.tree.map(one, value, is_leaf=is_distributed)
+
+  def experimental_local_results(self, value: Any) -> tuple:
+    """The values of each replica of a fetched per-replica result."""
+    value = self.coordinator.fetch(value)
+    leaves = [x for x in jax.tree.leaves(value, is_leaf=is_distributed)
+              if isinstance(x, PerReplica)]
+    if not leaves:
+      return (value,)
+    n = leaves[0].num_replicas
+    return tuple(jax.tree.map(
+        lambda node: jax.tree.map(lambda x: x[i], node.values)
+        if isinstance(node, PerReplica) else node, value, is_leaf=is_distributed)
+        for i in range(n))

@@ -1,0 +1,382 @@
+"""`ServerVariables`: a pytree of variables held by the parameter servers.
+
+`ParameterServerStrategy.replicate(tree)` cuts every leaf into pieces (with
+the strategy's `variable_partitioner`; whole leaves otherwise), gives the
+pieces to the servers round-robin, as TensorFlow places variables, and returns
+a `ServerVariables` handle. Steps take the handle where they took the state;
+on a worker, the step reads the pieces, joins them, runs, and sends each
+server the change of its pieces.
+
+Leaves of numbers are updated by adding the worker's change (new minus what
+it read); boolean and PRNG-key leaves by replacing them (the last update
+wins). `SyncOnRead` values are stored aggregated and reach the step unplaced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import threading
+import uuid
+import weakref
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jdist._src.core.reduce_op import VariableAggregation
+from jdist._src.core.values import SyncOnRead
+from jdist._src.errors import ParameterServerError
+from jdist._src.ps import partitioners
+from jdist._src.ps import worker as worker_lib
+from jdist._src.ps.server import ADD, ASSIGN
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+  """One piece of a leaf: the server holding it, its name there, its rows."""
+
+  server: int
+  shard: str
+  rows: tuple | None  # (start, stop) along axis 0; None: the whole leaf
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafSpec:
+  """One leaf of the variables: its shape, dtype, how it updates, its pieces.
+
+  Attributes:
+    path: the leaf's path in the tree (for messages).
+    shape, dtype: as the step sees it (a PRNG key: its key shape and dtype).
+    kind: `ADD` (numbers) or `ASSIGN` (booleans, PRNG keys).
+    key_impl: the PRNG implementation name of a typed key leaf, else None.
+    pieces: the `Piece`s, in row order.
+  """
+
+  path: str
+  shape: tuple
+  dtype: Any
+  kind: str
+  key_impl: str | None
+  pieces: tuple
+
+  @property
+  def stored_dtype(self):
+    return np.dtype(np.uint32) if self.key_impl else np.dtype(self.dtype)
+
+  def join(self, parts):
+    """The leaf from its pieces' arrays (traced or not)."""
+    x = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+    if self.key_impl:
+      x = jax.random.wrap_key_data(x, impl=self.key_impl)
+    return x
+
+  def change(self, new, old):
+    """What the servers apply for this leaf: the difference, or the value."""
+    if self.key_impl:
+      new = jax.random.key_data(new)
+    if self.kind == ASSIGN:
+      return new
+    return (new - old).astype(new.dtype)
+
+  def split(self, x) -> tuple:
+    """`x` (the leaf's stored form) cut into its pieces' rows."""
+    if len(self.pieces) == 1:
+      return (x,)
+    return tuple(x[p.rows[0]:p.rows[1]] for p in self.pieces)
+
+
+_is_sync = lambda x: isinstance(x, SyncOnRead)
+
+
+def plain(tree: Any) -> Any:
+  """`tree` with every `SyncOnRead` replaced by its (aggregated) value."""
+  return jax.tree.map(lambda x: x.read() if _is_sync(x) else x, tree,
+                      is_leaf=_is_sync)
+
+
+def _unplaced(tree: Any) -> Any:
+  """`tree` with every `SyncOnRead` read and re-wrapped unplaced."""
+  return jax.tree.map(
+      lambda x: SyncOnRead(x.read(), x.aggregation) if _is_sync(x) else x,
+      tree, is_leaf=_is_sync)
+
+
+class Layout:
+  """Assigns pieces to servers round-robin, over every variable set made."""
+
+  def __init__(self, num_servers: int, partitioner=None):
+    self.num_servers = num_servers
+    self.partitioner = partitioner
+    self._count = itertools.count()
+    self._lock = threading.Lock()
+
+  def leaves(self, tree: Any) -> tuple:
+    """`(treedef, host leaves in stored form, LeafSpecs)` of a value tree."""
+    tree = _unplaced(tree)
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    hosts, specs = [], []
+    with self._lock:
+      for path, leaf in with_path:
+        specs.append(self._spec(jax.tree_util.keystr(path), leaf))
+        hosts.append(_stored(leaf))
+    return treedef, hosts, tuple(specs)
+
+  def _spec(self, path: str, leaf) -> LeafSpec:
+    dtype = getattr(leaf, "dtype", None)
+    key_impl = None
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+      key_impl = str(jax.random.key_impl(leaf))
+      host = np.asarray(jax.random.key_data(leaf))
+    else:
+      host = np.asarray(leaf)
+      dtype = host.dtype
+    if host.dtype.kind not in "biufc":
+      raise TypeError(
+          f"Leaf {path or '<value>'} is a {type(leaf).__name__} of dtype "
+          f"{host.dtype}; parameter servers hold arrays of numbers, booleans or "
+          "PRNG keys. Keep other values out of the state.")
+    kind = ASSIGN if key_impl or host.dtype.kind == "b" else ADD
+    # Keys split along their own axes, not their key data's last one.
+    rows = partitioners.row_splits(jnp.shape(leaf), host.dtype,
+                                   self.partitioner)
+    bounds = (None,) if rows is None else rows
+    pieces = tuple(Piece(next(self._count) % self.num_servers,
+                         uuid.uuid4().hex[:12], r) for r in bounds)
+    return LeafSpec(path, tuple(jnp.shape(leaf)), dtype, kind, key_impl, pieces)
+
+
+def _stored(leaf) -> np.ndarray:
+  dtype = getattr(leaf, "dtype", None)
+  if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    leaf = jax.random.key_data(leaf)
+  return np.asarray(leaf)
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+  """What a worker read of a variable set: each server's version and pieces."""
+
+  versions: dict   # server -> version
+  parts: tuple     # per leaf: tuple of piece arrays
+
+
+class ServerVariables:
+  """A pytree of variables held by the parameter servers.
+
+  `ParameterServerStrategy.replicate(tree)` returns one. Pass it to steps
+  where they take the state: a step run on a worker reads the variables,
+  computes, and sends the servers its change; the step's result holds the
+  handle where it returned the new state. On the coordinator, `read()` gives
+  the values and `assign()` replaces them.
+
+  Example:
+    >>> import jdist, jax.numpy as jnp
+    >>> strategy = jdist.ParameterServerStrategy(
+    ...     jdist.cluster_resolver.LocalClusterResolver(num_workers=1, num_ps=1))
+    >>> v = strategy.replicate({"w": jnp.ones(3)})
+    >>> v.read()["w"].tolist()
+    [1.0, 1.0, 1.0]
+    >>> jdist.ClusterCoordinator(strategy).shutdown()
+  """
+
+  def __init__(self, store, layout: Layout, tree: Any, *, coordinator=None):
+    treedef, hosts, specs = layout.leaves(tree)
+    self._set_id = uuid.uuid4().hex[:16]
+    self._treedef = treedef
+    self._specs = specs
+    self._store = store
+    self._coordinator = coordinator
+    # Running sums (a SyncOnRead SUM, such as a trainer's metric totals):
+    # a worker's change is its own contribution, right however stale.
+    # What a compiled step depends on: structure, shapes, kinds, row splits
+    # (not where the pieces live), so new sets of the same shape reuse it.
+    self._layout_key = (treedef, tuple(
+        (s.shape, str(s.dtype), s.kind, s.key_impl,
+         tuple(p.rows for p in s.pieces)) for s in specs))
+    self._sums = (isinstance(tree, SyncOnRead) and
+                  tree.aggregation is VariableAggregation.SUM)
+    store.create(self._set_id, self._per_server(hosts),
+                 {s: {p.shard: spec.kind for spec in specs for p in spec.pieces
+                      if p.server == s} for s in self.servers})
+    # The coordinator's handle owns the servers' copy; copies sent to
+    # workers (pickled) do not.
+    self._finalizer = weakref.finalize(self, _delete_quietly, store,
+                                       self._set_id)
+
+  def __getstate__(self):
+    state = dict(self.__dict__)
+    state["_coordinator"] = None
+    state["_finalizer"] = None
+    return state
+
+  def __repr__(self) -> str:
+    shapes = jax.tree.unflatten(self._treedef, [s.shape for s in self._specs])
+    return f"ServerVariables({shapes}, servers={list(self.servers)})"
+
+  # --- what it holds ---------------------------------------------------------
+
+  @property
+  def set_id(self) -> str:
+    return self._set_id
+
+  @property
+  def layout_key(self):
+    """Hashable: equal for variables that a compiled step treats alike."""
+    return self._layout_key
+
+  @property
+  def specs(self) -> tuple:
+    """The `LeafSpec` of every leaf, in flattening order."""
+    return self._specs
+
+  @property
+  def treedef(self):
+    """The structure of the value (`SyncOnRead` nodes unplaced)."""
+    return self._treedef
+
+  @property
+  def servers(self) -> tuple:
+    """The parameter servers that hold pieces of these variables."""
+    return tuple(sorted({p.server for s in self._specs for p in s.pieces}))
+
+  def structure(self) -> Any:
+    """The value's structure, with `jax.ShapeDtypeStruct` leaves."""
+    return jax.tree.unflatten(self._treedef, [
+        jax.ShapeDtypeStruct(s.shape, s.dtype) for s in self._specs])
+
+  def placement(self) -> Any:
+    """Where each leaf lives: a tree of `[(server, rows), ...]` lists."""
+    return jax.tree.unflatten(self._treedef, [
+        [(p.server, p.rows) for p in s.pieces] for s in self._specs])
+
+  def version(self) -> dict:
+    """How many updates each server has applied to these variables."""
+    return {s: v for s, (v, _) in self._store.read(self._set_id,
+                                                   self.servers).items()}
+
+  # --- reading and writing -----------------------------------------------------
+
+  def read(self, *, wait: bool = True) -> Any:
+    """The variables' values, as numpy arrays (PRNG keys as typed keys).
+
+    Args:
+      wait: on the coordinator, first wait for every function scheduled so
+        far (`coordinator.join()`), so that the value includes their updates.
+        Inside a scheduled function it never waits.
+
+    Raises:
+      jdist.ParameterServerError: a server holding them is unavailable.
+    """
+    if wait and self._coordinator is not None and worker_lib.current() is None:
+      self._coordinator.join()
+    snap = self.snapshot()
+    return jax.tree.unflatten(self._treedef, [
+        _host_value(spec, parts) for spec, parts in zip(self._specs,
+                                                         snap.parts)])
+
+  def assign(self, tree: Any) -> "ServerVariables":
+    """Replaces the values (same structure, shapes and dtypes); returns self.
+
+    On the coordinator it first waits for the functions scheduled so far.
+    """
+    if self._coordinator is not None and worker_lib.current() is None:
+      self._coordinator.join()
+    tree = _unplaced(tree)
+    leaves, treedef = jax.tree.flatten(tree)
+    if treedef != self._treedef:
+      raise ValueError(
+          f"assign() needs the structure the variables were made with:\n"
+          f"  variables: {self._treedef}\n  given:     {treedef}")
+    hosts = []
+    for spec, leaf in zip(self._specs, leaves):
+      host = _stored(leaf)
+      if host.shape != tuple(spec.shape) and not spec.key_impl:
+        raise ValueError(f"assign(): leaf {spec.path} has shape {host.shape}, "
+                         f"the variable {spec.shape}.")
+      hosts.append(host.astype(spec.stored_dtype, copy=False))
+    self._store.assign(self._set_id, self._per_server(hosts))
+    return self
+
+  def replace(self, **changes) -> "ServerVariables":
+    """Replaces fields of a dataclass value (`TrainState.replace`); returns self."""
+    value = self.read()
+    return self.assign(dataclasses.replace(value, **changes))
+
+  def snapshot(self) -> Snapshot:
+    """Reads the pieces with their versions."""
+    return self._snapshot(self._store.read(self._set_id, self.servers))
+
+  def _snapshot(self, got: dict) -> Snapshot:
+    """A `Snapshot` from `{server: (version, shards, ...)}` of every server."""
+    parts = tuple(tuple(got[p.server][1][p.shard] for p in spec.pieces)
+                  for spec in self._specs)
+    return Snapshot({s: v[0] for s, v in got.items()}, parts)
+
+  def push(self, snapshot: Snapshot, changes: tuple, max_staleness: int,
+           servers=None) -> tuple:
+    """Sends `changes` (per leaf, per piece) to the servers.
+
+    Args:
+      snapshot: what the changes were computed from (its versions).
+      changes: per leaf, the tuple of its pieces' changes (numpy).
+      max_staleness: see `ParameterServerStrategy`.
+      servers: only these servers (the ones that refused before).
+
+    Returns:
+      `(refused, next)`: the servers that refused the update as too stale,
+      and a `Snapshot` of the values the servers answered with (None when
+      only some servers were sent the update).
+    """
+    targets = set(servers or self.servers)
+    by_server = {s: {} for s in targets}
+    for spec, parts in zip(self._specs, changes):
+      for piece, part in zip(spec.pieces, parts):
+        if piece.server in targets:
+          by_server[piece.server][piece.shard] = part
+    answers = self._store.push(self._set_id, {
+        s: (snapshot.versions[s], c) for s, c in by_server.items()},
+        math.inf if self._sums else max_staleness)
+    refused = {s for s, (accepted, _, _) in answers.items() if not accepted}
+    if set(answers) != set(self.servers):
+      return refused, None
+    return refused, self._snapshot({s: (v, shards) for s, (_, v, shards)
+                                    in answers.items()})
+
+  def _per_server(self, hosts) -> dict:
+    out = {s: {} for s in self.servers}
+    for spec, host in zip(self._specs, hosts):
+      for piece, part in zip(spec.pieces, spec.split(host)):
+        out[piece.server][piece.shard] = part
+    return out
+
+
+def _host_value(spec: LeafSpec, parts) -> Any:
+  x = np.concatenate(parts, axis=0) if len(parts) > 1 else np.asarray(parts[0])
+  if spec.key_impl:
+    return jax.random.wrap_key_data(x, impl=spec.key_impl)
+  return x
+
+
+def _delete_quietly(store, set_id: str) -> None:
+  try:
+    store.delete(set_id)
+  except (ParameterServerError, RuntimeError, KeyError):
+    pass  # the cluster is shut down or lost: nothing left to free
+
+
+def resolve(value: Any) -> Any:
+  """`value.read()` for `ServerVariables`, `value` itself otherwise."""
+  return value.read() if isinstance(value, ServerVariables) else value
+
+
+def assign(holder: Any, value: Any) -> Any:
+  """`value` written into `holder` if it is `ServerVariables`, else `value`."""
+  return holder.assign(value) if isinstance(holder, ServerVariables) else value
+
+
+def shapes(value: Any) -> Any:
+  """`value.structure()` for `ServerVariables`, `value` itself otherwise."""
+  return value.structure() if isinstance(value, ServerVariables) else value

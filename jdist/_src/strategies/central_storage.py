@@ -1,0 +1,138 @@
+"""CentralStorageStrategy: variables held once, on one device; compute mirrored.
+
+TensorFlow's `CentralStorageStrategy` keeps every variable on one device (the
+CPU when there are several GPUs, or the only GPU) and copies it to the compute
+devices when a step reads it; gradients are aggregated before they are applied
+to the central copy. Here the same engine as `MirroredStrategy` runs the step
+(the gradient of the mirrored parameters is summed by autodiff, then applied
+once); only where the state lives between steps differs, and that is this
+module's `CentralPlacement`, a `StatePlacement` the strategy owns.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+from jax.sharding import SingleDeviceSharding
+
+from jdist._src.core import placement
+from jdist._src.core.values import is_distributed
+from jdist._src.strategies.base import Strategy
+from jdist._src.strategies.devices import resolve_device, resolve_devices
+
+
+class CentralPlacement(placement.StatePlacement):
+  """Mirrored values held once on `device`; moved to the mesh for each step.
+
+  A step's inputs held on `device` go to every compute device in one
+  transfer, and the step's mirrored outputs (the new state) come back to
+  `device` in one transfer, so between steps the parameters take the memory
+  of one copy. `PerReplica` and `SyncOnRead` values are per device by nature
+  and stay on the mesh.
+  """
+
+  moves = True
+
+  def __init__(self, device):
+    self.device = device
+    self.sharding = SingleDeviceSharding(device)
+
+  def put(self, x: Any, mesh) -> jax.Array:
+    del mesh
+    if isinstance(x, jax.Array) and x.sharding == self.sharding:
+      return x
+    return jax.device_put(x, self.sharding)
+
+  def _held(self, x) -> bool:
+    return _concrete(x) and x.sharding == self.sharding
+
+  def to_compute(self, args: tuple, kwargs: dict, mesh) -> tuple:
+    return _move(self._held, placement.replicated_sharding(mesh),
+                 (args, kwargs))
+
+  def to_storage(self, outputs: Any, mesh) -> Any:
+    mirrored = placement.replicated_sharding(mesh)
+    return _move(lambda x: _concrete(x) and x.sharding == mirrored,
+                 self.sharding, outputs)
+
+
+def _concrete(x) -> bool:
+  """An array with a placement (under an outer `jax.jit`, jit places values)."""
+  return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+
+
+def _move(select, sharding, tree):
+  """`tree` with the leaves `select` picks put on `sharding`, in one transfer."""
+  leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_distributed)
+  picked = [i for i, x in enumerate(leaves) if select(x)]
+  if picked:
+    moved = jax.device_put([leaves[i] for i in picked], sharding)
+    for i, x in zip(picked, moved):
+      leaves[i] = x
+  return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _all_local_devices() -> tuple:
+  """This process's devices of every platform (the CPU too next to GPUs)."""
+  devices = list(jax.local_devices())
+  try:
+    devices += [d for d in jax.local_devices(backend="cpu") if d not in devices]
+  except RuntimeError:  # no CPU backend in this build
+    pass
+  return tuple(devices)
+
+
+class CentralStorageStrategy(Strategy):
+  """Synchronous training with the variables held once, on one device.
+
+  Steps run on every compute device, one replica each, exactly as under
+  `MirroredStrategy` (same results as one device); gradients are summed over
+  replicas before the optimizer applies them, once. Between steps the state
+  that `replicate` placed and the steps return (mirrored values) is held on
+  the parameter device only: one copy of the parameters instead of one per
+  replica. Each step copies it to the compute devices and the new state back,
+  which costs two transfers of the state per step.
+
+  Args:
+    compute_devices: the devices that run the replicas (jax Devices, indices
+      or strings such as "gpu:1"); default: every local device.
+    parameter_device: the device that holds the variables; default: the
+      compute device when there is only one, else the host CPU.
+    axis_name: name of the replica mesh axis.
+
+  Example:
+    >>> import jdist, jax.numpy as jnp
+    >>> strategy = jdist.CentralStorageStrategy()
+    >>> w = strategy.replicate(jnp.ones(3))
+    >>> w.devices() == {strategy.parameter_device}
+    True
+  """
+
+  def __init__(self, compute_devices: Sequence[Any] | None = None,
+               parameter_device: Any = None, *, axis_name: str = "replica"):
+    devices = resolve_devices(compute_devices, jax.local_devices())
+    if parameter_device is None:
+      cpus = [d for d in _all_local_devices() if d.platform == "cpu"]
+      parameter_device = (devices[0] if len(devices) == 1 or not cpus else
+                          cpus[0])
+    else:
+      parameter_device = resolve_device(parameter_device, _all_local_devices())
+    self._parameter_device = parameter_device
+    # One compute device that also holds the variables: nothing to move.
+    moves = devices != (parameter_device,)
+    super().__init__(devices, axis_name=axis_name, state_placement=(
+        CentralPlacement(parameter_device) if moves else None))
+
+  def _key(self):
+    d = self._parameter_device
+    return super()._key() + ((d.platform, d.id),)
+
+  def __repr__(self) -> str:
+    d = self._parameter_device
+    return (f"{super().__repr__()[:-1]}, parameter_device={d.platform}:{d.id})")
+
+  @property
+  def parameter_device(self):
+    """The device that holds the variables between steps."""
+    return self._parameter_device

@@ -1,0 +1,290 @@
+"""Sharded optimizer state (ZeRO): less memory per device, the same training.
+
+`jdist.ShardedOptimizer` keeps each replica's block of the optimizer state;
+these tests train with it as users would (a custom loop with flax's
+TrainState, `jax.jit` around the step, `Trainer(shard_optimizer_state=True)`)
+and compare with mirrored state, measure the state's bytes on a device from
+the arrays' addressable shards, resume a 4-device checkpoint on 2 devices,
+and check the errors that come before the first step.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+
+import jdist
+import jdist.testing
+from conftest import strategy_on
+from jdist.examples.models import MLP
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = MLP(hidden=32)
+
+
+def device_bytes(tree) -> int:
+  """Bytes of `tree`'s arrays held by the first device (its shards)."""
+  device = jax.local_devices()[0]
+  return sum(s.data.nbytes for x in jax.tree.leaves(tree)
+             for s in x.addressable_shards if s.device == device)
+
+
+def _batches(digits_flat, steps=20, batch=64):
+  x, y = digits_flat
+  return [{"x": x[i * batch:(i + 1) * batch], "y": y[i * batch:(i + 1) * batch]}
+          for i in range(steps)]
+
+
+def _loss(params, batch):
+  logits = MODEL.apply({"params": params}, batch["x"])
+  return jdist.compute_average_loss(
+      optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]))
+
+
+def _train(strategy, tx, batches, *, own_grads):
+  """A user's custom loop: flax TrainState, jax.jit around the step."""
+  params = MODEL.init(jax.random.key(0), batches[0]["x"][:1])["params"]
+  with strategy.scope():
+    state = train_state.TrainState.create(
+        apply_fn=MODEL.apply, params=strategy.replicate(params), tx=tx)
+
+  grad = tx.value_and_grad if own_grads else jax.value_and_grad
+
+  @strategy.function
+  def step(state, batch):
+    loss, grads = grad(_loss)(state.params, batch)
+    return state.apply_gradients(grads=grads), loss
+
+  jitted = jax.jit(step)
+  losses = []
+  for batch in strategy.experimental_distribute_dataset(batches):
+    state, loss = jitted(state, batch)
+    losses.append(float(strategy.reduce("sum", loss).addressable_data(0)))
+  return state, losses, step
+
+
+@pytest.mark.parametrize("own_grads", [False, True], ids=["zero1", "zero2"])
+def test_adam_on_4_replicas_matches_mirrored_with_a_quarter_of_the_state(
+    digits_flat, own_grads):
+  strategy = strategy_on(4)
+  batches = _batches(digits_flat)
+  mirrored, m_losses, _ = _train(strategy, optax.adam(1e-2), batches,
+                                 own_grads=False)
+  sharded, s_losses, step = _train(
+      strategy, jdist.ShardedOptimizer(optax.adam(1e-2), strategy), batches,
+      own_grads=own_grads)
+  one, o_losses, _ = _train(strategy_on(1), optax.adam(1e-2), batches,
+                            own_grads=False)
+
+  problems = jdist.testing.compare_trees(
+      jax.device_get(mirrored.params), jax.device_get(sharded.params),
+      rtol=1e-5, atol=1e-6, names=("mirrored", "sharded"), prefix="params")
+  problems += jdist.testing.compare_trees(
+      jax.device_get(one.params), jax.device_get(sharded.params),
+      rtol=1e-4, atol=1e-5, names=("1-device", "sharded"), prefix="params")
+  assert not problems, "\n".join(problems)
+  np.testing.assert_allclose(s_losses, m_losses, rtol=1e-5)
+  assert s_losses[-1] < 0.6 * s_losses[0]  # it trained
+  # The moments are whole on each replica when mirrored, a quarter sharded.
+  ratio = device_bytes(sharded.opt_state) / device_bytes(mirrored.opt_state)
+  assert ratio <= 0.3, ratio
+  # The state stays split between steps, in the layout init gave it.
+  mu = sharded.opt_state.value[0].mu["Dense_0"]["kernel"]
+  assert mu.shape == (64, 32) and {s.data.shape for s in
+                                    mu.addressable_shards} == {(16, 32)}
+  batch = next(iter(strategy.experimental_distribute_dataset(batches[:1])))
+  hlo = step.lower(sharded, batch).compile().as_text()
+  assert "all-gather" in hlo
+  assert ("reduce-scatter" in hlo) == own_grads
+
+
+def test_trainer_shard_optimizer_state_fits_as_mirrored(digits_flat):
+  x, y = digits_flat
+  x, y = x[:512], y[:512]
+  runs = {}
+  for sharded in (False, True):
+    trainer = jdist.Trainer(
+        MODEL, optimizer=optax.inject_hyperparams(optax.adam)(
+            learning_rate=1e-2),
+        loss=jdist.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"], strategy=strategy_on(4),
+        shard_optimizer_state=sharded)
+    history = trainer.fit(x, y, batch_size=64, epochs=2, verbose=0)
+    runs[sharded] = (trainer, history.history)
+  (mirrored, m_hist), (sharded, s_hist) = runs[False], runs[True]
+  np.testing.assert_allclose(s_hist["loss"], m_hist["loss"], rtol=1e-5)
+  assert not jdist.testing.compare_trees(
+      jax.device_get(mirrored.state.params),
+      jax.device_get(sharded.state.params), rtol=1e-5, atol=1e-6)
+  assert isinstance(sharded.state.opt_state, jdist.Sharded)
+  assert (device_bytes(sharded.state.opt_state) <=
+          0.3 * device_bytes(mirrored.state.opt_state))
+  # Keras habits still read and set the learning rate in the sharded state.
+  sharded.optimizer.learning_rate.assign(5e-3)
+  assert float(sharded.optimizer.learning_rate) == pytest.approx(5e-3)
+
+
+CHILD = textwrap.dedent("""
+    import os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax, numpy as np, optax, jdist
+    from jdist.examples.models import MLP
+    directory, expected = sys.argv[1], np.load(sys.argv[2])
+    x = np.asarray(expected["x"])
+    trainer = jdist.Trainer(
+        MLP(hidden=32), optimizer=optax.adam(1e-2),
+        loss=jdist.losses.SparseCategoricalCrossentropy(from_logits=True),
+        strategy=jdist.MirroredStrategy(), shard_optimizer_state=True)
+    trainer.build(x)
+    step = trainer.load_checkpoint(directory)
+    mu = trainer.state.opt_state.value[0].mu["Dense_0"]["kernel"]
+    assert step == 8, step
+    assert {s.data.shape for s in mu.addressable_shards} == {(32, 32)}
+    np.testing.assert_array_equal(np.asarray(mu), expected["mu"])
+    trainer.fit(x, np.asarray(expected["y"]), batch_size=64, epochs=1,
+                verbose=0)
+    print("resumed", trainer.global_step)
+    """)
+
+
+def test_a_4_device_checkpoint_resumes_on_2_devices(digits_flat, tmp_path):
+  x, y = digits_flat
+  x, y = x[:512], y[:512]
+  trainer = jdist.Trainer(
+      MODEL, optimizer=optax.adam(1e-2),
+      loss=jdist.losses.SparseCategoricalCrossentropy(from_logits=True),
+      strategy=strategy_on(4), shard_optimizer_state=True)
+  trainer.fit(x, y, batch_size=64, epochs=1, verbose=0,
+              callbacks=[jdist.ModelCheckpoint(str(tmp_path / "ckpt"))])
+  mu = trainer.state.opt_state.value[0].mu["Dense_0"]["kernel"]
+  assert {s.data.shape for s in mu.addressable_shards} == {(16, 32)}
+  np.savez(tmp_path / "expected.npz", mu=np.asarray(mu), x=x, y=y)
+  done = subprocess.run(
+      [sys.executable, "-c", CHILD, str(tmp_path / "ckpt"),
+       str(tmp_path / "expected.npz")], capture_output=True, text=True,
+      timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "resumed 16" in done.stdout
+
+
+def _params():
+  return {"Dense_0": {"kernel": jnp.zeros((64, 32)), "bias": jnp.zeros(32)},
+          "head": {"kernel": jnp.zeros((32, 10)), "bias": jnp.zeros(10)}}
+
+
+def test_layout_keeps_leaves_no_axis_of_which_splits_whole():
+  strategy = strategy_on(4)
+  tx = jdist.ShardedOptimizer(optax.sgd(0.1, momentum=0.9), strategy)
+  assert tx.layout(_params()) == {"Dense_0": {"kernel": 0, "bias": 0},
+                                  "head": {"kernel": 0, "bias": None}}
+  state = tx.init(_params())
+  trace = state.value[0].trace
+  assert {s.data.shape for s in trace["head"]["bias"].addressable_shards} == {
+      (10,)}
+
+
+def test_an_indivisible_leaf_is_an_error_when_asked_not_to_mirror_it():
+  tx = jdist.ShardedOptimizer(optax.adam(1e-3), strategy_on(4),
+                              mirror_indivisible=False)
+  with pytest.raises(jdist.ShardingError, match=r"\['head'\]\['bias'\] \(10,\)"):
+    tx.init(_params())
+
+
+def test_a_model_with_nothing_to_split_is_an_error():
+  tx = jdist.ShardedOptimizer(optax.adam(1e-3), strategy_on(4))
+  with pytest.raises(jdist.ShardingError, match="None of the parameters can "
+                     "be split over 4 replicas"):
+    tx.init({"w": jnp.zeros((3, 5)), "b": jnp.zeros(())})
+
+
+@pytest.mark.parametrize("optimizer", [
+    optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)),
+    optax.lamb(1e-3),
+    optax.adafactor(1e-3),
+], ids=["clip_by_global_norm", "lamb", "adafactor"])
+def test_an_optimizer_that_is_not_elementwise_is_refused(optimizer):
+  tx = jdist.ShardedOptimizer(optimizer, strategy_on(4))
+  with pytest.raises(jdist.ShardingError, match="must be elementwise"):
+    tx.init({"w": jnp.zeros((256, 256))})
+
+
+def test_trainer_refuses_a_coupling_optimizer_before_the_first_step(
+    digits_flat):
+  x, y = digits_flat
+  trainer = jdist.Trainer(
+      MODEL, optimizer=optax.chain(optax.clip_by_global_norm(1.0),
+                                   optax.adam(1e-2)),
+      loss="sparse_categorical_crossentropy", strategy=strategy_on(4),
+      shard_optimizer_state=True)
+  with pytest.raises(jdist.ShardingError, match="clip_by_global_norm"):
+    trainer.fit(x[:64], y[:64], batch_size=64, verbose=0)
+  assert trainer.global_step == 0
+
+
+def test_state_of_another_replica_count_and_update_outside_a_step():
+  params = {"w": jnp.zeros((8, 4))}
+  four = jdist.ShardedOptimizer(optax.adam(1e-3), strategy_on(4))
+  two = strategy_on(2)
+  state = four.init(params)
+
+  @two.function
+  def step(params, state):
+    updates, state = four.update(params, state, params)
+    return optax.apply_updates(params, updates), state
+
+  with pytest.raises(jdist.StrategyMismatchError):
+    step(two.replicate(params), state)
+  with pytest.raises(jdist.ReplicaContextError, match="inside a step"):
+    four.update(params, state, params)
+
+
+def test_a_loss_averaged_over_the_replica_batch_is_caught_with_zero2():
+  strategy = strategy_on(4)
+  tx = jdist.ShardedOptimizer(optax.sgd(0.1), strategy)
+  params = strategy.replicate({"w": jnp.ones((8, 4))})
+  opt_state = tx.init(params)
+
+  @strategy.function
+  def step(params, opt_state, x):
+    # The mistake: a mean over this replica's batch, not the global one.
+    _, grads = tx.value_and_grad(lambda p: jnp.mean((x @ p["w"]) ** 2))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  x = strategy.experimental_distribute_dataset([np.ones((16, 8), np.float32)])
+  with pytest.raises(jdist.LossScalingError, match="this replica's batch"):
+    step(params, opt_state, next(iter(x)))
+
+
+def test_on_one_device_the_state_is_whole_and_training_the_same(digits_flat):
+  one = strategy_on(1)
+  batches = _batches(digits_flat, steps=5)
+  tx = jdist.ShardedOptimizer(optax.adam(1e-2), one)
+  sharded, s_losses, _ = _train(one, tx, batches, own_grads=True)
+  plain, p_losses, _ = _train(one, optax.adam(1e-2), batches, own_grads=False)
+  assert set(sharded.opt_state.axes) == {None}
+  assert not jdist.testing.compare_trees(
+      jax.device_get(plain.params), jax.device_get(sharded.params),
+      rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(s_losses, p_losses, rtol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(gradient_accumulation_steps=2), "gradient_accumulation_steps=2"),
+    (dict(dtype_policy="mixed_float16"), "'mixed_float16'"),
+])
+def test_combinations_not_supported_yet_fail_when_the_trainer_is_made(
+    kwargs, words):
+  with pytest.raises(ValueError, match=words):
+    jdist.Trainer(MLP(), optimizer=optax.adam(1e-3),
+                  loss=jdist.losses.SparseCategoricalCrossentropy(
+                      from_logits=True),
+                  shard_optimizer_state=True, **kwargs)
