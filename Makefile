@@ -14,6 +14,11 @@ PEERS_GROUPS := "torch==2.13.0 accelerate==1.15.0" "jax==0.10.2 jaxlib==0.10.2 k
 	"tensorflow-cpu==2.21.0"
 PEERS_STAMP := $(PEERS_VENV)/.installed-$(shell echo '$(PEERS_GROUPS)' | cksum | cut -d' ' -f1)
 BENCH_ARGS ?=
+# benchmarks/mixed_precision.py compiles for a TPU without one (deviceless
+# AOT): libtpu goes into a directory of its own, on PYTHONPATH for that script
+# only, so that jdist's venv never tries to start a TPU runtime.
+TPU_PLUGIN ?= .tpu-plugin
+LIBTPU := libtpu==0.0.42.1
 
 .PHONY: demo test bench dist clean
 
@@ -34,6 +39,12 @@ $(PEERS_STAMP):
 	rm -f $(PEERS_VENV)/.installed-*
 	touch $(PEERS_STAMP)
 
+$(TPU_PLUGIN)/.installed-$(LIBTPU):
+	rm -rf $(TPU_PLUGIN)
+	$(PY) -m pip install --quiet --target $(TPU_PLUGIN) $(LIBTPU) && \
+	  touch "$(TPU_PLUGIN)/.installed-$(LIBTPU)" || \
+	  echo "make bench: $(LIBTPU) did not install; the TPU memory rows will be left out"
+
 demo: $(STAMP)
 	$(PY) -m jdist.examples.demo
 
@@ -45,8 +56,8 @@ dist: $(STAMP)
 	rm -rf dist
 	$(PY) -m build --no-isolation --outdir dist .
 
-bench: $(STAMP) $(PEERS_STAMP)
-	$(PY) benchmarks/run.py --peers-python $(PEERS_PY) $(BENCH_ARGS)
+bench: $(STAMP) $(PEERS_STAMP) $(TPU_PLUGIN)/.installed-$(LIBTPU)
+	$(PY) benchmarks/run.py --peers-python $(PEERS_PY) --tpu-plugin $(TPU_PLUGIN) $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) $(PEERS_VENV) .pytest_cache dist build *.egg-info
+	rm -rf $(VENV) $(PEERS_VENV) $(TPU_PLUGIN) .pytest_cache dist build *.egg-info

@@ -31,9 +31,11 @@ import ps  # noqa: E402  (its RESULTS.md section)
 import step_model  # noqa: E402  (issue 12's sections)
 
 
-def _run(script: str, devices: int, *args: str, timeout: float = 3600) -> list:
+def _run(script: str, devices: int, *args: str, timeout: float = 3600,
+         env: dict | None = None) -> list:
   env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+             **(env or {}))
   # Progress goes to stderr, which is shown as it comes; the result is the
   # last line of stdout. On a timeout the child gets SIGTERM, then SIGKILL.
   proc = subprocess.Popen([sys.executable, str(HERE / script), "--json", *args],
@@ -69,6 +71,9 @@ def main(argv=None) -> int:
   parser.add_argument("--rounds", help="peers.py's --rounds")
   parser.add_argument("--no-ps", action="store_true",
                       help="leave out the parameter-server comparison (ps.py)")
+  parser.add_argument("--tpu-plugin", default=str(HERE.parent / ".tpu-plugin"),
+                      help="a directory holding libtpu (pip install --target), "
+                           "for mixed_precision.py's deviceless TPU compile")
   args = parser.parse_args(argv)
   extra = ("--quick",) if args.quick else ()
   import jax
@@ -119,6 +124,10 @@ def main(argv=None) -> int:
         f"| {r['jdist_steps_per_s']:.1f} | **{r['ratio']:.3f}** | "
         f"{r['ratio_spread'][0]:.3f} to {r['ratio_spread'][1]:.3f} |")
   lines += [""] + zero_section(_run("zero_memory.py", 4, *extra))
+  plugin = pathlib.Path(args.tpu_plugin)
+  lines += [""] + mixed_precision_section(_run(
+      "mixed_precision.py", 2, *extra,
+      env={"PYTHONPATH": str(plugin)} if (plugin / "libtpu").is_dir() else {}))
   if peers_result is not None:
     lines += [""] + peers_section(peers_result)
     if "rows" in peers_result:
@@ -168,6 +177,102 @@ def zero_section(res: dict) -> list:
         f"{r['max_param_diff']:.1e} (of {r['param_scale']:.2f}) | "
         f"{r['speed_ratio']:.2f} ({r['speed_spread'][0]:.2f} to "
         f"{r['speed_spread'][1]:.2f}) |")
+  return lines
+
+
+def mixed_precision_section(res: dict) -> list:
+  """The "mixed precision" section of RESULTS.md (mixed_precision.py)."""
+  names = {"float32": "float32", "mixed_bfloat16": "mixed_bfloat16",
+           "mixed_float16": "mixed_float16"}
+  mb = lambda b: f"{b / 2**20:.1f} MB"
+  full, every = res["examples"]
+  lines = [
+      "## Mixed precision: loss curve, compiled memory, speed",
+      "",
+      "The seed CNN (Conv 32, Conv 64, Dense 64, Dense 10) on scikit-learn's "
+      "digits, adam, float32 master weights and optimizer state, the model run "
+      "in the policy's dtype; float16 with `jdist.loss_scale_optimizer`.",
+      "",
+      f"**Loss curve**: `jdist.Trainer(..., dtype_policy=...)`, 2 replicas, "
+      f"batch 64, {res['epochs']} epochs from the same weights; the training "
+      "loss per epoch and its largest relative difference from float32's.",
+      "",
+      f"| policy | loss per epoch ({full} examples: {full // 64} full "
+      f"batches) | max rel. diff | loss per epoch (all {every}: a last batch "
+      f"of {every - full}) | max rel. diff |",
+      "|---|---|---|---|---|",
+  ]
+  for p in names:
+    a, b = res["curves"][p], res["curves_all"][p]
+    lines.append(
+        f"| {p} | {' / '.join(f'{v:.4f}' for v in a['loss'])} | "
+        f"{a['max_rel_diff']:.3f} | {' / '.join(f'{v:.4f}' for v in b['loss'])}"
+        f" | {b['max_rel_diff']:.3f} |")
+  lines += [
+      "",
+      f"A last batch of {every - full} examples takes a full-size adam step, "
+      f"so the curve on all {every} examples jumps, and where it jumps depends on rounding: "
+      "the right column differs between policies by more than the "
+      "precision does on full batches (left). tests/test_mixed_precision.py "
+      "allows 5% + 0.01.",
+      "",
+      f"**Memory and speed on CPU**: a custom-loop step (`strategy.function`) "
+      f"on {res['cpu']['replicas']} replicas, its compiled memory analysis "
+      "on one device: temporaries (activations, gradients, scratch) and the "
+      "activations the backward pass keeps (`jax.vjp`'s residuals, per "
+      "replica). Speed: steps/s over float32's, the median of interleaved "
+      "rounds [min, max].",
+      "",
+      "| global batch | policy | temporaries | vs float32 | kept for backward "
+      "| vs float32 | speed vs float32 |",
+      "|---|---|---|---|---|---|---|",
+  ]
+  for batch, row in res["cpu"]["batches"].items():
+    for p in names:
+      r = row[p]
+      lines.append(
+          f"| {batch} | {p} | {mb(r['temp_bytes'])} | **{r['temp_ratio']:.2f}**"
+          f" | {mb(r['residual_bytes'])} | **{r['residual_ratio']:.2f}** | "
+          f"{r['speed_ratio']:.2f} [{r['speed_spread'][0]:.2f}, "
+          f"{r['speed_spread'][1]:.2f}] |")
+  lines += [
+      "",
+      "XLA's CPU backend has no fast low-precision path: it converts "
+      "bfloat16 and float16 matrix products and convolutions to float32 "
+      "(float16 adds conversion buffers, so its temporaries grow), and the "
+      "speed stays that of float32. What low precision saves on CPU is the "
+      "activations kept for the backward pass (about half).",
+      "",
+  ]
+  tpu = res.get("tpu", {})
+  if "error" in tpu:
+    lines += ["**TPU**: not measured (libtpu could not be imported: "
+              f"{tpu['error']}; `make bench` installs it into `.tpu-plugin`)."]
+    return lines
+  lines += [
+      f"**Memory on TPU** ({tpu['device']}, compiled ahead of time without a "
+      "TPU by JAX's deviceless compilation, libtpu): the same per-replica "
+      "step body for one chip; a data-parallel step adds only the gradient "
+      "all-reduce to this program. Temporaries in the chip's HBM (at smaller "
+      "batches they fit in on-chip memory and read 0).",
+      "",
+      "| batch per chip | policy | temporaries | vs float32 |",
+      "|---|---|---|---|",
+  ]
+  for batch, row in tpu["batches"].items():
+    for p in names:
+      r = row[p]
+      ratio = "n/a" if r["temp_ratio"] is None else f"**{r['temp_ratio']:.2f}**"
+      lines.append(f"| {batch} | {p} | {mb(r['temp_bytes'])} | {ratio} |")
+  lines += [
+      "",
+      "Speed on GPU/TPU is not measured here (no accelerator). On paper: "
+      "the matrix units of TPUs and of GPUs since Volta run bfloat16/float16 "
+      "at several times their float32 rate (NVIDIA and Keras quote up to 3x "
+      "for mixed precision on GPUs), and a step that is memory-bound gains "
+      "with the bytes halved; a step dominated by the optimizer update, "
+      "collectives or input gains little, since those stay float32.",
+  ]
   return lines
 
 

@@ -179,3 +179,28 @@ def test_zero_memory_runs():
   assert set(modes) == {"mirrored", "zero1", "zero2"}
   assert all(modes[m]["state_ratio"] <= 0.3 for m in ("zero1", "zero2"))
   assert modes["zero2"]["collectives"]["reduce-scatter"] > 0
+
+
+@pytest.mark.slow
+def test_mixed_precision_runs_and_renders():
+  res = _run([BENCH / "mixed_precision.py", "--quick", "--json"], devices=2)
+  assert set(res["curves"]) == {"float32", "mixed_bfloat16", "mixed_float16"}
+  for policy in ("mixed_bfloat16", "mixed_float16"):
+    assert res["curves"][policy]["max_rel_diff"] < 0.05
+    assert res["cpu"]["batches"]["256"][policy]["residual_ratio"] <= 0.6
+  sys.path.insert(0, str(BENCH))
+  try:
+    import run
+  finally:
+    sys.path.remove(str(BENCH))
+  text = "\n".join(run.mixed_precision_section(res))
+  assert "| 256 | mixed_bfloat16 |" in text
+  if "error" in res["tpu"]:  # no libtpu here (make bench installs it)
+    assert "**TPU**: not measured" in text
+  tpu = {"device": "TPU v5 lite", "batches": {"8192": {
+      p: {"temp_bytes": b, "temp_ratio": r} for p, b, r in [
+          ("float32", 2**20, 1.0), ("mixed_bfloat16", 2**19, 0.5),
+          ("mixed_float16", 0, None)]}}}
+  text = "\n".join(run.mixed_precision_section(dict(res, tpu=tpu)))
+  assert "| 8192 | mixed_bfloat16 | 0.5 MB | **0.50** |" in text
+  assert "| 8192 | mixed_float16 | 0.0 MB | n/a |" in text

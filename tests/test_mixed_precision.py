@@ -244,3 +244,55 @@ def test_loss_scale_state_round_trips_through_jit():
     _, state = jax.jit(tx.update)(grads, state, {"w": jnp.ones(3)})
   assert float(state.loss_scale.scale) == 8.0  # grew after 3 finite steps
   assert int(state.loss_scale.good_steps) == 0
+
+
+class _Interrupt(jdist.Callback):
+  """Dies after a given global step, like a crashed job."""
+
+  def __init__(self, at):
+    super().__init__()
+    self.at = at
+
+  def on_train_batch_end(self, batch, logs=None):
+    if self.model.global_step == self.at:
+      raise KeyboardInterrupt(f"interrupted at step {self.at}")
+
+
+def test_a_loss_scaled_run_resumes_exactly_from_its_backup(digits_flat,
+                                                            tmp_path):
+  """mixed_float16 with a scale that starts too high (steps skipped, the
+  scale halved) and grows every 3 finite steps (into overflow again): the
+  scale, its growth counter and the skipped steps are part of the backup,
+  and the resumed run equals the uninterrupted one bit for bit."""
+  x, y = digits_flat
+  x, y = x[:512], y[:512]
+
+  def run(callbacks):
+    tx = jdist.loss_scale_optimizer(optax.adam(1e-3), initial_scale=2.0 ** 26,
+                                    dynamic_growth_steps=3)
+    trainer = jdist.Trainer(MLP(), optimizer=tx, loss=LOSS,
+                            strategy=strategy_on(2), seed=0,
+                            dtype_policy="mixed_float16")
+    history = trainer.fit(x, y, batch_size=64, epochs=3, verbose=0,
+                          callbacks=callbacks)
+    return trainer, history
+
+  reference, ref_history = run([])
+  skipped = ref_history.history["skipped_steps"]
+  # The case under test: steps skipped before the backup and after it (the
+  # scale grows into overflow every few steps).
+  assert skipped[0] >= 1 and skipped[-1] > skipped[1]
+  backup = tmp_path / "backup"
+  with pytest.raises(KeyboardInterrupt):
+    run([_Interrupt(11), jdist.BackupAndRestore(backup, save_freq=5)])
+  restore = jdist.BackupAndRestore(backup, save_freq=5)
+  trainer, history = run([restore])
+  assert restore.restored_step == 10  # mid-epoch 2, a state saved mid-run
+  assert history.history == ref_history.history
+  ref_state, state = reference.state.opt_state, trainer.state.opt_state
+  assert isinstance(state, jdist.LossScaleState)
+  for a, b in zip(jax.tree.leaves((reference.state.params, ref_state)),
+                  jax.tree.leaves((trainer.state.params, state))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert int(state.skipped_steps) == skipped[-1]
+  assert float(state.loss_scale.scale) == ref_history.history["loss_scale"][-1]
