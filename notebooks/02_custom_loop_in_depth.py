@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -17,8 +19,10 @@
 # What happens inside a jdist step: the replica context and its collectives,
 # why the loss is divided by the **global** batch, what `compute_average_loss`
 # does with a short last batch, metrics kept per replica with `SyncOnRead`,
-# checking your own step against one device with `assert_equivalent`, and the
-# double-reduction error, triggered on purpose.
+# checking your own step against one device with `assert_equivalent`, the
+# double-reduction error, triggered on purpose, and three ways to need less memory
+# per device, with the bytes measured: optimizer state split over the replicas,
+# gradient accumulation and mixed precision.
 #
 # Runs as-is on a laptop (4 fake CPU devices), on a GPU box, and on a Colab TPU.
 
@@ -330,3 +334,68 @@ print("max |mirrored - sharded| parameter after 10 steps:",
 # their shapes; orbax reads each device's block). An optimizer that is not elementwise
 # (`clip_by_global_norm`, adafactor, lamb) is refused by `init` with a
 # `jdist.ShardingError`: each replica sees only its block of each parameter.
+
+# %% [markdown]
+# ## 9. Less memory for activations: accumulation and mixed precision
+#
+# Two more ways to fit a bigger batch or model on the same devices, both measured here
+# from the compiled step's own memory analysis (`step.lower(...).compile()`):
+#
+# - `jdist.accumulate_gradients(loss_fn, params, batch, num_micro_batches=K)` runs each
+#   replica's batch as K micro-batches in one compiled step: only one micro-batch's
+#   activations are alive at a time, the gradients are all-reduced once, and the result
+#   equals the whole batch's (`Trainer(..., gradient_accumulation_steps=K)` in `fit`).
+# - A mixed `jdist.DTypePolicy` runs the model in bfloat16 on float32 master weights:
+#   the activations the backward pass keeps take half the bytes
+#   (`Trainer(..., dtype_policy="mixed_bfloat16")` in `fit`). XLA's CPU backend still
+#   computes the matrix products in float32, so on CPU the compiled temporaries fall
+#   less than on a TPU, where benchmarks/RESULTS.md measures 0.45x of float32 (TPU v5e,
+#   compiled ahead of time without one).
+
+# %%
+from jdist.examples.models import CNN
+
+cnn = CNN()
+images = {"x": rng.standard_normal((256 * n, 8, 8, 1)).astype(np.float32),
+          "y": rng.integers(0, 10, 256 * n).astype(np.int32)}
+(placed,) = strategy.experimental_distribute_dataset([images])
+cnn_params = strategy.replicate(cnn.init(jax.random.key(0), images["x"][:1])["params"])
+
+def compiled_step(policy_name, k):
+    policy = jdist.DTypePolicy(policy_name)
+    def loss_fn(p, b):
+        logits = cnn.apply({"params": policy.cast_to_compute(p)}, policy.cast_to_compute(b["x"]))
+        return jdist.compute_average_loss(optax.softmax_cross_entropy_with_integer_labels(
+            policy.cast_to_variable(logits), b["y"]))
+    @strategy.function
+    def step(params, batch):
+        loss, grads = jdist.accumulate_gradients(loss_fn, params, batch, num_micro_batches=k)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+    return step
+
+def residual_bytes(policy_name, batch):
+    """What the forward pass keeps for the backward pass, on one replica."""
+    policy = jdist.DTypePolicy(policy_name)
+    def loss(p):
+        logits = cnn.apply({"params": policy.cast_to_compute(p)}, policy.cast_to_compute(batch["x"]))
+        return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(
+            policy.cast_to_variable(logits), batch["y"]))
+    backward = jax.eval_shape(lambda p: jax.vjp(loss, p)[1], jax.device_get(cnn_params))
+    return sum(r.size * r.dtype.itemsize for r in jax.tree.leaves(backward))
+
+one_replica = {"x": images["x"][:256], "y": images["y"][:256]}
+temps = {}
+for policy_name, k in [("float32", 1), ("float32", 4), ("mixed_bfloat16", 1)]:
+    step = compiled_step(policy_name, k)
+    temps[policy_name, k] = step.lower(cnn_params, placed).compile().memory_analysis().temp_size_in_bytes
+    print(f"{policy_name:15} K={k}: compiled temporaries {temps[policy_name, k] / 2**20:5.1f} MB per device "
+          f"({temps[policy_name, k] / temps['float32', 1]:.2f}x)")
+for policy_name in ("float32", "mixed_bfloat16"):
+    kept = residual_bytes(policy_name, one_replica)
+    print(f"{policy_name:15}: activations kept for the backward pass {kept / 2**20:.1f} MB "
+          f"({kept / residual_bytes('float32', one_replica):.2f}x)")
+
+# Same training: K=4 equals one step on the whole batch.
+(k1, loss1), (k4, loss4) = [compiled_step("float32", k)(cnn_params, placed) for k in (1, 4)]
+print("max |K=1 - K=4| parameter after one step:",
+      max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(k1), jax.tree.leaves(k4))))
