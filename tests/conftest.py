@@ -38,6 +38,18 @@ def strategy_on(n: int):
   return jdist.OneDeviceStrategy(devs[0]) if n == 1 else jdist.MirroredStrategy(devs)
 
 
+class Interrupt(jdist.Callback):
+  """Dies (raises) after a given global step, like a crashed job."""
+
+  def __init__(self, at):
+    super().__init__()
+    self.at = at
+
+  def on_train_batch_end(self, batch, logs=None):
+    if self.model.global_step == self.at:
+      raise KeyboardInterrupt(f"interrupted at step {self.at}")
+
+
 @pytest.fixture
 def rng():
   return np.random.default_rng(0)

@@ -16,7 +16,7 @@ import jdist.testing
 from jdist.examples.data import batches
 from jdist.examples.models import CNN, MLP
 
-from conftest import strategy_on
+from conftest import Interrupt, strategy_on
 
 LOSS = jdist.losses.SparseCategoricalCrossentropy(from_logits=True)
 # Per-epoch training loss of a mixed policy against float32 on the seed CNN
@@ -246,18 +246,6 @@ def test_loss_scale_state_round_trips_through_jit():
   assert int(state.loss_scale.good_steps) == 0
 
 
-class _Interrupt(jdist.Callback):
-  """Dies after a given global step, like a crashed job."""
-
-  def __init__(self, at):
-    super().__init__()
-    self.at = at
-
-  def on_train_batch_end(self, batch, logs=None):
-    if self.model.global_step == self.at:
-      raise KeyboardInterrupt(f"interrupted at step {self.at}")
-
-
 def test_a_loss_scaled_run_resumes_exactly_from_its_backup(digits_flat,
                                                             tmp_path):
   """mixed_float16 with a scale that starts too high (steps skipped, the
@@ -284,7 +272,7 @@ def test_a_loss_scaled_run_resumes_exactly_from_its_backup(digits_flat,
   assert skipped[0] >= 1 and skipped[-1] > skipped[1]
   backup = tmp_path / "backup"
   with pytest.raises(KeyboardInterrupt):
-    run([_Interrupt(11), jdist.BackupAndRestore(backup, save_freq=5)])
+    run([Interrupt(11), jdist.BackupAndRestore(backup, save_freq=5)])
   restore = jdist.BackupAndRestore(backup, save_freq=5)
   trainer, history = run([restore])
   assert restore.restored_step == 10  # mid-epoch 2, a state saved mid-run

@@ -20,6 +20,8 @@ import jdist
 from jdist.examples.models import MLP
 from jdist.examples.steps import classifier_step
 
+from conftest import Interrupt
+
 Local = jdist.cluster_resolver.LocalClusterResolver
 MODEL = MLP(hidden=32)
 apply_fn = lambda p, x: MODEL.apply({"params": p}, x)
@@ -573,18 +575,6 @@ def test_fit_an_nnx_module(digits_split):
   # fit wrote the trained weights back into the module, as Keras does.
   assert np.mean(np.argmax(net(vx), -1) == vy) > 0.8
   strategy.coordinator.shutdown()
-
-
-class Interrupt(jdist.Callback):
-  """Raises after a given global step, like a crashed coordinator."""
-
-  def __init__(self, at):
-    super().__init__()
-    self.at = at
-
-  def on_train_batch_end(self, batch, logs=None):
-    if self.model.global_step == self.at:
-      raise KeyboardInterrupt(f"interrupted at step {self.at}")
 
 
 def test_backup_and_restore_resumes_on_new_servers(digits_split, tmp_path):

@@ -24,7 +24,7 @@ import pytest
 import jdist
 from jdist.examples.models import MLP
 
-from conftest import strategy_on
+from conftest import Interrupt, strategy_on
 
 LOSS = jdist.losses.SparseCategoricalCrossentropy(from_logits=True)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,18 +46,6 @@ def fit(trainer, data, callbacks=(), epochs=3):
   (x, y), val = data
   return trainer.fit(x, y, batch_size=64, epochs=epochs, validation_data=val,
                      callbacks=list(callbacks), verbose=0)
-
-
-class Interrupt(jdist.Callback):
-  """Dies (raises) after a given global step, like a crashed job."""
-
-  def __init__(self, at):
-    super().__init__()
-    self.at = at
-
-  def on_train_batch_end(self, batch, logs=None):
-    if self.model.global_step == self.at:
-      raise KeyboardInterrupt(f"interrupted at step {self.at}")
 
 
 @pytest.fixture(scope="module")

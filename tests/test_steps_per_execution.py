@@ -13,7 +13,7 @@ import pytest
 import jdist
 from jdist.examples.models import MLP
 
-from conftest import strategy_on
+from conftest import Interrupt, strategy_on
 
 LOSS = jdist.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -151,16 +151,6 @@ class Preempt(jdist.Callback):
   def on_train_batch_end(self, batch, logs=None):
     if self.model.global_step == self.at:
       os.kill(os.getpid(), signal.SIGTERM)
-
-
-class Interrupt(jdist.Callback):
-  def __init__(self, at):
-    super().__init__()
-    self.at = at
-
-  def on_train_batch_end(self, batch, logs=None):
-    if self.model.global_step == self.at:
-      raise KeyboardInterrupt
 
 
 def test_backups_at_group_boundaries_resume_exactly(data, tmp_path):
