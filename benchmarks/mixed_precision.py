@@ -67,8 +67,9 @@ def loss_curves(x, y, epochs: int) -> dict:
 
 
 def make_body(policy_name: str, model, tx):
-  """One replica's training step under the policy: what the custom loop in
-  README "Mixed precision" writes."""
+  """One replica's training step under the policy, as a custom loop writes
+  it: parameters and inputs cast to the compute dtype, logits back to
+  float32, the loss scaled when the policy needs it (float16)."""
   policy = jdist.DTypePolicy(policy_name)
 
   def loss_fn(params, batch, opt_state, average):
@@ -98,6 +99,7 @@ def make_body(policy_name: str, model, tx):
 
 
 def optimizer(policy_name: str):
+  """adam, with dynamic loss scaling where the policy needs it."""
   tx = optax.adam(1e-3)
   if jdist.DTypePolicy(policy_name).needs_loss_scaling:
     tx = jdist.loss_scale_optimizer(tx)

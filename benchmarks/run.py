@@ -127,7 +127,9 @@ def main(argv=None) -> int:
   plugin = pathlib.Path(args.tpu_plugin)
   lines += [""] + mixed_precision_section(_run(
       "mixed_precision.py", 2, *extra,
-      env={"PYTHONPATH": str(plugin)} if (plugin / "libtpu").is_dir() else {}))
+      env={"PYTHONPATH": os.pathsep.join(filter(None, [
+          str(plugin), os.environ.get("PYTHONPATH")]))}
+      if (plugin / "libtpu").is_dir() else {}))
   if peers_result is not None:
     lines += [""] + peers_section(peers_result)
     if "rows" in peers_result:
@@ -182,8 +184,7 @@ def zero_section(res: dict) -> list:
 
 def mixed_precision_section(res: dict) -> list:
   """The "mixed precision" section of RESULTS.md (mixed_precision.py)."""
-  names = {"float32": "float32", "mixed_bfloat16": "mixed_bfloat16",
-           "mixed_float16": "mixed_float16"}
+  names = ("float32", "mixed_bfloat16", "mixed_float16")
   mb = lambda b: f"{b / 2**20:.1f} MB"
   full, every = res["examples"]
   lines = [
