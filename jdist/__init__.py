@@ -79,7 +79,7 @@ from jdist._src.ps.partitioners import Partitioner
 from jdist._src.ps.remote import RemoteValue
 from jdist._src.ps.strategy import ParameterServerStrategy
 from jdist._src.ps.variables import ServerVariables
-from jdist._src.strategies.base import Strategy
+from jdist._src.strategies.spmd import Strategy
 from jdist._src.strategies.central_storage import CentralStorageStrategy
 from jdist._src.strategies.cross_device_ops import CrossDeviceOps
 from jdist._src.strategies.cross_device_ops import HierarchicalCopyAllReduce

@@ -14,6 +14,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jdist._src import jax_compat
+from jdist._src.core.values import is_distributed
 
 
 def replicated_sharding(mesh) -> NamedSharding:
@@ -70,12 +71,31 @@ def put_per_replica(local_rows: Any, mesh, axis_name: str,
 
 
 class StatePlacement:
-  """Where a strategy keeps mirrored values (the state) between steps.
+  """Where a strategy holds its state between steps, and how it is read and written.
 
-  The default keeps a copy on every device of the mesh, where steps run, so
-  nothing moves around a step: `moves` is False and `DistributedFunction`
-  never calls the hooks. A strategy that holds its variables elsewhere
-  (`CentralStorageStrategy`: once, on one device) overrides all three.
+  Two kinds of code talk to it. The engine, around each step: a placement
+  whose `moves` is True gets `to_compute` before the step and `to_storage`
+  after it (`DistributedFunction` never calls them otherwise). And the code
+  that keeps state across steps (the Trainer, its callbacks, checkpoints),
+  which never asks what the strategy is: it reads the value of held state
+  (`read`), writes a value into it (`write`), and asks its shapes
+  (`abstract`). A step's result is held state already; a value enters held
+  state only through `write`.
+
+  This default keeps a copy on every device of the mesh, where steps run, so
+  nothing moves around a step and held state is its own value.
+  `CentralStorageStrategy` holds it once on one device (`CentralPlacement`);
+  `ParameterServerStrategy` on its parameter servers (`ServerPlacement`).
+
+  Example:
+    >>> import jdist, numpy as np
+    >>> strategy = jdist.MirroredStrategy()
+    >>> placement = strategy.state_placement
+    >>> held = strategy.replicate({"w": np.zeros(2, np.float32)})
+    >>> held = placement.write(held, {"w": np.ones(2, np.float32)},
+    ...                        strategy.mesh)
+    >>> placement.read(held)["w"].tolist(), placement.abstract(held)["w"].shape
+    ([1.0, 1.0], (2,))
   """
 
   moves = False
@@ -93,6 +113,35 @@ class StatePlacement:
     """A step's outputs, with mirrored leaves moved back where state is held."""
     del mesh
     return outputs
+
+  def read(self, held: Any) -> Any:
+    """The value of held state, as arrays the caller may read or keep.
+
+    On the mesh, held state is its own value: nothing is copied.
+    """
+    return held
+
+  def write(self, held: Any, value: Any, mesh) -> Any:
+    """Writes `value` (same structure as `held`) into held state.
+
+    Host leaves (numpy, Python numbers) are placed where this placement holds
+    state; arrays already on devices are kept where they are (a step moves
+    them if it must), and so are distributed values (`PerReplica`,
+    `SyncOnRead`, `Sharded`).
+
+    Returns:
+      The held state to use from now on (on the mesh: the placed value).
+    """
+    del held
+    return jax.tree.map(
+        lambda x: x if isinstance(x, jax.Array) or is_distributed(x)
+        else self.put(x, mesh), value, is_leaf=is_distributed)
+
+  def abstract(self, held: Any) -> Any:
+    """Held state's structure with `jax.ShapeDtypeStruct` leaves (nothing is
+    read)."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), held)
 
 
 MESH_PLACEMENT = StatePlacement()

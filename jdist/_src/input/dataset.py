@@ -50,6 +50,7 @@ class DistributedDataset:
     self._mode = mode
     self._options = options or InputOptions()
     self._batch_size = batch_size
+    self._source_name = identity
     self._identity = f"{mode.value}/{batch_size or 'auto'}/{identity}"
     self._steps = steps
     self._first_pass = None  # its first DistributedIterator
@@ -67,11 +68,11 @@ class DistributedDataset:
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
       raise ValueError(f"group() takes a whole number of steps of at least 1, "
                        f"got {steps!r}.")
-    grouped = DistributedDataset(self._strategy, self._make_iterator,
-                                 self._mode, options=self._options,
-                                 batch_size=self._batch_size, steps=steps)
-    grouped._identity = self._identity  # the same data for the agreement
-    return grouped
+    # The same identity: the same data for the multi-process agreement.
+    return DistributedDataset(self._strategy, self._make_iterator, self._mode,
+                              options=self._options,
+                              batch_size=self._batch_size,
+                              identity=self._source_name, steps=steps)
 
   @property
   def strategy(self):

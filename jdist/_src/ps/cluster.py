@@ -106,7 +106,7 @@ def _from_mapping(spec: Mapping, source: str) -> ClusterSpec:
   return ClusterSpec(tasks("worker"), tasks("ps"), tasks("chief"), source)
 
 
-def resolve(cluster_resolver=None) -> ClusterSpec:
+def spec_from(cluster_resolver=None) -> ClusterSpec:
   """The cluster a `ParameterServerStrategy` runs on.
 
   Args:

@@ -35,8 +35,10 @@ class ClusterCoordinator:
   """Schedules functions on a `ParameterServerStrategy`'s workers.
 
   There is one coordinator per strategy: `ClusterCoordinator(strategy)`
-  returns it. It starts the cluster's workers, and `shutdown()` (or leaving
-  a `with` block) stops them and the parameter servers.
+  returns it. The first one made attaches itself to the strategy
+  (`strategy.attach_coordinator`, which starts the servers and workers and
+  records it, so that `strategy.attached_coordinator` and later calls find
+  it); `shutdown()` (or leaving a `with` block) stops the cluster.
 
   Args:
     strategy: a `jdist.ParameterServerStrategy`.
@@ -58,25 +60,23 @@ class ClusterCoordinator:
   """
 
   def __new__(cls, strategy):
-    existing = getattr(strategy, "_coordinator", None)
-    if existing is not None:
-      return existing
-    if not hasattr(strategy, "_start_cluster"):
+    attached = getattr(strategy, "attached_coordinator", None)
+    if not callable(getattr(strategy, "attach_coordinator", None)):
       raise TypeError(
           f"ClusterCoordinator works with jdist.ParameterServerStrategy, got "
           f"{type(strategy).__name__}. Synchronous strategies run steps "
           "directly: call the step, or strategy.run(fn, args).")
-    self = super().__new__(cls)
-    strategy._coordinator = self
-    self._init(strategy)
-    return self
+    if attached is not None:
+      return attached  # one per strategy; __init__ sees it is started
+    return super().__new__(cls)
 
   def __init__(self, strategy):
-    del strategy  # set up once, in __new__
-
-  def _init(self, strategy) -> None:
+    if getattr(self, "_strategy", None) is not None:
+      return  # the strategy's coordinator, made before
     self._strategy = strategy
-    self._cluster = strategy._start_cluster()
+    # The handshake: the strategy records its coordinator and starts the
+    # servers and workers of its backend.
+    self._cluster = strategy.attach_coordinator(self)
     self._queue = ClosureQueue()
     self._fatal: BaseException | None = None
     self._closed = False

@@ -31,7 +31,7 @@ from jdist._src.ps.datasets import WorkerBatch
 from jdist._src.ps.variables import ServerVariables, plain
 
 
-class _Slot:
+class _HandleSlot:
   """Where the `index`-th variables handle sits in arguments or outputs."""
 
   __slots__ = ("index",)
@@ -40,18 +40,18 @@ class _Slot:
     self.index = index
 
   def __eq__(self, other):
-    return isinstance(other, _Slot) and other.index == self.index
+    return isinstance(other, _HandleSlot) and other.index == self.index
 
   def __hash__(self):
     return hash(("slot", self.index))
 
 
 # A node without leaves: it passes through jit as part of the structure.
-jax.tree_util.register_pytree_node(_Slot, lambda s: ((), s.index),
-                                   lambda index, _: _Slot(index))
+jax.tree_util.register_pytree_node(_HandleSlot, lambda s: ((), s.index),
+                                   lambda index, _: _HandleSlot(index))
 
 _is_handle = lambda x: isinstance(x, (ServerVariables, WorkerBatch))
-_is_slot = lambda x: isinstance(x, _Slot)
+_is_handle_slot = lambda x: isinstance(x, _HandleSlot)
 
 
 class _Program:
@@ -77,18 +77,18 @@ class _Program:
         spec.join(p) for spec, p in zip(specs, leaf_parts)])
         for (treedef, specs), leaf_parts in zip(layouts, parts)]
     call_args, call_kwargs = jax.tree.map(
-        lambda x: values[x.index] if _is_slot(x) else x, (args, kwargs),
-        is_leaf=_is_slot)
+        lambda x: values[x.index] if _is_handle_slot(x) else x, (args, kwargs),
+        is_leaf=_is_handle_slot)
     out = self._inner(*call_args, **call_kwargs)
     changes = {}
 
     def take(j, new):
       changes[j] = _changes(layouts[j], parts[j], new)
-      return _Slot(j)
+      return _HandleSlot(j)
 
     structures = [jax.tree.structure(plain(v)) for v in values]
     matches = lambda x, j: jax.tree.structure(plain(x)) == structures[j]
-    first = args[0] if args and _is_slot(args[0]) else None
+    first = args[0] if args and _is_handle_slot(args[0]) else None
     whole = [j for j in range(len(values)) if matches(out, j)]
     if whole:  # the step returns only the new state
       j = first.index if first is not None and first.index in whole else whole[0]
@@ -96,7 +96,7 @@ class _Program:
     if isinstance(out, (tuple, list)):
       items = list(out)
       for p, item in enumerate(items):
-        if p < len(args) and _is_slot(args[p]) and matches(item, args[p].index):
+        if p < len(args) and _is_handle_slot(args[p]) and matches(item, args[p].index):
           items[p] = take(args[p].index, item)
       out = (type(out)(*items) if hasattr(out, "_fields")
              else type(out)(items))
@@ -181,7 +181,7 @@ class ParameterServerFunction:
     handles = []
     for i, x in enumerate(flat):
       if isinstance(x, ServerVariables):
-        flat[i] = _Slot(len(handles))
+        flat[i] = _HandleSlot(len(handles))
         handles.append(x)
       elif isinstance(x, WorkerBatch):
         flat[i] = x.distribute(ctx.strategy)
@@ -214,8 +214,8 @@ class ParameterServerFunction:
       # Too stale for some servers: read again, recompute, send them only.
       todo = refused
       snapshots = [h.snapshot() for h in handles]
-    return jax.tree.map(lambda x: handles[x.index] if _is_slot(x) else x, out,
-                        is_leaf=_is_slot)
+    return jax.tree.map(lambda x: handles[x.index] if _is_handle_slot(x) else x, out,
+                        is_leaf=_is_handle_slot)
 
   # --- on the coordinator ------------------------------------------------------
 

@@ -148,6 +148,10 @@ class RayStore:
     got = self._call({s: ("stats", ()) for s in range(len(self._actors))})
     return [got[s] for s in range(len(self._actors))]
 
+  def close(self) -> None:
+    """Refuses every later call: the servers are being shut down."""
+    self._closed = True
+
 
 # How long a worker whose process died may take to come back (Ray restarts it)
 # before its functions are left to the other workers for good.
@@ -319,7 +323,7 @@ class RayCluster:
 
   def close(self) -> None:
     ray = _ray()
-    self.store._closed = True
+    self.store.close()
     for actor in [w.actor for w in self.workers] + self._servers:
       try:
         ray.kill(actor, no_restart=True)

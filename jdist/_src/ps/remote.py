@@ -49,13 +49,25 @@ class RemoteValue:
     self._value = None
     self._error = None
 
-  def _set(self, value: Any = None, error: BaseException | None = None):
-    self._value, self._error = value, error
+  # The coordinator's side (as `concurrent.futures.Future.set_result`):
+  # the closure queue completes the value once; users only read it.
+
+  def set_result(self, value: Any) -> None:
+    """Completes the value with the function's result (the coordinator)."""
+    self._value = value
     self._done.set()
 
-  def _cancel(self) -> None:
+  def set_exception(self, error: BaseException) -> None:
+    """Completes the value with the function's error (the coordinator)."""
+    self._error = error
+    self._done.set()
+
+  def cancel(self) -> None:
+    """Completes a pending value as cancelled: `get()` raises
+    `jdist.CancelledError` (the coordinator, when an earlier function
+    failed or the cluster shuts down)."""
     if not self._done.is_set():
-      self._set(error=CancelledError(
+      self.set_exception(CancelledError(
           "This function was cancelled: an earlier scheduled function failed "
           "and join(), done() or schedule() raised its error. Schedule it "
           "again if it should still run."))
@@ -155,14 +167,14 @@ class ClosureQueue:
 
   def finished(self, closure: Closure, value: Any) -> None:
     with self._lock:
-      closure.result._set(value)
+      closure.result.set_result(value)
       self._in_flight -= 1
       self._changed.notify_all()
 
   def failed(self, closure: Closure, error: BaseException) -> None:
     """The closure raised: its error goes to its result and to `join()`."""
     with self._lock:
-      closure.result._set(error=error)
+      closure.result.set_exception(error)
       if self._error is None:
         self._error = error
       self._in_flight -= 1
@@ -173,7 +185,7 @@ class ClosureQueue:
     with self._lock:
       self._in_flight -= 1
       if self._error is not None or self._stopped:
-        closure.result._cancel()
+        closure.result.cancel()
       else:
         self._queue.appendleft(closure)
       self._changed.notify_all()
@@ -205,7 +217,7 @@ class ClosureQueue:
       if self._error is None:
         self._error = error
       while self._queue:
-        self._queue.popleft().result._set(error=error)
+        self._queue.popleft().result.set_exception(error)
       self._changed.notify_all()
 
   def stop(self) -> None:
@@ -213,7 +225,7 @@ class ClosureQueue:
     with self._lock:
       self._stopped = True
       while self._queue:
-        self._queue.popleft().result._cancel()
+        self._queue.popleft().result.cancel()
       self._changed.notify_all()
 
   @property
@@ -232,6 +244,6 @@ class ClosureQueue:
     if self._error is None:  # another caller raised it meanwhile
       return
     while self._queue:
-      self._queue.popleft().result._cancel()
+      self._queue.popleft().result.cancel()
     error, self._error = self._error, None
     raise error

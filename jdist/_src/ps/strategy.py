@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import math
 import threading
-import weakref
 from typing import Any, Callable
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from jdist._src.core import context
 from jdist._src.core import cross_replica
 from jdist._src.core.reduce_op import ReduceOp
 from jdist._src.core.values import PerReplica, SyncOnRead, is_distributed
@@ -28,12 +26,13 @@ from jdist._src.ps.datasets import WorkerBatches
 from jdist._src.ps.function import ParameterServerFunction
 from jdist._src.ps import ray_backend
 from jdist._src.ps.local import ThreadCluster
-from jdist._src.ps.variables import Layout, ServerVariables
+from jdist._src.ps.variables import Layout, ServerPlacement, ServerVariables
+from jdist._src.strategies.base import StrategyBase
 
 BACKENDS = ("threads", "ray")
 
 
-class ParameterServerStrategy:
+class ParameterServerStrategy(StrategyBase):
   """Asynchronous data parallelism: workers update variables on servers.
 
   Variables (`strategy.replicate(state)`) live on the parameter servers,
@@ -102,7 +101,8 @@ class ParameterServerStrategy:
   def __init__(self, cluster_resolver=None, variable_partitioner=None, *,
                max_staleness: int | None = None, timeout_seconds: float = 60.0,
                backend: str = "threads", ray_options: dict | None = None):
-    self._spec = cluster_lib.resolve(cluster_resolver)
+    super().__init__(state_placement=ServerPlacement())
+    self._spec = cluster_lib.spec_from(cluster_resolver)
     if variable_partitioner is not None and not callable(variable_partitioner):
       raise TypeError(
           f"variable_partitioner must be a partitioner (jdist."
@@ -131,32 +131,53 @@ class ParameterServerStrategy:
     self._layout = Layout(self._spec.num_ps, variable_partitioner)
     self._coordinator = None
     self._cluster = None
-    self._run_cache = weakref.WeakKeyDictionary()
     self._lock = threading.Lock()
     self._mesh = None
 
   def __getstate__(self):
     # What a Ray worker needs of the strategy: its settings, not the cluster.
     state = dict(self.__dict__)
-    for key in ("_coordinator", "_cluster", "_run_cache", "_lock",
-                "_cluster_resolver", "_layout", "_mesh"):
+    for key in ("_coordinator", "_cluster", "_run_cache", "_run_codes",
+                "_lock", "_cluster_resolver", "_layout", "_mesh"):
       state[key] = None
     return state
 
   def __setstate__(self, state):
     self.__dict__.update(state)
     self._run_cache = weakref.WeakKeyDictionary()
+    self._run_codes = {}
     self._lock = threading.Lock()
 
   def __repr__(self) -> str:
     return (f"ParameterServerStrategy(workers={self._spec.num_workers}, "
             f"ps={self._spec.num_ps}, backend={self._backend!r})")
 
-  # --- the cluster --------------------------------------------------------------
+  # --- the cluster and its coordinator ----------------------------------------
 
-  def _start_cluster(self):
-    """Starts the servers and workers (once; the coordinator calls it)."""
+  @property
+  def coordinator(self) -> ClusterCoordinator:
+    """The strategy's `ClusterCoordinator` (made on first use)."""
+    return self._coordinator or ClusterCoordinator(self)
+
+  @property
+  def attached_coordinator(self) -> ClusterCoordinator | None:
+    """The coordinator `attach_coordinator` recorded, or None (none made)."""
+    return self._coordinator
+
+  def attach_coordinator(self, coordinator: ClusterCoordinator):
+    """The handshake of `ClusterCoordinator(strategy)`: records `coordinator`
+    as this strategy's one coordinator, starts the servers and workers (with
+    the strategy's backend) and returns that cluster.
+
+    Raises:
+      ValueError: another coordinator is attached already (each strategy has
+        one: `ClusterCoordinator(strategy)` returns it).
+    """
     with self._lock:
+      if self._coordinator not in (None, coordinator):
+        raise ValueError(
+            f"{self!r} has a ClusterCoordinator already; "
+            "ClusterCoordinator(strategy) returns it.")
       if self._cluster is None:
         if self._backend == "ray":
           self._cluster = ray_backend.RayCluster(self._spec, self,
@@ -164,12 +185,8 @@ class ParameterServerStrategy:
                                                  self._timeout)
         else:
           self._cluster = ThreadCluster(self._spec, self)
+      self._coordinator = coordinator  # once its cluster runs
       return self._cluster
-
-  @property
-  def coordinator(self) -> ClusterCoordinator:
-    """The strategy's `ClusterCoordinator` (made on first use)."""
-    return self._coordinator or ClusterCoordinator(self)
 
   @property
   def cluster_resolver(self):
@@ -215,14 +232,6 @@ class ParameterServerStrategy:
                         ("replica",), axis_types=(AxisType.Auto,))
     return self._mesh
 
-  @property
-  def extended(self):
-    return self
-
-  def scope(self):
-    """Makes this the current strategy (`jdist.get_strategy()`)."""
-    return context.strategy_scope(self)
-
   # --- variables and steps ---------------------------------------------------------
 
   def replicate(self, tree: Any) -> ServerVariables:
@@ -248,20 +257,6 @@ class ParameterServerStrategy:
     if fn is None:
       return lambda f: self.function(f, **options)
     return ParameterServerFunction(self, fn, **options)
-
-  def run(self, fn: Callable, args=(), kwargs=None) -> Any:
-    """`strategy.function(fn)(*args, **kwargs)`, compiled once per `fn`."""
-    try:
-      step = self._run_cache.get(fn)
-    except TypeError:
-      step = None
-    if step is None:
-      step = self.function(fn)
-      try:
-        self._run_cache[fn] = step
-      except TypeError:
-        pass
-    return step(*args, **(kwargs or {}))
 
   # --- input -------------------------------------------------------------------------
 

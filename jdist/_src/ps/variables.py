@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jdist._src.core import placement
 from jdist._src.core.reduce_op import VariableAggregation
 from jdist._src.core.values import SyncOnRead
 from jdist._src.errors import ParameterServerError
@@ -300,11 +301,6 @@ class ServerVariables:
     self._store.assign(self._set_id, self._per_server(hosts))
     return self
 
-  def replace(self, **changes) -> "ServerVariables":
-    """Replaces fields of a dataclass value (`TrainState.replace`); returns self."""
-    value = self.read()
-    return self.assign(dataclasses.replace(value, **changes))
-
   def snapshot(self) -> Snapshot:
     """Reads the pieces with their versions."""
     return self._snapshot(self._store.read(self._set_id, self.servers))
@@ -367,16 +363,34 @@ def _delete_quietly(store, set_id: str) -> None:
     pass  # the cluster is shut down or lost: nothing left to free
 
 
-def resolve(value: Any) -> Any:
-  """`value.read()` for `ServerVariables`, `value` itself otherwise."""
-  return value.read() if isinstance(value, ServerVariables) else value
+class ServerPlacement(placement.StatePlacement):
+  """State held on the parameter servers, as `ServerVariables`.
 
+  `ParameterServerStrategy.replicate` makes the handle; steps run on the
+  workers and update the servers themselves, so nothing moves around a call
+  on the coordinator. The training layer reads the values (one read from
+  every server holding a piece, after the functions scheduled so far),
+  writes values into them (`ServerVariables.assign`), and asks their shapes
+  without reading anything.
 
-def assign(holder: Any, value: Any) -> Any:
-  """`value` written into `holder` if it is `ServerVariables`, else `value`."""
-  return holder.assign(value) if isinstance(holder, ServerVariables) else value
+  Example:
+    >>> import jdist, jax.numpy as jnp
+    >>> strategy = jdist.ParameterServerStrategy(
+    ...     jdist.cluster_resolver.LocalClusterResolver(num_workers=1, num_ps=1))
+    >>> held = strategy.replicate({"w": jnp.zeros(2)})
+    >>> held = strategy.state_placement.write(held, {"w": jnp.ones(2)},
+    ...                                       strategy.mesh)
+    >>> strategy.state_placement.read(held)["w"].tolist()
+    [1.0, 1.0]
+    >>> jdist.ClusterCoordinator(strategy).shutdown()
+  """
 
+  def read(self, held: ServerVariables) -> Any:
+    return held.read()
 
-def shapes(value: Any) -> Any:
-  """`value.structure()` for `ServerVariables`, `value` itself otherwise."""
-  return value.structure() if isinstance(value, ServerVariables) else value
+  def write(self, held: ServerVariables, value: Any, mesh) -> ServerVariables:
+    del mesh  # the servers take host values
+    return held if value is held else held.assign(value)
+
+  def abstract(self, held: ServerVariables) -> Any:
+    return held.structure()

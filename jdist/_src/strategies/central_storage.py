@@ -18,7 +18,7 @@ from jax.sharding import SingleDeviceSharding
 
 from jdist._src.core import placement
 from jdist._src.core.values import is_distributed
-from jdist._src.strategies.base import Strategy
+from jdist._src.strategies.spmd import Strategy
 from jdist._src.strategies.devices import resolve_device, resolve_devices
 
 
@@ -124,9 +124,10 @@ class CentralStorageStrategy(Strategy):
     super().__init__(devices, axis_name=axis_name, state_placement=(
         CentralPlacement(parameter_device) if moves else None))
 
-  def _key(self):
+  @property
+  def identity(self) -> tuple:
     d = self._parameter_device
-    return super()._key() + ((d.platform, d.id),)
+    return super().identity + ((d.platform, d.id),)
 
   def __repr__(self) -> str:
     d = self._parameter_device

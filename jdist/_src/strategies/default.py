@@ -6,7 +6,7 @@ import functools
 
 import jax
 
-from jdist._src.strategies.base import Strategy
+from jdist._src.strategies.spmd import Strategy
 
 
 class DefaultStrategy(Strategy):

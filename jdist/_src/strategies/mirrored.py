@@ -8,7 +8,7 @@ from typing import Any, Callable, Sequence
 import jax
 
 from jdist._src.strategies import cross_device_ops as cross_device_ops_lib
-from jdist._src.strategies.base import Strategy
+from jdist._src.strategies.spmd import Strategy
 from jdist._src.strategies.devices import resolve_device, resolve_devices
 
 

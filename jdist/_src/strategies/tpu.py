@@ -6,7 +6,7 @@ import jax
 
 from jdist._src.errors import ClusterError
 from jdist._src.multiprocess import runtime as runtime_lib
-from jdist._src.strategies.base import Strategy
+from jdist._src.strategies.spmd import Strategy
 from jdist._src.strategies.devices import replica_order
 
 

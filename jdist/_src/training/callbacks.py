@@ -75,8 +75,10 @@ class Callback:
   def on_predict_batch_begin(self, batch: int, logs=None): pass
   def on_predict_batch_end(self, batch: int, logs=None): pass
 
-  def _release(self) -> None:
-    """Frees files and handlers when fit ends, even by an exception."""
+  def close(self) -> None:
+    """Frees what the callback holds (files, handlers, a checkpoint
+    directory's claim) when `fit` ends, also when it ends by an exception,
+    where `on_train_end` is not called. A jdist addition; default: nothing."""
 
 
 class LazyLogs(collections.abc.MutableMapping):
@@ -127,6 +129,7 @@ class CallbackList:
     for fn in self._active[hook]:
       fn(*args)
 
-  def release(self) -> None:
+  def close(self) -> None:
+    """Calls every callback's `close` (at the end of `fit`, however it ends)."""
     for cb in self.callbacks:
-      cb._release()
+      cb.close()

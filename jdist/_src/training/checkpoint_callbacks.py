@@ -19,7 +19,6 @@ import warnings
 
 import numpy as np
 
-from jdist._src.ps.variables import resolve
 from jdist._src.training.callbacks import Callback, is_chief, resolve_mode
 from jdist._src.training.checkpoint import Checkpointer, nonfinite_leaves
 from jdist._src.training.preemption import PreemptionWatcher
@@ -49,7 +48,8 @@ def _check_directory(path, what: str):
 
 def _save(ckpt: Checkpointer, callback: Callback) -> bool:
   loop = callback.fit_loop
-  return ckpt.save(loop.global_step, resolve(callback.model.state),
+  state = callback.model.strategy.state_placement.read(callback.model.state)
+  return ckpt.save(loop.global_step, state,
                    loop.checkpoint_meta())
 
 
@@ -138,8 +138,8 @@ class ModelCheckpoint(Callback):
       if self.save_weights_only:
         loop = self.fit_loop
         meta = dict(loop.checkpoint_meta(), weights_only=True)
-        saved = ckpt.save(loop.global_step,
-                          self.model.state.replace(opt_state=()), meta)
+        state = self.model.strategy.state_placement.read(self.model.state)
+        saved = ckpt.save(loop.global_step, state.replace(opt_state=()), meta)
       else:
         saved = _save(ckpt, self)
     finally:
@@ -172,13 +172,13 @@ class ModelCheckpoint(Callback):
       self.best = value
       self._write(f"{self.monitor} improved to {value:.4g}", epoch, None, logs)
 
-  def _release(self):
+  def close(self):
     if self._ckpt is not None:
       self._ckpt.close()
       self._ckpt = None
 
   def on_train_end(self, logs=None):
-    self._release()
+    self.close()
 
 
 class BackupAndRestore(Callback):
@@ -223,8 +223,9 @@ class BackupAndRestore(Callback):
     trainer = self.model
     self._ckpt = Checkpointer(self.backup_dir, max_to_keep=self.max_to_keep,
                               claim=True)
-    restored = self._ckpt.restore(resolve(trainer.state),
-                                  trainer.strategy.mesh)
+    restored = self._ckpt.restore(
+        trainer.strategy.state_placement.read(trainer.state),
+        trainer.strategy.mesh)
     if restored is not None:
       state, meta = restored
       self.fit_loop.restore(state, meta)
@@ -240,7 +241,7 @@ class BackupAndRestore(Callback):
     if self._watcher.reached(trainer.global_step):
       self._watcher.handled()
       _save(self._ckpt, self)
-      self._release()
+      self.close()
       if is_chief():
         print(f"BackupAndRestore: preempted; saved step {trainer.global_step} "
               f"to {self.backup_dir}. Exiting; relaunch to resume.",
@@ -253,7 +254,10 @@ class BackupAndRestore(Callback):
     if self.save_freq == "epoch":
       _save(self._ckpt, self)
 
-  def _release(self, *, delete: bool = False):
+  def close(self):
+    self._let_go(delete=False)
+
+  def _let_go(self, *, delete: bool):
     if self._watcher is not None:
       self._watcher.close()
       self._watcher = None
@@ -264,11 +268,12 @@ class BackupAndRestore(Callback):
   def on_train_end(self, logs=None):
     if self._ckpt is None:
       return
-    bad = (nonfinite_leaves(resolve(self.model.state))
+    bad = (nonfinite_leaves(self.model.strategy.state_placement.read(
+        self.model.state))
            if self.delete_checkpoint else [])
     if bad and is_chief():
       print(f"BackupAndRestore: training ended with NaN or infinite values in "
             f"the train state ({bad[0]}, ...); the backups in "
             f"{self._ckpt.directory} are kept. Delete the directory to start "
             "over.", file=sys.stderr, flush=True)
-    self._release(delete=self.delete_checkpoint and not bad)
+    self._let_go(delete=self.delete_checkpoint and not bad)

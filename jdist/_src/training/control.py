@@ -8,7 +8,6 @@ from typing import Callable
 
 import numpy as np
 
-from jdist._src.ps.variables import resolve
 from jdist._src.training.callbacks import Callback, is_chief, resolve_mode
 
 
@@ -112,14 +111,15 @@ class EarlyStopping(Callback):
       return
     if epoch < self.start_from_epoch:
       return
+    placement = self.model.strategy.state_placement
     if self.restore_best_weights and self.best_state is None:
-      self.best_state = resolve(self.model.state)
+      self.best_state = placement.read(self.model.state)
     self.wait += 1
     if self._improved(value, self.best):
       self.best, self.best_epoch = value, epoch
       if self.restore_best_weights:
         # Arrays are immutable: no copy (variables on servers are read).
-        self.best_state = resolve(self.model.state)
+        self.best_state = placement.read(self.model.state)
       if self.baseline is None or self._improved(value, self.baseline):
         self.wait = 0
       return
@@ -127,9 +127,11 @@ class EarlyStopping(Callback):
       self.stopped_epoch = epoch
       self.model.stop_training = True
       if self.restore_best_weights and self.best_state is not None:
-        self.model.state = self.model.state.replace(
-            params=self.best_state.params,
-            model_state=self.best_state.model_state)
+        self.model.state = placement.write(
+            self.model.state, placement.read(self.model.state).replace(
+                params=self.best_state.params,
+                model_state=self.best_state.model_state),
+            self.model.strategy.mesh)
         if self.verbose and is_chief():
           print(f"Restoring the parameters of epoch {self.best_epoch + 1}.")
 

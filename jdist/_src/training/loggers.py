@@ -59,9 +59,9 @@ class CSVLogger(Callback):
     self._file.flush()
 
   def on_train_end(self, logs=None):
-    self._release()
+    self.close()
 
-  def _release(self):
+  def close(self):
     if self._file is not None:
       self._file.close()
       self._file = None
@@ -156,9 +156,9 @@ class TensorBoard(Callback):
       w.flush()
 
   def on_train_end(self, logs=None):
-    self._release()
+    self.close()
 
-  def _release(self):
+  def close(self):
     if self._tracing:
       jax.profiler.stop_trace()
       self._tracing = False

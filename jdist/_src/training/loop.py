@@ -17,7 +17,6 @@ import jax
 import numpy as np
 
 from jdist._src.core import placement
-from jdist._src.ps.variables import assign
 from jdist._src.training import steps as steps_lib
 from jdist._src.training.callbacks import CallbackList, LazyLogs
 from jdist._src.training.history import History
@@ -105,14 +104,18 @@ class FitLoop:
     pos = self.position
     sums = None
     if pos.batch and self.totals is not None:
-      sums = steps_lib.read_sums(self.trainer.strategy, self.totals)
+      strategy = self.trainer.strategy
+      sums = steps_lib.read_sums(strategy,
+                                 strategy.state_placement.read(self.totals))
     return {"epoch": pos.epoch, "batch": pos.batch, "consumed": pos.consumed,
             "sums": sums, "history": self.history.to_dict(),
             "data": self.source.state(pos.consumed)}
 
   def restore(self, state, meta: dict) -> None:
     """Continues from a restored checkpoint (used by `BackupAndRestore`)."""
-    self.trainer.state = assign(self.trainer.state, state)
+    strategy = self.trainer.strategy
+    self.trainer.state = strategy.state_placement.write(
+        self.trainer.state, state, strategy.mesh)
     self.global_step = int(meta["step"])
     self.position = Position(int(meta["epoch"]), int(meta["batch"]),
                              int(meta["consumed"]))

@@ -67,10 +67,16 @@ def optimizer(tx: optax.GradientTransformation, policy: DTypePolicy, params):
   return loss_scale.loss_scale_optimizer(tx)
 
 
+def is_loss_scaled(opt_state) -> bool:
+  """Whether an optimizer state (or its abstract structure) is that of
+  `jdist.loss_scale_optimizer`."""
+  return isinstance(opt_state, loss_scale.LossScaleState)
+
+
 def train_logs(opt_state) -> dict:
   """What fit adds to its logs for a loss-scaled optimizer (on the devices):
   the current scale and the steps skipped so far."""
-  if not isinstance(opt_state, loss_scale.LossScaleState):
+  if not is_loss_scaled(opt_state):
     return {}
   return {"loss_scale": opt_state.loss_scale.scale,
           "skipped_steps": opt_state.skipped_steps}

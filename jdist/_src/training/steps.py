@@ -9,6 +9,8 @@ the exact mean over the examples seen, on any number of replicas.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,7 +25,6 @@ from jdist._src.ops import loss_scale
 from jdist._src.ops import losses
 from jdist._src.ops import metrics as metrics_lib
 from jdist._src.ops.loss_objects import Loss
-from jdist._src.ps.variables import resolve
 from jdist._src.training import objectives
 from jdist._src.training.state import TrainState
 
@@ -168,15 +169,25 @@ def predictions(model, state: TrainState, x):
   return np.asarray(y_pred)
 
 
-def output_spec(model, state: TrainState, sample: dict, what: str):
+def input_spec(x) -> Any:
+  """The shapes and dtypes of host inputs `x` (a pytree of arrays)."""
+  return jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.asarray(a).dtype), x)
+
+
+def output_spec(model, state: TrainState, sample: dict, what: str,
+                initialised_for=None):
   """The model's output shapes for `sample`'s inputs, traced (nothing runs).
+
+  Args:
+    initialised_for: the `input_spec` of the inputs the model's parameters
+      were initialised from, if known: named in the error when they differ.
 
   Raises:
     TypeError: the model's signature does not take the trainer's call.
     ValueError: the model fails on the data's inputs.
   """
-  spec = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.asarray(a).dtype)
-  x = jax.tree.map(spec, sample["x"])
+  x = input_spec(sample["x"])
   model.check()
   try:
     return jax.eval_shape(
@@ -184,9 +195,11 @@ def output_spec(model, state: TrainState, sample: dict, what: str):
         state.params, state.model_state, x)
   except Exception as e:  # the model's own error, put in context
     hint = ""
-    if any(w in str(e).lower() for w in ("shape", "dimension", "rank")):
-      hint = ("\nCheck that the data has the shape the model was built or "
-              "initialised for.")
+    example = lambda t: jax.tree.map(lambda a: tuple(a.shape[1:]), t)
+    if initialised_for is not None and example(initialised_for) != example(x):
+      hint = (f"\nCheck that the data has the shape the model was "
+              f"initialised for: examples of shapes {example(initialised_for)}"
+              f"; this data's examples have {example(x)}.")
     raise ValueError(
         f"The model fails on the {what}'s inputs (x shapes "
         f"{objectives.describe(x)}): {type(e).__name__}: {e}{hint}") from e
@@ -200,8 +213,7 @@ def check_objectives(loss: Loss, metrics: dict, sample: dict, y_pred,
     ValueError: the loss or a metric cannot compare the predictions with
       the targets, or does not return one value per example.
   """
-  spec = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.asarray(a).dtype)
-  y = jax.tree.map(spec, sample["y"])
+  y = input_spec(sample["y"])
   b = _batch_size(sample["x"])
   try:
     out = jax.eval_shape(loss.call, y, y_pred)
@@ -213,15 +225,14 @@ def check_objectives(loss: Loss, metrics: dict, sample: dict, y_pred,
         f"{objectives.check_loss_order(loss, y, y_pred) or ''}") from e
   _check_per_example_output(out, b, "loss")
   for name, metric in metrics.items():
+    if isinstance(metric, metrics_lib.MeanMetricWrapper):
+      try:
+        out = jax.eval_shape(metric.fn, y, y_pred)
+      except Exception as e:
+        raise _metric_error(name, what, y, y_pred, e) from e
+      _check_per_example_output(out, b, f"metric {name!r}")
     try:
-      if isinstance(metric, metrics_lib.MeanMetricWrapper):
-        _check_per_example_output(jax.eval_shape(metric.fn, y, y_pred), b,
-                                  f"metric {name!r}")
       jax.eval_shape(lambda m, t, p: m.update(t, p).totals, metric, y, y_pred)
-    except ValueError as e:
-      if "per example" in str(e):
-        raise
-      raise _metric_error(name, what, y, y_pred, e) from e
     except Exception as e:
       raise _metric_error(name, what, y, y_pred, e) from e
 
@@ -251,8 +262,10 @@ def restore_totals(totals: dict, sums: dict) -> dict:
 
 
 def device_sums(strategy, totals: dict) -> dict:
-  """`{name: {"total", "count"}}` summed over replicas, still on the devices."""
-  totals = resolve(totals)  # read from the servers under parameter servers
+  """`{name: {"total", "count"}}` summed over replicas, still on the devices.
+
+  `totals` is their value (`StatePlacement.read` of held totals).
+  """
   sync = {k: m.totals for k, m in totals.items()}
   if any(s.per_replica for s in sync.values()):
     return strategy.reduce("sum", sync)

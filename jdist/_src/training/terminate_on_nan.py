@@ -40,10 +40,12 @@ class TerminateOnNaN(Callback):
     if self._pending is not None:
       seen, loss = self._pending
       self._check(f"Batch {seen}", float(np.sum(np.asarray(loss))))
-    loss = self.fit_loop.totals["loss"].totals.value["total"]
+    strategy = self.model.strategy
+    totals = strategy.state_placement.read(self.fit_loop.totals)
+    loss = totals["loss"].totals.value["total"]
     if not loss.is_fully_addressable:  # sum over processes: all see the same
       loss = placement.host_local(steps_lib.device_sums(
-          self.model.strategy, self.fit_loop.totals)["loss"]["total"])
+          strategy, totals)["loss"]["total"])
     loss.copy_to_host_async()
     self._pending = (batch, loss)
 

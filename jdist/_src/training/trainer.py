@@ -18,7 +18,6 @@ from jdist._src.errors import CheckpointNotFoundError
 from jdist._src.ops import accumulation
 from jdist._src.ops import precision
 from jdist._src.ops.sharded_optimizer import ShardedOptimizer
-from jdist._src.ps.variables import ServerVariables, assign, resolve, shapes
 from jdist._src.training import data as data_lib
 from jdist._src.training import loop
 from jdist._src.training import mixed_precision
@@ -152,6 +151,7 @@ class Trainer:
     self.history: History | None = None
     self._global_step = 0
     self._fit_loop: FitLoop | None = None  # the running fit
+    self._initialised_for = None  # input_spec of the build's inputs
 
   # --- properties --------------------------------------------------------
 
@@ -165,7 +165,7 @@ class Trainer:
   @property
   def params(self):
     """The model's current parameters (mirrored arrays)."""
-    return None if self.state is None else resolve(self.state).params
+    return None if self.state is None else self._read(self.state).params
 
   @property
   def global_step(self) -> int:
@@ -205,11 +205,11 @@ class Trainer:
   @learning_rate.setter
   def learning_rate(self, value: float) -> None:
     old = self._lr_leaf()
-    new = np.asarray(value, dtype=old.dtype)
-    if not isinstance(self.state, ServerVariables):  # servers take host values
-      new = self.strategy.replicate(new)
-    self.state = self.state.replace(opt_state=optax.tree_utils.tree_set(
-        resolve(self.state).opt_state, learning_rate=new))
+    current_state = self._read(self.state)
+    self.state = self._write(self.state, current_state.replace(
+        opt_state=optax.tree_utils.tree_set(
+            current_state.opt_state,
+            learning_rate=np.asarray(value, dtype=old.dtype))))
 
   @property
   def optimizer(self) -> OptimizerView:
@@ -220,7 +220,7 @@ class Trainer:
 
   def _lr_leaf(self):
     self._require_state("read or set the learning rate")
-    lr = optax.tree_utils.tree_get(resolve(self.state).opt_state,
+    lr = optax.tree_utils.tree_get(self._read(self.state).opt_state,
                                    "learning_rate",
                                    default=None)
     if lr is None:
@@ -242,6 +242,7 @@ class Trainer:
       key = jax.random.key(self._seed)
       init_key, rng_key = jax.random.split(key)
       sample = jax.tree.map(lambda a: np.asarray(a)[:1], x)
+      self._initialised_for = steps_lib.input_spec(sample)
       try:
         params, model_state = self._model.init(init_key, sample)
       except Exception as e:
@@ -261,6 +262,14 @@ class Trainer:
       self.state = self.strategy.replicate(state)
       self._global_step = 0
     return self.state
+
+  def _read(self, held):
+    """The value of held state (read from the servers under parameter servers)."""
+    return self.strategy.state_placement.read(held)
+
+  def _write(self, held, value):
+    """Writes `value` into held state; returns the held state."""
+    return self.strategy.state_placement.write(held, value, self.strategy.mesh)
 
   def _require_state(self, what: str) -> None:
     if self.state is None:
@@ -301,8 +310,9 @@ class Trainer:
     batch and the static global batch size."""
     sample = source.peek()
     self.build(sample["x"])
-    y_pred = steps_lib.output_spec(self._compute_model, shapes(self.state),
-                                   sample, what)
+    y_pred = steps_lib.output_spec(
+        self._compute_model, self.strategy.state_placement.abstract(self.state),
+        sample, what, self._initialised_for)
     static = data_lib.static_batch_size(
         source, sample, self.strategy.num_replicas_in_sync, what)
     if what == "training data":
@@ -323,7 +333,7 @@ class Trainer:
     if not self._checked_first_batch:
       self._checked_first_batch = True
       objectives.check_predictions(self._loss, steps_lib.predictions(
-          self._compute_model, resolve(self.state), sample["x"]))
+          self._compute_model, self._read(self.state), sample["x"]))
     num_classes = y_pred.shape[-1] if y_pred.ndim > 1 else None
     check = functools.partial(objectives.check_targets, self._loss,
                               num_classes=num_classes)
@@ -419,7 +429,7 @@ class Trainer:
     fit_loop = FitLoop(self, self._steps[0], source, epochs=epochs,
                        initial_epoch=initial_epoch,
                        global_step=int(placement.to_host(
-                           resolve(self.state).step)),
+                           self._read(self.state).step)),
                        validate=validate, make_totals=self._totals,
                        read_means=self._read_train_logs, batch_size=static,
                        steps_per_execution=self._steps_per_execution)
@@ -436,21 +446,22 @@ class Trainer:
       self._fit_loop = None
       self._global_step = fit_loop.global_step
       bar.close()
-      cbs.release()
+      cbs.close()
     if isinstance(self._model, model_lib.NnxModel):
       self.export()
     return self.history
 
   def _read_means(self, totals) -> dict:
-    totals = resolve(totals)  # one read from the servers under parameter servers
+    totals = self._read(totals)  # one read from the servers, if held there
     return steps_lib.means(totals, steps_lib.read_sums(self.strategy, totals))
 
   def _read_train_logs(self, totals) -> dict:
     """The training logs: the means, and the loss scale's state if any."""
     logs = self._read_means(totals)
-    # (Under parameter servers the policy's loss scale is not reported.)
-    extra = (None if isinstance(self.state, ServerVariables)
-             else mixed_precision.train_logs(self.state.opt_state))
+    extra = None
+    if mixed_precision.is_loss_scaled(
+        self.strategy.state_placement.abstract(self.state).opt_state):
+      extra = mixed_precision.train_logs(self._read(self.state).opt_state)
     if extra:
       logs.update({k: float(v) for k, v in
                    placement.to_host(extra).items()})
@@ -509,7 +520,7 @@ class Trainer:
     an apply function's parameters.
     """
     self._require_state("export")
-    state = resolve(self.state)
+    state = self._read(self.state)
     return self._model.export(state.params, state.model_state)
 
   def load_checkpoint(self, directory, *, step: int | None = None) -> int:
@@ -530,7 +541,7 @@ class Trainer:
     ckpt = Checkpointer(directory)
     try:
       weights_only = _weights_only(ckpt, step)
-      current_state = resolve(self.state)
+      current_state = self._read(self.state)
       target = (current_state.replace(opt_state=()) if weights_only
                 else current_state)
       restored = ckpt.restore(target, self.strategy.mesh, step=step)
@@ -542,10 +553,10 @@ class Trainer:
           "directory a ModelCheckpoint or BackupAndRestore wrote.")
     state, meta = restored
     if weights_only:  # Keras' load_weights: the optimizer and step stay
-      self.state = assign(self.state, current_state.replace(
+      self.state = self._write(self.state, current_state.replace(
           params=state.params, model_state=state.model_state))
       return int(meta["step"])
-    self.state = assign(self.state, state)
+    self.state = self._write(self.state, state)
     self._global_step = int(meta["step"])
     return self._global_step
 

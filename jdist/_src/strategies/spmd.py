@@ -1,0 +1,268 @@
+"""`Strategy`: one SPMD program over a device mesh, and the methods on it.
+
+A strategy of this family is a value: its class, its devices and its axis
+name (`Strategy.identity`). Two strategies with the same identity are equal,
+interchangeable, and accept each other's distributed values. Subclasses only
+choose devices (and may check their platform) and where state is held between
+steps (a `StatePlacement`, as `CentralStorageStrategy` does); every behaviour
+lives here and in `base.py`, so a new strategy adds a module and no branches
+elsewhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from jdist._src.core import cross_replica
+from jdist._src.core import placement
+from jdist._src.core.function import DistributedFunction
+from jdist._src.core.values import PerReplica, Sharded, SyncOnRead
+from jdist._src.input import dataset as input_lib
+from jdist._src.input.options import InputOptions
+from jdist._src.multiprocess import runtime as runtime_lib
+from jdist._src.multiprocess.options import CommunicationOptions
+from jdist._src.multiprocess.program_check import StepGuard
+from jdist._src.strategies.base import StrategyBase
+
+
+class Strategy(StrategyBase):
+  """Runs a per-replica step on every device of a mesh, one replica each.
+
+  Use a concrete strategy: `jdist.MirroredStrategy`, `jdist.OneDeviceStrategy`,
+  or the default strategy from `jdist.get_strategy()`.
+
+  Example:
+    >>> import jdist, jax.numpy as jnp
+    >>> strategy = jdist.MirroredStrategy()
+    >>> def step(w, x):
+    ...   return jdist.compute_average_loss((x @ w) ** 2)
+    >>> xs = strategy.experimental_distribute_dataset([jnp.ones((8, 3))])
+    >>> w = strategy.replicate(jnp.ones(3))
+    >>> loss = strategy.run(step, args=(w, next(iter(xs))))
+    >>> float(strategy.reduce("sum", loss))
+    9.0
+  """
+
+  def __init__(self, devices: Sequence[Any], *, axis_name: str = "replica",
+               communication_options=None,
+               state_placement: placement.StatePlacement | None = None):
+    super().__init__(state_placement=state_placement)
+    devices = tuple(devices)
+    if not devices:
+      raise ValueError("A strategy needs at least one device.")
+    self._devices = devices
+    self._axis_name = axis_name
+    self._mesh = Mesh(np.array(devices, dtype=object), (axis_name,),
+                      axis_types=(AxisType.Auto,))
+    self._communication_options = CommunicationOptions.of(
+        communication_options)
+    # Only a mesh that spans processes needs the runtime's cross-process checks.
+    self._runtime = self._step_guard = None
+    if placement.spans_processes(self._mesh):
+      self._runtime = runtime_lib.current()
+      self._step_guard = StepGuard(self._runtime, self._communication_options)
+
+  # --- identity --------------------------------------------------------------
+
+  @property
+  def identity(self) -> tuple:
+    """What makes two strategies equal: the class name, the devices (platform
+    and id, in replica order) and the axis name; a subclass adds its own
+    settings (`CentralStorageStrategy`: its parameter device)."""
+    return (type(self).__name__,
+            tuple((d.platform, d.id) for d in self._devices), self._axis_name)
+
+  def __eq__(self, other) -> bool:
+    return isinstance(other, Strategy) and self.identity == other.identity
+
+  def __hash__(self) -> int:
+    return hash(self.identity)
+
+  def __repr__(self) -> str:
+    devs = ", ".join(f"{d.platform}:{d.id}" for d in self._devices)
+    return f"{type(self).__name__}(devices=[{devs}])"
+
+  # --- properties ------------------------------------------------------------
+
+  @property
+  def devices(self) -> tuple:
+    """The devices of the replicas, in replica order."""
+    return self._devices
+
+  @property
+  def mesh(self) -> Mesh:
+    """The one-axis `jax.sharding.Mesh` the replicas run on."""
+    return self._mesh
+
+  @property
+  def axis_name(self) -> str:
+    """Name of the mesh axis (pass it to `lax` collectives or flax BatchNorm)."""
+    return self._axis_name
+
+  @property
+  def num_replicas_in_sync(self) -> int:
+    """How many replicas run each step."""
+    return len(self._devices)
+
+  @property
+  def communication_options(self):
+    """The `jdist.CommunicationOptions` of this strategy's collectives."""
+    return self._communication_options
+
+  @property
+  def runtime(self):
+    """The multi-process `Runtime` the mesh spans, or a single-process one."""
+    return self._runtime or runtime_lib.current()
+
+  @property
+  def step_guard(self):
+    """The multi-process checks of this strategy's steps (None in one process)."""
+    return self._step_guard
+
+  # --- running steps ---------------------------------------------------------
+
+  def function(self, fn: Callable | None = None, *, donate_argnums=(),
+               static_argnums=(), static_argnames=(), check_state: bool = True,
+               check_loss_scaling: bool = True):
+    """Compiles `fn` as a per-replica step; the result is called like `fn`.
+
+    `fn` runs once per replica (inside `jax.shard_map`) and sees its own slice
+    of `PerReplica` arguments; other arguments reach every replica whole.
+    Outputs that are the same on every replica come back as mirrored arrays,
+    the others as `PerReplica`. The step compiles once per input structure
+    (jit's cache); it is traced twice per compilation, once abstractly to read
+    which outputs vary over replicas.
+
+    Args:
+      fn: the per-replica step. May be omitted to use this as a decorator with
+        arguments.
+      donate_argnums: passed to `jax.jit` (donate the state to save memory).
+      static_argnums, static_argnames: passed to `jax.jit`: arguments that
+        are Python values (flags, strings), compiled into the program.
+      check_state: raise `jdist.VaryingStateError` when an output with the
+        structure of a mirrored input (the state) varies over replicas.
+      check_loss_scaling: raise `jdist.LossScalingError` when the step's
+        loss is a mean over its replica's batch (gradients, summed over
+        replicas, would be num_replicas times too large), found in the
+        traced program at the first compilation.
+
+    Returns:
+      A `DistributedFunction`.
+
+    Example:
+      >>> import jdist, jax.numpy as jnp
+      >>> strategy = jdist.MirroredStrategy()
+      >>> @strategy.function
+      ... def double(x):
+      ...   return 2 * x
+      >>> double(jnp.ones(2))
+      Array([2., 2.], dtype=float32)
+    """
+    options = dict(donate_argnums=donate_argnums, static_argnums=static_argnums,
+                   static_argnames=static_argnames, check_state=check_state,
+                   check_loss_scaling=check_loss_scaling)
+    if fn is None:
+      return lambda f: self.function(f, **options)
+    return DistributedFunction(self, fn, **options)
+
+  # --- reading distributed values -------------------------------------------
+
+  def reduce(self, reduce_op, value: Any, axis: int | None = None) -> Any:
+    """Combines a step's per-replica outputs into one value.
+
+    Args:
+      reduce_op: `jdist.ReduceOp` SUM, MEAN, MAX or MIN (or its name).
+      value: a pytree holding `PerReplica` values (and mirrored arrays).
+      axis: None to combine replicas' values; an axis of each replica's value
+        to reduce along it as well (axis=0 of per-example values is over the
+        whole global batch, padding excluded).
+
+    Returns:
+      The reduced pytree, replicated on every device (and every process).
+
+    Raises:
+      jdist.DoubleReductionError: SUM of a mirrored value, which is already
+        the same on every replica.
+    """
+    return cross_replica.reduce(self, reduce_op, value, axis)
+
+  def gather(self, value: Any, axis: int = 0) -> Any:
+    """Concatenates replicas' values along `axis` (padding rows dropped)."""
+    return cross_replica.gather(self, value, axis)
+
+  def experimental_local_results(self, value: Any) -> tuple:
+    """The values of this process's replicas, as a tuple in replica order."""
+    return cross_replica.local_results(self, value)
+
+  # --- placing values --------------------------------------------------------
+
+  def replicate(self, tree: Any) -> Any:
+    """Places every leaf of `tree` on every replica (mirrored placement).
+
+    `SyncOnRead` subtrees get one copy per replica, arranged so that reading
+    them gives back the value; `PerReplica` and `Sharded` values are left
+    where they are.
+    """
+    n = self.num_replicas_in_sync
+
+    def place(node):
+      if isinstance(node, (PerReplica, Sharded)):
+        return node
+      if isinstance(node, SyncOnRead):
+        if node.per_replica:
+          return node
+        rows = node.replica_rows(n, np)
+        ids = list(placement.local_replica_ids(self._devices))
+        return SyncOnRead(placement.put_per_replica(
+            jax.tree.map(lambda x: x[ids], rows.value), self._mesh,
+            self._axis_name, n), node.aggregation, True)
+      return self._state_placement.put(node, self._mesh)
+
+    return jax.tree.map(place, tree, is_leaf=lambda x: isinstance(
+        x, (PerReplica, SyncOnRead, Sharded)))
+
+  def experimental_distribute_dataset(self, dataset: Iterable, options=None, *,
+                                      global_batch_size: int | None = None):
+    """Splits each global batch of `dataset` over the replicas.
+
+    The global batch size (by default that of the first batch) must divide
+    evenly over the replicas. A shorter batch (the end of the data) is padded
+    and masked so nothing is dropped or counted twice, and the step does not
+    recompile.
+
+    Args:
+      dataset: any iterable of batches (pytrees of arrays with a leading batch
+        axis): a list, a generator function's result, a tf.data or grain
+        iterator. Each `iter()` of the result iterates `dataset` again.
+      options: a `jdist.InputOptions` (or TF's `tf.distribute.InputOptions`):
+        how many batches to place on the devices ahead of the step (default:
+        one), and whether in a background thread.
+      global_batch_size: the static batch size, when the first batch may be a
+        short one (a pass resumed near the end of the data).
+
+    Returns:
+      A `DistributedDataset` of `PerReplica` batches.
+    """
+    return input_lib.global_batches(self, dataset,
+                                    options=InputOptions.of(options),
+                                    global_batch_size=global_batch_size)
+
+  def distribute_datasets_from_function(self, dataset_fn: Callable,
+                                        options=None):
+    """Builds each process's input from `dataset_fn(jdist.InputContext)`.
+
+    `dataset_fn` returns an iterable of per-replica batches; each step takes
+    one for each of the process's replicas, in replica order. A short or
+    missing batch at the end of the data is padded and masked. `options`:
+    a `jdist.InputOptions`, as for `experimental_distribute_dataset`.
+    """
+    return input_lib.per_replica_batches(self, dataset_fn,
+                                         options=InputOptions.of(options))
+
+  def experimental_distribute_values_from_function(self, value_fn: Callable):
+    """Makes a `PerReplica` from `value_fn(ctx)` called for each local replica."""
+    return input_lib.from_values(self, value_fn)
