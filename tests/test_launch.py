@@ -1,6 +1,7 @@
 """`jdist launch`, run as a user runs it, on small plain-Python scripts."""
 
 import os
+import re
 import signal
 import sys
 import textwrap
@@ -36,13 +37,22 @@ def test_arguments_are_checked(tmp_path, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_each_process_gets_its_rank_and_devices():
-  env = launch.child_env({"XLA_FLAGS": "--xla_dump_to=/tmp/x"}, 1, 3, 4321, 2)
-  assert env["JDIST_COORDINATOR_ADDRESS"] == "127.0.0.1:4321"
-  assert (env["JDIST_NUM_PROCESSES"], env["JDIST_PROCESS_ID"]) == ("3", "1")
-  assert env["JDIST_LOCAL_DEVICE_IDS"] == "2,3"
-  assert env["XLA_FLAGS"] == ("--xla_dump_to=/tmp/x "
-                              "--xla_force_host_platform_device_count=2")
+def test_each_process_gets_its_rank_and_devices(script):
+  job = script("""
+      import os
+      names = ["JDIST_PROCESS_ID", "JDIST_NUM_PROCESSES", "JDIST_LOCAL_DEVICE_IDS",
+               "XLA_FLAGS", "JDIST_RESTART_COUNT", "JDIST_MAX_RESTARTS"]
+      print(*[os.environ[k] for k in names], sep="|")
+      print("coordinator", os.environ["JDIST_COORDINATOR_ADDRESS"])
+  """)
+  r = harness.run_launcher(["-n", "3", "--devices-per-process", "2", job],
+                           timeout=60, XLA_FLAGS="--xla_dump_to=/tmp/x")
+  assert r.returncode == 0, r.output
+  flags = "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=2"
+  assert f"[1] 1|3|2,3|{flags}|0|0" in r.stdout, r.stdout
+  assert f"[2] 2|3|4,5|{flags}|0|0" in r.stdout, r.stdout
+  coordinators = set(re.findall(r"coordinator (127\.0\.0\.1:\d+)", r.stdout))
+  assert len(coordinators) == 1, r.stdout
   args = launch.parse_args(["launch", "-n", "2", __file__, "--lr", "0.1", "-v"])
   assert (args.num_processes, args.args) == (2, ["--lr", "0.1", "-v"])
 
