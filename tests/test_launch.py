@@ -31,10 +31,34 @@ def test_arguments_are_checked(tmp_path, capsys):
       (["-n", "2", str(tmp_path / "missing.py")], "no such script"),
       (["-n", "2", "--devices-per-process", "0", __file__],
        "--devices-per-process must be at least 1"),
+      (["-n", "2", "--nnodes", "2", __file__], "not both"),
+      (["--nnodes", "4:2", __file__], "1 <= MIN <= MAX"),
+      (["--nnodes", "two", __file__], "--nnodes must be MIN:MAX or N"),
+      (["-n", "2", "--min-processes", "3", __file__],
+       "--min-processes must be from 1 to -n (2)"),
+      (["--nnodes", "2:4", "--min-processes", "1", __file__],
+       "--min-processes goes with -n"),
+      (["-n", "4", "--nproc-per-node", "2", __file__], "-n counts processes"),
+      (["-n", "2", "--max-restarts", "-1", __file__], "--max-restarts must be 0"),
+      (["-n", "2", "--stuck-timeout", "0", __file__], "--stuck-timeout must be"),
+      (["--nnodes", "2", "--rdzv-endpoint", "nohost", __file__],
+       "--rdzv-endpoint must be HOST:PORT"),
   ]:
     with pytest.raises(SystemExit):
       launch.parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+def test_torchrun_sizes_and_jdist_sizes():
+  """`-n N` is N nodes of one process; `--min-processes` lowers the minimum."""
+  for argv, sizes in [
+      (["-n", "4"], (4, 4, 1)),
+      (["-n", "4", "--min-processes", "2"], (2, 4, 1)),
+      (["--nnodes", "2:4"], (2, 4, 1)),
+      (["--nnodes", "3", "--nproc-per-node", "2"], (3, 3, 2)),
+  ]:
+    args = launch.parse_args([*argv, __file__])
+    assert (args.min_nodes, args.max_nodes, args.nproc_per_node) == sizes, argv
 
 
 def test_each_process_gets_its_rank_and_devices(script):
@@ -159,3 +183,75 @@ def test_the_process_that_failed_is_named_not_its_peer(script, culprit,
   assert (f"jdist launch: process {culprit} of 2 failed (exit code 1)"
           in r.stderr), r.stderr
   assert f"  | ValueError: bad shard in process {culprit}" in r.stderr
+
+
+# Each process prints its pid and attempt; once every process of the attempt
+# runs (a file each in DIR), it does its FAULTS (ATTEMPT:RANK:WHAT), and
+# otherwise waits until the launcher stops it (or exits 0 in the last attempt).
+ELASTIC = """
+    import os, signal, sys, threading, time
+    rank, attempt = os.environ["JDIST_PROCESS_ID"], os.environ["JDIST_RESTART_COUNT"]
+    world = int(os.environ["JDIST_NUM_PROCESSES"])
+    print(f"pid {os.getpid()} attempt {attempt} of {os.environ['JDIST_MAX_RESTARTS']}"
+          f" world {world}", flush=True)
+    ready = os.path.join(sys.argv[1], f"{attempt}-{{}}")
+    open(ready.format(rank), "w").close()
+    deadline = time.monotonic() + 30
+    while not all(os.path.exists(ready.format(r)) for r in range(world)):
+        assert time.monotonic() < deadline, "the other processes never started"
+        time.sleep(0.02)
+    for fault in sys.argv[2:]:
+        a, r, what = fault.split(":")
+        if (a, r) == (attempt, rank):
+            if what == "exit3":
+                sys.exit(3)
+            os.kill(os.getpid(), getattr(signal, what))
+    if attempt != os.environ["JDIST_MAX_RESTARTS"]:
+        threading.Event().wait()
+"""
+
+
+def _pids(output: str) -> list:
+  return [int(p) for p in re.findall(r"\] pid (\d+) ", output)]
+
+
+def test_failures_restart_the_job_with_its_attempt_number(script, tmp_path):
+  r = harness.run_launcher(["--nnodes", "3", "--max-restarts", "2",
+                            script(ELASTIC), tmp_path, "0:1:exit3", "1:0:SIGKILL"],
+                           timeout=60)
+  assert r.returncode == 0, r.output
+  for attempt in range(3):
+    for rank in range(3):
+      assert f"[{rank}] pid" in r.stdout
+    assert r.stdout.count(f"attempt {attempt} of 2 world 3") == 3, r.stdout
+  assert ("jdist launch: attempt 0: process 1 of 3 failed (exit code 3); "
+          "restarting the job (restart 1 of at most 2)." in r.stderr), r.stderr
+  assert ("jdist launch: attempt 1: process 0 of 3 failed (killed by SIGKILL); "
+          "restarting the job (restart 2 of at most 2)." in r.stderr), r.stderr
+  assert "the job completed after 2 restarts" in r.stderr
+  assert harness.wait_gone(_pids(r.stdout), timeout=5) == []
+
+
+def test_three_failures_end_the_job_with_one_message(script, tmp_path):
+  """`--max-restarts 2`: an exit code, a SIGKILL and a stopped process."""
+  r = harness.run_launcher(
+      ["--nnodes", "3", "--max-restarts", "2", "--stuck-timeout", "3",
+       "--grace-period", "2", script(ELASTIC), tmp_path, "0:1:exit3", "1:0:SIGKILL",
+       "2:2:SIGSTOP"], timeout=90)
+  assert r.returncode == 1, r.output
+  message = r.stderr[r.stderr.index("jdist launch: the job failed"):]
+  lines = message.splitlines()
+  assert lines[:5] == [
+      "jdist launch: the job failed 3 times, and --max-restarts 2 allows 2 "
+      "restarts.",
+      "Each failure:",
+      "  attempt 0: process 1 of 3 failed (exit code 3)",
+      "  attempt 1: process 0 of 3 failed (killed by SIGKILL)",
+      lines[4]], message
+  stuck = re.fullmatch(
+      r"  attempt 2: process 2 of 3 failed \(stuck: stopped by a signal "
+      r"\(SIGSTOP or a debugger\) for (\d+\.\d) s, before it joined the job\)",
+      lines[4])
+  assert stuck and float(stuck.group(1)) >= 3, message
+  assert lines[5] == "The end of process 2's error output in attempt 2:"
+  assert harness.wait_gone(_pids(r.stdout), timeout=5) == []

@@ -9,9 +9,10 @@ the job ends, or when the launcher is told to stop (a signal).
 
 Stopping processes, which may be blocked in XLA collectives that never
 return: they first get `SETTLE_SECONDS` to end on their own (jdist's runtime
-ends a process whose peer failed); then a process that cannot act on a signal
-(stopped, silent, or blocked in a step since before the stop) is killed, and
-the others get SIGINT and are killed when `--grace-period` has passed.
+ends a process whose peer failed); then a process for which a signal can do
+nothing (stopped, silent, or waiting for its peers since before the stop) is
+killed, and the others get SIGINT and are killed when `--grace-period` has
+passed.
 SIGINT or SIGTERM to the launcher is forwarded (a SIGTERM lets a job save);
 a second signal kills. Nothing outlives the agent: `run` kills what is left
 in a `finally`, and on Linux each process dies with the agent's thread.
@@ -37,7 +38,7 @@ from jdist._src.multiprocess.rendezvous_tcp import Client, RendezvousError
 SETTLE_SECONDS = 1.0     # after a failure, for the others to end on their own
 POLL_SECONDS = 0.05      # the agent looks at its processes this often
 REPORT_SECONDS = 0.2     # and reports to the rendezvous this often
-BLOCKED_SECONDS = 1.0    # in one step this long when stopped: blocked in it
+SILENT_SECONDS = 1.0     # two beats missed: it cannot take a signal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,9 +251,14 @@ class _Stop:
 
 
 def _cannot_act(h: health.RankHealth | None) -> bool:
-  """A process that a signal cannot reach before the grace period ends."""
+  """A process for which a signal and the grace period can do nothing.
+
+  Stopped or silent, it cannot take the signal. Waiting for its peers (in a
+  step or a rendezvous) while the attempt stops, it waits for what cannot
+  complete (every step and rendezvous needs every process): inside XLA it
+  never sees the signal, and in a rendezvous it would only print a
+  `KeyboardInterrupt` and wait for its peers to learn of it.
+  """
   if h is None:
     return False
-  blocked = h.wait is not None and h.wait["kind"] == "step" and (
-      h.wait.get("waited", 0) >= BLOCKED_SECONDS)
-  return blocked or h.unresponsive_for >= BLOCKED_SECONDS
+  return h.wait is not None or h.unresponsive_for >= SILENT_SECONDS

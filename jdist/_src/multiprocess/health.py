@@ -136,7 +136,7 @@ class RankHealth:
 def _after(steps: int | None) -> str:
   if steps is None:
     return ", before it joined the job"
-  return f", after {steps} step{'s' if steps != 1 else ''}"
+  return f", last seen after {steps} step{'s' if steps != 1 else ''}"
 
 
 class Watch:
@@ -216,8 +216,8 @@ def judge(ranks: list, timeout: float) -> Finding | None:
     return Finding(tuple(r.rank for r in absent), (
         f"stuck: did not reach {where}, where process"
         f"{'es' if len(waiters) > 1 else ''} {_ranks(waiters)} waited {waited} "
-        f"for it{_after(absent[0].steps)}; it is alive (busy or blocked "
-        "elsewhere)"))
+        f"for it; it is alive, busy or blocked elsewhere{_after(absent[0].steps)}"
+        ))
   return Finding(tuple(waiters), (
       f"stuck: every process waited {waited} in {where}, which all of them "
       "started: a collective inside it does not complete"))

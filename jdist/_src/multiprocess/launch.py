@@ -97,6 +97,10 @@ def launch(args: argparse.Namespace) -> int:
             rendezvous_tcp.Server.host_if_local(state, host, port))
   if server is not None:
     host, port = server.address
+    if not standalone:
+      print(f"jdist launch: this launcher hosts the job's rendezvous on "
+            f"{host}:{port}; the job lives as long as it does.",
+            file=sys.stderr, flush=True)
   lock, interrupts = threading.Lock(), []
   handlers = {sig: signal.signal(sig, lambda s, _: interrupts.append(s))
               for sig in (signal.SIGINT, signal.SIGTERM)}
