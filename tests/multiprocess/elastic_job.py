@@ -14,9 +14,9 @@ process RANK, after step STEP, does WHAT: `kill` (SIGKILL itself), `stop`
 (exits with code 3), `park` (writes OUT_DIR/parked-RANK with its agent's pid,
 then waits forever for the test to take its node away).
 
-It prints timestamped markers the tests read: `started <t>` first thing,
+It prints timestamped markers the tests read: `started <t> pid=<pid>` first,
 `imported <t>`, `initialized <t> world=<n> attempt=<k>`,
-`resumed <step>`, `step <i> <t> world=<n>` after each step, and `fault <what>
+`resumed <step>`, `step <i> <t> world=<n>` after each step, and `fault <t> <what>
 <t>` just before a fault; at the end, process 0 writes OUT_DIR/final.npz.
 """
 
@@ -24,7 +24,7 @@ import os
 import sys
 import time
 
-print(f"started {time.time():.3f}", flush=True)
+print(f"started {time.time():.3f} pid={os.getpid()}", flush=True)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import signal  # noqa: E402
 import threading  # noqa: E402
@@ -79,7 +79,7 @@ def fault(step):
   for spec in sys.argv[2:]:
     attempt, rank, at, what = spec.split(":")
     if (int(attempt), int(rank), int(at)) == (ATTEMPT, ME, step):
-      print(f"fault {what} {time.time():.3f}", flush=True)
+      print(f"fault {time.time():.3f} {what}", flush=True)
       if what == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
       elif what == "stop":

@@ -128,8 +128,7 @@ class RankHealth:
 
   def describe_silence(self) -> str:
     how = ("stopped by a signal (SIGSTOP or a debugger)"
-           if (self.stopped_for or 0) >= (self.silent_for or 0)
-           else "no sign of life")
+           if self.stopped_for is not None else "no sign of life")
     return f"{how} for {self.unresponsive_for:.1f} s{_after(self.steps)}"
 
 

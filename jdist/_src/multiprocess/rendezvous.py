@@ -79,9 +79,6 @@ class _Member:
   gone: str | None = None       # why it left
   told_end: bool = False
 
-  def node(self) -> str:
-    return f"{self.address} (member {self.id})"
-
 
 class Rendezvous:
   """The state of an elastic job (see the module docstring).
@@ -229,8 +226,10 @@ class Rendezvous:
     members = [self._members[i] for i in self._round]
     lost = next((m for m in members if m.gone), None)
     if lost is not None:
-      ranks = ", ".join(str(r) for r in self._ranks_of(lost))
-      self._stop(node_lost=(f"{lost.address} (processes {ranks})",
+      ranks = list(self._ranks_of(lost))
+      which = (f"process{'es' if len(ranks) > 1 else ''} "
+               f"{', '.join(str(r) for r in ranks)}")
+      self._stop(node_lost=(f"{lost.id} ({lost.address}, {which})",
                             f"went away ({lost.gone})"))
     elif self._failing or any(r.failed for rs in self._records.values()
                               for r in rs):
