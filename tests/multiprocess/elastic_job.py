@@ -16,8 +16,9 @@ then waits forever for the test to take its node away).
 
 It prints timestamped markers the tests read: `started <t> pid=<pid>` first,
 `imported <t>`, `initialized <t> world=<n> attempt=<k>`,
-`resumed <step>`, `step <i> <t> world=<n>` after each step, and `fault <t> <what>
-<t>` just before a fault; at the end, process 0 writes OUT_DIR/final.npz.
+`resumed <step> <t>` (checkpoint read, data ready), `step <i> <t> world=<n>`
+after each step, and `fault <t> <what>` just before a fault; at the end,
+process 0 writes OUT_DIR/final.npz.
 """
 
 import os
@@ -96,11 +97,11 @@ def fault(step):
 
 
 first, w = checkpoint_load()
-print(f"resumed {first}", flush=True)
 step_fn = strategy.function(train_step)
 w = strategy.replicate(jnp.asarray(w))
 dataset = strategy.experimental_distribute_dataset(
     [batch(i) for i in range(first, STEPS)])
+print(f"resumed {first} {time.time():.3f}", flush=True)
 for i, b in zip(range(first, STEPS), dataset):
   w, loss = step_fn(w, b)
   jax.block_until_ready(w)

@@ -63,10 +63,11 @@ def stamps(output: str, name: str) -> list:
 def kill_to_next_step(output: str) -> dict:
   """Seconds from a fault to the first step after it, and what they were."""
   fault = stamps(output, "fault")[0]
-  after = lambda name, pick: pick(t for t in stamps(output, name) if t > fault)
-  parts = {"started": after("started", min), "imported": after("imported", max),
+  restart = min(t for t in stamps(output, "started") if t > fault)
+  after = lambda name, pick: pick(t for t in stamps(output, name) if t > restart)
+  parts = {"started": restart, "imported": after("imported", max),
            "initialized": after("initialized", max),
-           "first step": after("step", min)}
+           "resumed": after("resumed", max), "first step": after("step", min)}
   times = [fault, *parts.values()]
   return {"total": times[-1] - fault,
           **{k: b - a for k, a, b in zip(parts, times, times[1:])}}
