@@ -255,3 +255,82 @@ def test_three_failures_end_the_job_with_one_message(script, tmp_path):
   assert stuck and float(stuck.group(1)) >= 3, message
   assert lines[5] == "The end of process 2's error output in attempt 2:"
   assert harness.wait_gone(_pids(r.stdout), timeout=5) == []
+
+
+# Waits until DIR/release exists (at most a minute), then exits 0.
+HOLD = """
+    import os, sys, time
+    print(f"pid {os.getpid()} attempt {os.environ['JDIST_RESTART_COUNT']} "
+          f"world {os.environ['JDIST_NUM_PROCESSES']} ppid {os.getppid()}", flush=True)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.path.join(sys.argv[1], "release")):
+        assert time.monotonic() < deadline, "never released"
+        time.sleep(0.02)
+"""
+
+
+def test_a_spare_node_replaces_one_that_goes_away(script, tmp_path):
+  """Three hosts for `--nnodes 1:2`: two run, the third waits as a spare; when
+  a running host goes away, the next attempt runs on the spare."""
+  port = harness.free_port()
+  args = ["--nnodes", "1:2", "--max-restarts", "1", "--rdzv-endpoint",
+          f"127.0.0.1:{port}", script(HOLD), tmp_path]
+  cmd, env = harness.launcher_cmd(args), harness.base_env(1)
+  with harness.Background(cmd, env) as host:
+    host.wait_for("hosts the job's rendezvous", timeout=60)
+    with harness.Background(cmd, env) as b, harness.Background(cmd, env) as c:
+      launchers = [host, b, c]
+      _wait_until(lambda: sum("attempt 0 world 2" in l.output()
+                              for l in launchers) == 2, launchers)
+      running = [l for l in (b, c) if "attempt 0" in l.output()]
+      spare = [l for l in (b, c) if "attempt 0" not in l.output()]
+      assert len(running) == len(spare) == 1
+      os.kill(running[0].popen.pid, signal.SIGKILL)
+      _wait_until(lambda: "attempt 1 world 2" in spare[0].output(),
+                  [host, spare[0]])
+      (tmp_path / "release").touch()
+      for launcher in (host, spare[0]):
+        assert launcher.popen.wait(timeout=60) == 0, launcher.output()
+      assert re.search(r"attempt 0: node \d \(127\.0\.0\.1, process 1\) went "
+                       r"away \(its launcher's connection closed\)",
+                       host.output()), host.output()
+      pids = _pids(host.output() + b.output() + c.output())
+  assert harness.wait_gone(pids, timeout=5) == []
+
+
+def _wait_until(condition, launchers, timeout: float = 60) -> None:
+  deadline = time.monotonic() + timeout
+  while not condition():
+    ended = [l.output() for l in launchers if l.popen.poll() is not None]
+    assert not ended and time.monotonic() < deadline, ended
+    time.sleep(0.05)
+
+
+def test_a_node_started_for_another_job_is_refused(script, tmp_path):
+  port = harness.free_port()
+  job = script(HOLD)
+  endpoint = ["--rdzv-endpoint", f"127.0.0.1:{port}"]
+  with harness.Background(harness.launcher_cmd(
+      ["--nnodes", "2", *endpoint, job, tmp_path]), harness.base_env(1)) as host:
+    host.wait_for("hosts the job's rendezvous", timeout=60)
+    other = harness.run_launcher(["--nnodes", "2", *endpoint, job, "other"],
+                                 timeout=60)
+    assert other.returncode == 1, other.output
+    assert (f"jdist launch: the rendezvous at 127.0.0.1:{port} refused this "
+            "node: this rendezvous runs another job (--nnodes 2:2 "
+            f"--max-restarts 0 {job} {tmp_path}); this node was started for "
+            f"--nnodes 2:2 --max-restarts 0 {job} other." in other.stderr), \
+        other.stderr
+    assert "pid" not in other.stdout
+
+
+def test_too_few_nodes_end_the_job(script, tmp_path):
+  port = harness.free_port()
+  r = harness.run_launcher(["--nnodes", "2:3", "--rdzv-endpoint",
+                            f"127.0.0.1:{port}", "--join-timeout", "1",
+                            script(HOLD), tmp_path], timeout=60)
+  assert r.returncode == 1, r.output
+  assert ("jdist launch: the job cannot go on: 1 node joined attempt 0, fewer "
+          "than the minimum of 2 (--nnodes 2:3), and no other joined within "
+          "--join-timeout 1 s." in r.stderr), r.stderr
+  assert "pid" not in r.stdout

@@ -38,7 +38,6 @@ from jdist._src.multiprocess.rendezvous_tcp import Client, RendezvousError
 SETTLE_SECONDS = 1.0     # after a failure, for the others to end on their own
 POLL_SECONDS = 0.05      # the agent looks at its processes this often
 REPORT_SECONDS = 0.2     # and reports to the rendezvous this often
-SILENT_SECONDS = 1.0     # ten beats missed: it cannot take a signal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,4 +260,4 @@ def _cannot_act(h: health.RankHealth | None) -> bool:
   """
   if h is None:
     return False
-  return h.wait is not None or h.unresponsive_for >= SILENT_SECONDS
+  return h.wait is not None or h.unresponsive_for >= health.UNRESPONSIVE_SECONDS

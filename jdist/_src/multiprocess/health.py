@@ -42,6 +42,8 @@ TICK_SECONDS = 0.1  # a write of ~100 bytes: the step it names is at most this o
 # A live process silent this long when a peer fails is taken for the cause
 # (JAX's heartbeats end the peers of a stopped process after 10 s).
 SILENT_SECONDS = 5.0
+# Ten beats missed: the process is not running now (stopped, frozen).
+UNRESPONSIVE_SECONDS = 1.0
 
 
 class Reporter:
@@ -120,6 +122,13 @@ class RankHealth:
 
   def asdict(self) -> dict:
     return dataclasses.asdict(self)
+
+  def aged(self, seconds: float) -> "RankHealth":
+    """This report as it stands `seconds` after it was made."""
+    later = lambda t: None if t is None else round(t + seconds, 2)
+    wait = self.wait and dict(self.wait, waited=self.wait["waited"] + seconds)
+    return dataclasses.replace(self, silent_for=later(self.silent_for),
+                               stopped_for=later(self.stopped_for), wait=wait)
 
   @property
   def unresponsive_for(self) -> float:
@@ -211,6 +220,9 @@ def judge(ranks: list, timeout: float) -> Finding | None:
   if wait["kind"] == "step":
     absent = [r for r in absent if (r.steps or 0) < wait["seq"]] or absent
   waited = f"{wait['waited']:.1f} s"
+  frozen = [r for r in absent if r.unresponsive_for >= UNRESPONSIVE_SECONDS]
+  if frozen:  # its own silence reached the timeout in a report not yet sent
+    return Finding((frozen[0].rank,), f"stuck: {frozen[0].describe_silence()}")
   if absent:
     return Finding(tuple(r.rank for r in absent), (
         f"stuck: did not reach {where}, where process"

@@ -76,6 +76,7 @@ class _Member:
   port: int | None = None
   joined: bool = False
   health: list = dataclasses.field(default_factory=list)
+  health_at: float = 0.0        # when it was reported
   gone: str | None = None       # why it left
   told_end: bool = False
 
@@ -139,6 +140,7 @@ class Rendezvous:
     """The node's processes' health (`RankHealth` dicts); what it should do."""
     m = self._touch(member)
     m.health = [health.RankHealth(**h) for h in health_reports]
+    m.health_at = m.seen
     if failing and member in self._round:
       self._failing.add(member)
     return self.view(member)
@@ -238,14 +240,19 @@ class Rendezvous:
       self._finish_job(0, failures.completed(self.failures)
                        if self.failures else None)
     else:
-      found = health.judge([h for m in members for h in m.health],
-                           self._stuck_timeout)
+      found = health.judge(self._health_now(), self._stuck_timeout)
       if found is not None:
         self._stop(stuck=found)
 
+  def _health_now(self) -> list:
+    """Every process's last report, aged to now (nodes report at their pace)."""
+    now = self._clock()
+    return [h.aged(now - m.health_at) for m in
+            (self._members[i] for i in self._round) for h in m.health]
+
   def _stop(self, **cause) -> None:
     """Stops the attempt; remembers processes silent at this moment."""
-    silent = [h for i in self._round for h in self._members[i].health
+    silent = [h for h in self._health_now()
               if h.unresponsive_for >= min(health.SILENT_SECONDS,
                                            self._stuck_timeout)]
     self._cause = {**cause, "silent": tuple(silent)}
