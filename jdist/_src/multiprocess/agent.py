@@ -140,8 +140,7 @@ class Agent:
         if view["end"] is None:
           view = self._join()
         continue
-      time.sleep(REPORT_SECONDS)
-      view = self._client.request("view")
+      view = self._client.request("view", since=view["version"])
 
   def _join(self) -> dict:
     return self._client.request("join", port=self._node.port or ports.free_port())

@@ -37,6 +37,8 @@ Example:
   >>> _ = r.join(a, port=1234); view = r.join(b, port=4321)
   >>> view["phase"], view["run"]
   ('running', {'first_rank': 1, 'nproc': 1, 'world': 2, 'coordinator': '10.0.0.1:1234', 'nodes': 2})
+  >>> r.version  # one change of phase: gathering -> running
+  1
 """
 
 from __future__ import annotations
@@ -114,6 +116,7 @@ class Rendezvous:
     self._failing: set = set()      # members that reported a failure
     self.failures: list = []
     self.end: dict | None = None
+    self.version = 0                # counts the changes of phase
 
   # --- requests ---------------------------------------------------------------
 
@@ -172,6 +175,7 @@ class Rendezvous:
       m.told_end = True
     mine = member in self._round and self.phase in ("running", "stopping")
     return {"phase": self.phase, "attempt": self.attempt,
+            "version": self.version,
             "run": self._assignment(member) if mine else None,
             "stop": mine and self.phase == "stopping",
             "failures": [f.asdict() for f in self.failures], "end": self.end,
@@ -223,6 +227,7 @@ class Rendezvous:
       m.joined = False
     self.phase, self._cause = "running", {}
     self._records, self._failing = {}, set()
+    self.version += 1
 
   def _watch(self) -> None:
     members = [self._members[i] for i in self._round]
@@ -257,6 +262,7 @@ class Rendezvous:
                                            self._stuck_timeout)]
     self._cause = {**cause, "silent": tuple(silent)}
     self.phase = "stopping"
+    self.version += 1
 
   def _settle(self) -> None:
     members = [self._members[i] for i in self._round]
@@ -273,12 +279,14 @@ class Rendezvous:
     self.attempt += 1
     self.phase, self._gathering_since = "gathering", self._clock()
     self._minimum_since = None
+    self.version += 1
 
   def _finish_job(self, code: int, message: str | None) -> None:
     if code != 0:
       message = failures.final(self.failures, self.spec.max_restarts, message)
     self.phase, self._round = "ended", []
     self.end = {"code": code, "message": message}
+    self.version += 1
 
   # --- helpers ------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ import time
 from jdist._src.multiprocess import rendezvous
 
 TICK_SECONDS = 0.5
+WAIT_SECONDS = 1.0      # a "view" request waits this long for a change of phase
 REQUEST_SECONDS = 60.0  # a rendezvous that does not answer a request this long is gone
 
 
@@ -44,6 +45,7 @@ class Server:
     self._sock = socket.create_server((host, port))
     self.address = self._sock.getsockname()[:2]
     self._lock = threading.Lock()
+    self._changed = threading.Condition(self._lock)
     self._closed = threading.Event()
     for target in (self._accept, self._tick):
       threading.Thread(target=target, name="jdist-rendezvous", daemon=True).start()
@@ -70,6 +72,7 @@ class Server:
     while not self._closed.wait(TICK_SECONDS):
       with self._lock:
         self.state.advance()
+        self._changed.notify_all()
 
   def _serve(self, conn: socket.socket) -> None:
     member = None
@@ -79,6 +82,7 @@ class Server:
           request = json.loads(line)
           with self._lock:
             reply = self._handle(member, request, conn)
+            self._changed.notify_all()
           member = reply.get("member", member)
           f.write(json.dumps(reply).encode() + b"\n")
           f.flush()
@@ -100,6 +104,11 @@ class Server:
     if op == "leave":
       self.state.leave(member, request.get("why", "it left"))
       return {}
+    if op == "view" and request.get("since") is not None:
+      # Answers at the next change of phase (or after WAIT_SECONDS): a node
+      # between attempts learns at once that the next one runs.
+      since = request.pop("since")
+      self._changed.wait_for(lambda: self.state.version != since, WAIT_SECONDS)
     handlers = {"join": self.state.join, "poll": self.state.poll,
                 "finish": self.state.finish, "view": self.state.view}
     if op not in handlers:
