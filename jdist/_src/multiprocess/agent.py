@@ -113,6 +113,7 @@ class Agent:
       for p in self._procs:
         p.signal(signal.SIGKILL)
       shutil.rmtree(workdir, ignore_errors=True)
+      self._client.close()  # to the rendezvous, this node has gone
 
   def _attempts(self, workdir: str) -> Outcome:
     done = -1

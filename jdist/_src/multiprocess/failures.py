@@ -193,12 +193,10 @@ def final(failures: list, max_restarts: int, why: str | None = None) -> str:
     why: why the job cannot go on, if not because the restarts ran out.
   """
   last = failures[-1] if failures else None
-  if len(failures) == 1 and max_restarts == 0 and why is None:
-    stopped = ("the other processes were stopped" if last.rank is not None
-               else "its processes were lost and the others stopped")
-    who = "its" if last.rank is not None else "the last"
-    return (f"jdist launch: {last.summary()}; {stopped}. The end of {who} "
-            f"error output:\n{_tail(last)}")
+  if (len(failures) == 1 and max_restarts == 0 and why is None and
+      last.rank is not None):
+    return (f"jdist launch: {last.summary()}; the other processes were "
+            f"stopped. The end of its error output:\n{_tail(last)}")
   head = why or (
       f"the job failed {len(failures)} times, and --max-restarts "
       f"{max_restarts} allows {max_restarts} restart"

@@ -37,6 +37,7 @@ import argparse
 import signal
 import sys
 import threading
+import traceback
 from typing import Sequence
 
 from jdist._src.multiprocess import agent as agents
@@ -133,7 +134,11 @@ def _run_nodes(args, spec, endpoint, lock, interrupts, count: int) -> list:
     return [agents.Outcome(error=str(e))]
 
   def run(i: int) -> None:
-    outcomes[i] = nodes[i].run()
+    try:
+      outcomes[i] = nodes[i].run()
+    except Exception as e:  # a bug in the agent: its node leaves, the job goes on
+      traceback.print_exc()
+      outcomes[i] = agents.Outcome(error=f"the agent of node {i} failed: {e!r}")
 
   threads = [threading.Thread(target=run, args=(i,), name=f"jdist-node-{i}")
              for i in range(1, count)]
