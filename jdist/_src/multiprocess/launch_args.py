@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
       description="Run one JAX program as a multi-process job (jdist."
                   "initialize()), restarted on the nodes it has when a process "
                   "fails, its host goes away or it is stuck.")
-  p.add_argument("-n", "--num-processes", type=int, help=_HELP["n"])
+  p.add_argument("-n", "--num-processes", type=int, metavar="N", help=_HELP["n"])
   p.add_argument("--min-processes", type=int, metavar="M", help=_HELP["min"])
   p.add_argument("--nnodes", metavar="MIN:MAX", help=_HELP["nnodes"])
   p.add_argument("--nproc-per-node", type=int, default=None, metavar="K",
@@ -142,9 +142,11 @@ def _limits(args) -> str | None:
     return "--devices-per-process must be at least 1."
   if args.max_restarts < 0:
     return f"--max-restarts must be 0 or more, got {args.max_restarts}."
-  for name in ("stuck_timeout", "grace_period", "last_call", "join_timeout"):
-    if getattr(args, name) <= 0 and name != "last_call":
+  for name in ("stuck_timeout", "grace_period", "join_timeout"):
+    if getattr(args, name) <= 0:
       return f"--{name.replace('_', '-')} must be more than 0 seconds."
+  if args.last_call < 0:
+    return "--last-call must be 0 seconds or more."
   if args.rdzv_endpoint is not None:
     try:
       endpoint(args.rdzv_endpoint)
