@@ -1,9 +1,11 @@
 """`jdist launch`, run as a user runs it, on small plain-Python scripts."""
 
+import glob
 import os
 import re
 import signal
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -154,9 +156,16 @@ def test_ranks_die_with_a_killed_launcher(script):
   with harness.launched(["-n", "2", script(STUBBORN)], ["[0] ready", "[1] ready"]
                         ) as (launcher, ranks):
     assert len(ranks) == 2, ranks
+    # Its processes' health files, which a killed launcher cannot remove.
+    left = glob.glob(os.path.join(tempfile.gettempdir(),
+                                  f"jdist-node-{launcher.popen.pid}-*"))
+    assert len(left) == 2, left  # one per node
     os.kill(launcher.popen.pid, signal.SIGKILL)
     assert launcher.popen.wait(timeout=10) == -signal.SIGKILL
     assert harness.wait_gone(ranks, timeout=5) == []
+  # The next launcher removes them.
+  assert harness.run_launcher(["-n", "1", script("")], timeout=60).returncode == 0
+  assert [d for d in left if os.path.exists(d)] == []
 
 
 @pytest.mark.parametrize("culprit, peer_delay, culprit_delay", [

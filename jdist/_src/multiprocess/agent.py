@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -35,6 +36,8 @@ from jdist._src.multiprocess import ports
 from jdist._src.multiprocess import ranks
 from jdist._src.multiprocess.rendezvous_tcp import Client, RendezvousError
 
+WORKDIR_PREFIX = "jdist-node-"  # + the launcher's pid: its processes' health files
+_WORKDIR = re.compile(re.escape(WORKDIR_PREFIX) + r"(\d+)-\w+")
 SETTLE_SECONDS = 1.0     # after a failure, for the others to end on their own
 POLL_SECONDS = 0.05      # the agent looks at its processes this often
 REPORT_SECONDS = 0.2     # and reports to the rendezvous this often
@@ -104,7 +107,8 @@ class Agent:
 
   def run(self) -> Outcome:
     """Takes part in attempts until the job ends; never leaves a process."""
-    workdir = tempfile.mkdtemp(prefix="jdist-node-")
+    _remove_stale_workdirs()
+    workdir = tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-")
     try:
       return self._attempts(workdir)
     except RendezvousError as e:
@@ -247,6 +251,33 @@ class _Stop:
       self._kill_at = None
       for p in running:
         p.signal(signal.SIGKILL)
+
+
+def _remove_stale_workdirs() -> None:
+  """Removes the health files of launchers that were killed (SIGKILL).
+
+  A launcher removes its directory when it ends; one that was killed cannot.
+  The directory names its launcher's pid: a directory of this user whose
+  launcher no longer runs is removed.
+  """
+  root = tempfile.gettempdir()
+  for name in os.listdir(root):
+    m = _WORKDIR.fullmatch(name)
+    path = os.path.join(root, name)
+    if m is None or not os.path.isdir(path) or os.stat(path).st_uid != os.getuid():
+      continue
+    if not _alive(int(m.group(1))):
+      shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
 
 
 def _cannot_act(h: health.RankHealth | None) -> bool:
