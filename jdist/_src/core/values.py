@@ -12,6 +12,10 @@ is read outside.
 
 A `Sharded` holds state split over the replicas (each replica keeps one block
 of every leaf): the optimizer state of `jdist.ShardedOptimizer`.
+
+All three are `DistributedValue`s. What a step does with each (how it enters
+the step's `shard_map`, what a replica sees, how it comes back) is the value's
+kind, written once in `kinds.py`.
 """
 
 from __future__ import annotations
@@ -29,8 +33,18 @@ from jdist._src.core.reduce_op import VariableAggregation
 from jdist._src.core.validity import Validity
 
 
+class DistributedValue:
+  """A value spread over a strategy's replicas (as `tf.distribute.DistributedValues`).
+
+  The base of `PerReplica`, `SyncOnRead` and `Sharded`; pytree functions
+  that must keep such values whole pass `is_leaf=is_distributed`.
+  """
+
+  __slots__ = ()
+
+
 @jax.tree_util.register_pytree_node_class
-class PerReplica:
+class PerReplica(DistributedValue):
   """One value per replica, stacked on a leading (sharded) replica axis.
 
   Every leaf of `values` has shape `(num_replicas, ...)`; inside a step each
@@ -151,7 +165,7 @@ class BatchGroup:
 
 
 @jax.tree_util.register_pytree_node_class
-class SyncOnRead:
+class SyncOnRead(DistributedValue):
   """State kept per replica inside steps and aggregated when read outside.
 
   Wrap any pytree (metric totals, batch-norm statistics). Before
@@ -238,7 +252,7 @@ class SyncOnRead:
 
 
 @jax.tree_util.register_pytree_node_class
-class Sharded:
+class Sharded(DistributedValue):
   """State split over the replicas along one axis of each leaf (ZeRO).
 
   Each leaf of `value` is a global array whose axis `axes[i]` is divided into
@@ -315,7 +329,8 @@ def read_value(tree: Any) -> Any:
 
 
 def is_distributed(x: Any) -> bool:
-  return isinstance(x, (PerReplica, SyncOnRead, Sharded))
+  """Whether `x` is a `DistributedValue` (for `is_leaf=` of pytree functions)."""
+  return isinstance(x, DistributedValue)
 
 
 @dataclasses.dataclass(frozen=True)
