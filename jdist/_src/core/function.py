@@ -18,6 +18,7 @@ import warnings
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 
 from jdist._src.core import context
 from jdist._src.core import kinds
@@ -156,11 +157,12 @@ class DistributedFunction:
       if mismatch is None:
         raise
       raise mismatch from e
+    if self._watch:
+      out, done = out
+      self._watch_step(done)
     if self._recompiling:
       message, self._recompiling = self._recompiling, None
       warnings.warn(message, UserWarning, stacklevel=2)
-    if self._watch:
-      self._after_dispatch(out)
     if self._placement is not None:
       out = self._placement.to_storage(out, self._strategy.mesh)
     return out
@@ -181,20 +183,23 @@ class DistributedFunction:
     """
     return self._trace(args, kwargs, check=check)
 
-  def _after_dispatch(self, out: Any) -> None:
-    """The CPU throttle and the multi-process watch of a dispatched step."""
-    leaves = jax.tree_util.tree_leaves(out)
-    if not leaves or isinstance(leaves[0], jax.core.Tracer):
+  def _watch_step(self, done) -> None:
+    """The CPU throttle and the multi-process watch of a dispatched step.
+
+    Args:
+      done: the step's `_done_marker` output, ready when the step has run.
+    """
+    if isinstance(done, jax.core.Tracer):
       # Called inside the user's own jax.jit: this is a trace, not a step.
       # The outer program is what runs, and jdist never sees its calls, so
       # it cannot throttle them (README, "No CPU deadlock"). A warning here
       # would fire for every jitted step on CPU, long loops or not.
       return
-    if self._guard is not None:  # the last leaf: outputs fed back get donated
-      self._guard.track(self._name, leaves[-1])
+    if self._guard is not None:
+      self._guard.track(self._name, done)
     if self._throttle:
-      previous, self._in_flight = self._in_flight, leaves[0]
-      if previous is not None and not previous.is_deleted():
+      previous, self._in_flight = self._in_flight, done
+      if previous is not None:
         previous.block_until_ready()
 
   def _misplaced_call(self) -> Exception:
@@ -225,7 +230,8 @@ class DistributedFunction:
       return _UNPLACED
     self._count_compilation()
     self._compilations += 1
-    return self._trace(args, kwargs, check=True)
+    out = self._trace(args, kwargs, check=True)
+    return (out, _done_marker()) if self._watch else out
 
   def _count_compilation(self) -> None:
     """Warns once, as TF's retracing warning does, when most recent calls of
@@ -272,6 +278,16 @@ class DistributedFunction:
         mesh=strategy.mesh, in_specs=plan.specs,
         out_specs=outputs.out_specs(axis), check_vma=True)(*plan.leaves)
     return outputs.wrap(results, plan.validity)
+
+
+def _done_marker() -> jax.Array:
+  """A one-byte output of the step's program, ready when the step has run.
+
+  The throttle and the multi-process watch wait on it, not on the user's
+  outputs: finding one of those would walk every output at every call, and
+  one fed back to a step with `donate_argnums` would be gone.
+  """
+  return jnp.zeros((), jnp.int8)
 
 
 def _needs_placing(tree: Any) -> bool:

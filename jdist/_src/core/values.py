@@ -43,7 +43,6 @@ class DistributedValue:
   __slots__ = ()
 
 
-@jax.tree_util.register_pytree_node_class
 class PerReplica(DistributedValue):
   """One value per replica, stacked on a leading (sharded) replica axis.
 
@@ -70,16 +69,6 @@ class PerReplica(DistributedValue):
     if validity is None and mask is not None:
       validity = Validity.pack(mask, num_valid)
     self.validity = validity
-
-  def tree_flatten(self):
-    return (self.values, self.validity), None
-
-  @classmethod
-  def tree_unflatten(cls, aux, children):
-    del aux
-    obj = object.__new__(cls)
-    obj.values, obj.validity = children
-    return obj
 
   @property
   def mask(self):
@@ -109,7 +98,12 @@ class PerReplica(DistributedValue):
     return f"PerReplica({shapes}{masked})"
 
 
-@jax.tree_util.register_pytree_node_class
+# Flattened by jax's C++ pytree code (no Python call): a step's batch and its
+# per-replica outputs cross every call of a compiled step.
+jax.tree_util.register_dataclass(PerReplica, data_fields=("values", "validity"),
+                                 meta_fields=())
+
+
 class BatchGroup:
   """Several distributed batches stacked for one multi-step call.
 
@@ -134,16 +128,6 @@ class BatchGroup:
     self.values = values
     self.validity = validity
 
-  def tree_flatten(self):
-    return (self.values, self.validity), None
-
-  @classmethod
-  def tree_unflatten(cls, aux, children):
-    del aux
-    obj = object.__new__(cls)
-    obj.values, obj.validity = children
-    return obj
-
   @property
   def num_steps(self) -> int:
     """How many batches (steps) the group holds."""
@@ -162,6 +146,10 @@ class BatchGroup:
   def __repr__(self) -> str:
     shapes = jax.tree.map(lambda x: tuple(np.shape(x)), self.values)
     return f"BatchGroup({shapes}, steps={self.num_steps})"
+
+
+jax.tree_util.register_dataclass(BatchGroup, data_fields=("values", "validity"),
+                                 meta_fields=())
 
 
 @jax.tree_util.register_pytree_node_class
