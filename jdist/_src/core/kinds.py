@@ -8,10 +8,13 @@ in one `ValueKind`:
   outside the map   `inputs`: the `shard_map` inputs it becomes and their
                     partition specs (any mesh axes, per leaf)
   inside the map    `local`: what the replica's step sees of it
-  inside the map    `is_output`: whether a traced output is of this kind;
-                    `out_specs` and `result`: how it leaves the map
+  inside the map    `out_specs` and `result`: how an output of it leaves
   outside the map   `wrap`: what the caller gets back
   outside a step    `rows`: its per-replica rows (`strategy.reduce`, `gather`)
+
+An output is recognised by its type when its kind keeps it whole through the
+step (`kept_in_step`: `SyncOnRead`, `Sharded`); an array output is
+`PER_REPLICA` when it varies over the replicas, else `MIRRORED`.
 
 `plan.py` (inputs) and `probe.py` (outputs) loop over a call's leaves and ask
 each leaf's kind; neither knows a kind. A distributed value's kind is found by

@@ -6,10 +6,12 @@ batches of a `BatchGroup` with `lax.scan`, so the host dispatches once per K
 steps. Small models on many devices spend most of a step in dispatch; this
 is where that time goes away.
 
-The step is traced as `DistributedFunction` traces it (plan, probe, one
-`shard_map`), once, inside the scan's body; each scan iteration hands it one
-batch of the group with that batch's own validity, so masks, counts and
-`compute_average_loss` are those of K separate calls.
+The wrapped step traces itself (`DistributedFunction.trace_step`: plan,
+probe, one `shard_map`), once, inside the scan's body; each scan iteration
+hands it one batch of the group with that batch's own validity, so masks,
+counts and `compute_average_loss` are those of K separate calls. The body
+checks the carried values itself, so a step whose carried output changes
+type gets an error that names it.
 """
 
 from __future__ import annotations
