@@ -18,7 +18,6 @@ import warnings
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 
 from jdist._src.core import context
 from jdist._src.core import kinds
@@ -65,6 +64,28 @@ class _Unplaced:
 _UNPLACED = _Unplaced()
 jax.tree_util.register_pytree_node(_Unplaced, lambda u: ((), None),
                                    lambda aux, children: _UNPLACED)
+
+
+class _Watched:
+  """A step's outputs as its program returns them when `__call__` watches
+  the step: flat, as jit's dispatch hands them over, so that the leaf to wait
+  on is found without walking the outputs again.
+
+  Attributes:
+    treedef: the structure of the step's outputs.
+    leaves: their leaves.
+  """
+
+  __slots__ = ("treedef", "leaves")
+
+  def __init__(self, treedef, leaves):
+    self.treedef = treedef
+    self.leaves = leaves
+
+
+jax.tree_util.register_pytree_node(
+    _Watched, lambda w: (w.leaves, w.treedef),
+    lambda treedef, leaves: _Watched(treedef, leaves))
 
 
 class DistributedFunction:
@@ -158,8 +179,9 @@ class DistributedFunction:
         raise
       raise mismatch from e
     if self._watch:
-      out, done = out
-      self._watch_step(done)
+      leaves = out.leaves
+      self._watch_step(leaves[-1] if leaves else None)
+      out = out.treedef.unflatten(leaves)
     if self._recompiling:
       message, self._recompiling = self._recompiling, None
       warnings.warn(message, UserWarning, stacklevel=2)
@@ -183,23 +205,24 @@ class DistributedFunction:
     """
     return self._trace(args, kwargs, check=check)
 
-  def _watch_step(self, done) -> None:
+  def _watch_step(self, last) -> None:
     """The CPU throttle and the multi-process watch of a dispatched step.
 
     Args:
-      done: the step's `_done_marker` output, ready when the step has run.
+      last: the step's last output leaf (None if it has none): the one least
+        likely fed back to a step that donates it (state comes first).
     """
-    if isinstance(done, jax.core.Tracer):
+    if last is None or isinstance(last, jax.core.Tracer):
       # Called inside the user's own jax.jit: this is a trace, not a step.
       # The outer program is what runs, and jdist never sees its calls, so
       # it cannot throttle them (README, "No CPU deadlock"). A warning here
       # would fire for every jitted step on CPU, long loops or not.
       return
     if self._guard is not None:
-      self._guard.track(self._name, done)
+      self._guard.track(self._name, last)
     if self._throttle:
-      previous, self._in_flight = self._in_flight, done
-      if previous is not None:
+      previous, self._in_flight = self._in_flight, last
+      if previous is not None and not previous.is_deleted():
         previous.block_until_ready()
 
   def _misplaced_call(self) -> Exception:
@@ -231,7 +254,10 @@ class DistributedFunction:
     self._count_compilation()
     self._compilations += 1
     out = self._trace(args, kwargs, check=True)
-    return (out, _done_marker()) if self._watch else out
+    if not self._watch:
+      return out
+    leaves, treedef = jax.tree_util.tree_flatten(out)
+    return _Watched(treedef, leaves)
 
   def _count_compilation(self) -> None:
     """Warns once, as TF's retracing warning does, when most recent calls of
@@ -278,16 +304,6 @@ class DistributedFunction:
         mesh=strategy.mesh, in_specs=plan.specs,
         out_specs=outputs.out_specs(axis), check_vma=True)(*plan.leaves)
     return outputs.wrap(results, plan.validity)
-
-
-def _done_marker() -> jax.Array:
-  """A one-byte output of the step's program, ready when the step has run.
-
-  The throttle and the multi-process watch wait on it, not on the user's
-  outputs: finding one of those would walk every output at every call, and
-  one fed back to a step with `donate_argnums` would be gone.
-  """
-  return jnp.zeros((), jnp.int8)
 
 
 def _needs_placing(tree: Any) -> bool:
