@@ -1,7 +1,7 @@
-"""What a call of a `strategy.function` step does around the compiled
-program: fresh values placed before it compiles, arguments on other devices
-named, a multi-step carry that changes type refused, options kept when a step
-is re-wrapped."""
+"""Every kind of value through a step and back (the engine's table of value
+kinds), and what a call does around the compiled program: fresh values placed
+before it compiles, arguments on other devices named, a multi-step carry that
+changes type refused, options kept when a step is re-wrapped."""
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +11,49 @@ import pytest
 import jdist
 
 from conftest import strategy_on
+
+
+def test_every_kind_crosses_a_step_and_comes_back():
+  strategy = strategy_on(2)
+
+  @strategy.function(static_argnums=(5,), check_state=False)
+  def step(w, batch, total, opt, n, scale):
+    x = batch["x"]
+    new_opt = opt.replace(jax.tree.map(lambda b: b + scale, opt.value))
+    return (w * scale, x.sum(axis=1), total.assign(total.value + x.sum()),
+            new_opt, n + 1)
+
+  data = [np.arange(8, dtype=np.float32).reshape(4, 2)]
+  batch = next(iter(strategy.experimental_distribute_dataset(
+      [{"x": d} for d in data])))
+  total = strategy.replicate(jdist.SyncOnRead(jnp.zeros(()), "sum"))
+  opt = jdist.Sharded({"m": strategy.replicate(jnp.zeros((4, 3)))}, (0,),
+                      strategy.axis_name)
+  w = strategy.replicate(jnp.ones(2))
+  w, rows, total, opt, n = step(w, batch, total, opt, jnp.int32(0), 3.0)
+  np.testing.assert_array_equal(w, [3.0, 3.0])  # mirrored in, mirrored out
+  assert isinstance(rows, jdist.PerReplica) and rows.mask is not None
+  np.testing.assert_array_equal(strategy.gather(rows), data[0].sum(axis=1))
+  assert isinstance(total, jdist.SyncOnRead) and total.per_replica
+  assert float(total.read()) == data[0].sum()
+  assert isinstance(opt, jdist.Sharded) and opt.axes == (0,)
+  np.testing.assert_array_equal(opt.value["m"], np.full((4, 3), 3.0))
+  assert int(n) == 1
+  group = next(iter(strategy.experimental_distribute_dataset(data).group(1)))
+  with pytest.raises(TypeError, match="got a BatchGroup.*jdist.multi_step"):
+    step(w, group, total, opt, n, 3.0)
+
+
+def test_a_placed_sync_on_read_is_read_per_replica_outside_steps():
+  strategy = strategy_on(2)
+  total = strategy.replicate(jdist.SyncOnRead(jnp.array([1.0, 2.0]), "mean"))
+  np.testing.assert_array_equal(strategy.gather(total), [1, 2, 1, 2])
+  np.testing.assert_array_equal(strategy.reduce("sum", total), [2, 4])
+  assert [np.asarray(r).tolist() for r in
+          strategy.experimental_local_results(total)] == [[1, 2], [1, 2]]
+  other = jdist.MirroredStrategy(["cpu:2", "cpu:3"])
+  with pytest.raises(jdist.StrategyMismatchError, match="strategy.gather got"):
+    other.gather(total)
 
 
 def _mean_step(strategy, **options):
