@@ -62,30 +62,46 @@ class _Unplaced:
 
 
 _UNPLACED = _Unplaced()
+_TRACER = jax.core.Tracer
 jax.tree_util.register_pytree_node(_Unplaced, lambda u: ((), None),
                                    lambda aux, children: _UNPLACED)
 
 
-class _Watched:
-  """A step's outputs as its program returns them when `__call__` watches
-  the step: flat, as jit's dispatch hands them over, so that the leaf to wait
-  on is found without walking the outputs again.
+class _Flat:
+  """A step's outputs as its program returns them: flat, as jit's dispatch
+  hands them over, and what `__call__` needs to rebuild them.
+
+  A per-replica output carries its batch's validity, an argument returned
+  unchanged; returned by the program, XLA would copy it into a new buffer at
+  every step. So it is left out (`forwarded`) and taken from the arguments.
 
   Attributes:
     treedef: the structure of the step's outputs.
-    leaves: their leaves.
+    forwarded: `(position, path)` for each output leaf left out: its position
+      among the outputs' leaves, and its path in `(args, kwargs)`.
+    leaves: the leaves the program returns, in order.
   """
 
-  __slots__ = ("treedef", "leaves")
+  __slots__ = ("treedef", "forwarded", "leaves")
 
-  def __init__(self, treedef, leaves):
+  def __init__(self, treedef, forwarded: tuple, leaves):
     self.treedef = treedef
+    self.forwarded = forwarded
     self.leaves = leaves
+
+  def outputs(self, args: tuple, kwargs: dict) -> Any:
+    """The step's outputs, for the call with these arguments."""
+    leaves = self.leaves
+    if self.forwarded:
+      leaves = list(leaves)
+      for position, path in self.forwarded:  # in increasing positions
+        leaves.insert(position, _follow((args, kwargs), path))
+    return self.treedef.unflatten(leaves)
 
 
 jax.tree_util.register_pytree_node(
-    _Watched, lambda w: (w.leaves, w.treedef),
-    lambda treedef, leaves: _Watched(treedef, leaves))
+    _Flat, lambda f: (f.leaves, (f.treedef, f.forwarded)),
+    lambda aux, leaves: _Flat(aux[0], aux[1], leaves))
 
 
 class DistributedFunction:
@@ -178,10 +194,9 @@ class DistributedFunction:
       if mismatch is None:
         raise
       raise mismatch from e
-    if self._watch:
-      leaves = out.leaves
-      self._watch_step(leaves[-1] if leaves else None)
-      out = out.treedef.unflatten(leaves)
+    if self._watch and out.leaves:  # the last array the step computed
+      self._watch_step(out.leaves[-1])
+    out = out.outputs(args, kwargs)
     if self._recompiling:
       message, self._recompiling = self._recompiling, None
       warnings.warn(message, UserWarning, stacklevel=2)
@@ -209,10 +224,10 @@ class DistributedFunction:
     """The CPU throttle and the multi-process watch of a dispatched step.
 
     Args:
-      last: the step's last output leaf (None if it has none): the one least
-        likely fed back to a step that donates it (state comes first).
+      last: the last array the step's program returned: the one least likely
+        fed back to a step that donates it (state comes first).
     """
-    if last is None or isinstance(last, jax.core.Tracer):
+    if isinstance(last, _TRACER):
       # Called inside the user's own jax.jit: this is a trace, not a step.
       # The outer program is what runs, and jdist never sees its calls, so
       # it cannot throttle them (README, "No CPU deadlock"). A warning here
@@ -254,10 +269,7 @@ class DistributedFunction:
     self._count_compilation()
     self._compilations += 1
     out = self._trace(args, kwargs, check=True)
-    if not self._watch:
-      return out
-    leaves, treedef = jax.tree_util.tree_flatten(out)
-    return _Watched(treedef, leaves)
+    return _flat(out, args, kwargs, self._options.donate_argnums)
 
   def _count_compilation(self) -> None:
     """Warns once, as TF's retracing warning does, when most recent calls of
@@ -304,6 +316,54 @@ class DistributedFunction:
         mesh=strategy.mesh, in_specs=plan.specs,
         out_specs=outputs.out_specs(axis), check_vma=True)(*plan.leaves)
     return outputs.wrap(results, plan.validity)
+
+
+def _flat(out: Any, args: tuple, kwargs: dict, donated) -> _Flat:
+  """`out` as the program returns it (see `_Flat`)."""
+  sources = _validity_sources(args, kwargs, donated)
+  leaves, treedef = jax.tree_util.tree_flatten(out)
+  kept, forwarded = [], []
+  for i, leaf in enumerate(leaves):
+    path = sources.get(id(leaf))
+    if path is None:
+      kept.append(leaf)
+    else:
+      forwarded.append((i, path))
+  return _Flat(treedef, tuple(forwarded), kept)
+
+
+_FOLLOWED = (jax.tree_util.SequenceKey, jax.tree_util.DictKey,
+             jax.tree_util.GetAttrKey)
+
+
+def _validity_sources(args: tuple, kwargs: dict, donated) -> dict:
+  """`id(array) -> path` of the arguments' batch validities (traced) that a
+  step's outputs may take from its arguments: not donated, and reached by
+  indices, keys and attributes only (see `_follow`)."""
+  donated = {donated} if isinstance(donated, int) else set(donated)
+  wanted = set()
+  for node in jax.tree_util.tree_leaves((args, kwargs), is_leaf=kinds.is_node):
+    validity = kinds.kind_of(node).validity(node)
+    if validity is not None:
+      wanted.add(id(validity.packed))
+  sources = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
+    if (id(leaf) in wanted and all(isinstance(k, _FOLLOWED) for k in path) and
+        not (path[0].idx == 0 and path[1].idx in donated)):
+      sources[id(leaf)] = path
+  return sources
+
+
+def _follow(tree: Any, path: tuple) -> Any:
+  """The leaf at `path` (of `_FOLLOWED` keys) in `tree`."""
+  for key in path:
+    if type(key) is jax.tree_util.GetAttrKey:
+      tree = getattr(tree, key.name)
+    elif type(key) is jax.tree_util.DictKey:
+      tree = tree[key.key]
+    else:
+      tree = tree[key.idx]
+  return tree
 
 
 def _needs_placing(tree: Any) -> bool:

@@ -51,6 +51,8 @@ class PerReplica(DistributedValue):
   distributed dataset also knows which of its rows are real: `validity` (a
   `Validity`) gives `mask` (shape `(num_replicas, per_replica_batch)`) and
   `num_valid`, their global count; it is None for values that are not batches.
+  The validity is held as its one array, `packed` (`Validity.packed`), so
+  that a step's call flattens and rebuilds no `Validity` node.
 
   Example:
     >>> import jdist, jax.numpy as jnp
@@ -61,24 +63,31 @@ class PerReplica(DistributedValue):
     Array(0., dtype=float32)
   """
 
-  __slots__ = ("values", "validity")
+  __slots__ = ("values", "packed")
 
   def __init__(self, values: Any, mask: Any = None, num_valid: Any = None, *,
-               validity: Validity | None = None):
+               validity: Validity | None = None, packed: Any = None):
     self.values = values
     if validity is None and mask is not None:
       validity = Validity.pack(mask, num_valid)
-    self.validity = validity
+    # The validity's one array, held as it is: what jax's pytree code reads
+    # and rebuilds at every step call, without a `Validity` node in between.
+    self.packed = packed if validity is None else validity.packed
+
+  @property
+  def validity(self) -> Validity | None:
+    """The batch's `Validity` (mask and global count), or None."""
+    return None if self.packed is None else Validity(self.packed)
 
   @property
   def mask(self):
     """Which rows of each replica's batch are real examples, or None."""
-    return None if self.validity is None else self.validity.mask
+    return None if self.packed is None else self.validity.mask
 
   @property
   def num_valid(self):
     """The global number of real examples in the batch, or None."""
-    return None if self.validity is None else self.validity.num_valid
+    return None if self.packed is None else self.validity.num_valid
 
   @property
   def num_replicas(self) -> int:
@@ -90,17 +99,17 @@ class PerReplica(DistributedValue):
 
   def replace(self, values: Any) -> "PerReplica":
     """Returns a PerReplica with new `values` and the same validity."""
-    return PerReplica(values, validity=self.validity)
+    return PerReplica(values, packed=self.packed)
 
   def __repr__(self) -> str:
     shapes = jax.tree.map(lambda x: tuple(np.shape(x)), self.values)
-    masked = "" if self.validity is None else ", masked"
+    masked = "" if self.packed is None else ", masked"
     return f"PerReplica({shapes}{masked})"
 
 
 # Flattened by jax's C++ pytree code (no Python call): a step's batch and its
 # per-replica outputs cross every call of a compiled step.
-jax.tree_util.register_dataclass(PerReplica, data_fields=("values", "validity"),
+jax.tree_util.register_dataclass(PerReplica, data_fields=("values", "packed"),
                                  meta_fields=())
 
 
