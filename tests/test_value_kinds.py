@@ -158,3 +158,21 @@ def test_multi_step_keeps_the_options_of_its_step():
       [np.ones((4, 2), np.float32)] * 3).group(3)))
   w, losses = run(w, group)
   np.testing.assert_allclose(strategy.reduce("sum", losses), [4.0] * 3)
+
+
+@pytest.mark.parametrize("donate", [(), (1,)], ids=["kept", "donated"])
+def test_a_per_replica_output_keeps_its_batch_validity(donate):
+  strategy = strategy_on(2)
+
+  @strategy.function(donate_argnums=donate)
+  def step(w, batch):
+    return w, batch @ w  # per example: masked where the batch is padded
+
+  w = strategy.replicate(jnp.array([1.0, 2.0]))
+  data = [np.ones((4, 2), np.float32), np.full((2, 2), 2, np.float32)]
+  means = []
+  for batch in strategy.experimental_distribute_dataset(data):
+    w, per_example = step(w, batch)
+    assert per_example.mask is not None
+    means.append(float(strategy.reduce("mean", per_example, axis=0)))
+  assert means == [3.0, 6.0]  # the short batch's padding rows left out

@@ -24,6 +24,7 @@ from jdist._src.core import kinds
 from jdist._src.core import probe
 from jdist._src.core.plan import InputPlan
 from jdist._src.core.replica_context import ReplicaContext
+from jdist._src.core.values import PerReplica
 from jdist._src.errors import (Error, ReplicaContextError,
                                StrategyMismatchError)
 
@@ -73,35 +74,36 @@ class _Flat:
 
   A per-replica output carries its batch's validity, an argument returned
   unchanged; returned by the program, XLA would copy it into a new buffer at
-  every step. So it is left out (`forwarded`) and taken from the arguments.
+  every step. So when the batch is a positional argument (as it is for
+  `step(state, batch)`), the validity is left out (`forwarded`) and taken
+  from the argument.
 
   Attributes:
     treedef: the structure of the step's outputs.
-    forwarded: `(position, path)` for each output leaf left out: its position
-      among the outputs' leaves, and its path in `(args, kwargs)`.
+    forwarded: `(position, argnum)` for each output leaf left out: its
+      position among the outputs' leaves, and the positional `PerReplica`
+      argument whose validity (`packed`) it is.
     leaves: the leaves the program returns, in order.
   """
 
   __slots__ = ("treedef", "forwarded", "leaves")
 
-  def __init__(self, treedef, forwarded: tuple, leaves):
-    self.treedef = treedef
-    self.forwarded = forwarded
+  def __init__(self, aux: tuple, leaves):
+    self.treedef, self.forwarded = aux
     self.leaves = leaves
 
-  def outputs(self, args: tuple, kwargs: dict) -> Any:
-    """The step's outputs, for the call with these arguments."""
+  def outputs(self, args: tuple) -> Any:
+    """The step's outputs, for the call with these positional arguments."""
     leaves = self.leaves
     if self.forwarded:
       leaves = list(leaves)
-      for position, path in self.forwarded:  # in increasing positions
-        leaves.insert(position, _follow((args, kwargs), path))
+      for position, argnum in self.forwarded:  # in increasing positions
+        leaves.insert(position, args[argnum].packed)
     return self.treedef.unflatten(leaves)
 
 
 jax.tree_util.register_pytree_node(
-    _Flat, lambda f: (f.leaves, (f.treedef, f.forwarded)),
-    lambda aux, leaves: _Flat(aux[0], aux[1], leaves))
+    _Flat, lambda f: (f.leaves, (f.treedef, f.forwarded)), _Flat)
 
 
 class DistributedFunction:
@@ -175,6 +177,8 @@ class DistributedFunction:
     return self._lowerer.lower(*args, **kwargs)
 
   def __call__(self, *args, **kwargs):
+    # Every step call runs this: keep it to attribute tests (ARCHITECTURE.md,
+    # "One program, traced twice per compilation").
     self._calls += 1
     if not context.may_call_step(self._strategy):
       raise self._misplaced_call()
@@ -182,10 +186,10 @@ class DistributedFunction:
       args, kwargs = self._placement.to_compute(args, kwargs,
                                                 self._strategy.mesh)
     try:
-      out = self._program(*args, **kwargs)
-      if type(out) is _Unplaced:
+      flat = self._program(*args, **kwargs)
+      if type(flat) is _Unplaced:
         args, kwargs = _placed(args, kwargs, self._strategy)
-        out = self._program(*args, **kwargs)
+        flat = self._program(*args, **kwargs)
     except ValueError as e:
       # jit refuses arguments committed to other devices than the program's;
       # say which argument, and why, when that is the cause.
@@ -194,9 +198,10 @@ class DistributedFunction:
       if mismatch is None:
         raise
       raise mismatch from e
-    if self._watch and out.leaves:  # the last array the step computed
-      self._watch_step(out.leaves[-1])
-    out = out.outputs(args, kwargs)
+    leaves = flat.leaves
+    if self._watch and leaves:
+      self._watch_step(leaves[-1])  # the last array the step computed
+    out = flat.outputs(args)
     if self._recompiling:
       message, self._recompiling = self._recompiling, None
       warnings.warn(message, UserWarning, stacklevel=2)
@@ -269,7 +274,7 @@ class DistributedFunction:
     self._count_compilation()
     self._compilations += 1
     out = self._trace(args, kwargs, check=True)
-    return _flat(out, args, kwargs, self._options.donate_argnums)
+    return _flat(out, args, self._options.donate_argnums)
 
   def _count_compilation(self) -> None:
     """Warns once, as TF's retracing warning does, when most recent calls of
@@ -318,52 +323,20 @@ class DistributedFunction:
     return outputs.wrap(results, plan.validity)
 
 
-def _flat(out: Any, args: tuple, kwargs: dict, donated) -> _Flat:
+def _flat(out: Any, args: tuple, donated) -> _Flat:
   """`out` as the program returns it (see `_Flat`)."""
-  sources = _validity_sources(args, kwargs, donated)
+  donated = {donated} if isinstance(donated, int) else set(donated)
+  sources = {id(a.packed): i for i, a in enumerate(args)
+             if type(a) is PerReplica and a.packed is not None and
+             i not in donated}
   leaves, treedef = jax.tree_util.tree_flatten(out)
   kept, forwarded = [], []
-  for i, leaf in enumerate(leaves):
-    path = sources.get(id(leaf))
-    if path is None:
+  for position, leaf in enumerate(leaves):
+    if id(leaf) in sources:
+      forwarded.append((position, sources[id(leaf)]))
+    else:
       kept.append(leaf)
-    else:
-      forwarded.append((i, path))
-  return _Flat(treedef, tuple(forwarded), kept)
-
-
-_FOLLOWED = (jax.tree_util.SequenceKey, jax.tree_util.DictKey,
-             jax.tree_util.GetAttrKey)
-
-
-def _validity_sources(args: tuple, kwargs: dict, donated) -> dict:
-  """`id(array) -> path` of the arguments' batch validities (traced) that a
-  step's outputs may take from its arguments: not donated, and reached by
-  indices, keys and attributes only (see `_follow`)."""
-  donated = {donated} if isinstance(donated, int) else set(donated)
-  wanted = set()
-  for node in jax.tree_util.tree_leaves((args, kwargs), is_leaf=kinds.is_node):
-    validity = kinds.kind_of(node).validity(node)
-    if validity is not None:
-      wanted.add(id(validity.packed))
-  sources = {}
-  for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
-    if (id(leaf) in wanted and all(isinstance(k, _FOLLOWED) for k in path) and
-        not (path[0].idx == 0 and path[1].idx in donated)):
-      sources[id(leaf)] = path
-  return sources
-
-
-def _follow(tree: Any, path: tuple) -> Any:
-  """The leaf at `path` (of `_FOLLOWED` keys) in `tree`."""
-  for key in path:
-    if type(key) is jax.tree_util.GetAttrKey:
-      tree = getattr(tree, key.name)
-    elif type(key) is jax.tree_util.DictKey:
-      tree = tree[key.key]
-    else:
-      tree = tree[key.idx]
-  return tree
+  return _Flat((treedef, tuple(forwarded)), kept)
 
 
 def _needs_placing(tree: Any) -> bool:
