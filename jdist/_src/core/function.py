@@ -5,8 +5,9 @@ Each compilation plans the inputs (`plan.py`: what each argument's kind feeds
 the map), probes the outputs (`probe.py`: which vary over replicas, read from
 the traced types), then maps the step with the specs both give and wraps the
 results. Every later call with the same input structure is served by jit's
-C++ cache; the Python around it (`__call__`) is a few attribute tests and the
-CPU throttle below.
+C++ cache; the Python around it (`__call__`) is a few attribute tests, the
+CPU throttle (`_watch_step`) and the outputs rebuilt from the flat leaves the
+program returns (`_Flat`).
 """
 
 from __future__ import annotations
