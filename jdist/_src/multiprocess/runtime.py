@@ -195,9 +195,13 @@ class Runtime:
           slice_ms = max(1, int(min(left, POLL_SECONDS) * 1000))
           try:
             values[p] = c.blocking_key_value_get(f"{prefix}{p}", slice_ms)
-          except Exception as e:
-            if "DEADLINE" not in str(e).upper():
-              raise
+          except jax.errors.JaxRuntimeError:
+            # The wait ended without the value: its time slice ran out, or
+            # the store failed. Asking the store tells which (a failed store
+            # raises here), and finds a value published as the wait ended.
+            published = _published(c, prefix)
+            if p in published:
+              values[p] = published[p]
           if monitor is not None and p not in values:
             if monitor.peer_failure is not None:
               raise PeerFailureError(monitor.peer_failure.split(": ", 1)[-1])
@@ -206,7 +210,7 @@ class Runtime:
     return values
 
   def _timeout_error(self, c, prefix: str, what: str, timeout: float):
-    published = {int(k.rsplit("/", 1)[-1]) for k, _ in c.key_value_dir_get(prefix)}
+    published = _published(c, prefix)
     missing = [q for q in range(self.num_processes) if q not in published]
     return CollectiveTimeoutError(
         f"Processes {missing} did not reach {what} within {timeout:g} s "
@@ -220,6 +224,13 @@ class Runtime:
     if c is not None:
       with contextlib.suppress(Exception):
         c.key_value_delete(key)
+
+
+def _published(client, prefix: str) -> dict:
+  """`{process_id: value}` of the values published under `prefix` so far."""
+  tails = ((k.rsplit("/", 1)[-1], v)
+           for k, v in client.key_value_dir_get(prefix))
+  return {int(tail): v for tail, v in tails if tail.isdigit()}
 
 
 _runtime: Runtime | None = None
