@@ -32,27 +32,68 @@ class Mode(enum.Enum):
   PER_REPLICA = "per_replica"  # one batch per local replica (dataset_fn)
 
 
+class _Passes:
+  """What the passes over one source have done: the first pass's iterator.
+
+  Shared by a dataset and its `group(k)` copies, which read the same source.
+  """
+
+  def __init__(self, source: Iterable, one_shot_advice: str):
+    self.source = source
+    self.one_shot_advice = one_shot_advice
+    self.first = None  # the first DistributedIterator over the source
+
+  def start(self) -> Iterator:
+    """A new host iterator over the source, or an error if the source is a
+    one-shot iterator that an earlier pass has read from."""
+    it = iter(self.source)
+    first = self.first
+    if first is not None and it is first.source and first.started:
+      # A generator's second pass is empty, and batches the first pass
+      # read ahead would be lost: TF re-runs its dataset; this cannot.
+      raise ValueError(self.one_shot_advice)
+    return it
+
+
+_ONE_SHOT_GLOBAL = (
+    "This distributed dataset was made from a one-shot iterator (a generator "
+    "or an iterator), which its first pass used up: a second pass would yield "
+    "nothing. Distribute a re-iterable instead (a list, or an object whose "
+    "__iter__ starts over), or call experimental_distribute_dataset again "
+    "with a new generator.")
+_ONE_SHOT_FUNCTION = (
+    "dataset_fn returned a one-shot iterator (a generator or an iterator), "
+    "which the first pass over this distributed dataset used up: jdist calls "
+    "dataset_fn once per input pipeline, as TensorFlow does, so a second pass "
+    "would yield nothing. Return a re-iterable from dataset_fn (a list, or an "
+    "object whose __iter__ starts a new pass, such as a tf.data.Dataset or a "
+    "grain DataLoader), or call distribute_datasets_from_function again for "
+    "each pass.")
+
+
 class DistributedDataset:
   """An iterable of distributed batches; each `iter()` starts a new pass.
 
   Made by `strategy.experimental_distribute_dataset` (global batches in) or
   `strategy.distribute_datasets_from_function` (per-replica batches in). Every
   item is a `PerReplica` whose leaves have shape `(num_replicas, b, ...)`
-  (or, after `group(k)`, a `BatchGroup` of k batches).
+  (or, after `group(k)`, a `BatchGroup` of k batches). Each pass iterates
+  the source again (`iter(source)`): a re-iterable that reshuffles on each
+  `__iter__` (tf.data's `reshuffle_each_iteration`) gives each pass its order.
   """
 
-  def __init__(self, strategy, make_iterator: Callable[[], Iterator],
-               mode: Mode, *, options: InputOptions | None = None,
+  def __init__(self, strategy, source: Iterable, mode: Mode, *,
+               options: InputOptions | None = None,
                batch_size: int | None = None, identity: str = "",
-               steps: int | None = None):
+               steps: int | None = None, passes: _Passes | None = None):
     self._strategy = strategy
-    self._make_iterator = make_iterator
     self._mode = mode
     self._options = options or InputOptions()
     self._batch_size = batch_size
-    self._identity = f"{mode.value}/{batch_size or 'auto'}/{identity}"
+    self._identity = identity
     self._steps = steps
-    self._first_pass = None  # its first DistributedIterator
+    self._passes = passes or _Passes(
+        source, _ONE_SHOT_GLOBAL if mode is Mode.GLOBAL else _ONE_SHOT_FUNCTION)
 
   def group(self, steps: int) -> "DistributedDataset":
     """The same batches, `steps` at a time, for a `jdist.multi_step` call.
@@ -67,11 +108,11 @@ class DistributedDataset:
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
       raise ValueError(f"group() takes a whole number of steps of at least 1, "
                        f"got {steps!r}.")
-    grouped = DistributedDataset(self._strategy, self._make_iterator,
-                                 self._mode, options=self._options,
-                                 batch_size=self._batch_size, steps=steps)
-    grouped._identity = self._identity  # the same data for the agreement
-    return grouped
+    # The same source and identity: the same data for the agreement.
+    return DistributedDataset(
+        self._strategy, self._passes.source, self._mode, options=self._options,
+        batch_size=self._batch_size, identity=self._identity, steps=steps,
+        passes=self._passes)
 
   @property
   def strategy(self):
@@ -79,23 +120,12 @@ class DistributedDataset:
     return self._strategy
 
   def __iter__(self) -> "DistributedIterator":
-    source = iter(self._make_iterator())
-    first = self._first_pass
-    if first is not None and source is first.source and first.started:
-      # A generator's second pass is empty, and batches the first pass
-      # read ahead would be lost: TF re-runs its dataset; this cannot.
-      raise ValueError(
-          "This distributed dataset was made from a one-shot iterator (a "
-          "generator or an iterator), which its first pass used up: a second "
-          "pass would yield nothing. Distribute a re-iterable instead (a list, "
-          "or an object whose __iter__ starts over), or call "
-          "experimental_distribute_dataset again with a new generator.")
     it = DistributedIterator(
-        self._strategy, source, self._mode,
+        self._strategy, self._passes.start(), self._mode,
         options=self._options, batch_size=self._batch_size,
         identity=self._identity, steps=self._steps)
-    if first is None:
-      self._first_pass = it
+    if self._passes.first is None:
+      self._passes.first = it
     return it
 
 
@@ -297,9 +327,10 @@ def global_batches(strategy, dataset: Iterable, *,
   if global_batch_size is not None and (global_batch_size <= 0 or
                                         global_batch_size % n):
     raise host.split_error(global_batch_size, n)
-  return DistributedDataset(strategy, lambda: iter(dataset), Mode.GLOBAL,
-                            options=options, batch_size=global_batch_size,
-                            identity=_name(dataset))
+  return DistributedDataset(
+      strategy, dataset, Mode.GLOBAL, options=options,
+      batch_size=global_batch_size,
+      identity=f"global/{global_batch_size or 'auto'}/{_name(dataset)}")
 
 
 def per_replica_batches(strategy, dataset_fn: Callable, *,
@@ -308,8 +339,17 @@ def per_replica_batches(strategy, dataset_fn: Callable, *,
   """See `Strategy.distribute_datasets_from_function`."""
   ctx = InputContext(jax.process_count(), jax.process_index(),
                      strategy.num_replicas_in_sync)
+  # Once per input pipeline (this process), as TensorFlow does: each pass
+  # iterates what it returned again, so a dataset that reshuffles on each
+  # iteration gives every epoch its own order.
+  dataset = dataset_fn(ctx)
+  if not (hasattr(dataset, "__iter__") or hasattr(dataset, "__getitem__")):
+    raise TypeError(
+        f"dataset_fn must return an iterable of per-replica batches (a list, "
+        f"a tf.data.Dataset, a grain DataLoader, a generator), got "
+        f"{type(dataset).__name__}.")
   # Across processes, StepAgreement turns each process's count into the
   # global one, so steps never need an all-reduce to count examples.
-  return DistributedDataset(strategy, lambda: iter(dataset_fn(ctx)),
-                            Mode.PER_REPLICA, options=options,
-                            identity=_name(dataset_fn))
+  return DistributedDataset(strategy, dataset, Mode.PER_REPLICA,
+                            options=options,
+                            identity=f"per_replica/auto/{_name(dataset_fn)}")
