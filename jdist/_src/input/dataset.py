@@ -198,7 +198,11 @@ class DistributedIterator:
         self._drained = True
         raise StopIteration
     else:
-      while not self._done and len(self._buffer) <= self._ahead:
+      # Lazily: the item handed out plus at most one more ahead per call,
+      # so the first batch comes at once and the buffer grows to its size.
+      for _ in range(2):
+        if self._done or len(self._buffer) > self._ahead:
+          break
         item = self._produce()
         if item is None:
           break
