@@ -21,6 +21,7 @@ from jdist._src.core.values import BatchGroup, PerReplica, ValueContext
 from jdist._src.input import host
 from jdist._src.input.agreement import StepAgreement
 from jdist._src.input.context import InputContext
+from jdist._src.input.optional import Optional
 from jdist._src.input.options import InputOptions
 from jdist._src.input.prefetch import BackgroundPrefetch
 
@@ -92,6 +93,7 @@ class DistributedDataset:
     self._batch_size = batch_size
     self._identity = identity
     self._steps = steps
+    self._pending = None  # the first pass, started by element_spec
     self._passes = passes or _Passes(
         source, _ONE_SHOT_GLOBAL if mode is Mode.GLOBAL else _ONE_SHOT_FUNCTION)
 
@@ -119,7 +121,33 @@ class DistributedDataset:
     """The strategy whose replicas the batches are for."""
     return self._strategy
 
+  @property
+  def element_spec(self) -> Any:
+    """What one replica's step receives of each batch (TensorFlow's name).
+
+    A pytree of `jax.ShapeDtypeStruct`s of one replica's rows (see
+    `DistributedIterator.element_spec`). Known once a pass has handed out
+    or read a batch; asked before any pass, it starts the first pass and
+    reads its first batch, and the next `iter()` continues that pass, so no
+    batch is read twice or lost.
+
+    Example:
+      >>> import jdist, numpy as np
+      >>> strategy = jdist.get_strategy()  # one replica
+      >>> data = strategy.experimental_distribute_dataset(
+      ...     [{"x": np.ones((8, 3), np.float32), "y": np.zeros(8, np.int32)}])
+      >>> data.element_spec["x"], data.element_spec["y"].dtype
+      (ShapeDtypeStruct(shape=(8, 3), dtype=float32), dtype('int32'))
+    """
+    first = self._passes.first
+    if first is None:
+      first = self._pending = iter(self)
+    return first.element_spec
+
   def __iter__(self) -> "DistributedIterator":
+    if self._pending is not None:  # the pass element_spec started
+      it, self._pending = self._pending, None
+      return it
     it = DistributedIterator(
         self._strategy, self._passes.start(), self._mode,
         options=self._options, batch_size=self._batch_size,
@@ -160,6 +188,8 @@ class DistributedIterator:
     self._done = False
     self._steps = steps
     self.position = 0  # items handed out so far
+    self._head = _NONE  # an item read for element_spec, not yet handed out
+    self._spec = None
     # Processes must agree on how many steps there are, or one waits forever.
     self._agreement = None
     if placement.spans_processes(strategy.mesh):
@@ -183,35 +213,97 @@ class DistributedIterator:
   def started(self) -> bool:
     """Whether it has read from its source."""
     return (self.position > 0 or bool(self._buffer) or self._done or
-            self._background is not None)
+            self._background is not None or self._head is not _NONE)
+
+  @property
+  def element_spec(self) -> Any:
+    """What one replica's step receives of each batch (TensorFlow's name).
+
+    A pytree of the batch's structure whose leaves are `jax.ShapeDtypeStruct`s
+    of one replica's rows, `(per-replica batch, ...)` with their dtype; a
+    short last batch is padded to the same shape. After `group(k)`, it is
+    the spec of each batch of a group (what the step inside `multi_step`
+    receives). Before the first batch has been handed out it reads (and
+    keeps) that batch, so in a multi-process run every process must ask.
+
+    Raises:
+      ValueError: the data has no batches.
+    """
+    if self._spec is None:
+      if self._head is _NONE:
+        self._head = self._read()
+      if self._head is None:
+        raise ValueError(
+            "This distributed dataset has no batches, so its element_spec is "
+            "unknown.")
+      self._spec = per_replica_spec(self._head)
+    return self._spec
+
+  def get_next_as_optional(self) -> Optional:
+    """The next batch as a `jdist.Optional`, empty at the end of the data.
+
+    TensorFlow's way to end a loop without `StopIteration`; across processes
+    every process gets its last batch at the same step (the input agreement
+    pads a process whose data ends first), so all see an empty optional at
+    once.
+
+    Example:
+      >>> import jdist, numpy as np
+      >>> strategy = jdist.get_strategy()
+      >>> it = iter(strategy.experimental_distribute_dataset(
+      ...     [np.ones((4, 2), np.float32)] * 2))
+      >>> steps = 0
+      >>> while (optional := it.get_next_as_optional()).has_value():
+      ...   batch = optional.get_value()
+      ...   steps += 1
+      >>> steps, optional.element_spec
+      (2, ShapeDtypeStruct(shape=(4, 2), dtype=float32))
+    """
+    item = self._next_item()
+    if item is None:
+      return Optional.empty(self._spec)
+    return Optional.from_value(item, self._spec)
 
   def __iter__(self):
     return self
 
   def __next__(self) -> PerReplica | BatchGroup:
+    item = self._next_item()
+    if item is None:
+      raise StopIteration
+    return item
+
+  def _next_item(self) -> PerReplica | BatchGroup | None:
+    """The next batch (or group), counted as handed out; None at the end."""
+    if self._head is not _NONE:
+      item, self._head = self._head, _NONE
+    else:
+      item = self._read()
+    if item is not None:
+      self.position += 1
+      if self._spec is None:
+        self._spec = per_replica_spec(item)
+    return item
+
+  def _read(self) -> PerReplica | BatchGroup | None:
+    """The next placed item from the buffer or the thread; None at the end."""
     if self._in_thread:
       if self._background is None:
         self._background = BackgroundPrefetch(self._produce, self._ahead)
       # _done is the reading thread's: items may still wait in the queue.
       item = None if self._drained else self._background.next()
+      self._drained = item is None
+      return item
+    # Lazily: the item handed out plus at most one more ahead per call, so
+    # the first batch comes at once and the buffer grows to its size.
+    for _ in range(2):
+      if self._done or len(self._buffer) > self._ahead:
+        break
+      item = self._produce()
       if item is None:
-        self._drained = True
-        raise StopIteration
-    else:
-      # Lazily: the item handed out plus at most one more ahead per call,
-      # so the first batch comes at once and the buffer grows to its size.
-      for _ in range(2):
-        if self._done or len(self._buffer) > self._ahead:
-          break
-        item = self._produce()
-        if item is None:
-          break
-        self._buffer.append(item)
-      if not self._buffer:
-        raise StopIteration
-      item = self._buffer.popleft()
-    self.position += 1
-    return item
+        break
+      self._buffer.append(item)
+    return self._buffer.popleft() if self._buffer else None
 
   def _produce(self) -> PerReplica | BatchGroup | None:
     """The next batch (or group), placed; None at the end of the data."""
@@ -307,6 +399,14 @@ class DistributedIterator:
 
 
 _END = object()
+_NONE = object()  # no item read ahead (None is the end of the data)
+
+
+def per_replica_spec(item: PerReplica | BatchGroup) -> Any:
+  """`jax.ShapeDtypeStruct`s of one replica's batch (of one batch of a group)."""
+  skip = 2 if isinstance(item, BatchGroup) else 1
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[skip:], x.dtype),
+                      item.values)
 
 
 def _name(obj: Any) -> str:
