@@ -66,14 +66,18 @@ def test_prefetch_keeps_results_and_masks_with_donated_batches(name):
     np.testing.assert_allclose(got_w, w, rtol=1e-6)
 
 
-def test_a_bad_batch_read_in_the_thread_is_raised_in_the_loop():
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_a_bad_batch_read_ahead_is_raised_at_that_batch(name):
+  """The batches before it are handed out first; the pass ends there."""
   strategy = strategy_on(2)
-  batches = [np.ones((4, 2), np.float32), np.ones((6, 2), np.float32)]
-  it = iter(strategy.experimental_distribute_dataset(
-      batches, jdist.InputOptions(experimental_prefetch_in_thread=True)))
-  next(it)  # the first batch is fine
+  batches = [np.ones((4, 2), np.float32)] * 3 + [np.ones((6, 2), np.float32)]
+  it = iter(strategy.experimental_distribute_dataset(batches, OPTIONS[name]))
+  for _ in range(3):
+    next(it)  # the first batches are fine
   with pytest.raises(ValueError, match="may shrink at the end of the data but"):
     next(it)
+  assert it.position == 3
+  assert list(it) == []
 
 
 def test_an_abandoned_iterator_stops_its_thread():

@@ -19,7 +19,7 @@ import numpy as np
 from jdist._src.core import placement
 from jdist._src.core.values import BatchGroup, PerReplica, ValueContext
 from jdist._src.input import host
-from jdist._src.input.agreement import StepAgreement
+from jdist._src.input import agreement
 from jdist._src.input.context import InputContext
 from jdist._src.input.optional import Optional
 from jdist._src.input.options import InputOptions
@@ -189,13 +189,14 @@ class DistributedIterator:
     self._steps = steps
     self.position = 0  # items handed out so far
     self._head = _NONE  # an item read for element_spec, not yet handed out
+    self._failure = None  # an error reading ahead, raised at its batch
     self._spec = None
     # Processes must agree on how many steps there are, or one waits forever.
     self._agreement = None
     if placement.spans_processes(strategy.mesh):
       runtime = strategy.runtime
       key = f"{identity}/{runtime.next_sequence('input/' + identity)}"
-      self._agreement = StepAgreement(
+      self._agreement = agreement.StepAgreement(
           self._next_host_batch, runtime=runtime, key=key,
           per_process=mode is Mode.PER_REPLICA,
           timeout=strategy.communication_options.timeout_seconds)
@@ -286,24 +287,45 @@ class DistributedIterator:
     return item
 
   def _read(self) -> PerReplica | BatchGroup | None:
-    """The next placed item from the buffer or the thread; None at the end."""
+    """The next placed item from the buffer or the thread; None at the end.
+
+    An error reading a batch is raised at that batch: batches read before
+    it are handed out first. The pass ends there.
+    """
     if self._in_thread:
-      if self._background is None:
-        self._background = BackgroundPrefetch(self._produce, self._ahead)
-      # _done is the reading thread's: items may still wait in the queue.
-      item = None if self._drained else self._background.next()
-      self._drained = item is None
-      return item
+      return self._read_in_thread()
     # Lazily: the item handed out plus at most one more ahead per call, so
     # the first batch comes at once and the buffer grows to its size.
     for _ in range(2):
-      if self._done or len(self._buffer) > self._ahead:
+      if self._done or self._failure or len(self._buffer) > self._ahead:
         break
-      item = self._produce()
+      try:
+        item = self._produce()
+      except Exception as e:  # raised when the loop reaches it
+        self._failure = e
+        break
       if item is None:
         break
       self._buffer.append(item)
-    return self._buffer.popleft() if self._buffer else None
+    if self._buffer:
+      return self._buffer.popleft()
+    if self._failure is not None:
+      failure, self._failure = self._failure, None
+      self._done = True
+      raise failure
+    return None
+
+  def _read_in_thread(self) -> PerReplica | BatchGroup | None:
+    if self._drained:
+      return None
+    if self._background is None:
+      self._background = BackgroundPrefetch(self._produce, self._ahead)
+    # _done is the reading thread's: items may still wait in the queue. The
+    # thread stops at an error, so after it the pass has ended.
+    self._drained = True
+    item = self._background.next()
+    self._drained = item is None
+    return item
 
   def _produce(self) -> PerReplica | BatchGroup | None:
     """The next batch (or group), placed; None at the end of the data."""
@@ -311,7 +333,7 @@ class DistributedIterator:
       item = self._next_agreed()
       if item is None:
         return None
-      values, validity = self._placer.place(*item)
+      values, validity = self._placer.place(item)
       return PerReplica(values, validity=validity)
     items = []
     while len(items) < self._steps:
@@ -371,7 +393,12 @@ class DistributedIterator:
       valid = self._placer.full_mask(len(self._placer.local_ids), b)
     else:
       valid = (np.arange(self._size) < size).reshape(n, b)[local]
-    return jax.tree.unflatten(treedef, rows), valid, size
+    # Across processes, each keeps its rows of the same global batch: the
+    # agreement compares the batches they read.
+    fingerprint = (None if self._agreement is None
+                   else agreement.fingerprint(leaves))
+    return host.HostStep(jax.tree.unflatten(treedef, rows), valid, size,
+                         fingerprint)
 
   def _next_per_replica(self):
     ids = self._placer.local_ids
@@ -395,7 +422,7 @@ class DistributedIterator:
         lambda *xs: np.stack([host.pad(x, self._size) for x in xs]), *parts)
     valid = np.arange(self._size)[None, :] < np.asarray(sizes)[:, None]
     count = sum(sizes)  # across processes, the input agreement adds them up
-    return stacked, valid, count
+    return host.HostStep(stacked, valid, count)
 
 
 _END = object()
