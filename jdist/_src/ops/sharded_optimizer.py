@@ -88,9 +88,12 @@ class ShardedOptimizer:
   training (a reduce-scatter and an all-gather are one all-reduce).
 
   The wrapped optimizer must be elementwise (adam, adamw, sgd, momentum,
-  rmsprop, adagrad, lion, ...). One that combines a parameter's elements
-  (`clip_by_global_norm`, adafactor, lamb, `apply_if_finite`) is refused by
-  `init`: apply such a transform to the summed gradients before `update`.
+  rmsprop, adagrad, lion, ...). `init` refuses one that is not, naming the
+  first parameter it fails on (`ops/elementwise.py`): one whose update
+  combines a parameter's elements (`clip_by_global_norm`, adafactor, lamb,
+  `apply_if_finite`), draws random numbers (`optax.noisy_sgd`) or moves
+  values between elements (`jnp.roll`). Apply such a transform to the
+  summed gradients before `update`.
 
   Args:
     optimizer: the optax `GradientTransformation` to shard.
