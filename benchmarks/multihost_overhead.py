@@ -6,7 +6,10 @@
 Measures, for a tiny MLP step (64 features, Dense 16, Dense 10, batch 64):
 the jdist step against the same step hand-written with jax.jit + shard_map
 (same throttle), a bare cross-replica psum, the step monitor's share, the
-program check at the first call, and the per-process input agreement.
+program check at the first call, the per-process input agreement, and the
+fingerprint that lets processes compare the global batches they read
+(alone, for batches of several sizes, and as a share of iterating
+experimental_distribute_dataset across processes).
 Process 0 prints the medians (and minima) of 9 alternating trials; on a
 shared machine the minimum is the better estimate of the intrinsic cost.
 """
@@ -204,3 +207,63 @@ if jax.process_count() > 1:
     say(f"  window {w:3d}: {v:7.1f}")
   say(f"  => agreement cost per step at the default window 8: "
       f"{res[8] - res[400]:+.1f} us (one exchange: ~{res[1] - res[400]:.0f} us)")
+
+
+# --- the global batches' fingerprint ------------------------------------------
+# Across processes, experimental_distribute_dataset hashes a bounded sample of
+# each global batch (every row, a few elements of each) so that the processes
+# can compare the batches they read. Its cost alone, per batch:
+shapes = {
+    "MLP batch: x 64x64 float32, y 64": (
+        {"x": x, "y": y}),
+    "digits images: x 256x8x8x1 float32, y 256": (
+        {"x": rng.standard_normal((256, 8, 8, 1)).astype(np.float32),
+         "y": rng.integers(0, 10, 256)}),
+    "ImageNet-sized: x 128x224x224x3 uint8, y 128": (
+        {"x": rng.integers(0, 255, (128, 224, 224, 3), dtype=np.uint8),
+         "y": rng.integers(0, 1000, 128)}),
+}
+
+
+def time_fingerprint(leaves, repeats=2000):
+  t = time.perf_counter()
+  for _ in range(repeats):
+    agreement.fingerprint(leaves)
+  return (time.perf_counter() - t) / repeats * 1e6
+
+
+say("fingerprint of one global batch, us (median of 9 trials, min):")
+for name, batch_ in shapes.items():
+  leaves = [np.asarray(v) for v in jax.tree.leaves(batch_)]
+  agreement.fingerprint(leaves)
+  trials = [time_fingerprint(leaves) for _ in range(TRIALS)]
+  say(f"  {name:48s} {statistics.median(trials):7.1f} ({min(trials):.1f})")
+
+if jax.process_count() > 1:
+  global_batches = [{"x": x, "y": y}] * 200
+
+  def iterate_global(fingerprinted):
+    """us per batch of a pass over 200 global batches (no training)."""
+    saved = agreement.fingerprint
+    if not fingerprinted:  # today's input path before the fingerprint
+      agreement.fingerprint = lambda leaves: None
+    try:
+      t = time.perf_counter()
+      n = sum(1 for _ in strategy.experimental_distribute_dataset(global_batches))
+      return (time.perf_counter() - t) / n * 1e6
+    finally:
+      agreement.fingerprint = saved
+
+  iterate_global(True)
+  runs_ = {True: [], False: []}
+  for _ in range(TRIALS):  # alternating, so both see the same load
+    for fingerprinted in (False, True):
+      runs_[fingerprinted].append(iterate_global(fingerprinted))
+  med_ = {k: statistics.median(v) for k, v in runs_.items()}
+  say("experimental_distribute_dataset across processes, us per batch "
+      f"(200 batches of 64, no training; median of {TRIALS}, min):")
+  say(f"  without the fingerprint {med_[False]:7.1f} ({min(runs_[False]):.1f})")
+  say(f"  with the fingerprint    {med_[True]:7.1f} ({min(runs_[True]):.1f})")
+  say(f"  => fingerprint cost per batch: {med_[True] - med_[False]:+.1f} us "
+      f"median ({(med_[True] / med_[False] - 1) * 100:+.1f}%), "
+      f"{min(runs_[True]) - min(runs_[False]):+.1f} us min")

@@ -9,25 +9,48 @@ valid count). Both run the same pre-placed batch; blocks of steps alternate
 between the two so that machine noise hits both alike, and the figure is the
 median over rounds of the ratio of steps per second.
 
+Per call, it also reports what each call costs the calling thread: its CPU
+time per step (the same rounds), and with `--instructions` the instructions
+one call executes on it, counted by valgrind's callgrind inside the loop of
+calls only (compilation and the device threads left out). Instructions are
+repeatable on a shared machine; times are not.
+
 Run inside a process with enough fake devices (benchmarks/run.py does this):
   XLA_FLAGS=--xla_force_host_platform_device_count=4 python benchmarks/overhead.py
+
+`JDIST_BENCH_SOURCE=DIR` measures the jdist package found in DIR instead of
+the installed one (how benchmarks/overhead_before.json was taken, from the
+jdist of an earlier commit).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import glob
 import json
+import os
+import re
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
-import jax
-import numpy as np
-import optax
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+_SOURCE = os.environ.get("JDIST_BENCH_SOURCE")
+if _SOURCE:  # before `import jdist`: leave the editable install's finder out
+  sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f)]
+  sys.path.insert(0, _SOURCE)
 
-import jdist
-from jdist.examples.models import CNN, MLP
-from jdist.examples.steps import classifier_step
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import jdist  # noqa: E402
+from jdist.examples.models import CNN, MLP  # noqa: E402
+from jdist.examples.steps import classifier_step  # noqa: E402
 
 
 def _model_and_data(name: str, batch: int):
@@ -44,6 +67,8 @@ def _model_and_data(name: str, batch: int):
 
 
 def hand_written(model, tx, devices, global_batch):
+  """`(place, step_once)` of the hand-written step; `step_once(carry)` runs
+  one step and returns the next carry."""
   mesh = Mesh(np.array(devices), ("r",), axis_types=(AxisType.Auto,))
 
   def body(params, opt, x, y):
@@ -62,28 +87,26 @@ def hand_written(model, tx, devices, global_batch):
   def place(params, opt, x, y):
     rep, shard = NamedSharding(mesh, P()), NamedSharding(mesh, P("r"))
     return (jax.device_put(params, rep), jax.device_put(opt, rep),
-            jax.device_put(x, shard), jax.device_put(y, shard))
+            jax.device_put(x, shard), jax.device_put(y, shard), None)
 
   # The same CPU-deadlock guard jdist uses (jax#25861): wait for step k-1
   # after dispatching step k, when a CPU mesh has several devices.
   throttle = devices[0].platform == "cpu" and len(devices) > 1
 
-  def run(state, k):
-    params, opt, x, y = state
-    prev = None
-    for _ in range(k):
-      params, opt, loss = step(params, opt, x, y)
-      if throttle:
-        if prev is not None:
-          prev.block_until_ready()
-        prev = loss
-    jax.block_until_ready(params)
-    return params, opt, x, y
+  def step_once(carry):
+    params, opt, x, y, previous = carry
+    params, opt, loss = step(params, opt, x, y)
+    if throttle:
+      if previous is not None:
+        previous.block_until_ready()
+      previous = loss
+    return params, opt, x, y, previous
 
-  return place, run
+  return place, step_once
 
 
 def with_jdist(model, tx, devices):
+  """`(place, step_once)` of the same step under `strategy.function`."""
   strategy = jdist.MirroredStrategy(devices)
 
   step = strategy.function(classifier_step(
@@ -95,39 +118,90 @@ def with_jdist(model, tx, devices):
         [{"x": x, "y": y}])))
     return state, batch
 
-  def run(placed, k):
-    state, batch = placed
-    for _ in range(k):
-      state, _ = step(state, batch)
-    jax.block_until_ready(state)
+  def step_once(carry):
+    state, batch = carry
+    state, _ = step(state, batch)
     return state, batch
 
-  return place, run
+  return place, step_once
 
 
-def measure(name: str, n: int, *, batch: int, steps: int, rounds: int) -> dict:
+def _impls(name: str, n: int, batch: int, which=("hand", "jdist")):
+  """`{"hand": ..., "jdist": ...}`: each `(carry, step_once)`, warmed up."""
   devices = jax.local_devices()[:n]
   model, params, x, y = _model_and_data(name, batch)
   tx = optax.sgd(1e-3)
   opt = tx.init(params)
-  impls = {"hand": hand_written(model, tx, devices, batch),
-           "jdist": with_jdist(model, tx, devices)}
-  placed = {k: place(params, opt, x, y) for k, (place, _) in impls.items()}
-  for k, (_, run) in impls.items():  # compile and warm up
-    placed[k] = run(placed[k], 3)
+  make = {"hand": lambda: hand_written(model, tx, devices, batch),
+          "jdist": lambda: with_jdist(model, tx, devices)}
+  out = {}
+  for k in which:
+    place, step_once = make[k]()
+    carry = place(params, opt, x, y)
+    for _ in range(3):  # compile and warm up
+      carry = step_once(carry)
+    jax.block_until_ready(carry)
+    out[k] = carry, step_once
+  return out
+
+
+def measure(name: str, n: int, *, batch: int, steps: int, rounds: int) -> dict:
+  impls = _impls(name, n, batch)
+  carries = {k: carry for k, (carry, _) in impls.items()}
   times = {k: [] for k in impls}
+  thread = {k: [] for k in impls}  # the calling thread's CPU time per step
   for r in range(rounds):
     order = ("hand", "jdist") if r % 2 == 0 else ("jdist", "hand")
     for k in order:
-      start = time.perf_counter()
-      placed[k] = impls[k][1](placed[k], steps)
+      step_once = impls[k][1]
+      start, cpu = time.perf_counter(), time.thread_time()
+      carry = carries[k]
+      for _ in range(steps):
+        carry = step_once(carry)
+      jax.block_until_ready(carry)
+      carries[k] = carry
       times[k].append((time.perf_counter() - start) / steps)
+      thread[k].append((time.thread_time() - cpu) / steps)
   ratios = [h / j for h, j in zip(times["hand"], times["jdist"])]
   return {"model": name, "devices": n, "batch": batch,
           "hand_steps_per_s": 1 / statistics.median(times["hand"]),
           "jdist_steps_per_s": 1 / statistics.median(times["jdist"]),
           "ratio": statistics.median(ratios),
-          "ratio_spread": [min(ratios), max(ratios)]}
+          "ratio_spread": [min(ratios), max(ratios)],
+          "hand_thread_us": 1e6 * statistics.median(thread["hand"]),
+          "jdist_thread_us": 1e6 * statistics.median(thread["jdist"])}
+
+
+def count_calls(which: str, calls: int) -> None:
+  """Runs `calls` steps of one implementation (MLP, batch 256, 2 devices)
+  inside `functools.reduce`, the one function callgrind counts in."""
+  carry, step_once = _impls("mlp", 2, 256, (which,))[which]
+  jax.block_until_ready(functools.reduce(lambda c, _: step_once(c),
+                                         range(calls), carry))
+
+
+def instructions(calls: int) -> dict:
+  """Instructions per call on the calling thread, hand-written and jdist,
+  counted by callgrind (None without valgrind)."""
+  valgrind = shutil.which("valgrind")
+  if valgrind is None:
+    return None
+  out = {"calls": calls}
+  with tempfile.TemporaryDirectory() as tmp:
+    for which in ("hand", "jdist"):
+      subprocess.run(
+          [valgrind, "--tool=callgrind", "--separate-threads=yes",
+           "--collect-atstart=no", "--toggle-collect=functools_reduce",
+           f"--callgrind-out-file={tmp}/{which}.%p", sys.executable,
+           __file__, "--count-calls", which, str(calls)],
+          check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+          env=dict(os.environ, XLA_FLAGS=(
+              "--xla_force_host_platform_device_count=2")))
+      (main_thread,) = glob.glob(f"{tmp}/{which}.*-01")
+      with open(main_thread) as f:
+        total = int(re.search(r"^summary: (\d+)", f.read(), re.M).group(1))
+      out[which] = total / calls
+  return out
 
 
 def main(argv=None):
@@ -137,7 +211,19 @@ def main(argv=None):
   parser.add_argument("--devices", default="1,2,4", help="device counts, e.g. 1,2")
   parser.add_argument("--steps", type=int, help="steps per round, both models (tests)")
   parser.add_argument("--rounds", type=int, help="rounds, both models (tests)")
+  parser.add_argument("--instructions", type=int, metavar="CALLS",
+                      help="only count the calling thread's instructions per "
+                           "call over CALLS calls (MLP, 2 devices; valgrind)")
+  parser.add_argument("--count-calls", nargs=2, metavar=("WHICH", "CALLS"),
+                      help=argparse.SUPPRESS)  # what --instructions runs
   args = parser.parse_args(argv)
+  if args.count_calls:
+    count_calls(args.count_calls[0], int(args.count_calls[1]))
+    return None
+  if args.instructions:
+    result = instructions(args.instructions)
+    print(json.dumps(result) if args.json else result)
+    return result
   results = []
   for n in (int(d) for d in args.devices.split(",")):
     if n > len(jax.local_devices()):
@@ -154,7 +240,9 @@ def main(argv=None):
     for r in results:
       print(f"{r['model']:>4} {r['devices']} dev: hand {r['hand_steps_per_s']:9.1f} "
             f"steps/s, jdist {r['jdist_steps_per_s']:9.1f} steps/s, ratio "
-            f"{r['ratio']:.3f} [{r['ratio_spread'][0]:.3f}, {r['ratio_spread'][1]:.3f}]")
+            f"{r['ratio']:.3f} [{r['ratio_spread'][0]:.3f}, {r['ratio_spread'][1]:.3f}]"
+            f"; calling thread {r['hand_thread_us']:.1f} vs "
+            f"{r['jdist_thread_us']:.1f} us/step")
   return results
 
 

@@ -54,6 +54,7 @@ from jdist._src.errors import WorkerFailedError
 from jdist._src.input.context import InputContext
 from jdist._src.input.dataset import DistributedDataset
 from jdist._src.input.dataset import DistributedIterator
+from jdist._src.input.optional import Optional
 from jdist._src.input.options import InputOptions
 from jdist._src.multiprocess.options import CommunicationOptions
 from jdist._src.multiprocess.runtime import Runtime
@@ -147,6 +148,7 @@ __all__ = [
     "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
     "OneDeviceStrategy",
+    "Optional",
     "OutOfRangeError",
     "ParameterServerError",
     "ParameterServerStrategy",

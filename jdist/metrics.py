@@ -3,6 +3,8 @@
 Update a metric inside a step (`m = m.update(y_true, y_pred)`; the padding
 of a short last batch is left out), return it, and read `m.result()`
 outside: the mean over every real example of every replica and process.
+`m.sums()` reads the running `{"total", "count"}` (what a checkpoint keeps)
+and `m.with_sums(sums)` continues from them, on any number of devices.
 
 Example:
   >>> import jdist, jax.numpy as jnp, numpy as np

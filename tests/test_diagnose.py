@@ -47,7 +47,7 @@ def test_an_input_bound_loop_is_named_input_bound():
   assert "Bottleneck on 2 devices: input" in text and "prefetch" in d.fix
   assert "input wait" in text and "collectives" in text
   parts = (d.multi.input_wait + d.multi.compute + d.multi.collectives +
-           d.multi.overhead)
+           d.multi.dispatch)
   assert parts == pytest.approx(d.multi.step, rel=1e-6)
   with pytest.raises(dataclasses.FrozenInstanceError):
     d.bottleneck = "compute"
@@ -75,7 +75,7 @@ def test_a_compute_bound_step_is_not_called_input_bound(devices):
   assert d.bottleneck == "compute", str(d)
   assert d.multi.compute > d.multi.input_wait
   assert sum(getattr(d.multi, p) for p in ("input_wait", "compute",
-             "collectives", "overhead")) == pytest.approx(d.multi.step)
+             "collectives", "dispatch")) == pytest.approx(d.multi.step)
   assert d.multi.collective_bytes >= 128 * 128 * 4  # at least the gradient
   assert d.single.collectives == 0 < d.multi.collectives
 
@@ -122,3 +122,94 @@ def test_bad_arguments_say_what_to_pass(devices):
   with pytest.raises(TypeError, match=r"state, outputs = step\(state, batch\)"
                      r".*returned Array"):
     jdist.diagnose(lambda w, b: w, w, data, num_replicas=2)
+
+
+def times(n, *, input_wait=0.0, compute=0.0, collectives=0.0, dispatch=0.0,
+          recompilations=0, host_callbacks=0):
+  """Times as a run on `n` devices could measure them (seconds per step)."""
+  step = input_wait + compute + collectives + dispatch
+  return jdist.StepTimes(
+      num_replicas=n, step=step, input_wait=input_wait, compute=compute,
+      collectives=collectives, dispatch=dispatch, compile_seconds=0.5,
+      recompilations=recompilations, host_callbacks=host_callbacks,
+      collective_bytes=4096 if collectives else 0,
+      samples_per_second=64 / step)
+
+
+# One phrase per rule, found in that rule's fix and in no other's.
+FIXES = {"recompilation": "pad to a fixed size", "input": "prefetch",
+         "collectives": "accumulate gradients", "dispatch": "steps_per_execution",
+         "scales": "Nothing in the loop to fix", "cpu": "CPU devices share",
+         "busy": "raise the global batch with the replicas"}
+ONE = times(1, compute=4e-3, dispatch=1e-4)
+
+# (the rule that must fire, its bottleneck, times on 4 devices, platform)
+RULE_CASES = [
+    # Recompiling wins even where another part is the largest.
+    ("recompilation", "recompilation",
+     times(4, input_wait=3e-3, compute=1e-3, recompilations=2), "gpu"),
+    ("input", "input", times(4, input_wait=3e-3, compute=1e-3), "gpu"),
+    ("collectives", "collectives", times(4, collectives=3e-3, compute=1e-3),
+     "gpu"),
+    ("dispatch", "dispatch", times(4, dispatch=3e-3, compute=1e-3), "gpu"),
+    # 4 ms on one device, 1.2 ms on each of 4: 3.3x >= 0.75 x 4.
+    ("scales", "compute", times(4, compute=1.2e-3, dispatch=1e-4), "cpu"),
+    # 4 ms against 3 ms: 1.3x, not 4x; the fix depends on the platform.
+    ("cpu", "compute", times(4, compute=3e-3, dispatch=1e-4), "cpu"),
+    ("busy", "compute", times(4, compute=3e-3, dispatch=1e-4), "tpu"),
+]
+
+
+@pytest.mark.parametrize("rule,bottleneck,many,platform", RULE_CASES,
+                         ids=[c[0] for c in RULE_CASES])
+def test_each_advice_rule_fires_on_its_times_and_no_other(
+    rule, bottleneck, many, platform):
+  d = jdist.Diagnosis(single=ONE, multi=many, global_batch=64, steps=10,
+                      platform=platform, host_cores=8)
+  assert d.bottleneck == bottleneck
+  assert [r for r, phrase in FIXES.items() if phrase in d.fix] == [rule]
+  text = str(d)
+  assert f"Bottleneck on 4 devices: {bottleneck}" in text
+  assert d.cause in text and d.fix in text
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    d.bottleneck = "input"
+
+
+def test_the_cause_carries_the_numbers():
+  d = jdist.Diagnosis(single=ONE, multi=times(4, dispatch=3e-3, compute=1e-3),
+                      global_batch=64, steps=10, platform="gpu", host_cores=8)
+  assert d.cause == ("a step computes for 1.00 ms but launching it from the "
+                     "host takes 3.00 ms (75% of the step): the model is too "
+                     "small for 4 devices.")
+  d = jdist.Diagnosis(single=ONE, multi=times(4, compute=3e-3, dispatch=1e-4),
+                      global_batch=64, steps=10, platform="cpu", host_cores=8)
+  assert "3.00 ms on 16 examples per replica against 4.00 ms for all 64" \
+      in d.cause and "1.3x faster, not 4x" in d.cause
+
+
+def test_each_note_appears_when_it_applies_and_only_then():
+  quiet = jdist.Diagnosis(single=ONE, multi=times(4, compute=1.2e-3),
+                          global_batch=64, steps=10, platform="gpu",
+                          host_cores=8)
+  assert quiet.notes == ()
+  loud = jdist.Diagnosis(
+      single=ONE, multi=times(4, compute=5e-3, host_callbacks=3),
+      global_batch=64, steps=10, platform="cpu", host_cores=8,
+      measurement_notes=("The step could not run 10 times in one program.",))
+  notes = loud.notes
+  assert len(notes) == 4 and notes[0] == loud.measurement_notes[0]
+  assert "4 devices are slower than one" in notes[1]
+  assert "4 CPU devices share this host's 8 cores" in notes[2]
+  assert "calls back to Python 3 times" in notes[3]
+  assert all(f"  Note:  {note}" in str(loud) for note in notes)
+
+
+def test_the_table_names_the_dispatch_row_for_what_it_measures():
+  d = jdist.Diagnosis(single=ONE, multi=times(4, dispatch=3e-3, compute=1e-3),
+                      global_batch=64, steps=10, platform="gpu", host_cores=8)
+  rows = str(d).splitlines()
+  assert rows[3:7] == [
+      "  input wait                0.000   0%    0.000   0%",
+      "  compute                   4.000  98%    1.000  25%",
+      "  collectives               0.000   0%    0.000   0%",
+      "  dispatch                  0.100   2%    3.000  75%"]

@@ -135,3 +135,42 @@ def test_trainer_metrics_are_the_same_classes(digits_flat):
   assert float(totals["sca"].result()) == pytest.approx(history.history["sca"][0])
   logs = trainer.evaluate(x[:300], y[:300], batch_size=64)
   assert logs["accuracy"] == logs["sca"] == logs["<lambda>"]
+
+
+@pytest.mark.parametrize("saved_on,resumed_on", [(1, 1), (4, 4), (4, 1), (1, 4)])
+def test_a_metric_restored_from_its_sums_continues_the_epoch_exactly(
+    saved_on, resumed_on):
+  rng = np.random.default_rng(0)
+  y = rng.integers(0, 3, 45)
+  logits = rng.normal(size=(45, 3)).astype(np.float32)
+  data = [{"y": y[i:i + 16], "logits": logits[i:i + 16]}
+          for i in range(0, 45, 16)]  # the last batch has 13: padded
+  Acc = jdist.metrics.SparseCategoricalAccuracy
+
+  def run(n, metrics, batches):
+    strategy = strategy_on(n)
+    step = strategy.function(lambda m, b: (m[0].update(b["y"], b["logits"]),
+                                           m[1].update(b["logits"][:, 0])))
+    for batch in strategy.experimental_distribute_dataset(batches):
+      metrics = step(metrics, batch)
+    assert step.num_compilations == 1  # a restored metric is placed as fresh
+    return metrics
+
+  whole = run(1, (Acc(), jdist.metrics.Mean()), data)
+  first = run(saved_on, (Acc(), jdist.metrics.Mean()), data[:1])
+  saved = [{k: float(v) for k, v in m.sums().items()} for m in first]
+  restored = (Acc().with_sums(saved[0]), jdist.metrics.Mean().with_sums(saved[1]))
+  resumed = run(resumed_on, restored, data[1:])
+  assert float(resumed[0].result()) == float(whole[0].result()) == \
+      pytest.approx(np.mean(np.argmax(logits, -1) == y), abs=1e-7)
+  assert float(resumed[1].sums()["count"]) == 45  # padding never counted
+  assert float(resumed[1].result()) == pytest.approx(
+      float(np.mean(logits[:, 0])), rel=1e-6)
+  # Restoring works under jit too (sums as traced values).
+  again = jax.jit(lambda s: Acc().with_sums(s))(saved[0])
+  assert float(again.sums()["count"]) == saved[0]["count"] == 16
+
+
+def test_with_sums_says_what_it_needs():
+  with pytest.raises(ValueError, match=r"'total' and 'count'.*metric.sums\(\)"):
+    jdist.metrics.Mean().with_sums({"total": 3.0})

@@ -284,3 +284,65 @@ def test_a_loss_scaled_run_resumes_exactly_from_its_backup(digits_flat,
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert int(state.skipped_steps) == skipped[-1]
   assert float(state.loss_scale.scale) == ref_history.history["loss_scale"][-1]
+
+
+def test_a_long_overflow_run_leaves_the_scale_at_one_and_clean_data_trains():
+  """Issue 20.1: 200 batches with NaN, then clean ones, through a custom loop
+  on 4 devices. The scale halves to its floor of 1 (TensorFlow's rule; it
+  used to reach 0.0, after which every step was skipped), the clean batches
+  train exactly as they do without loss scaling on one device, and the
+  scale grows again."""
+  strategy = strategy_on(4)
+  tx = jdist.loss_scale_optimizer(optax.sgd(0.05, momentum=0.9),
+                                  dynamic_growth_steps=10)
+  rng = np.random.default_rng(0)
+  w_true = np.array([1.0, -2.0, 0.5], np.float32)
+
+  def batch(nan):
+    x = rng.normal(size=(8, 3)).astype(np.float32)
+    y = x @ w_true
+    if nan:
+      x[rng.integers(8), rng.integers(3)] = np.nan
+    return {"x": x, "y": y}
+
+  nan_batches = [batch(True) for _ in range(200)]
+  clean = [batch(False) for _ in range(20)]
+
+  def loss_fn(w, b):  # float16 compute, float32 loss
+    pred = (b["x"].astype(jnp.float16) @ w.astype(jnp.float16))
+    return (pred.astype(jnp.float32) - b["y"]) ** 2
+
+  @strategy.function
+  def train_step(w, opt_state, b):
+    grads = jax.grad(lambda w: opt_state.loss_scale.scale_loss(
+        jdist.compute_average_loss(loss_fn(w, b))))(w)
+    updates, opt_state = tx.update(grads, opt_state, w)
+    return optax.apply_updates(w, updates), opt_state
+
+  w0 = jnp.zeros(3)
+  w, state = strategy.replicate(w0), strategy.replicate(tx.init(w0))
+  for b in strategy.experimental_distribute_dataset(nan_batches):
+    w, state = train_step(w, state, b)
+  assert float(state.loss_scale.scale) == 1.0
+  assert bool(state.at_floor) and bool(state.last_step_skipped)
+  assert int(state.skipped_steps) == int(state.consecutive_skipped_steps) == 200
+  np.testing.assert_array_equal(np.asarray(w), np.zeros(3))
+  for b in strategy.experimental_distribute_dataset(clean):
+    w, state = train_step(w, state, b)
+  assert int(state.skipped_steps) == 200
+  assert int(state.consecutive_skipped_steps) == 0
+  assert not bool(state.last_step_skipped)
+  assert float(state.loss_scale.scale) == 4.0  # grown after 10 and 20
+
+  # The same clean batches on one device, without loss scaling.
+  plain = optax.sgd(0.05, momentum=0.9)
+  ref_w, ref_state = w0, plain.init(w0)
+  for b in clean:
+    grads = jax.grad(lambda w: loss_fn(w, b).mean())(ref_w)
+    updates, ref_state = plain.update(grads, ref_state, ref_w)
+    ref_w = optax.apply_updates(ref_w, updates)
+  assert np.abs(np.asarray(ref_w)).max() > 0.5  # it trained
+  # float16 products summed over 2 rows per replica vs 8 on one device:
+  # the order of float16 roundings differs, nothing else.
+  np.testing.assert_allclose(np.asarray(w), np.asarray(ref_w), rtol=2e-3,
+                             atol=2e-3)

@@ -14,6 +14,7 @@ import pytest
 import jdist
 import jdist.testing
 from jdist._src.input import agreement
+from jdist._src.input.host import HostStep
 from jdist.examples.data import batches
 from jdist.examples.models import MLP
 from test_conformance import classifier_step, make_state
@@ -90,11 +91,12 @@ class FakeRuntime:
 
 
 def host_steps(sizes, b=4):
-  """Host steps of one process with 2 replicas: (rows, valid, local count)."""
+  """Host steps of one process with 2 replicas; step i's fingerprint "fp<i>"."""
   out = []
-  for n in sizes:
+  for i, n in enumerate(sizes):
     valid = np.arange(2 * b).reshape(2, b) < n
-    out.append(({"x": np.ones((2, b, 3), np.float32)}, valid, n))
+    out.append(HostStep({"x": np.ones((2, b, 3), np.float32)}, valid, n,
+                        f"fp{i}"))
   return iter(out)
 
 
@@ -119,8 +121,8 @@ def test_a_process_whose_data_ends_first_feeds_padding():
           {"n": 1, "counts": [3], "spec": SPEC}]
   steps, fake = agree([8, 5], peer)
   assert len(steps) == 5 and fake.calls == 2
-  assert [c for _, _, c in steps] == [16, 13, 8, 8, 3]  # global valid counts
-  for rows, valid, _ in steps[2:]:
+  assert [s.count for s in steps] == [16, 13, 8, 8, 3]  # global valid counts
+  for rows, valid, _, _ in steps[2:]:
     assert not valid.any() and not rows["x"].any() and rows["x"].shape == (2, 4, 3)
 
 
@@ -131,11 +133,47 @@ def test_exchanges_once_per_window():
   assert len(steps) == 8 and fake.calls == 3
 
 
+def fingerprints(n, start=0):
+  return [f"fp{i}" for i in range(start, start + n)]
+
+
 def test_global_batches_of_different_lengths_raise():
-  peer = [{"n": 3, "counts": [8, 8, 8], "spec": SPEC}]
+  peer = [{"n": 3, "counts": [8, 8, 8], "spec": SPEC,
+           "fingerprints": fingerprints(3)}]
   with pytest.raises(jdist.DistributionError, match=r"different lengths.*"
                      r"process 0: 4, process 1: 3.*distribute_datasets_from_function"):
     agree([8] * 6, peer, per_process=False)
+
+
+def test_global_batches_read_in_the_same_order_agree():
+  peer = [{"n": 4, "counts": [8] * 4, "spec": SPEC,
+           "fingerprints": fingerprints(4, start)} for start in (0, 4)]
+  peer.append({"n": 1, "counts": [8], "spec": SPEC,
+               "fingerprints": fingerprints(1, 8)})
+  steps, fake = agree([8] * 9, peer, per_process=False)
+  assert len(steps) == 9 and fake.calls == 3
+
+
+def test_the_first_global_batch_read_differently_is_named():
+  """Issue 19.3: the peer's 7th batch (index 6, in the second window) is
+  another: the error names that batch and the processes."""
+  peer = [{"n": 4, "counts": [8] * 4, "spec": SPEC,
+           "fingerprints": fingerprints(4)},
+          {"n": 4, "counts": [8] * 4, "spec": SPEC,
+           "fingerprints": ["fp4", "fp5", "other", "fp7"]}]
+  with pytest.raises(jdist.DistributionError, match=(
+      r"read different global batches: batch 6 \(counting from 0\) of pass 1 "
+      r"over dataset test differs between processes \(fingerprints of its "
+      r"rows: process 0: fp6; process 1: other\).*same seed on every process"
+  )):
+    agree([8] * 8, peer, per_process=False)
+
+
+def test_per_process_data_is_not_compared():
+  peer = [{"n": 2, "counts": [8, 8], "spec": SPEC,
+           "fingerprints": ["a", "b"]}]
+  steps, _ = agree([8, 8], peer)
+  assert len(steps) == 2
 
 
 def test_processes_must_batch_alike():

@@ -200,9 +200,86 @@ def test_an_indivisible_leaf_is_an_error_when_asked_not_to_mirror_it():
 
 def test_a_model_with_nothing_to_split_is_an_error():
   tx = jdist.ShardedOptimizer(optax.adam(1e-3), strategy_on(4))
-  with pytest.raises(jdist.ShardingError, match="None of the parameters can "
-                     "be split over 4 replicas"):
+  with pytest.raises(jdist.ShardingError, match=r"None of the parameters can "
+                     r"be split over 4 replicas: \['b'\] \(\), \['w'\] \(3, 5\)"
+                     r".*would save nothing. Use the optimizer itself") as e:
     tx.init({"w": jnp.zeros((3, 5)), "b": jnp.zeros(())})
+  # Issue 20.6: it advised mirror_indivisible=True, already the default.
+  assert "mirror_indivisible" not in str(e.value)
+
+
+def _roll_sgd(learning_rate):
+  """A user's update that is not elementwise: each element takes its
+  neighbour's gradient (jnp.roll), as in a hand-written smoothing."""
+  def update(grads, state, params=None):
+    del params
+    return jax.tree.map(lambda g: -learning_rate * jnp.roll(g, 1, axis=0),
+                        grads), state
+  return optax.GradientTransformation(lambda params: optax.EmptyState(),
+                                      update)
+
+
+def _sign_sgd(learning_rate):
+  """A user's elementwise update (signSGD with momentum): accepted."""
+  def init(params):
+    return jax.tree.map(jnp.zeros_like, params)
+
+  def update(grads, state, params=None):
+    del params
+    state = jax.tree.map(lambda m, g: 0.9 * m + g, state, grads)
+    return jax.tree.map(lambda m: -learning_rate * jnp.sign(m), state), state
+  return optax.GradientTransformation(init, update)
+
+
+@pytest.mark.parametrize("optimizer, reason", [
+    (optax.noisy_sgd(1e-2, key=jax.random.key(0)),
+     r"it draws random numbers \(random_bits.*\): every replica would draw the "
+     r"same numbers for its block"),
+    (_roll_sgd(1e-2), r"it moves values between elements \(concatenate, slice\)"),
+], ids=["noisy_sgd", "jnp.roll"])
+def test_an_update_that_differs_on_blocks_is_refused_naming_the_leaf(
+    optimizer, reason, digits_flat):
+  """Issue 20.4: noisy_sgd drew the same noise in every replica's block
+  (0.28 from mirrored training) and a jnp.roll update differed by 1.8, both
+  silently. Now init runs the update on a small probe, whole and per
+  block, and names the first parameter whose update differs, and why."""
+  tx = jdist.ShardedOptimizer(optimizer, strategy_on(4))
+  with pytest.raises(jdist.ShardingError, match=(
+      r"cannot split this optimizer's state: on parameter \['Dense_0'\]"
+      r"\['bias'\], its update on each replica's block differs from its "
+      r"update on the whole leaf \(by up to [0-9.e-]+ on a small random "
+      r"probe\): " + reason + r".*must be elementwise")):
+    _train(strategy_on(4), tx, _batches(digits_flat, steps=1), own_grads=True)
+
+
+def test_global_norm_clipping_is_refused_by_program_naming_the_leaf():
+  """A probe whose norm is under the threshold would not clip: the program
+  check refuses the reduction itself, as before."""
+  tx = jdist.ShardedOptimizer(optax.chain(optax.clip_by_global_norm(1e6),
+                                          optax.sgd(0.1)), strategy_on(4))
+  with pytest.raises(jdist.ShardingError, match=(
+      r"on parameter \['b'\], it combines elements of a parameter \("
+      r".*reduce_sum.*\)")):
+    tx.init({"w": jnp.zeros((8, 4)), "b": jnp.zeros(4)})
+
+
+@pytest.mark.parametrize("make", [
+    lambda: optax.adam(1e-2), lambda: optax.sgd(0.1),
+    lambda: optax.sgd(0.1, momentum=0.9), lambda: optax.adamw(1e-2),
+    lambda: optax.lion(1e-3), lambda: _sign_sgd(1e-3),
+], ids=["adam", "sgd", "momentum", "adamw", "lion", "custom_sign_sgd"])
+def test_elementwise_optimizers_are_accepted_and_train_as_mirrored(
+    make, digits_flat):
+  strategy = strategy_on(4)
+  batches = _batches(digits_flat, steps=3)
+  mirrored, m_losses, _ = _train(strategy, make(), batches, own_grads=False)
+  sharded, s_losses, _ = _train(strategy, jdist.ShardedOptimizer(
+      make(), strategy), batches, own_grads=True)
+  problems = jdist.testing.compare_trees(
+      jax.device_get(mirrored.params), jax.device_get(sharded.params),
+      rtol=1e-5, atol=1e-6, names=("mirrored", "sharded"))
+  assert not problems, "\n".join(problems)
+  np.testing.assert_allclose(s_losses, m_losses, rtol=1e-5)
 
 
 @pytest.mark.parametrize("optimizer", [

@@ -15,27 +15,29 @@ from typing import Any, Iterator
 
 from jdist._src.errors import ReplicaContextError, StrategyMismatchError
 
-_state = threading.local()
+
+class _Stacks(threading.local):
+  """This thread's scope stack (strategies) and replica stack (contexts)."""
+
+  def __init__(self):
+    super().__init__()
+    self.scopes: list = []
+    self.replicas: list = []
 
 
-def _stack(name: str) -> list:
-  stack = getattr(_state, name, None)
-  if stack is None:
-    stack = []
-    setattr(_state, name, stack)
-  return stack
+_stacks = _Stacks()
 
 
 @contextlib.contextmanager
 def strategy_scope(strategy) -> Iterator[Any]:
   """Makes `strategy` current for the block (what `strategy.scope()` does)."""
-  scopes = _stack("scopes")
+  scopes = _stacks.scopes
   if scopes and scopes[-1] != strategy:
     raise StrategyMismatchError(
         f"Cannot enter the scope of {strategy!r} inside the scope of "
         f"{scopes[-1]!r}: mixing strategies in one program would place state "
         "on different devices. Leave the outer scope first.")
-  if _stack("replicas"):
+  if _stacks.replicas:
     raise ReplicaContextError(
         "strategy.scope() was entered inside a step (a replica context). Enter "
         "the scope outside the step, around the code that builds and runs it.")
@@ -48,14 +50,14 @@ def strategy_scope(strategy) -> Iterator[Any]:
 
 def current_scope_strategy():
   """The innermost strategy whose scope is open, or None."""
-  scopes = _stack("scopes")
+  scopes = _stacks.scopes
   return scopes[-1] if scopes else None
 
 
 @contextlib.contextmanager
 def replica_scope(replica_context) -> Iterator[Any]:
   """Marks the block as one replica's step (used while tracing a step)."""
-  replicas = _stack("replicas")
+  replicas = _stacks.replicas
   replicas.append(replica_context)
   try:
     yield replica_context
@@ -68,10 +70,21 @@ def current_replica_context():
 
   Also None inside `merge_call`, which runs in cross-replica context.
   """
-  replicas = _stack("replicas")
+  replicas = _stacks.replicas
   return replicas[-1] if replicas else None
 
 
 def tracing_step() -> bool:
   """Whether a step is being traced (including its `merge_call` functions)."""
-  return bool(_stack("replicas"))
+  return bool(_stacks.replicas)
+
+
+def may_call_step(strategy) -> bool:
+  """Whether a step of `strategy` may be called here: outside every step (or
+  in its `merge_call`), and in no other strategy's scope. Asked at every step
+  call, so it is cheap."""
+  stacks = _stacks
+  if stacks.replicas and stacks.replicas[-1] is not None:
+    return False
+  scopes = stacks.scopes
+  return not scopes or scopes[-1] is strategy or scopes[-1] == strategy

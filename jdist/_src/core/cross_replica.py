@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jdist._src.core import kinds
 from jdist._src.core import placement
 from jdist._src.core.reduce_op import ReduceOp
 from jdist._src.core.validity import Validity
-from jdist._src.core.values import PerReplica, SyncOnRead, is_distributed
 from jdist._src.errors import DoubleReductionError, StrategyMismatchError
 
 
@@ -126,10 +126,9 @@ def _traced(x) -> bool:
   return isinstance(x, jax.core.Tracer)
 
 
-def _check_owner(strategy, node, what: str) -> None:
-  """Raises unless the distributed `node` lives on `strategy`'s replicas."""
-  tree = node.values if isinstance(node, PerReplica) else node.value
-  leaves = [x for x in jax.tree.leaves(tree)
+def _check_owner(strategy, rows: Any, what: str) -> None:
+  """Raises unless the replica rows `rows` live on `strategy`'s replicas."""
+  leaves = [x for x in jax.tree.leaves(rows)
             if isinstance(x, jax.Array) and not _traced(x)]
   if not leaves:
     return
@@ -147,6 +146,15 @@ def _check_owner(strategy, node, what: str) -> None:
       f"{what}.")
 
 
+def _owned_rows(strategy, node: Any, what: str):
+  """`(tree, validity)` of `node`'s replica rows (checked to be `strategy`'s),
+  or None for a value that is one global value (see `ValueKind.rows`)."""
+  rows = kinds.kind_of(node).rows(node)
+  if rows is not None:
+    _check_owner(strategy, rows[0], what)
+  return rows
+
+
 def reduce(strategy, op, value: Any, axis=None) -> Any:
   """See `Strategy.reduce`."""
   op = ReduceOp.of(op)
@@ -158,24 +166,20 @@ def reduce(strategy, op, value: Any, axis=None) -> Any:
       return _compiled(strategy.mesh, "reduce", op, axis)(x, validity)
     return jax.tree.map(leaf, tree)
 
-  def one(node):
-    if isinstance(node, PerReplica):
-      _check_owner(strategy, node, "reduce")
-      return stacked(node.values, node.validity)
-    if isinstance(node, SyncOnRead) and node.per_replica:
-      _check_owner(strategy, node, "reduce")
-      return stacked(node.value, None)
-    if isinstance(node, SyncOnRead):
-      node = node.value
-    def leaf(x):
-      if op is ReduceOp.SUM or _traced(x) or not isinstance(x, jax.Array):
-        return reduce_mirrored(op, x, axis)
-      if axis is None:
-        return x
-      return _compiled(strategy.mesh, "reduce_mirrored", op, axis)(x, None)
-    return jax.tree.map(leaf, node)
+  def mirrored(x):
+    if op is ReduceOp.SUM or _traced(x) or not isinstance(x, jax.Array):
+      return reduce_mirrored(op, x, axis)
+    if axis is None:
+      return x
+    return _compiled(strategy.mesh, "reduce_mirrored", op, axis)(x, None)
 
-  return jax.tree.map(one, value, is_leaf=is_distributed)
+  def one(node):
+    rows = _owned_rows(strategy, node, "reduce")
+    if rows is not None:
+      return stacked(*rows)
+    return jax.tree.map(mirrored, kinds.kind_of(node).payload(node))
+
+  return jax.tree.map(one, value, is_leaf=kinds.is_node)
 
 
 def gather(strategy, value: Any, axis: int = 0) -> Any:
@@ -183,10 +187,12 @@ def gather(strategy, value: Any, axis: int = 0) -> Any:
   n = strategy.num_replicas_in_sync
 
   def one(node):
-    if not isinstance(node, PerReplica):
+    rows = _owned_rows(strategy, node, "gather")
+    if rows is None:
       return jax.tree.map(
-          lambda x: jnp.concatenate([jnp.asarray(x)] * n, axis=axis), node)
-    _check_owner(strategy, node, "gather")
+          lambda x: jnp.concatenate([jnp.asarray(x)] * n, axis=axis),
+          kinds.kind_of(node).payload(node))
+    tree, validity = rows
     keep = []  # rows to keep, read from the validity at most once per value
 
     def leaf(x):
@@ -194,37 +200,34 @@ def gather(strategy, value: Any, axis: int = 0) -> Any:
         return gather_stacked(x, axis)
       out = placement.host_local(
           _compiled(strategy.mesh, "gather", None, axis)(x, None))
-      rows = None if node.validity is None else node.validity.batch_size
-      if _is_batch_axis(x, rows, axis % max(x.ndim - 1, 1)):
+      batch_rows = None if validity is None else validity.batch_size
+      if _is_batch_axis(x, batch_rows, axis % max(x.ndim - 1, 1)):
         if not keep:
-          validity = placement.to_host(_compiled(
-              strategy.mesh, "replicate", None, None)(node.validity, None))
-          keep.append(np.flatnonzero(validity.mask.reshape(-1)))
+          host = placement.to_host(_compiled(
+              strategy.mesh, "replicate", None, None)(validity, None))
+          keep.append(np.flatnonzero(host.mask.reshape(-1)))
         if keep[0].size != out.shape[0]:
           out = jnp.take(out, keep[0], axis=0)
       return out
-    return jax.tree.map(leaf, node.values)
+    return jax.tree.map(leaf, tree)
 
-  return jax.tree.map(one, value, is_leaf=is_distributed)
+  return jax.tree.map(one, value, is_leaf=kinds.is_node)
 
 
 def local_results(strategy, value: Any) -> tuple:
   """See `Strategy.experimental_local_results`."""
   ids = placement.local_replica_ids(strategy.devices)
+  for node in jax.tree.leaves(value, is_leaf=kinds.is_node):
+    _owned_rows(strategy, node, "experimental_local_results")
 
   def pick(i):
     def one(node):
-      if isinstance(node, PerReplica):
-        return jax.tree.map(lambda x: _row(x, i), node.values)
-      if isinstance(node, SyncOnRead) and node.per_replica:
-        return jax.tree.map(lambda x: _row(x, i), node.value)
-      return node
-    return jax.tree.map(one, value, is_leaf=is_distributed)
+      rows = kinds.kind_of(node).rows(node)
+      if rows is None:
+        return node
+      return jax.tree.map(lambda x: _row(x, i), rows[0])
+    return jax.tree.map(one, value, is_leaf=kinds.is_node)
 
-  for node in jax.tree.leaves(value, is_leaf=is_distributed):
-    if isinstance(node, PerReplica) or (isinstance(node, SyncOnRead) and
-                                        node.per_replica):
-      _check_owner(strategy, node, "experimental_local_results")
   return tuple(pick(i) for i in ids)
 
 

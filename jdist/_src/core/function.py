@@ -1,17 +1,19 @@
 """`DistributedFunction`: a per-replica step compiled once over the mesh.
 
 The step is mapped with `jax.shard_map` (`check_vma=True`) inside `jax.jit`.
-Each compilation plans the inputs (`plan.py`: which arguments are mirrored,
-per replica or static), probes the outputs (`probe.py`: which vary over
-replicas, read from the traced types), then maps the step with the specs
-both give and wraps the results (`PerReplica` for what varies, mirrored
-arrays for the rest). Every later call with the same input structure is
-served by jit's cache: no Python runs per step but the throttle below.
+Each compilation plans the inputs (`plan.py`: what each argument's kind feeds
+the map), probes the outputs (`probe.py`: which vary over replicas, read from
+the traced types), then maps the step with the specs both give and wraps the
+results. Every later call with the same input structure is served by jit's
+C++ cache; the Python around it (`__call__`) is a few attribute tests, the
+CPU throttle (`_watch_step`) and the outputs rebuilt from the flat leaves the
+program returns (`_Flat`).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import warnings
 from typing import Any, Callable
@@ -19,11 +21,90 @@ from typing import Any, Callable
 import jax
 
 from jdist._src.core import context
+from jdist._src.core import kinds
 from jdist._src.core import probe
 from jdist._src.core.plan import InputPlan
 from jdist._src.core.replica_context import ReplicaContext
-from jdist._src.core.values import SyncOnRead, is_distributed
-from jdist._src.errors import ReplicaContextError, StrategyMismatchError
+from jdist._src.core.values import PerReplica
+from jdist._src.errors import (Error, ReplicaContextError,
+                               StrategyMismatchError)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+  """How a step was built: `Strategy.function`'s keyword arguments.
+
+  Attributes:
+    donate_argnums: passed to `jax.jit`.
+    static_argnums: passed to `jax.jit`.
+    static_argnames: passed to `jax.jit`.
+    check_state: raise `VaryingStateError` for state that stops being mirrored.
+    check_loss_scaling: raise `LossScalingError` for a loss averaged per replica.
+  """
+
+  donate_argnums: Any = ()
+  static_argnums: Any = ()
+  static_argnames: Any = ()
+  check_state: bool = True
+  check_loss_scaling: bool = True
+
+  def jit_options(self) -> dict:
+    """The options `jax.jit` takes."""
+    return dict(donate_argnums=self.donate_argnums,
+                static_argnums=self.static_argnums,
+                static_argnames=self.static_argnames)
+
+
+class _Unplaced:
+  """What the program returns for a call with unplaced arguments: no step ran,
+  `__call__` places them and calls again (see `DistributedFunction._program`)."""
+
+  def __repr__(self) -> str:
+    return "<unplaced arguments>"
+
+
+_UNPLACED = _Unplaced()
+_TRACER = jax.core.Tracer
+jax.tree_util.register_pytree_node(_Unplaced, lambda u: ((), None),
+                                   lambda aux, children: _UNPLACED)
+
+
+class _Flat:
+  """A step's outputs as its program returns them: flat, as jit's dispatch
+  hands them over, and what `__call__` needs to rebuild them.
+
+  A per-replica output carries its batch's validity, an argument returned
+  unchanged; returned by the program, XLA would copy it into a new buffer at
+  every step. So when the batch is a positional argument (as it is for
+  `step(state, batch)`), the validity is left out (`forwarded`) and taken
+  from the argument.
+
+  Attributes:
+    treedef: the structure of the step's outputs.
+    forwarded: `(position, argnum)` for each output leaf left out: its
+      position among the outputs' leaves, and the positional `PerReplica`
+      argument whose validity (`packed`) it is.
+    leaves: the leaves the program returns, in order.
+  """
+
+  __slots__ = ("treedef", "forwarded", "leaves")
+
+  def __init__(self, aux: tuple, leaves):
+    self.treedef, self.forwarded = aux
+    self.leaves = leaves
+
+  def outputs(self, args: tuple) -> Any:
+    """The step's outputs, for the call with these positional arguments."""
+    leaves = self.leaves
+    if self.forwarded:
+      leaves = list(leaves)
+      for position, argnum in self.forwarded:  # in increasing positions
+        leaves.insert(position, args[argnum].packed)
+    return self.treedef.unflatten(leaves)
+
+
+jax.tree_util.register_pytree_node(
+    _Flat, lambda f: (f.leaves, (f.treedef, f.forwarded)), _Flat)
 
 
 class DistributedFunction:
@@ -34,12 +115,12 @@ class DistributedFunction:
                check_loss_scaling: bool = True):
     self._strategy = strategy
     self._fn = fn
-    self._check_state = check_state
-    self._check_loss_scaling = check_loss_scaling
-    self._jit_options = dict(donate_argnums=donate_argnums,
-                             static_argnums=static_argnums,
-                             static_argnames=static_argnames)
-    self._jitted = jax.jit(self._global_step, **self._jit_options)
+    self._options = StepOptions(donate_argnums, static_argnums,
+                                static_argnames, check_state,
+                                check_loss_scaling)
+    # The jitted global program: plan, probe and shard_map of one call.
+    self._program = jax.jit(self._trace_program,
+                            **self._options.jit_options())
     self._lowerer = None
     # CPU collectives deadlock when many steps are in flight (jax#25861):
     # waiting for step k-1 after dispatching step k avoids it at no cost.
@@ -47,13 +128,13 @@ class DistributedFunction:
                       strategy.num_replicas_in_sync > 1)
     # Multi-process runs check the traced program and watch each step.
     self._guard = strategy.step_guard
+    self._watch = self._throttle or self._guard is not None
     # State held off the mesh (CentralStorageStrategy) moves around each call;
     # the default placement moves nothing and costs one test per call.
     placement = strategy.state_placement
     self._placement = placement if placement.moves else None
     self._name = getattr(fn, "__name__", "step")
     self._in_flight = None
-    self._allow_unplaced = False
     self._calls = 0
     self._recent_compiles = collections.deque(maxlen=5)  # call counts
     self._warned_recompiling = False
@@ -72,6 +153,11 @@ class DistributedFunction:
     return self._fn
 
   @property
+  def options(self) -> StepOptions:
+    """The options the step was built with (`Strategy.function`'s keywords)."""
+    return self._options
+
+  @property
   def num_compilations(self) -> int:
     """How many times the step was traced and compiled (once per input shape)."""
     return self._compilations
@@ -83,95 +169,113 @@ class DistributedFunction:
     traces apart from the calls and takes no part in the multi-process check.
     """
     if self._lowerer is None:
-      self._lowerer = jax.jit(functools.partial(self._trace, check=False),
-                              **self._jit_options)
+      self._lowerer = jax.jit(
+          lambda *a, **k: self._trace(a, k, check=False),
+          **self._options.jit_options())
     if self._placement is not None:
       args, kwargs = self._placement.to_compute(args, kwargs,
                                                 self._strategy.mesh)
     return self._lowerer.lower(*args, **kwargs)
 
   def __call__(self, *args, **kwargs):
+    # Every step call runs this: keep it to attribute tests (ARCHITECTURE.md,
+    # "One program, traced twice per compilation").
     self._calls += 1
-    if context.current_replica_context() is not None:
-      raise ReplicaContextError(
-          f"{self._name} was called inside another step. Inside a step, call "
-          "the plain per-replica function directly.")
-    scope = context.current_scope_strategy()
-    if scope is not None and scope != self._strategy:
-      raise StrategyMismatchError(
-          f"This step belongs to {self._strategy!r} but runs inside the scope of "
-          f"{scope!r}. Build the step with the strategy whose scope is open.")
+    if not context.may_call_step(self._strategy):
+      raise self._misplaced_call()
     if self._placement is not None:
       args, kwargs = self._placement.to_compute(args, kwargs,
                                                 self._strategy.mesh)
     try:
-      try:
-        out = self._jitted(*args, **kwargs)
-      except _Unplaced:
-        out = self._call_placed(args, kwargs)
+      flat = self._program(*args, **kwargs)
+      if type(flat) is _Unplaced:
+        args, kwargs = _placed(args, kwargs, self._strategy)
+        flat = self._program(*args, **kwargs)
     except ValueError as e:
-      if "incompatible devices" in str(e):
-        raise StrategyMismatchError(
-            f"An argument lives on other devices than {self._strategy!r}: "
-            f"{str(e).splitlines()[0]} Distributed values belong to the strategy "
-            "that made them; place state with this strategy's replicate() and "
-            "distribute batches with its experimental_distribute_dataset().") from e
-      raise
+      # jit refuses arguments committed to other devices than the program's;
+      # say which argument, and why, when that is the cause.
+      mismatch = (None if isinstance(e, Error) else
+                  _foreign_argument(args, kwargs, self._strategy))
+      if mismatch is None:
+        raise
+      raise mismatch from e
+    leaves = flat.leaves
+    if self._watch and leaves:
+      self._watch_step(leaves[-1])  # the last array the step computed
+    out = flat.outputs(args)
     if self._recompiling:
       message, self._recompiling = self._recompiling, None
       warnings.warn(message, UserWarning, stacklevel=2)
-    if self._throttle or self._guard is not None:
-      first, last = _end_arrays(out)
-      if isinstance(first, jax.core.Tracer):
-        # Called inside the user's own jax.jit: this is a trace, not a step.
-        # The outer program is what runs, and jdist never sees its calls, so
-        # it cannot throttle them (README, "No CPU deadlock"). A warning here
-        # would fire for every jitted step on CPU, long loops or not.
-        return out
-      if self._guard is not None:  # the last leaf: outputs fed back get donated
-        self._guard.track(self._name, last)
-      if self._throttle:
-        previous, self._in_flight = self._in_flight, first
-        if previous is not None and not previous.is_deleted():
-          previous.block_until_ready()
     if self._placement is not None:
       out = self._placement.to_storage(out, self._strategy.mesh)
     return out
 
-  def _call_placed(self, args: tuple, kwargs: dict):
-    """Calls the step with its unplaced `SyncOnRead` arguments placed first.
+  def trace_step(self, args: tuple, kwargs: dict, *, check: bool = True):
+    """Traces one call of the step into the running JAX trace.
 
-    A `SyncOnRead` made outside a step (a fresh metric) comes back from the
-    step placed on the replicas, with a replica axis: had the step compiled
-    for the unplaced value, the next call would compile it again.
+    For programs that run the step inside a larger one (`jdist.multi_step`
+    scans it): plans the arguments, probes the outputs and maps the step,
+    returning its outputs as a call would (`PerReplica` for what varies).
+
+    Args:
+      args, kwargs: the step's arguments (traced values).
+      check: take part in the multi-process program check.
+
+    Returns:
+      The step's outputs.
     """
-    def place(node):
-      if isinstance(node, SyncOnRead) and not node.per_replica:
-        return self._strategy.replicate(node)
-      return node
+    return self._trace(args, kwargs, check=check)
 
-    flat = jax.tree_util.tree_leaves((args, kwargs), is_leaf=is_distributed)
-    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(flat)):
-      # Inside the user's own jax.jit: place them inside the program.
-      self._allow_unplaced = True
-      try:
-        return self._jitted(*args, **kwargs)
-      finally:
-        self._allow_unplaced = False
-    args, kwargs = jax.tree.map(place, (args, kwargs), is_leaf=is_distributed)
-    return self._jitted(*args, **kwargs)
+  def _watch_step(self, last) -> None:
+    """The CPU throttle and the multi-process watch of a dispatched step.
+
+    Args:
+      last: the last array the step's program returned: the one least likely
+        fed back to a step that donates it (state comes first).
+    """
+    if isinstance(last, _TRACER):
+      # Called inside the user's own jax.jit: this is a trace, not a step.
+      # The outer program is what runs, and jdist never sees its calls, so
+      # it cannot throttle them (README, "No CPU deadlock"). A warning here
+      # would fire for every jitted step on CPU, long loops or not.
+      return
+    if self._guard is not None:
+      self._guard.track(self._name, last)
+    if self._throttle:
+      previous, self._in_flight = self._in_flight, last
+      if previous is not None and not previous.is_deleted():
+        previous.block_until_ready()
+
+  def _misplaced_call(self) -> Exception:
+    """The error for a call inside a step or another strategy's scope."""
+    if context.current_replica_context() is not None:
+      return ReplicaContextError(
+          f"{self._name} was called inside another step. Inside a step, call "
+          "the plain per-replica function directly.")
+    return StrategyMismatchError(
+        f"This step belongs to {self._strategy!r} but runs inside the scope of "
+        f"{context.current_scope_strategy()!r}. Build the step with the "
+        "strategy whose scope is open.")
 
   # --- tracing -------------------------------------------------------------
 
-  def _global_step(self, *args, **kwargs):
-    if not self._allow_unplaced and any(
-        isinstance(x, SyncOnRead) and not x.per_replica
-        for x in jax.tree_util.tree_leaves((args, kwargs),
-                                           is_leaf=is_distributed)):
-      raise _Unplaced()  # __call__ places them and calls again
+  def _trace_program(self, *args, **kwargs):
+    """What `self._program` traces: the step, or `_UNPLACED` when arguments
+    need placing first.
+
+    A value made outside a step (a fresh metric's `SyncOnRead`) comes back
+    from the step placed on the replicas: had the step compiled for the
+    unplaced value, the next call would compile it again. So a call with
+    one compiles an empty program instead, which answers `_UNPLACED`; the
+    caller places the values and calls again. Calls with placed values,
+    the common case, never reach this function after their first.
+    """
+    if _needs_placing((args, kwargs)):
+      return _UNPLACED
     self._count_compilation()
     self._compilations += 1
-    return self._trace(*args, check=True, **kwargs)
+    out = self._trace(args, kwargs, check=True)
+    return _flat(out, args, self._options.donate_argnums)
 
   def _count_compilation(self) -> None:
     """Warns once, as TF's retracing warning does, when most recent calls of
@@ -191,7 +295,8 @@ class DistributedFunction:
           "instead of changing the shape), and pass numbers as arrays, not "
           "as static arguments.")
 
-  def _trace(self, *args, check: bool, **kwargs):
+  def _trace(self, args: tuple, kwargs: dict, *, check: bool):
+    """Plans, probes and maps one call (traced); subclasses trace more."""
     strategy = self._strategy
     axis = strategy.axis_name
     plan = InputPlan.of(strategy, args, kwargs)
@@ -206,11 +311,12 @@ class DistributedFunction:
     if check and self._guard is not None:
       program_check = functools.partial(self._guard.check_program, self._name)
     rows = None
-    if self._check_loss_scaling and plan.validity is not None:
+    if self._options.check_loss_scaling and plan.validity is not None:
       rows = plan.validity.batch_size
     outputs = probe.probe(run_replica, plan.leaves, plan.specs, strategy,
-                          check_state=self._check_state, name=self._name,
-                          program_check=program_check, batch_rows=rows)
+                          check_state=self._options.check_state,
+                          name=self._name, program_check=program_check,
+                          batch_rows=rows)
     results = jax.shard_map(
         lambda *local: outputs.local_results(run_replica(*local)[0], axis),
         mesh=strategy.mesh, in_specs=plan.specs,
@@ -218,11 +324,59 @@ class DistributedFunction:
     return outputs.wrap(results, plan.validity)
 
 
-class _Unplaced(Exception):
-  """Raised while tracing a call whose `SyncOnRead` arguments are unplaced."""
+def _flat(out: Any, args: tuple, donated) -> _Flat:
+  """`out` as the program returns it (see `_Flat`)."""
+  donated = {donated} if isinstance(donated, int) else set(donated)
+  sources = {id(a.packed): i for i, a in enumerate(args)
+             if type(a) is PerReplica and a.packed is not None and
+             i not in donated}
+  leaves, treedef = jax.tree_util.tree_flatten(out)
+  kept, forwarded = [], []
+  for position, leaf in enumerate(leaves):
+    if id(leaf) in sources:
+      forwarded.append((position, sources[id(leaf)]))
+    else:
+      kept.append(leaf)
+  return _Flat((treedef, tuple(forwarded)), kept)
 
 
-def _end_arrays(tree: Any):
-  """The first and the last array leaves of `tree` (None if it has none)."""
-  arrays = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
-  return (arrays[0], arrays[-1]) if arrays else (None, None)
+def _needs_placing(tree: Any) -> bool:
+  return any(kinds.kind_of(x).needs_placing(x) for x in
+             jax.tree_util.tree_leaves(tree, is_leaf=kinds.is_node))
+
+
+def _placed(args: tuple, kwargs: dict, strategy) -> tuple:
+  """`(args, kwargs)` with every value that needs placing placed."""
+  def place(x):
+    kind = kinds.kind_of(x)
+    return kind.place(x, strategy) if kind.needs_placing(x) else x
+  return jax.tree.map(place, (args, kwargs), is_leaf=kinds.is_node)
+
+
+def _foreign_argument(args: tuple, kwargs: dict,
+                      strategy) -> StrategyMismatchError | None:
+  """The error for an argument committed to devices other than the
+  strategy's (jit refuses such a call), or None if there is none."""
+  mesh_devices = set(strategy.devices)
+  with_path = jax.tree_util.tree_flatten_with_path((args, kwargs),
+                                                   is_leaf=kinds.is_node)[0]
+  for path, node in with_path:
+    for x in jax.tree.leaves(node):
+      if (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and
+          x.committed and x.sharding.device_set != mesh_devices):
+        where = ", ".join(f"{d.platform}:{d.id}" for d in sorted(
+            x.sharding.device_set, key=lambda d: d.id))
+        return StrategyMismatchError(
+            f"An argument lives on other devices than {strategy!r}: "
+            f"{_argument_name(path)} (a {kinds.kind_of(node).name}) is on "
+            f"[{where}]. Distributed values belong to the strategy that made "
+            "them; place state with this strategy's replicate() and "
+            "distribute batches with its experimental_distribute_dataset().")
+  return None
+
+
+def _argument_name(path) -> str:
+  """`args[0]['w']` for a path into `(args, kwargs)`."""
+  top, *rest = path
+  return ("args" if top.idx == 0 else "kwargs") + jax.tree_util.keystr(
+      tuple(rest))

@@ -6,23 +6,24 @@ batches of a `BatchGroup` with `lax.scan`, so the host dispatches once per K
 steps. Small models on many devices spend most of a step in dispatch; this
 is where that time goes away.
 
-The step is traced as `DistributedFunction` traces it (plan, probe, one
-`shard_map`), once, inside the scan's body; each scan iteration hands it one
-batch of the group with that batch's own validity, so masks, counts and
-`compute_average_loss` are those of K separate calls.
+The wrapped step traces itself (`DistributedFunction.trace_step`: plan,
+probe, one `shard_map`), once, inside the scan's body; each scan iteration
+hands it one batch of the group with that batch's own validity, so masks,
+counts and `compute_average_loss` are those of K separate calls. The body
+checks the carried values itself, so a step whose carried output changes
+type gets an error that names it.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from jdist._src.core import kinds
 from jdist._src.core.function import DistributedFunction
-from jdist._src.core.values import (BatchGroup, PerReplica, SyncOnRead,
-                                    is_distributed)
+from jdist._src.core.values import BatchGroup
 
 
 class MultiStepFunction(DistributedFunction):
@@ -33,20 +34,20 @@ class MultiStepFunction(DistributedFunction):
   """
 
   def __init__(self, step: DistributedFunction):
-    options = step._jit_options
-    if options["static_argnums"] or options["static_argnames"]:
+    options = step.options
+    if options.static_argnums or options.static_argnames:
       raise ValueError(
           f"jdist.multi_step cannot run {step.__name__}: it has static "
           "arguments (static_argnums / static_argnames), which a compiled "
           "loop over steps cannot vary. Pass those values as arrays, or "
           "build a step per value.")
-    super().__init__(step.strategy, step._fn,
-                     donate_argnums=options["donate_argnums"],
-                     check_state=step._check_state,
-                     check_loss_scaling=step._check_loss_scaling)
+    super().__init__(step.strategy, step.python_function,
+                     donate_argnums=options.donate_argnums,
+                     check_state=options.check_state,
+                     check_loss_scaling=options.check_loss_scaling)
     self._step = step
 
-  def _trace(self, *args, check: bool, **kwargs):
+  def _trace(self, args: tuple, kwargs: dict, *, check: bool):
     if kwargs:
       raise TypeError(
           f"A multi-step {self._name} takes positional arguments only: the "
@@ -58,27 +59,18 @@ class MultiStepFunction(DistributedFunction):
           f"BatchGroup last (got {got}). Make groups with "
           "strategy.experimental_distribute_dataset(data).group(k).")
     carry, group = tuple(args[:-1]), args[-1]
-    one_step = functools.partial(DistributedFunction._trace, self, check=check)
     layout = []
 
     def body(carried, i):
-      out = one_step(*carried, group.batch(i))
+      out = self._step.trace_step(carried + (group.batch(i),), {}, check=check)
       new, extras, single = _split(out, carried, self._name)
+      new = _like(new, carried)
+      _check_carry(new, carried, self._name)
       layout[:] = [single]
-      return _like(new, carried), jax.tree.map(_unmasked, extras,
-                                               is_leaf=is_distributed)
+      return new, jax.tree.map(_unmasked, extras, is_leaf=kinds.is_node)
 
-    try:
-      carry, stacked = jax.lax.scan(body, carry, jnp.arange(group.num_steps))
-    except TypeError as e:
-      if "carry" not in str(e):
-        raise
-      raise TypeError(
-          f"{self._name} returns carried values whose types differ from its "
-          "arguments' (a multi-step call feeds each step's outputs to the "
-          "next step): every carried output must keep the shape, dtype and "
-          f"placement of its argument. {e}") from None
-    stacked = jax.tree.map(_replicas_first, stacked, is_leaf=is_distributed)
+    carry, stacked = jax.lax.scan(body, carry, jnp.arange(group.num_steps))
+    stacked = jax.tree.map(_replicas_first, stacked, is_leaf=kinds.is_node)
     if layout[0]:
       return carry[0]
     return carry + stacked
@@ -87,10 +79,10 @@ class MultiStepFunction(DistributedFunction):
 def _split(out: Any, carried: tuple, name: str):
   """`(new carried values, other outputs, whether out was the state alone)`."""
   def shape(tree):  # the structure, distributed values told from arrays
-    kinds = jax.tree.map(lambda x: type(x) if is_distributed(x) else None,
-                         tree, is_leaf=is_distributed)
-    return jax.tree.structure(tree, is_leaf=is_distributed), jax.tree.leaves(
-        kinds, is_leaf=lambda x: x is None)
+    types = jax.tree.map(lambda x: type(x) if kinds.is_node(x) else None,
+                         tree, is_leaf=kinds.is_node)
+    return jax.tree.structure(tree, is_leaf=kinds.is_node), jax.tree.leaves(
+        types, is_leaf=lambda x: x is None)
   m = len(carried)
   if (isinstance(out, tuple) and len(out) >= m and
       all(shape(o) == shape(c) for o, c in zip(out, carried))):
@@ -105,30 +97,61 @@ def _split(out: Any, carried: tuple, name: str):
       "per step). Return `(state, loss)` for a step `(state, batch)`.")
 
 
+def _check_carry(new: tuple, carried: tuple, name: str) -> None:
+  """Raises unless every carried output has its argument's shape and dtype
+  (what `lax.scan` needs to feed it to the next step)."""
+  new_leaves, new_tree = jax.tree_util.tree_flatten_with_path(new)
+  old_leaves, old_tree = jax.tree_util.tree_flatten(carried)
+  if new_tree == old_tree:
+    differ = [f"{jax.tree_util.keystr(path)}: argument {_type(o)}, output "
+              f"{_type(n)}" for (path, n), o in zip(new_leaves, old_leaves)
+              if _signature(n) != _signature(o)]
+  else:
+    differ = [f"the structure: argument {old_tree}, output {new_tree}"]
+  if differ:
+    raise TypeError(
+        f"{name} returns carried values whose types differ from its "
+        "arguments' (a multi-step call feeds each step's outputs to the "
+        "next step, so each must keep the shape, dtype and placement of its "
+        f"argument): {'; '.join(differ[:5])}. Cast or reshape the new values "
+        "to their arguments' types, or return them after the carried ones "
+        "(as outputs, stacked per step).")
+
+
+def _signature(x: Any) -> tuple:
+  aval = jax.typeof(x)
+  return aval.shape, aval.dtype
+
+
+def _type(x: Any) -> str:
+  return jax.typeof(x).str_short()
+
+
 def _like(new: tuple, carried: tuple) -> tuple:
-  """`new` with each `PerReplica`'s validity as its carried argument had it
-  (a step's outputs carry the batch's validity; the loop's input may not)."""
+  """`new` with each distributed value's validity as its carried argument had
+  it (a step's outputs carry the batch's validity; the loop's input may not)."""
   def one(n, c):
-    if isinstance(n, PerReplica) and isinstance(c, PerReplica):
-      return PerReplica(n.values, validity=c.validity)
-    return n
-  return jax.tree.map(one, new, carried, is_leaf=is_distributed)
+    rows = kinds.kind_of(n).rows(n)
+    if rows is None or kinds.kind_of(c) is not kinds.kind_of(n):
+      return n
+    return kinds.kind_of(n).with_rows(n, rows[0], kinds.kind_of(c).validity(c))
+  return jax.tree.map(one, new, carried, is_leaf=kinds.is_node)
 
 
 def _unmasked(x: Any) -> Any:
   # Each step's validity is the batch's: stacked, it would no longer be one
   # batch's mask, which `strategy.reduce` reads. The values stay exact.
-  return PerReplica(x.values) if isinstance(x, PerReplica) else x
+  rows = kinds.kind_of(x).rows(x)
+  return x if rows is None else kinds.kind_of(x).with_rows(x, rows[0])
 
 
 def _replicas_first(x: Any) -> Any:
   """A stacked per-replica output as `(replicas, steps, ...)`."""
-  move = lambda v: jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1), v)
-  if isinstance(x, PerReplica):
-    return PerReplica(move(x.values))
-  if isinstance(x, SyncOnRead):
-    return x.assign(move(x.value))
-  return x
+  rows = kinds.kind_of(x).rows(x)
+  if rows is None:
+    return x
+  return kinds.kind_of(x).with_rows(
+      x, jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1), rows[0]))
 
 
 def multi_step(step: DistributedFunction) -> MultiStepFunction:

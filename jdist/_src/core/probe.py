@@ -2,50 +2,31 @@
 
 The step is traced once abstractly with every output returned per replica
 (`P(axis)` is a prefix of any output structure). Inside that trace each
-output leaf's varying axes are known, which gives the `OutputPlan`: `P()`
-and a mirrored array for leaves that are the same on every replica, the
-replica axis and a `PerReplica` for the others. The real map is then built
-from the plan. It costs one extra trace per compilation and nothing per step.
-The same trace checks that state passed in mirrored comes back mirrored.
+output leaf's kind is known (`kinds.output_kind`: a value kept whole, such as
+a `SyncOnRead`, by its type; an array by whether it varies over the
+replicas), which gives the `OutputPlan`: each kind's out specs inside the map
+and its wrap outside. The real map is then built from the plan. It costs one
+extra trace per compilation and nothing per step. The same trace checks that
+state passed in mirrored comes back mirrored.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jdist._src.core import in_step
+from jdist._src.core import kinds
 from jdist._src.core import scaling_check
 from jdist._src.core.validity import Validity
-from jdist._src.core.values import PerReplica, Sharded, SyncOnRead
 from jdist._src.errors import LossScalingError, VaryingStateError
 
 
-class OutKind(enum.Enum):
-  """What one flattened output of a step becomes outside it."""
-
-  MIRRORED = "mirrored"          # the same on every replica: one array
-  PER_REPLICA = "per_replica"    # varies: a PerReplica (leading replica axis)
-  SYNC_ON_READ = "sync_on_read"  # a SyncOnRead: its per-replica copies
-  SHARDED = "sharded"            # a Sharded: its blocks, in its layout
-
-
-def _is_sync(x) -> bool:
-  return isinstance(x, SyncOnRead)
-
-
-def _is_node(x) -> bool:
-  """A distributed value kept whole through a step (its `.value` varies)."""
-  return isinstance(x, (SyncOnRead, Sharded))
-
-
 def _flatten(out):
-  return jax.tree_util.tree_flatten(out, is_leaf=_is_node)
+  return jax.tree_util.tree_flatten(out, is_leaf=kinds.is_kept_in_step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,67 +34,35 @@ class OutputPlan:
   """How each output of a step leaves the `shard_map`, and is wrapped after.
 
   Attributes:
-    tree: the outputs' structure, `SyncOnRead` and `Sharded` values as
-      leaves.
-    kinds: one `OutKind` per flattened output.
-    aggregations: the `SyncOnRead` outputs' aggregations (None for others).
-    layouts: the `Sharded` outputs' `(structure, Sharded)` (None for others).
+    tree: the outputs' structure, values kept whole in the step (`SyncOnRead`,
+      `Sharded`) as leaves.
+    kinds: one `kinds.ValueKind` per flattened output.
+    auxes: what each kind needs of its traced output (`ValueKind.out_aux`).
   """
 
   tree: Any
   kinds: tuple
-  aggregations: tuple
-  layouts: tuple = ()
+  auxes: tuple
 
   @classmethod
   def of(cls, out: Any, axis: str) -> "OutputPlan":
     """Reads the plan from outputs traced inside the map."""
     flat, tree = _flatten(out)
-    kinds = tuple(
-        OutKind.SHARDED if isinstance(x, Sharded) else
-        OutKind.SYNC_ON_READ if _is_sync(x) else
-        OutKind.PER_REPLICA if in_step.is_varying(x, axis) else
-        OutKind.MIRRORED for x in flat)
-    layouts = tuple((jax.tree_util.tree_structure(x.value), x)
-                    if isinstance(x, Sharded) else None for x in flat)
-    return cls(tree, kinds, tuple(getattr(x, "aggregation", None)
-                                  for x in flat), layouts)
+    found = tuple(kinds.output_kind(x, axis) for x in flat)
+    return cls(tree, found, tuple(k.out_aux(x) for k, x in zip(found, flat)))
 
   def out_specs(self, axis: str) -> list:
-    return [list(layout[1].partition_specs()) if k is OutKind.SHARDED else
-            P() if k is OutKind.MIRRORED else P(axis)
-            for k, layout in zip(self.kinds, self.layouts)]
+    return [k.out_specs(aux, axis) for k, aux in zip(self.kinds, self.auxes)]
 
   def local_results(self, out: Any, axis: str) -> list:
     """Inside the map: this replica's outputs, shaped for `out_specs`."""
-    results = []
-    for x, kind in zip(_flatten(out)[0], self.kinds):
-      if kind is OutKind.SHARDED:
-        results.append([jnp.asarray(v) for v in jax.tree.leaves(x.value)])
-      elif kind is OutKind.SYNC_ON_READ:
-        results.append(jax.tree.map(
-            lambda v: in_step.to_varying(v, axis)[None], x.value))
-      elif kind is OutKind.PER_REPLICA:
-        results.append(in_step.to_varying(x, axis)[None])
-      else:
-        results.append(jnp.asarray(x))
-    return results
+    return [k.result(x, axis) for k, x in zip(self.kinds, _flatten(out)[0])]
 
   def wrap(self, results: list, validity: Validity | None) -> Any:
     """Outside the map: the step's outputs as the user gets them."""
-    wrapped = []
-    for kind, x, agg, layout in zip(self.kinds, results, self.aggregations,
-                                    self.layouts):
-      if kind is OutKind.SHARDED:
-        wrapped.append(layout[1].replace(
-            jax.tree_util.tree_unflatten(layout[0], x)))
-      elif kind is OutKind.SYNC_ON_READ:
-        wrapped.append(SyncOnRead(x, agg, True))
-      elif kind is OutKind.PER_REPLICA:
-        wrapped.append(PerReplica(x, validity=validity))
-      else:
-        wrapped.append(x)
-    return jax.tree_util.tree_unflatten(self.tree, wrapped)
+    return jax.tree_util.tree_unflatten(self.tree, [
+        k.wrap(aux, x, validity)
+        for k, aux, x in zip(self.kinds, self.auxes, results)])
 
 
 def probe(run_replica: Callable, leaves: tuple, specs: tuple, strategy, *,
@@ -151,7 +100,7 @@ def probe(run_replica: Callable, leaves: tuple, specs: tuple, strategy, *,
       check_mirrored_state(out, state_trees, axis, name)
     plans.append(OutputPlan.of(out, axis))
     return [jax.tree.map(lambda v: in_step.to_varying(v, axis)[None],
-                         x.value if _is_node(x) else x)
+                         kinds.kind_of(x).payload(x))
             for x in _flatten(out)[0]]
 
   mapped = jax.shard_map(body, mesh=strategy.mesh, in_specs=specs,
@@ -176,9 +125,10 @@ def mirrored_structures(call_args, axis: str) -> list:
   in place, so afterwards its state would already look varying."""
   in_trees = []
   for a in call_args:
-    leaves, tree = jax.tree_util.tree_flatten(a, is_leaf=_is_node)
+    leaves, tree = jax.tree_util.tree_flatten(a, is_leaf=kinds.is_kept_in_step)
     if tree.num_nodes > 1 and not any(
-        in_step.is_varying(x, axis) for x in leaves if not _is_node(x)):
+        in_step.is_varying(x, axis) for x in leaves
+        if not kinds.is_kept_in_step(x)):
       in_trees.append(tree)
   return in_trees
 
@@ -194,11 +144,12 @@ def check_mirrored_state(out, in_trees: list, axis: str, name: str) -> None:
   """
   outputs = out if isinstance(out, tuple) else (out,)
   for i, o in enumerate(outputs):
-    leaves, tree = jax.tree_util.tree_flatten_with_path(o, is_leaf=_is_node)
+    leaves, tree = jax.tree_util.tree_flatten_with_path(
+        o, is_leaf=kinds.is_kept_in_step)
     if tree not in in_trees:
       continue
     bad = [jax.tree_util.keystr(p) for p, x in leaves
-           if not _is_node(x) and in_step.is_varying(x, axis)]
+           if not kinds.is_kept_in_step(x) and in_step.is_varying(x, axis)]
     if bad:
       where = f"output {i}" if isinstance(out, tuple) else "the output"
       raise VaryingStateError(

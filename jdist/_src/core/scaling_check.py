@@ -33,6 +33,7 @@ import dataclasses
 import math
 from typing import Any
 
+import jax
 import jax.extend.core as jcore
 import numpy as np
 
@@ -66,6 +67,13 @@ class LocalMean:
 
 
 class _Walk:
+  """One pass over a traced step: the candidate local means found, and those
+  confirmed to reach a sum of gradients over replicas.
+
+  Each jaxpr is walked with `known` (var -> constant scalar, folded through
+  the scalar arithmetic) and `tainted` (var -> ids of the candidates whose
+  cotangent it depends on).
+  """
 
   def __init__(self, axis: str, rows: int):
     self.axis = axis
@@ -73,15 +81,84 @@ class _Walk:
     self.candidates: list[LocalMean] = []
     self.confirmed: set[int] = set()
 
+  def jaxpr(self, jaxpr, known: dict, tainted: dict) -> list:
+    """Walks `jaxpr`; returns the candidate ids each of its outputs depends on."""
+    for eqn in jaxpr.eqns:
+      taint = frozenset().union(*(_taint(tainted, v) for v in eqn.invars))
+      if eqn.primitive.name in _SUMS and taint:
+        self.confirmed |= taint
+      subs = _sub_jaxprs(eqn.params)
+      if subs:
+        self._nested(eqn, subs, known, tainted, taint)
+        continue
+      taint = self._arithmetic(eqn, known, taint)
+      if taint:
+        for v in eqn.outvars:
+          tainted[v] = taint
+    return [_taint(tainted, v) for v in jaxpr.outvars]
+
+  def _nested(self, eqn, subs: list, known: dict, tainted: dict,
+              taint: frozenset) -> None:
+    """An equation holding jaxprs: a call is followed through its inputs and
+    outputs; cond, while and scan bodies are looked into alone."""
+    calls = [(j, c) for j, c in subs if len(j.invars) == len(eqn.invars)
+             and len(j.outvars) == len(eqn.outvars)]
+    if len(subs) == 1 and calls:  # a call: jit, remat, shard_map, custom_*
+      inner, consts = calls[0]
+      inner_known = _constants(inner, consts)
+      inner_known.update({iv: _value(known, v) for iv, v in zip(inner.invars,
+                                                               eqn.invars)})
+      inner_known = {k: v for k, v in inner_known.items() if v is not None}
+      inner_taint = {iv: _taint(tainted, v) for iv, v in zip(inner.invars,
+                                                             eqn.invars)}
+      for v, t in zip(eqn.outvars, self.jaxpr(inner, inner_known, inner_taint)):
+        if t:
+          tainted[v] = t
+      return
+    for inner, consts in subs:
+      before = set(self.confirmed)
+      self.jaxpr(inner, _constants(inner, consts), {})
+      if taint and _has_sum(inner):
+        self.confirmed |= taint
+      self.confirmed |= before
+    if taint:
+      for v in eqn.outvars:
+        tainted[v] = taint
+
+  def _arithmetic(self, eqn, known: dict, taint: frozenset) -> frozenset:
+    """Folds a scalar equation into `known`, and starts a candidate at a
+    broadcast of `1/n` into a varying tensor of `n` elements over the batch.
+    Returns the taint of the equation's outputs."""
+    name = eqn.primitive.name
+    ins = [_value(known, v) for v in eqn.invars]
+    out = eqn.outvars[0] if eqn.outvars else None
+    if name in _UNARY and len(ins) == 1 and ins[0] is not None and \
+        not out.aval.shape:
+      known[out] = _UNARY[name](ins[0])
+    elif name in _BINARY and len(ins) == 2 and None not in ins and \
+        not out.aval.shape:
+      with np.errstate(all="ignore"):
+        known[out] = _BINARY[name](ins[0], ins[1])
+    elif name == "broadcast_in_dim" and ins and ins[0] is not None:
+      shape = tuple(out.aval.shape)
+      size = math.prod(shape)
+      if (shape and shape[0] == self.rows and self.rows > 1 and size > 1 and
+          self.axis in jax_compat.aval_varying_axes(out.aval) and
+          math.isclose(ins[0] * size, 1.0, rel_tol=1e-5)):
+        self.candidates.append(LocalMean(shape))
+        taint = taint | {len(self.candidates) - 1}
+    return taint
+
 
 def _scalar(x) -> float | None:
-  try:
-    arr = np.asarray(x)
-  except Exception:  # an abstract value
+  """`x` as a float if it is a concrete real scalar (not abstract), else None."""
+  if isinstance(x, jax.core.Tracer) or np.ndim(x) != 0:
     return None
-  if arr.ndim != 0 or arr.dtype.kind not in "biuf":
+  dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+  if not any(jax.dtypes.issubdtype(dtype, kind)
+             for kind in (np.bool_, np.integer, np.floating)):
     return None
-  return float(arr)
+  return float(x)
 
 
 def _sub_jaxprs(params: dict) -> list:
@@ -97,82 +174,24 @@ def _sub_jaxprs(params: dict) -> list:
   return out
 
 
-def _walk(walk: _Walk, jaxpr, known: dict, tainted: dict) -> list:
-  """Folds constants and follows candidate cotangents through `jaxpr`.
+def _constants(jaxpr, consts) -> dict:
+  """The scalar constants among `jaxpr`'s constvars."""
+  known = {v: _scalar(c) for v, c in zip(jaxpr.constvars, consts)}
+  return {k: v for k, v in known.items() if v is not None}
 
-  Args:
-    walk: the findings so far.
-    jaxpr: a `jax.extend.core.Jaxpr`.
-    known: var -> constant scalar value.
-    tainted: var -> candidate ids whose cotangent it depends on.
 
-  Returns:
-    The candidate ids each output of `jaxpr` depends on.
-  """
-  def value(v):
-    if isinstance(v, jcore.Literal):
-      return _scalar(v.val)
-    return known.get(v)
+def _value(known: dict, v):
+  """The constant scalar value of `v` (a literal or a folded var), or None."""
+  if isinstance(v, jcore.Literal):
+    return _scalar(v.val)
+  return known.get(v)
 
-  def taint_of(v):
-    return frozenset() if isinstance(v, jcore.Literal) else tainted.get(
-        v, frozenset())
 
-  for eqn in jaxpr.eqns:
-    name = eqn.primitive.name
-    taint = frozenset().union(*(taint_of(v) for v in eqn.invars))
-    if name in _SUMS and taint:
-      walk.confirmed |= taint
-    subs = _sub_jaxprs(eqn.params)
-    if subs:
-      calls = [(j, c) for j, c in subs if len(j.invars) == len(eqn.invars)
-               and len(j.outvars) == len(eqn.outvars)]
-      if len(subs) == 1 and calls:  # a call: jit, remat, shard_map, custom_*
-        inner, consts = calls[0]
-        inner_known = {v: _scalar(c) for v, c in zip(inner.constvars, consts)}
-        inner_known.update({iv: value(v) for iv, v in zip(inner.invars,
-                                                           eqn.invars)})
-        inner_known = {k: v for k, v in inner_known.items() if v is not None}
-        inner_taint = {iv: taint_of(v) for iv, v in zip(inner.invars,
-                                                        eqn.invars)}
-        outs = _walk(walk, inner, inner_known, inner_taint)
-        for v, t in zip(eqn.outvars, outs):
-          if t:
-            tainted[v] = t
-        continue
-      for inner, consts in subs:  # cond, while, scan: look inside, alone
-        before = set(walk.confirmed)
-        inner_known = {v: _scalar(c) for v, c in zip(inner.constvars, consts)}
-        _walk(walk, inner, {k: v for k, v in inner_known.items()
-                            if v is not None}, {})
-        if taint and _has_sum(inner):
-          walk.confirmed |= taint
-        walk.confirmed |= before
-      for v in eqn.outvars:
-        if taint:
-          tainted[v] = taint
-      continue
-    ins = [value(v) for v in eqn.invars]
-    out = eqn.outvars[0] if eqn.outvars else None
-    if name in _UNARY and len(ins) == 1 and ins[0] is not None and \
-        not out.aval.shape:
-      known[out] = _UNARY[name](ins[0])
-    elif name in _BINARY and len(ins) == 2 and None not in ins and \
-        not out.aval.shape:
-      with np.errstate(all="ignore"):
-        known[out] = _BINARY[name](ins[0], ins[1])
-    elif name == "broadcast_in_dim" and ins and ins[0] is not None:
-      shape = tuple(out.aval.shape)
-      size = math.prod(shape)
-      if (shape and shape[0] == walk.rows and walk.rows > 1 and size > 1 and
-          walk.axis in jax_compat.aval_varying_axes(out.aval) and
-          math.isclose(ins[0] * size, 1.0, rel_tol=1e-5)):
-        walk.candidates.append(LocalMean(shape))
-        taint = taint | {len(walk.candidates) - 1}
-    if taint:
-      for v in eqn.outvars:
-        tainted[v] = taint
-  return [taint_of(v) for v in jaxpr.outvars]
+def _taint(tainted: dict, v) -> frozenset:
+  """The candidate ids `v` depends on."""
+  if isinstance(v, jcore.Literal):
+    return frozenset()
+  return tainted.get(v, frozenset())
 
 
 def _has_sum(jaxpr) -> bool:
@@ -196,10 +215,8 @@ def local_means(closed_jaxpr: Any, axis: str, rows: int) -> list[LocalMean]:
     One `LocalMean` per mean found; empty for a correctly scaled step.
   """
   walk = _Walk(axis, rows)
-  known = {v: _scalar(c) for v, c in zip(closed_jaxpr.jaxpr.constvars,
-                                         closed_jaxpr.consts)}
-  _walk(walk, closed_jaxpr.jaxpr,
-        {k: v for k, v in known.items() if v is not None}, {})
+  walk.jaxpr(closed_jaxpr.jaxpr,
+             _constants(closed_jaxpr.jaxpr, closed_jaxpr.consts), {})
   return [walk.candidates[i] for i in sorted(walk.confirmed)]
 
 

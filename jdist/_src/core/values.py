@@ -12,6 +12,10 @@ is read outside.
 
 A `Sharded` holds state split over the replicas (each replica keeps one block
 of every leaf): the optimizer state of `jdist.ShardedOptimizer`.
+
+All three are `DistributedValue`s. What a step does with each (how it enters
+the step's `shard_map`, what a replica sees, how it comes back) is the value's
+kind, written once in `kinds.py`.
 """
 
 from __future__ import annotations
@@ -29,8 +33,17 @@ from jdist._src.core.reduce_op import VariableAggregation
 from jdist._src.core.validity import Validity
 
 
-@jax.tree_util.register_pytree_node_class
-class PerReplica:
+class DistributedValue:
+  """A value spread over a strategy's replicas (as `tf.distribute.DistributedValues`).
+
+  The base of `PerReplica`, `SyncOnRead` and `Sharded`; pytree functions
+  that must keep such values whole pass `is_leaf=is_distributed`.
+  """
+
+  __slots__ = ()
+
+
+class PerReplica(DistributedValue):
   """One value per replica, stacked on a leading (sharded) replica axis.
 
   Every leaf of `values` has shape `(num_replicas, ...)`; inside a step each
@@ -38,6 +51,8 @@ class PerReplica:
   distributed dataset also knows which of its rows are real: `validity` (a
   `Validity`) gives `mask` (shape `(num_replicas, per_replica_batch)`) and
   `num_valid`, their global count; it is None for values that are not batches.
+  The validity is held as its one array, `packed` (`Validity.packed`), so
+  that a step's call flattens and rebuilds no `Validity` node.
 
   Example:
     >>> import jdist, jax.numpy as jnp
@@ -48,34 +63,31 @@ class PerReplica:
     Array(0., dtype=float32)
   """
 
-  __slots__ = ("values", "validity")
+  __slots__ = ("values", "packed")
 
   def __init__(self, values: Any, mask: Any = None, num_valid: Any = None, *,
-               validity: Validity | None = None):
+               validity: Validity | None = None, packed: Any = None):
     self.values = values
     if validity is None and mask is not None:
       validity = Validity.pack(mask, num_valid)
-    self.validity = validity
+    # The validity's one array, held as it is: what jax's pytree code reads
+    # and rebuilds at every step call, without a `Validity` node in between.
+    self.packed = packed if validity is None else validity.packed
 
-  def tree_flatten(self):
-    return (self.values, self.validity), None
-
-  @classmethod
-  def tree_unflatten(cls, aux, children):
-    del aux
-    obj = object.__new__(cls)
-    obj.values, obj.validity = children
-    return obj
+  @property
+  def validity(self) -> Validity | None:
+    """The batch's `Validity` (mask and global count), or None."""
+    return None if self.packed is None else Validity(self.packed)
 
   @property
   def mask(self):
     """Which rows of each replica's batch are real examples, or None."""
-    return None if self.validity is None else self.validity.mask
+    return None if self.packed is None else self.validity.mask
 
   @property
   def num_valid(self):
     """The global number of real examples in the batch, or None."""
-    return None if self.validity is None else self.validity.num_valid
+    return None if self.packed is None else self.validity.num_valid
 
   @property
   def num_replicas(self) -> int:
@@ -87,15 +99,20 @@ class PerReplica:
 
   def replace(self, values: Any) -> "PerReplica":
     """Returns a PerReplica with new `values` and the same validity."""
-    return PerReplica(values, validity=self.validity)
+    return PerReplica(values, packed=self.packed)
 
   def __repr__(self) -> str:
     shapes = jax.tree.map(lambda x: tuple(np.shape(x)), self.values)
-    masked = "" if self.validity is None else ", masked"
+    masked = "" if self.packed is None else ", masked"
     return f"PerReplica({shapes}{masked})"
 
 
-@jax.tree_util.register_pytree_node_class
+# Flattened by jax's C++ pytree code (no Python call): a step's batch and its
+# per-replica outputs cross every call of a compiled step.
+jax.tree_util.register_dataclass(PerReplica, data_fields=("values", "packed"),
+                                 meta_fields=())
+
+
 class BatchGroup:
   """Several distributed batches stacked for one multi-step call.
 
@@ -120,16 +137,6 @@ class BatchGroup:
     self.values = values
     self.validity = validity
 
-  def tree_flatten(self):
-    return (self.values, self.validity), None
-
-  @classmethod
-  def tree_unflatten(cls, aux, children):
-    del aux
-    obj = object.__new__(cls)
-    obj.values, obj.validity = children
-    return obj
-
   @property
   def num_steps(self) -> int:
     """How many batches (steps) the group holds."""
@@ -150,8 +157,12 @@ class BatchGroup:
     return f"BatchGroup({shapes}, steps={self.num_steps})"
 
 
+jax.tree_util.register_dataclass(BatchGroup, data_fields=("values", "validity"),
+                                 meta_fields=())
+
+
 @jax.tree_util.register_pytree_node_class
-class SyncOnRead:
+class SyncOnRead(DistributedValue):
   """State kept per replica inside steps and aggregated when read outside.
 
   Wrap any pytree (metric totals, batch-norm statistics). Before
@@ -238,7 +249,7 @@ class SyncOnRead:
 
 
 @jax.tree_util.register_pytree_node_class
-class Sharded:
+class Sharded(DistributedValue):
   """State split over the replicas along one axis of each leaf (ZeRO).
 
   Each leaf of `value` is a global array whose axis `axes[i]` is divided into
@@ -315,7 +326,8 @@ def read_value(tree: Any) -> Any:
 
 
 def is_distributed(x: Any) -> bool:
-  return isinstance(x, (PerReplica, SyncOnRead, Sharded))
+  """Whether `x` is a `DistributedValue` (for `is_leaf=` of pytree functions)."""
+  return isinstance(x, DistributedValue)
 
 
 @dataclasses.dataclass(frozen=True)

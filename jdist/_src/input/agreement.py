@@ -9,9 +9,15 @@ processes then run the longest input; a process whose data ended feeds
 all-padding steps (masked, so losses and metrics stay exact), and every step
 carries its global count of valid examples, so no step needs an extra
 all-reduce to count them. With global batches (`experimental_distribute_dataset`)
-every process must see the same number of batches; a difference raises.
+every process must read the same batches in the same order (each keeps its
+rows of them): the processes compare the number of batches and a fingerprint
+of each batch (`fingerprint`), and a difference raises, naming the first
+batch that differs. An unseeded shuffle would otherwise train on some
+examples twice and others never, without a word.
 
-Cost: one key-value exchange per `window` steps, nothing inside the steps.
+Cost: one key-value exchange per `window` steps, nothing inside the steps;
+with global batches, a hash of a bounded sample of each batch
+(`FINGERPRINT_ELEMENTS` elements per leaf).
 The rendezvous keys name the dataset (its kind, batch size and source) and
 how many iterators of that dataset came before, not the order in which
 iterators of any dataset were created.
@@ -20,15 +26,59 @@ iterators of any dataset were created.
 from __future__ import annotations
 
 import collections
+import functools
 import json
+import zlib
 from typing import Callable
 
 import jax
 import numpy as np
 
 from jdist._src.errors import DistributionError
+from jdist._src.input.host import HostStep
 
 WINDOW = 8
+# Elements of each leaf that a batch's fingerprint reads: every row, and as
+# many of each row's elements (spread evenly over it) as fit.
+FINGERPRINT_ELEMENTS = 4096
+
+
+def fingerprint(leaves: list) -> str:
+  """A short hash of a global batch: the same batch gives the same on every
+  process, a batch with other rows (or its rows in another order) almost
+  surely another.
+
+  Reads every row of every leaf, and of each row a fixed set of elements
+  spread evenly over it (all of them for rows of up to
+  `FINGERPRINT_ELEMENTS / rows` elements), so its cost is bounded whatever
+  the batch's size.
+
+  Example:
+    >>> import numpy as np
+    >>> from jdist._src.input.agreement import fingerprint
+    >>> x = np.arange(12.0).reshape(4, 3)
+    >>> fingerprint([x]) == fingerprint([x.copy()]), fingerprint([x]) == fingerprint([x[::-1]])
+    (True, False)
+  """
+  # CRC-32: a batch that differs by accident (another order, other rows)
+  # gives another value but for a chance of 2**-32, at a fifth of the cost
+  # of a cryptographic hash (which guards against no adversary here).
+  crc = 0
+  for x in leaves:
+    crc = zlib.crc32(f"{x.dtype.str}{x.shape}".encode(), crc)
+    if x.ndim >= 2 and x.shape[0]:
+      x = x[(slice(None),) + _row_sample(
+          x.shape[1:], max(1, FINGERPRINT_ELEMENTS // x.shape[0]))]
+    crc = zlib.crc32(np.ascontiguousarray(x), crc)
+  return f"{crc:08x}"
+
+
+@functools.lru_cache(maxsize=64)
+def _row_sample(row_shape: tuple, at_most: int) -> tuple:
+  """The index (per axis) of up to `at_most` elements spread over a row."""
+  size = int(np.prod(row_shape))
+  flat = np.unique(np.linspace(0, size - 1, min(size, at_most)).astype(np.intp))
+  return np.unravel_index(flat, row_shape)
 
 
 def _spec(rows) -> str:
@@ -39,8 +89,8 @@ class StepAgreement:
   """This process's host steps, extended so that all processes run as many.
 
   Args:
-    read: returns this process's next host step `(rows, valid, count)`, or
-      None at the end of its input.
+    read: returns this process's next `HostStep`, or None at the end of its
+      input.
     runtime: the run's `Runtime` (its rendezvous).
     key: names this iterator, the same on every process: the dataset and,
       after a "/", how many iterators of it came before plus one.
@@ -60,6 +110,7 @@ class StepAgreement:
     self._timeout = timeout
     self._window = WINDOW if window is None else window
     self._round = 0
+    self._agreed = 0  # steps agreed on in earlier windows
     self._buffer = collections.deque()
     self._template = None
     self._finished = False
@@ -79,8 +130,9 @@ class StepAgreement:
       local.append(item)
     if local:
       self._template = local[0]
-    mine = {"n": len(local), "counts": [int(c or 0) for _, _, c in local],
-            "spec": None if self._template is None else _spec(self._template[0])}
+    mine = {"n": len(local), "counts": [int(step.count or 0) for step in local],
+            "spec": None if self._template is None else _spec(self._template.rows),
+            "fingerprints": [step.fingerprint for step in local]}
     self._round += 1
     prefix = f"jdist/input/{self._key}/{self._round}/"
     infos = {p: json.loads(v) for p, v in self._runtime.exchange(
@@ -97,14 +149,20 @@ class StepAgreement:
       item = local[j] if j < len(local) else self._empty(infos, steps)
       if self._per_process:
         total = sum(i["counts"][j] for i in infos.values() if j < i["n"])
-        item = (item[0], item[1], total)
+        item = item._replace(count=total)
       self._buffer.append(item)
+    self._agreed += steps
+
+  def _names(self) -> tuple[str, str]:
+    """The dataset and which iterator of it (pass) this is, from the key."""
+    dataset, _, iterator = self._key.rpartition("/")
+    return (dataset, iterator) if dataset else (iterator, "1")
 
   def _what(self) -> str:
     """"the input agreement of dataset global/auto/list (iterator 2, window 1)"."""
-    dataset, _, iterator = self._key.rpartition("/")
-    return (f"the input agreement of dataset {dataset or iterator} (iterator "
-            f"{iterator if dataset else 1}, window {self._round})")
+    dataset, iterator = self._names()
+    return (f"the input agreement of dataset {dataset} (iterator {iterator}, "
+            f"window {self._round})")
 
   def _check(self, infos: dict) -> None:
     specs = {p: i["spec"] for p, i in infos.items() if i["spec"] is not None}
@@ -114,6 +172,8 @@ class StepAgreement:
           "The processes' batches differ in structure, per-example shape or "
           f"dtype ({detail}). Every process must batch the same features with "
           "the same per-replica batch size.")
+    if not self._per_process:
+      self._check_same_batches(infos)
     if not self._per_process and len({i["n"] for i in infos.values()}) > 1:
       detail = ", ".join(f"process {p}: {i['n']}" for p, i in sorted(infos.items()))
       raise DistributionError(
@@ -123,6 +183,29 @@ class StepAgreement:
           "process the same dataset, or use distribute_datasets_from_function "
           "for per-process data.")
 
+  def _check_same_batches(self, infos: dict) -> None:
+    """Raises at the first global batch the processes read differently."""
+    for j in range(min(i["n"] for i in infos.values())):
+      readers = collections.defaultdict(list)
+      for p, info in sorted(infos.items()):
+        readers[info["fingerprints"][j]].append(p)
+      if len(readers) > 1:
+        dataset, iterator = self._names()
+        detail = "; ".join(f"{_processes(ps)}: {fp}"
+                           for fp, ps in readers.items())
+        raise DistributionError(
+            f"The processes read different global batches: batch "
+            f"{self._agreed + j} (counting from 0) of pass {iterator} over "
+            f"dataset {dataset} differs between processes (fingerprints of "
+            f"its rows: {detail}). experimental_distribute_dataset needs "
+            "every process to read the same global batches in the same "
+            "order (each keeps its own rows of them); otherwise some "
+            "examples are trained on twice and others never. An unseeded "
+            "shuffle does this: give the shuffle the same seed on every "
+            "process (tf.data's shuffle(..., seed=S), "
+            "np.random.default_rng(S)), or give each process its own data "
+            "with distribute_datasets_from_function.")
+
   def _empty(self, infos: dict, steps: int):
     if self._template is None:
       have = ", ".join(f"process {p}: {i['n']}" for p, i in sorted(infos.items()))
@@ -131,5 +214,11 @@ class StepAgreement:
           f"({have}); jdist pads a process whose data ends early from the shape "
           "of its own earlier batches. Give every process at least one batch "
           "(shard the data so that no process gets none).")
-    rows, valid, _ = self._template
-    return (jax.tree.map(np.zeros_like, rows), np.zeros_like(valid), 0)
+    return HostStep(jax.tree.map(np.zeros_like, self._template.rows),
+                    np.zeros_like(self._template.valid), 0)
+
+
+def _processes(ids: list) -> str:
+  """"process 1" or "processes 0, 2"."""
+  return (f"process {ids[0]}" if len(ids) == 1
+          else "processes " + ", ".join(map(str, ids)))

@@ -19,8 +19,9 @@ import numpy as np
 from jdist._src.core import placement
 from jdist._src.core.values import BatchGroup, PerReplica, ValueContext
 from jdist._src.input import host
-from jdist._src.input.agreement import StepAgreement
+from jdist._src.input import agreement
 from jdist._src.input.context import InputContext
+from jdist._src.input.optional import Optional
 from jdist._src.input.options import InputOptions
 from jdist._src.input.prefetch import BackgroundPrefetch
 
@@ -32,28 +33,69 @@ class Mode(enum.Enum):
   PER_REPLICA = "per_replica"  # one batch per local replica (dataset_fn)
 
 
+class _Passes:
+  """What the passes over one source have done: the first pass's iterator.
+
+  Shared by a dataset and its `group(k)` copies, which read the same source.
+  """
+
+  def __init__(self, source: Iterable, one_shot_advice: str):
+    self.source = source
+    self.one_shot_advice = one_shot_advice
+    self.first = None  # the first DistributedIterator over the source
+
+  def start(self) -> Iterator:
+    """A new host iterator over the source, or an error if the source is a
+    one-shot iterator that an earlier pass has read from."""
+    it = iter(self.source)
+    first = self.first
+    if first is not None and it is first.source and first.started:
+      # A generator's second pass is empty, and batches the first pass
+      # read ahead would be lost: TF re-runs its dataset; this cannot.
+      raise ValueError(self.one_shot_advice)
+    return it
+
+
+_ONE_SHOT_GLOBAL = (
+    "This distributed dataset was made from a one-shot iterator (a generator "
+    "or an iterator), which its first pass used up: a second pass would yield "
+    "nothing. Distribute a re-iterable instead (a list, or an object whose "
+    "__iter__ starts over), or call experimental_distribute_dataset again "
+    "with a new generator.")
+_ONE_SHOT_FUNCTION = (
+    "dataset_fn returned a one-shot iterator (a generator or an iterator), "
+    "which the first pass over this distributed dataset used up: jdist calls "
+    "dataset_fn once per input pipeline, as TensorFlow does, so a second pass "
+    "would yield nothing. Return a re-iterable from dataset_fn (a list, or an "
+    "object whose __iter__ starts a new pass, such as a tf.data.Dataset or a "
+    "grain DataLoader), or call distribute_datasets_from_function again for "
+    "each pass.")
+
+
 class DistributedDataset:
   """An iterable of distributed batches; each `iter()` starts a new pass.
 
   Made by `strategy.experimental_distribute_dataset` (global batches in) or
   `strategy.distribute_datasets_from_function` (per-replica batches in). Every
   item is a `PerReplica` whose leaves have shape `(num_replicas, b, ...)`
-  (or, after `group(k)`, a `BatchGroup` of k batches).
+  (or, after `group(k)`, a `BatchGroup` of k batches). Each pass iterates
+  the source again (`iter(source)`): a re-iterable that reshuffles on each
+  `__iter__` (tf.data's `reshuffle_each_iteration`) gives each pass its order.
   """
 
-  def __init__(self, strategy, make_iterator: Callable[[], Iterator],
-               mode: Mode, *, options: InputOptions | None = None,
+  def __init__(self, strategy, source: Iterable, mode: Mode, *,
+               options: InputOptions | None = None,
                batch_size: int | None = None, identity: str = "",
-               steps: int | None = None):
+               steps: int | None = None, passes: _Passes | None = None):
     self._strategy = strategy
-    self._make_iterator = make_iterator
     self._mode = mode
     self._options = options or InputOptions()
     self._batch_size = batch_size
-    self._source_name = identity
-    self._identity = f"{mode.value}/{batch_size or 'auto'}/{identity}"
+    self._identity = identity
     self._steps = steps
-    self._first_pass = None  # its first DistributedIterator
+    self._pending = None  # the first pass, started by element_spec
+    self._passes = passes or _Passes(
+        source, _ONE_SHOT_GLOBAL if mode is Mode.GLOBAL else _ONE_SHOT_FUNCTION)
 
   def group(self, steps: int) -> "DistributedDataset":
     """The same batches, `steps` at a time, for a `jdist.multi_step` call.
@@ -68,35 +110,50 @@ class DistributedDataset:
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
       raise ValueError(f"group() takes a whole number of steps of at least 1, "
                        f"got {steps!r}.")
-    # The same identity: the same data for the multi-process agreement.
-    return DistributedDataset(self._strategy, self._make_iterator, self._mode,
-                              options=self._options,
-                              batch_size=self._batch_size,
-                              identity=self._source_name, steps=steps)
+    # The same source and identity: the same data for the agreement.
+    return DistributedDataset(
+        self._strategy, self._passes.source, self._mode, options=self._options,
+        batch_size=self._batch_size, identity=self._identity, steps=steps,
+        passes=self._passes)
 
   @property
   def strategy(self):
     """The strategy whose replicas the batches are for."""
     return self._strategy
 
+  @property
+  def element_spec(self) -> Any:
+    """What one replica's step receives of each batch (TensorFlow's name).
+
+    A pytree of `jax.ShapeDtypeStruct`s of one replica's rows (see
+    `DistributedIterator.element_spec`). Known once a pass has handed out
+    or read a batch; asked before any pass, it starts the first pass and
+    reads its first batch, and the next `iter()` continues that pass, so no
+    batch is read twice or lost.
+
+    Example:
+      >>> import jdist, numpy as np
+      >>> strategy = jdist.get_strategy()  # one replica
+      >>> data = strategy.experimental_distribute_dataset(
+      ...     [{"x": np.ones((8, 3), np.float32), "y": np.zeros(8, np.int32)}])
+      >>> data.element_spec["x"], data.element_spec["y"].dtype
+      (ShapeDtypeStruct(shape=(8, 3), dtype=float32), dtype('int32'))
+    """
+    first = self._passes.first
+    if first is None:
+      first = self._pending = iter(self)
+    return first.element_spec
+
   def __iter__(self) -> "DistributedIterator":
-    source = iter(self._make_iterator())
-    first = self._first_pass
-    if first is not None and source is first.source and first.started:
-      # A generator's second pass is empty, and batches the first pass
-      # read ahead would be lost: TF re-runs its dataset; this cannot.
-      raise ValueError(
-          "This distributed dataset was made from a one-shot iterator (a "
-          "generator or an iterator), which its first pass used up: a second "
-          "pass would yield nothing. Distribute a re-iterable instead (a list, "
-          "or an object whose __iter__ starts over), or call "
-          "experimental_distribute_dataset again with a new generator.")
+    if self._pending is not None:  # the pass element_spec started
+      it, self._pending = self._pending, None
+      return it
     it = DistributedIterator(
-        self._strategy, source, self._mode,
+        self._strategy, self._passes.start(), self._mode,
         options=self._options, batch_size=self._batch_size,
         identity=self._identity, steps=self._steps)
-    if first is None:
-      self._first_pass = it
+    if self._passes.first is None:
+      self._passes.first = it
     return it
 
 
@@ -131,12 +188,15 @@ class DistributedIterator:
     self._done = False
     self._steps = steps
     self.position = 0  # items handed out so far
+    self._head = _NONE  # an item read for element_spec, not yet handed out
+    self._failure = None  # an error reading ahead, raised at its batch
+    self._spec = None
     # Processes must agree on how many steps there are, or one waits forever.
     self._agreement = None
     if placement.spans_processes(strategy.mesh):
       runtime = strategy.runtime
       key = f"{identity}/{runtime.next_sequence('input/' + identity)}"
-      self._agreement = StepAgreement(
+      self._agreement = agreement.StepAgreement(
           self._next_host_batch, runtime=runtime, key=key,
           per_process=mode is Mode.PER_REPLICA,
           timeout=strategy.communication_options.timeout_seconds)
@@ -154,30 +214,117 @@ class DistributedIterator:
   def started(self) -> bool:
     """Whether it has read from its source."""
     return (self.position > 0 or bool(self._buffer) or self._done or
-            self._background is not None)
+            self._background is not None or self._head is not _NONE)
+
+  @property
+  def element_spec(self) -> Any:
+    """What one replica's step receives of each batch (TensorFlow's name).
+
+    A pytree of the batch's structure whose leaves are `jax.ShapeDtypeStruct`s
+    of one replica's rows, `(per-replica batch, ...)` with their dtype; a
+    short last batch is padded to the same shape. After `group(k)`, it is
+    the spec of each batch of a group (what the step inside `multi_step`
+    receives). Before the first batch has been handed out it reads (and
+    keeps) that batch, so in a multi-process run every process must ask.
+
+    Raises:
+      ValueError: the data has no batches.
+    """
+    if self._spec is None:
+      if self._head is _NONE:
+        self._head = self._read()
+      if self._head is None:
+        raise ValueError(
+            "This distributed dataset has no batches, so its element_spec is "
+            "unknown.")
+      self._spec = per_replica_spec(self._head)
+    return self._spec
+
+  def get_next_as_optional(self) -> Optional:
+    """The next batch as a `jdist.Optional`, empty at the end of the data.
+
+    TensorFlow's way to end a loop without `StopIteration`; across processes
+    every process gets its last batch at the same step (the input agreement
+    pads a process whose data ends first), so all see an empty optional at
+    once.
+
+    Example:
+      >>> import jdist, numpy as np
+      >>> strategy = jdist.get_strategy()
+      >>> it = iter(strategy.experimental_distribute_dataset(
+      ...     [np.ones((4, 2), np.float32)] * 2))
+      >>> steps = 0
+      >>> while (optional := it.get_next_as_optional()).has_value():
+      ...   batch = optional.get_value()
+      ...   steps += 1
+      >>> steps, optional.element_spec
+      (2, ShapeDtypeStruct(shape=(4, 2), dtype=float32))
+    """
+    item = self._next_item()
+    if item is None:
+      return Optional.empty(self._spec)
+    return Optional.from_value(item, self._spec)
 
   def __iter__(self):
     return self
 
   def __next__(self) -> PerReplica | BatchGroup:
-    if self._in_thread:
-      if self._background is None:
-        self._background = BackgroundPrefetch(self._produce, self._ahead)
-      # _done is the reading thread's: items may still wait in the queue.
-      item = None if self._drained else self._background.next()
-      if item is None:
-        self._drained = True
-        raise StopIteration
+    item = self._next_item()
+    if item is None:
+      raise StopIteration
+    return item
+
+  def _next_item(self) -> PerReplica | BatchGroup | None:
+    """The next batch (or group), counted as handed out; None at the end."""
+    if self._head is not _NONE:
+      item, self._head = self._head, _NONE
     else:
-      while not self._done and len(self._buffer) <= self._ahead:
+      item = self._read()
+    if item is not None:
+      self.position += 1
+      if self._spec is None:
+        self._spec = per_replica_spec(item)
+    return item
+
+  def _read(self) -> PerReplica | BatchGroup | None:
+    """The next placed item from the buffer or the thread; None at the end.
+
+    An error reading a batch is raised at that batch: batches read before
+    it are handed out first. The pass ends there.
+    """
+    if self._in_thread:
+      return self._read_in_thread()
+    # Lazily: the item handed out plus at most one more ahead per call, so
+    # the first batch comes at once and the buffer grows to its size.
+    for _ in range(2):
+      if self._done or self._failure or len(self._buffer) > self._ahead:
+        break
+      try:
         item = self._produce()
-        if item is None:
-          break
-        self._buffer.append(item)
-      if not self._buffer:
-        raise StopIteration
-      item = self._buffer.popleft()
-    self.position += 1
+      except Exception as e:  # raised when the loop reaches it
+        self._failure = e
+        break
+      if item is None:
+        break
+      self._buffer.append(item)
+    if self._buffer:
+      return self._buffer.popleft()
+    if self._failure is not None:
+      failure, self._failure = self._failure, None
+      self._done = True
+      raise failure
+    return None
+
+  def _read_in_thread(self) -> PerReplica | BatchGroup | None:
+    if self._drained:
+      return None
+    if self._background is None:
+      self._background = BackgroundPrefetch(self._produce, self._ahead)
+    # _done is the reading thread's: items may still wait in the queue. The
+    # thread stops at an error, so after it the pass has ended.
+    self._drained = True
+    item = self._background.next()
+    self._drained = item is None
     return item
 
   def _produce(self) -> PerReplica | BatchGroup | None:
@@ -186,7 +333,7 @@ class DistributedIterator:
       item = self._next_agreed()
       if item is None:
         return None
-      values, validity = self._placer.place(*item)
+      values, validity = self._placer.place(item)
       return PerReplica(values, validity=validity)
     items = []
     while len(items) < self._steps:
@@ -246,7 +393,12 @@ class DistributedIterator:
       valid = self._placer.full_mask(len(self._placer.local_ids), b)
     else:
       valid = (np.arange(self._size) < size).reshape(n, b)[local]
-    return jax.tree.unflatten(treedef, rows), valid, size
+    # Across processes, each keeps its rows of the same global batch: the
+    # agreement compares the batches they read.
+    fingerprint = (None if self._agreement is None
+                   else agreement.fingerprint(leaves))
+    return host.HostStep(jax.tree.unflatten(treedef, rows), valid, size,
+                         fingerprint)
 
   def _next_per_replica(self):
     ids = self._placer.local_ids
@@ -270,10 +422,18 @@ class DistributedIterator:
         lambda *xs: np.stack([host.pad(x, self._size) for x in xs]), *parts)
     valid = np.arange(self._size)[None, :] < np.asarray(sizes)[:, None]
     count = sum(sizes)  # across processes, the input agreement adds them up
-    return stacked, valid, count
+    return host.HostStep(stacked, valid, count)
 
 
 _END = object()
+_NONE = object()  # no item read ahead (None is the end of the data)
+
+
+def per_replica_spec(item: PerReplica | BatchGroup) -> Any:
+  """`jax.ShapeDtypeStruct`s of one replica's batch (of one batch of a group)."""
+  skip = 2 if isinstance(item, BatchGroup) else 1
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[skip:], x.dtype),
+                      item.values)
 
 
 def _name(obj: Any) -> str:
@@ -298,9 +458,10 @@ def global_batches(strategy, dataset: Iterable, *,
   if global_batch_size is not None and (global_batch_size <= 0 or
                                         global_batch_size % n):
     raise host.split_error(global_batch_size, n)
-  return DistributedDataset(strategy, lambda: iter(dataset), Mode.GLOBAL,
-                            options=options, batch_size=global_batch_size,
-                            identity=_name(dataset))
+  return DistributedDataset(
+      strategy, dataset, Mode.GLOBAL, options=options,
+      batch_size=global_batch_size,
+      identity=f"global/{global_batch_size or 'auto'}/{_name(dataset)}")
 
 
 def per_replica_batches(strategy, dataset_fn: Callable, *,
@@ -309,8 +470,17 @@ def per_replica_batches(strategy, dataset_fn: Callable, *,
   """See `Strategy.distribute_datasets_from_function`."""
   ctx = InputContext(jax.process_count(), jax.process_index(),
                      strategy.num_replicas_in_sync)
+  # Once per input pipeline (this process), as TensorFlow does: each pass
+  # iterates what it returned again, so a dataset that reshuffles on each
+  # iteration gives every epoch its own order.
+  dataset = dataset_fn(ctx)
+  if not (hasattr(dataset, "__iter__") or hasattr(dataset, "__getitem__")):
+    raise TypeError(
+        f"dataset_fn must return an iterable of per-replica batches (a list, "
+        f"a tf.data.Dataset, a grain DataLoader, a generator), got "
+        f"{type(dataset).__name__}.")
   # Across processes, StepAgreement turns each process's count into the
   # global one, so steps never need an all-reduce to count examples.
-  return DistributedDataset(strategy, lambda: iter(dataset_fn(ctx)),
-                            Mode.PER_REPLICA, options=options,
-                            identity=_name(dataset_fn))
+  return DistributedDataset(strategy, dataset, Mode.PER_REPLICA,
+                            options=options,
+                            identity=f"per_replica/auto/{_name(dataset_fn)}")

@@ -6,13 +6,31 @@ data) goes through `batch_size_of`, so every path gives the same message.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
 from jdist._src.core import placement
 from jdist._src.core.validity import Validity
+
+
+class HostStep(NamedTuple):
+  """One step's batch on the host, as this process feeds it.
+
+  Attributes:
+    rows: this process's rows, `(local replicas, b, ...)` per leaf.
+    valid: which of them are real examples, `(local replicas, b)`.
+    count: real examples in the step (this process's, or the global count
+      once the processes agreed), or None when one process holds them all.
+    fingerprint: a short hash of the whole global batch, the same on every
+      process that read the same batch (global batches only), or None.
+  """
+
+  rows: Any
+  valid: np.ndarray
+  count: int | None
+  fingerprint: str | None = None
 
 
 def batch_size_of(batch: Any, what: str) -> int:
@@ -113,15 +131,15 @@ class Placer:
       self._full[key] = host
     return host
 
-  def place(self, rows, valid: np.ndarray, count: int | None):
-    """`(values, validity)` on the mesh from host rows, in one transfer."""
-    return self.put((rows, self.validity(valid, count)))
+  def place(self, step: HostStep):
+    """`(values, validity)` on the mesh from a host step, in one transfer."""
+    return self.put((step.rows, self.validity(step.valid, step.count)))
 
   def host_group(self, items: list):
     """`(values, validity)` of several host batches stacked on a step axis.
 
     Args:
-      items: `(rows, valid, count)` host batches, as `place` takes them.
+      items: `HostStep`s, as `place` takes them.
 
     Returns:
       Values `(local replicas, steps, b, ...)` and a `Validity`
@@ -129,7 +147,7 @@ class Placer:
       one transfer).
     """
     rows = jax.tree.map(lambda *xs: np.stack(xs, axis=1),
-                        *[item[0] for item in items])
-    packed = np.stack([self.validity(valid, count).packed
-                       for _, valid, count in items], axis=1)
+                        *[item.rows for item in items])
+    packed = np.stack([self.validity(item.valid, item.count).packed
+                       for item in items], axis=1)
     return rows, Validity(packed)

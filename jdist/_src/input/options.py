@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
+# The most batches (or groups) placed ahead. Each holds device memory until
+# its step runs, and a buffer only needs to cover the longest stall of the
+# input: a few batches do (TensorFlow's default is 1).
+MAX_BUFFER_SIZE = 64
+
 
 @dataclasses.dataclass(frozen=True)
 class InputOptions:
@@ -14,8 +19,12 @@ class InputOptions:
       the step, as TensorFlow does by default. Only True is supported: jdist
       hands out batches that are already placed (see the README, "Input").
     experimental_per_replica_buffer_size: batches (or groups) placed ahead of
-      the one the loop is running (TF's default: 1). More hides slower or
-      burstier host input, at the cost of device memory.
+      the one the loop is running (TF's default: 1; 0 places each batch when
+      it is asked for, as TF's 0 turns prefetching off), at most
+      `MAX_BUFFER_SIZE` (64). More hides slower or burstier host input, at
+      the cost of device memory. The buffer fills as the loop runs: the
+      first batch comes as soon as it is placed, and each later one places
+      at most one more ahead until the buffer is full.
     experimental_prefetch_in_thread: read and place batches in a background
       thread. It pays when the loop waits for the devices and the host has
       work to do per batch (on 2 CPU devices with 100 us of host work per
@@ -44,25 +53,74 @@ class InputOptions:
       raise ValueError(
           f"experimental_per_replica_buffer_size must be a whole number of "
           f"batches, 0 or more, got {size!r}.")
-    if self.experimental_fetch_to_device is not True:
+    if size > MAX_BUFFER_SIZE:
       raise ValueError(
-          "InputOptions(experimental_fetch_to_device=False) is not supported: "
-          "jdist places every batch on the devices ahead of the step (one "
-          "transfer per batch, with its padding mask). Leave it True.")
+          f"experimental_per_replica_buffer_size={size} is above jdist's "
+          f"limit of {MAX_BUFFER_SIZE} batches: every batch placed ahead "
+          "holds device memory until its step runs, and a buffer only needs "
+          "to cover the longest stall of the input (TensorFlow's default is "
+          "1; a few batches hide bursty input). Use a size of at most "
+          f"{MAX_BUFFER_SIZE}.")
+    fetch = self.experimental_fetch_to_device
+    if fetch is not True:
+      raise ValueError(
+          f"InputOptions(experimental_fetch_to_device={fetch!r}) is not "
+          "supported: only True (the default) is. jdist places every batch "
+          "on the devices ahead of the step (one transfer per batch, with "
+          "its padding mask); batches kept on the host are not available. "
+          "Leave it out, or pass True.")
+    thread = self.experimental_prefetch_in_thread
+    if not isinstance(thread, bool):
+      raise TypeError(
+          f"experimental_prefetch_in_thread must be True or False, got "
+          f"{thread!r} ({type(thread).__name__}).")
 
   @classmethod
   def of(cls, options) -> "InputOptions":
-    """Accepts None, an instance, or TensorFlow's `tf.distribute.InputOptions`
-    (its fetch and buffer settings)."""
+    """Accepts None, an instance, or TensorFlow's `tf.distribute.InputOptions`.
+
+    TensorFlow's options keep their meaning: `experimental_fetch_to_device`
+    None is True, `experimental_per_replica_buffer_size` 0 turns placing
+    ahead off. Its settings jdist cannot honour (fetching to the host,
+    per-replica input pipelines, datasets placed on the devices) are errors.
+
+    Example:
+      >>> import collections, jdist
+      >>> TFOptions = collections.namedtuple("InputOptions", [
+      ...     "experimental_fetch_to_device", "experimental_replication_mode",
+      ...     "experimental_place_dataset_on_device",
+      ...     "experimental_per_replica_buffer_size"])
+      >>> options = jdist.InputOptions.of(TFOptions(None, "PER_WORKER", False, 0))
+      >>> options.experimental_per_replica_buffer_size  # TF's 0: none ahead
+      0
+    """
     if options is None:
       return cls()
     if isinstance(options, cls):
       return options
     if hasattr(options, "experimental_fetch_to_device"):
+      _refuse_tf_settings(options)
+      fetch = options.experimental_fetch_to_device
       return cls(
-          experimental_fetch_to_device=bool(
-              options.experimental_fetch_to_device is not False),
-          experimental_per_replica_buffer_size=int(getattr(
-              options, "experimental_per_replica_buffer_size", 1) or 1))
+          experimental_fetch_to_device=True if fetch is None else fetch,
+          experimental_per_replica_buffer_size=getattr(
+              options, "experimental_per_replica_buffer_size", 1))
     raise TypeError(f"options must be jdist.InputOptions, got "
                     f"{type(options).__name__}.")
+
+
+def _refuse_tf_settings(options) -> None:
+  """TensorFlow's input settings that jdist has no counterpart for."""
+  mode = getattr(options, "experimental_replication_mode", None)
+  mode_name = getattr(mode, "name", mode)
+  if mode_name not in (None, "PER_WORKER"):
+    raise ValueError(
+        f"experimental_replication_mode={mode_name} is not supported: jdist "
+        "builds one input pipeline per process (TensorFlow's PER_WORKER); "
+        "distribute_datasets_from_function's ctx.input_pipeline_id says "
+        "which shard each process reads.")
+  if getattr(options, "experimental_place_dataset_on_device", False):
+    raise ValueError(
+        "experimental_place_dataset_on_device=True is not supported: jdist "
+        "reads datasets on the host and places each batch on the devices "
+        "ahead of the step. Leave it False.")

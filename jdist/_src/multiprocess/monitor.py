@@ -127,6 +127,26 @@ class Monitor:
       flag.ready = True
       self._previous, self._wait = saved
 
+  def health(self) -> dict:
+    """Steps dispatched and the wait this process is in (`health.py`).
+
+    Read by the health reporter's thread: it only reads fields that the main
+    thread replaces whole.
+    """
+    wait = self._blocking_wait()
+    at = None
+    if wait is not None:
+      seq, what, started, probe, _ = wait
+      at = {"kind": "rendezvous" if isinstance(probe, _Flag) else "step",
+            "seq": seq, "what": what,
+            "waited": round(time.monotonic() - started, 2)}
+    return {"steps": self.dispatched, "wait": at, "ending": self._ending}
+
+  def _blocking_wait(self):
+    """The oldest unfinished wait: the one that blocks this process."""
+    return next((w for w in (self._previous, self._wait)
+                 if w is not None and not _is_ready(w[3])), None)
+
   @property
   def ending(self) -> bool:
     """Whether this process is being ended (by the monitor or an error)."""
@@ -199,9 +219,7 @@ class Monitor:
     client = self._client_fn()
     if client is None:
       return
-    # The oldest unfinished wait is the one that blocks.
-    wait = next((w for w in (self._previous, self._wait)
-                 if w is not None and not _is_ready(w[3])), None)
+    wait = self._blocking_wait()
     stalled = (wait is not None and not self._ending and
                time.monotonic() - wait[2] >= STALL_SECONDS)
     beats = dict(self._reports(client, "beat")) if stalled else {}

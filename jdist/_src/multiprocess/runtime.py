@@ -7,7 +7,8 @@ process after its own timeout), and once joined, the `Runtime` it returns
 owns every process-wide effect of a multi-process run, started in one place
 (`Runtime.start`) and undone by `Runtime.shutdown`:
 
-* the monitor thread (`monitor.py`), which turns hangs into errors;
+* the monitor thread (`monitor.py`), which turns hangs into errors, and
+  under `jdist launch` the health reports its agent reads (`health.py`);
 * a `sys.excepthook` that reports an uncaught exception to the peers and ends
   the process, instead of leaving it in JAX's shutdown barrier while they hang;
 * an `atexit` handler that tells the peers this process finished its program.
@@ -35,6 +36,7 @@ from jdist._src import jax_compat
 from jdist._src.errors import (ClusterError, CollectiveTimeoutError,
                                PeerFailureError)
 from jdist._src.multiprocess import cluster
+from jdist._src.multiprocess import health
 from jdist._src.multiprocess import ports
 from jdist._src.multiprocess import resolution
 from jdist._src.multiprocess.monitor import Monitor
@@ -69,6 +71,7 @@ class Runtime:
     self.process_id = process_id
     self.num_processes = num_processes
     self.monitor: Monitor | None = None
+    self._health: health.Reporter | None = None
     self._previous_hook = None
     self._sequences: dict = {}
 
@@ -101,6 +104,8 @@ class Runtime:
     """Starts the monitor and failure reporting (multi-process runs only)."""
     if self.is_multiprocess and self.monitor is None:
       self.monitor = Monitor(self.client, self.process_id, self.num_processes)
+      # Under `jdist launch`: its agent watches this file to find a stuck process.
+      self._health = health.Reporter.from_environment(self.monitor.health)
       self._previous_hook = sys.excepthook
       sys.excepthook = self._excepthook
       # Runs before JAX's own exit handler (registered earlier), which waits
@@ -127,6 +132,9 @@ class Runtime:
       pass
     finally:
       monitor.stop()
+      if self._health is not None:
+        self._health.stop()
+        self._health = None
       if sys.excepthook == self._excepthook:
         sys.excepthook = self._previous_hook
       atexit.unregister(self._at_exit)
@@ -187,9 +195,13 @@ class Runtime:
           slice_ms = max(1, int(min(left, POLL_SECONDS) * 1000))
           try:
             values[p] = c.blocking_key_value_get(f"{prefix}{p}", slice_ms)
-          except Exception as e:
-            if "DEADLINE" not in str(e).upper():
-              raise
+          except jax.errors.JaxRuntimeError:
+            # The wait ended without the value: its time slice ran out, or
+            # the store failed. Asking the store tells which (a failed store
+            # raises here), and finds a value published as the wait ended.
+            published = _published(c, prefix)
+            if p in published:
+              values[p] = published[p]
           if monitor is not None and p not in values:
             if monitor.peer_failure is not None:
               raise PeerFailureError(monitor.peer_failure.split(": ", 1)[-1])
@@ -198,7 +210,7 @@ class Runtime:
     return values
 
   def _timeout_error(self, c, prefix: str, what: str, timeout: float):
-    published = {int(k.rsplit("/", 1)[-1]) for k, _ in c.key_value_dir_get(prefix)}
+    published = _published(c, prefix)
     missing = [q for q in range(self.num_processes) if q not in published]
     return CollectiveTimeoutError(
         f"Processes {missing} did not reach {what} within {timeout:g} s "
@@ -212,6 +224,13 @@ class Runtime:
     if c is not None:
       with contextlib.suppress(Exception):
         c.key_value_delete(key)
+
+
+def _published(client, prefix: str) -> dict:
+  """`{process_id: value}` of the values published under `prefix` so far."""
+  tails = ((k.rsplit("/", 1)[-1], v)
+           for k, v in client.key_value_dir_get(prefix))
+  return {int(tail): v for tail, v in tails if tail.isdigit()}
 
 
 _runtime: Runtime | None = None

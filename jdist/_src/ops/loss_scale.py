@@ -5,8 +5,13 @@ loss is multiplied by a scale before differentiation so that small gradients
 survive the float16 backward pass, and the float32 gradients are divided by
 it before the update. The scale grows (x2) after a run of finite steps and
 backs off (/2) at a step whose gradients overflow, which is then skipped: the
-parameters and optimizer state stay as they were. Keras' LossScaleOptimizer
-does the same (initial scale 2**15, growth after 2000 finite steps).
+parameters and optimizer state stay as they were. TensorFlow's Keras
+LossScaleOptimizer does the same (initial scale 2**15, growth after 2000
+finite steps), with its floor: the scale never goes below 1 (a smaller one
+would no longer guard against underflow, and halving without a floor reaches
+0.0 after ~150 overflows in a row, after which every step overflows), and it
+grows only to a finite value. So a long run of overflowing batches (NaN in
+the data) leaves the scale at 1, and the first clean batch trains again.
 
 Under a jdist strategy the gradients reach the optimizer already summed over
 replicas, so every replica sees the same overflow and skips the same steps.
@@ -25,6 +30,8 @@ import optax
 # apply_if_finite gives up skipping after this many overflows in a row; loss
 # scaling backs off instead, as long as it takes.
 _NEVER_GIVE_UP = np.iinfo(np.int32).max
+# The smallest scale (TensorFlow's rule: max(scale / factor, 1)).
+MIN_SCALE = 1.0
 
 
 @jax.tree_util.register_dataclass
@@ -33,7 +40,8 @@ class DynamicLossScale:
   """A loss scale that grows after finite steps and halves on overflow.
 
   A pytree (its arrays cross `jax.jit`; the schedule is static), with pure
-  methods that return new values.
+  methods that return new values. The scale never goes below `MIN_SCALE`
+  (1, TensorFlow's floor) and grows only to a finite value.
 
   Attributes:
     scale: the current scale (a float32 scalar).
@@ -51,6 +59,10 @@ class DynamicLossScale:
     4.0
     >>> float(ls.adjust(True).adjust(True).scale)  # two finite steps
     8.0
+    >>> for _ in range(200):  # a long run of overflows
+    ...   ls = ls.adjust(False)
+    >>> float(ls.scale), bool(ls.at_floor)
+    (1.0, True)
   """
 
   scale: Any
@@ -63,9 +75,11 @@ class DynamicLossScale:
   def create(cls, initial_scale: float = 2.0 ** 15, growth_steps: int = 2000,
              factor: float = 2.0) -> "DynamicLossScale":
     """A fresh scale (Keras' defaults: 2**15, doubling every 2000 steps)."""
-    if not initial_scale > 0 or not np.isfinite(initial_scale):
-      raise ValueError(f"initial_scale must be a positive finite number, got "
-                       f"{initial_scale!r}.")
+    if not initial_scale >= MIN_SCALE or not np.isfinite(initial_scale):
+      raise ValueError(
+          f"initial_scale must be a finite number of at least {MIN_SCALE:g} "
+          f"(the scale never goes below it, as in TensorFlow), got "
+          f"{initial_scale!r}.")
     if isinstance(growth_steps, bool) or not isinstance(
         growth_steps, (int, np.integer)) or growth_steps < 1:
       raise ValueError(f"growth_steps must be a whole number of at least 1, "
@@ -86,13 +100,20 @@ class DynamicLossScale:
         lambda g: g.astype(jnp.promote_types(g.dtype, jnp.float32)) * inv,
         grads)
 
+  @property
+  def at_floor(self) -> jax.Array:
+    """Whether the scale is at its floor (1): a step that overflows now
+    overflows without loss scaling too (a bool scalar)."""
+    return self.scale <= MIN_SCALE
+
   def adjust(self, finite) -> "DynamicLossScale":
     """The scale after a step whose gradients were (not) all finite."""
     finite = jnp.asarray(finite)
     grown = self.good_steps + 1 >= self.growth_steps
-    scale = jnp.where(finite,
-                      jnp.where(grown, self.scale * self.factor, self.scale),
-                      self.scale / self.factor)
+    up = self.scale * self.factor
+    up = jnp.where(jnp.isfinite(up), up, self.scale)
+    down = jnp.maximum(self.scale / self.factor, MIN_SCALE)
+    scale = jnp.where(finite, jnp.where(grown, up, self.scale), down)
     good = jnp.where(finite & ~grown, self.good_steps + 1, 0)
     return dataclasses.replace(self, scale=scale.astype(jnp.float32),
                                good_steps=good.astype(jnp.int32))
@@ -122,6 +143,23 @@ class LossScaleState(NamedTuple):
     """Steps skipped so far because their gradients overflowed."""
     return self.inner.total_notfinite
 
+  @property
+  def consecutive_skipped_steps(self) -> jax.Array:
+    """Steps skipped in a row up to the last one (0 if it was applied)."""
+    return self.inner.notfinite_count
+
+  @property
+  def last_step_skipped(self) -> jax.Array:
+    """Whether the last step's gradients overflowed (a bool scalar)."""
+    return ~self.inner.last_finite
+
+  @property
+  def at_floor(self) -> jax.Array:
+    """Whether the scale sits at its floor of 1 (a bool scalar): with
+    `last_step_skipped`, batches that overflow even unscaled (NaN or inf
+    in the data or the loss) rather than a scale that is too high."""
+    return self.loss_scale.at_floor
+
 
 def loss_scale_optimizer(inner: optax.GradientTransformation, *,
                          initial_scale: float = 2.0 ** 15,
@@ -131,13 +169,17 @@ def loss_scale_optimizer(inner: optax.GradientTransformation, *,
 
   `update` takes the gradients of the scaled loss, divides them by the scale,
   and applies `inner` if they are all finite; otherwise the update is zero,
-  `inner`'s state stays, and the scale halves (`optax.apply_if_finite` does
-  the skipping and counts it). The gradients of the scaled loss must be
-  differentiated from `state.loss_scale.scale_loss(loss)`.
+  `inner`'s state stays, and the scale halves, but not below 1 (TensorFlow's
+  rule; `optax.apply_if_finite` does the skipping and counts it). The
+  gradients of the scaled loss must be differentiated from
+  `state.loss_scale.scale_loss(loss)`. The state says when steps overflow
+  at the floor (`at_floor`, `last_step_skipped`,
+  `consecutive_skipped_steps`): then the batches themselves are not
+  finite, and no scale helps.
 
   Args:
     inner: the optimizer to wrap.
-    initial_scale: the first scale.
+    initial_scale: the first scale, at least 1.
     dynamic_growth_steps: finite steps after which the scale doubles.
 
   Returns:

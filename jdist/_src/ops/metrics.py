@@ -9,14 +9,26 @@ validity mask, or an explicit `mask=`), so padding never counts.
 
 Metrics are frozen pytrees: `update` and `reset` return new values, which
 go in and out of steps like any state (`m = step(m, batch)`), through
-`jax.jit` and checkpoints. A metric made outside a step is placed on the
-replicas at the first call (`strategy.replicate(metric)` does it ahead).
+`jax.jit` and checkpoints (`sums()` out, `with_sums(...)` back in). A metric
+made outside a step is placed on the replicas at the first call
+(`strategy.replicate(metric)` does it ahead).
 
-flax's `nnx.metrics` (which also takes `mask=`) updates its Variables in
-place and returns nothing: inside a jdist step the new sums would have to
-be split out of the module by hand, and its counts are int32 without sample
-weights. These classes keep flax's masking rule and Keras' names and
-arithmetic instead.
+The classes are shaped as flax's `nnx.metrics` (`Accuracy(Average)`): `Metric`
+owns the sums, reading, resetting and restoring; `Mean` adds weighted
+values; every other class says only what differs (its default name, and
+`Sum` its result, or a per-example function of `(y_true, y_pred)` whose
+mean it is). Each subclass is made a frozen dataclass and a pytree by
+`Metric.__init_subclass__`; `totals` is its one leaf, every other field is
+configuration (static under `jax.jit`).
+
+flax's metrics are not used underneath, because three semantics jdist needs
+are not theirs: flax updates Variables in place and returns nothing (inside a
+jdist step the new sums would have to be split out of the module by hand);
+it masks only with an explicit `mask=`, while these take the replica
+context's validity by default (padding is left out without the user asking);
+and it keeps plain sums with int32 counts, while these keep `SyncOnRead` SUM
+sums, one per replica inside the step and added up only when read, with
+float counts for sample weights.
 """
 
 from __future__ import annotations
@@ -33,10 +45,11 @@ from jdist._src.core.replica_context import resolve_batch
 from jdist._src.core.values import SyncOnRead
 from jdist._src.ops import loss_objects
 
+_SUMS = ("total", "count")
+
 
 def _zeros() -> SyncOnRead:
-  return SyncOnRead({"total": jnp.zeros((), jnp.float32),
-                     "count": jnp.zeros((), jnp.float32)}, "sum")
+  return SyncOnRead({k: jnp.zeros((), jnp.float32) for k in _SUMS}, "sum")
 
 
 def _as_float(x) -> jax.Array:
@@ -72,7 +85,7 @@ def _row_weights(values, sample_weight, mask) -> tuple[jax.Array, jax.Array]:
   return values, weights
 
 
-def _per_example(values) -> jax.Array:
+def _one_per_row(values) -> jax.Array:
   """Per-example values: the mean over every axis after the first."""
   values = _as_float(values)
   if values.ndim > 1:
@@ -80,7 +93,8 @@ def _per_example(values) -> jax.Array:
   return values
 
 
-def _check_immutable(name: str, fix: str):
+def _refuse(name: str, fix: str):
+  """A Keras in-place method, which would silently do nothing here."""
   def method(self, *args, **kwargs):
     raise TypeError(
         f"jdist metrics are values, not variables: {type(self).__name__}."
@@ -90,33 +104,48 @@ def _check_immutable(name: str, fix: str):
   return method
 
 
+def _frozen_pytree(cls: type) -> type:
+  """`cls` as a frozen dataclass and a pytree whose one leaf is `totals`."""
+  # A class that writes its own __init__ (MeanMetricWrapper) keeps it.
+  dataclasses.dataclass(frozen=True, repr=False,
+                        init="__init__" not in vars(cls))(cls)
+  config = [f.name for f in dataclasses.fields(cls) if f.name != "totals"]
+  jax.tree_util.register_dataclass(cls, data_fields=["totals"],
+                                   meta_fields=config)
+  return cls
+
+
+@_frozen_pytree
 class Metric:
   """Base class: a running `total` and `count`, summed over replicas on read.
 
-  Subclasses define `_values(*args) -> (values, sample-weight shape)` via
-  `update`; the result is `total / count`. Attributes `name` and `totals`
-  (a `SyncOnRead` SUM of `{"total", "count"}`) are its pytree fields.
+  Subclasses declare their configuration as fields (a default `name`, say)
+  and an `update` that adds to the sums; the result is `total / count`
+  unless `value_of` says otherwise. `totals` (a `SyncOnRead` SUM of
+  `{"total", "count"}`) is the metric's one pytree leaf.
+
+  Attributes:
+    name: the metric's name (the key in logs).
+    totals: the running sums, per replica once placed.
   """
 
   name: str
-  totals: SyncOnRead
+  totals: SyncOnRead = dataclasses.field(default_factory=_zeros, kw_only=True)
 
-  def _replace_totals(self, totals: SyncOnRead) -> "Metric":
-    fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-    fields["totals"] = totals
-    return type(self)(**fields)
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    _frozen_pytree(cls)
 
   def _add(self, values, weights) -> "Metric":
     """Adds weighted `values` (already masked) to the running sums."""
-    new = {"total": jnp.sum(values * weights, dtype=jnp.float32),
-           "count": jnp.sum(weights, dtype=jnp.float32)}
+    batch = {"total": jnp.sum(values * weights, dtype=jnp.float32),
+             "count": jnp.sum(weights, dtype=jnp.float32)}
     old = self.totals.value
-    new = {k: old[k] + new[k] for k in ("total", "count")}
     # Inside a step every replica keeps its own sums (read adds them up).
     per_replica = self.totals.per_replica or (
         context.current_replica_context() is not None)
-    return self._replace_totals(
-        SyncOnRead(new, "sum", per_replica))
+    return dataclasses.replace(self, totals=SyncOnRead(
+        {k: old[k] + batch[k] for k in _SUMS}, "sum", per_replica))
 
   def sums(self) -> dict:
     """`{"total", "count"}` summed over every replica (and process)."""
@@ -144,42 +173,46 @@ class Metric:
 
   def reset(self) -> "Metric":
     """The same metric with its sums at zero (placed as before)."""
-    return self._replace_totals(jax.tree.map(jnp.zeros_like, self.totals))
+    return dataclasses.replace(
+        self, totals=jax.tree.map(jnp.zeros_like, self.totals))
+
+  def with_sums(self, sums: dict) -> "Metric":
+    """The same metric holding `sums`, e.g. a checkpoint's: it continues.
+
+    `sums` is `{"total", "count"}` over every replica, as `sums()` reads
+    them. The new metric is unplaced, as a fresh one: a step (or
+    `strategy.replicate`) places it on any number of replicas and the
+    result stays exact, as if the examples had been seen there.
+
+    Example:
+      >>> import jdist, jax.numpy as jnp
+      >>> m = jdist.metrics.Mean().update(jnp.array([1.0, 2.0]))
+      >>> saved = {k: float(v) for k, v in m.sums().items()}
+      >>> restored = jdist.metrics.Mean().with_sums(saved)
+      >>> float(restored.update(jnp.array([6.0])).result())
+      3.0
+    """
+    if not (hasattr(sums, "keys") and set(_SUMS) <= set(sums.keys())):
+      raise ValueError(
+          f"{type(self).__name__}.with_sums needs a mapping with 'total' and "
+          f"'count' (what metric.sums() returns), got {sums!r}.")
+    return dataclasses.replace(self, totals=SyncOnRead(
+        {k: jnp.asarray(sums[k], jnp.float32) for k in _SUMS}, "sum"))
+
+  def __repr__(self) -> str:
+    count = self.totals.value["count"]
+    if self.totals.per_replica or isinstance(count, jax.core.Tracer):
+      state = "per replica"
+    else:
+      state = f"count={float(count):g}"
+    return f"{type(self).__name__}(name={self.name!r}, {state})"
 
   # Keras' in-place methods would silently do nothing here: say so.
-  update_state = _check_immutable("update_state", "m = m.update(...)")
-  reset_state = _check_immutable("reset_state", "m = m.reset()")
-  reset_states = _check_immutable("reset_states", "m = m.reset()")
+  update_state = _refuse("update_state", "m = m.update(...)")
+  reset_state = _refuse("reset_state", "m = m.reset()")
+  reset_states = _refuse("reset_states", "m = m.reset()")
 
 
-def _metric(cls):
-  """Makes `cls` a frozen dataclass registered as a pytree (totals dynamic)."""
-  cls = dataclasses.dataclass(frozen=True, init=False, repr=False)(cls)
-  meta = [f.name for f in dataclasses.fields(cls) if f.name != "totals"]
-  jax.tree_util.register_dataclass(cls, data_fields=["totals"],
-                                   meta_fields=meta)
-  return cls
-
-
-def _init(self, totals, **fields) -> None:
-  for k, v in fields.items():
-    object.__setattr__(self, k, v)
-  object.__setattr__(self, "totals", _zeros() if totals is None else totals)
-
-
-def _repr(self) -> str:
-  if self.totals.per_replica or isinstance(
-      self.totals.value["count"], jax.core.Tracer):
-    state = "per replica"
-  else:
-    state = f"count={float(self.totals.value['count']):g}"
-  return f"{type(self).__name__}(name={self.name!r}, {state})"
-
-
-Metric.__repr__ = _repr
-
-
-@_metric
 class Mean(Metric):
   """The (weighted) mean of the values it is given, as `keras.metrics.Mean`.
 
@@ -199,19 +232,14 @@ class Mean(Metric):
     nan
   """
 
-  name: str
-  totals: Any
-
-  def __init__(self, name: str = "mean", *, totals=None):
-    _init(self, totals, name=name)
+  name: str = "mean"
 
   def update(self, values, sample_weight=None, *, mask=None) -> "Mean":
     """Adds `values` (weighted); returns the updated metric."""
     return self._add(*_row_weights(values, sample_weight, mask))
 
 
-@_metric
-class Sum(Metric):
+class Sum(Mean):
   """The (weighted) sum of the values it is given, as `keras.metrics.Sum`.
 
   Example:
@@ -220,23 +248,15 @@ class Sum(Metric):
     3.0
   """
 
-  name: str
-  totals: Any
-
-  def __init__(self, name: str = "sum", *, totals=None):
-    _init(self, totals, name=name)
-
-  def update(self, values, sample_weight=None, *, mask=None) -> "Sum":
-    """Adds `values` (weighted); returns the updated metric."""
-    return self._add(*_row_weights(values, sample_weight, mask))
+  name: str = "sum"
 
   def value_of(self, sums: dict):
     """The sum over every replica (and process)."""
     return sums["total"]
 
 
-class _PerExample(Metric):
-  """A metric that is the mean of a per-example function of (y_true, y_pred)."""
+class _PerExampleMean(Mean):
+  """The mean of a per-example function `_fn(y_true, y_pred)`."""
 
   def _fn(self, y_true, y_pred) -> jax.Array:
     raise NotImplementedError
@@ -251,8 +271,8 @@ class _PerExample(Metric):
       mask: which rows are real examples; inside a step, default: the step's
         batch mask (padding is left out).
     """
-    values = _per_example(self._fn(jnp.asarray(y_true), jnp.asarray(y_pred)))
-    return self._add(*_row_weights(values, sample_weight, mask))
+    values = _one_per_row(self._fn(jnp.asarray(y_true), jnp.asarray(y_pred)))
+    return super().update(values, sample_weight, mask=mask)
 
 
 def _labels(y_true, y_pred) -> jax.Array:
@@ -262,8 +282,11 @@ def _labels(y_true, y_pred) -> jax.Array:
   return y_true
 
 
-@_metric
-class Accuracy(_PerExample):
+def _hits(a, b) -> jax.Array:
+  return (a == b).astype(jnp.float32)
+
+
+class Accuracy(_PerExampleMean):
   """How often `y_pred` equals `y_true` exactly, as `keras.metrics.Accuracy`.
 
   For class scores use `SparseCategoricalAccuracy` (integer labels),
@@ -276,18 +299,13 @@ class Accuracy(_PerExample):
     0.6667
   """
 
-  name: str
-  totals: Any
-
-  def __init__(self, name: str = "accuracy", *, totals=None):
-    _init(self, totals, name=name)
+  name: str = "accuracy"
 
   def _fn(self, y_true, y_pred):
-    return (y_true.astype(y_pred.dtype) == y_pred).astype(jnp.float32)
+    return _hits(y_true.astype(y_pred.dtype), y_pred)
 
 
-@_metric
-class SparseCategoricalAccuracy(_PerExample):
+class SparseCategoricalAccuracy(_PerExampleMean):
   """Integer labels against class scores (argmax), as in Keras.
 
   Example:
@@ -298,21 +316,14 @@ class SparseCategoricalAccuracy(_PerExample):
     0.6667
   """
 
-  name: str
-  totals: Any
-
-  def __init__(self, name: str = "sparse_categorical_accuracy", *,
-               totals=None):
-    _init(self, totals, name=name)
+  name: str = "sparse_categorical_accuracy"
 
   def _fn(self, y_true, y_pred):
-    labels = _labels(y_true, y_pred)
-    return (jnp.argmax(y_pred, -1) == labels.astype(jnp.int32)).astype(
-        jnp.float32)
+    labels = _labels(y_true, y_pred).astype(jnp.int32)
+    return _hits(jnp.argmax(y_pred, -1), labels)
 
 
-@_metric
-class CategoricalAccuracy(_PerExample):
+class CategoricalAccuracy(_PerExampleMean):
   """One-hot targets against class scores (argmax of both), as in Keras.
 
   Example:
@@ -323,19 +334,13 @@ class CategoricalAccuracy(_PerExample):
     0.5
   """
 
-  name: str
-  totals: Any
-
-  def __init__(self, name: str = "categorical_accuracy", *, totals=None):
-    _init(self, totals, name=name)
+  name: str = "categorical_accuracy"
 
   def _fn(self, y_true, y_pred):
-    return (jnp.argmax(y_pred, -1) == jnp.argmax(y_true, -1)).astype(
-        jnp.float32)
+    return _hits(jnp.argmax(y_pred, -1), jnp.argmax(y_true, -1))
 
 
-@_metric
-class BinaryAccuracy(_PerExample):
+class BinaryAccuracy(_PerExampleMean):
   """`y_pred > threshold` against 0/1 targets, as in Keras.
 
   The default threshold of 0.5 is for probabilities; for logits use
@@ -349,23 +354,21 @@ class BinaryAccuracy(_PerExample):
     0.5
   """
 
-  name: str
-  threshold: float
-  totals: Any
+  name: str = "binary_accuracy"
+  threshold: float = 0.5
 
-  def __init__(self, name: str = "binary_accuracy", threshold: float = 0.5, *,
-               totals=None):
-    _init(self, totals, name=name, threshold=float(threshold))
+  def __post_init__(self):
+    # A static field must hash: a NumPy or JAX scalar becomes a float.
+    object.__setattr__(self, "threshold", float(self.threshold))
 
   def _fn(self, y_true, y_pred):
-    y_true = jnp.reshape(y_true, y_pred.shape) if y_true.size == y_pred.size \
-        else y_true
-    return (y_true.astype(jnp.float32) ==
-            (y_pred > self.threshold).astype(jnp.float32)).astype(jnp.float32)
+    if y_true.size == y_pred.size:
+      y_true = jnp.reshape(y_true, y_pred.shape)
+    return _hits(y_true.astype(jnp.float32),
+                 (y_pred > self.threshold).astype(jnp.float32))
 
 
-@_metric
-class MeanSquaredError(_PerExample):
+class MeanSquaredError(_PerExampleMean):
   """Mean of `(y_true - y_pred) ** 2`, as `keras.metrics.MeanSquaredError`.
 
   Example:
@@ -376,18 +379,13 @@ class MeanSquaredError(_PerExample):
     2.5
   """
 
-  name: str
-  totals: Any
-
-  def __init__(self, name: str = "mean_squared_error", *, totals=None):
-    _init(self, totals, name=name)
+  name: str = "mean_squared_error"
 
   def _fn(self, y_true, y_pred):
     return loss_objects.squared_error(y_true, y_pred)
 
 
-@_metric
-class MeanAbsoluteError(_PerExample):
+class MeanAbsoluteError(_PerExampleMean):
   """Mean of `|y_true - y_pred|`, as `keras.metrics.MeanAbsoluteError`.
 
   Example:
@@ -398,18 +396,13 @@ class MeanAbsoluteError(_PerExample):
     1.5
   """
 
-  name: str
-  totals: Any
-
-  def __init__(self, name: str = "mean_absolute_error", *, totals=None):
-    _init(self, totals, name=name)
+  name: str = "mean_absolute_error"
 
   def _fn(self, y_true, y_pred):
     return loss_objects.absolute_error(y_true, y_pred)
 
 
-@_metric
-class MeanMetricWrapper(_PerExample):
+class MeanMetricWrapper(_PerExampleMean):
   """The mean of `fn(y_true, y_pred)`, a per-example function, as in Keras.
 
   Example:
@@ -421,13 +414,16 @@ class MeanMetricWrapper(_PerExample):
   """
 
   fn: Callable
-  name: str
-  totals: Any
 
-  def __init__(self, fn: Callable, name: str | None = None, *, totals=None):
+  # Keras' argument order (fn first) and a name taken from fn: written out.
+  def __init__(self, fn: Callable, name: str | None = None, *,
+               totals: Any = None):
     if not callable(fn):
       raise TypeError(f"MeanMetricWrapper needs a function, got {fn!r}.")
-    _init(self, totals, fn=fn, name=name or getattr(fn, "__name__", "metric"))
+    object.__setattr__(self, "fn", fn)
+    object.__setattr__(self, "name",
+                       name or getattr(fn, "__name__", "metric"))
+    object.__setattr__(self, "totals", _zeros() if totals is None else totals)
 
   def _fn(self, y_true, y_pred):
     return self.fn(y_true, y_pred)

@@ -26,7 +26,6 @@ import functools
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -38,16 +37,7 @@ from jdist._src.core import context
 from jdist._src.core import in_step
 from jdist._src.core.values import Sharded
 from jdist._src.errors import ReplicaContextError, ShardingError
-
-# Primitives whose result mixes elements of an array: an update using one on a
-# parameter's block would differ from the update of the whole parameter.
-_COUPLING = frozenset({
-    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
-    "reduce_or", "reduce_xor", "argmax", "argmin", "dot_general", "cumsum",
-    "cumprod", "cummax", "cummin", "cumlogsumexp", "sort", "top_k",
-    "conv_general_dilated", "fft", "reduce",
-})
-
+from jdist._src.ops import elementwise
 
 def split_axis(shape: Sequence[int], num_replicas: int) -> int | None:
   """The axis of a leaf of `shape` split over replicas, or None (kept whole).
@@ -79,22 +69,6 @@ def _local_shape(shape, axis, num_replicas):
                for k, s in enumerate(shape))
 
 
-def _coupling_primitives(jaxpr) -> set[str]:
-  """Names of `_COUPLING` primitives applied to arrays (not scalars)."""
-  found = set()
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name in _COUPLING and any(
-        getattr(v.aval, "ndim", 0) > 0 for v in eqn.invars):
-      found.add(eqn.primitive.name)
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (tuple, list)) else (param,):
-        if isinstance(sub, jcore.ClosedJaxpr):
-          found |= _coupling_primitives(sub.jaxpr)
-        elif isinstance(sub, jcore.Jaxpr):
-          found |= _coupling_primitives(sub)
-  return found
-
-
 class ShardedOptimizer:
   """An optax optimizer whose state is split over the replicas (ZeRO).
 
@@ -114,9 +88,12 @@ class ShardedOptimizer:
   training (a reduce-scatter and an all-gather are one all-reduce).
 
   The wrapped optimizer must be elementwise (adam, adamw, sgd, momentum,
-  rmsprop, adagrad, lion, ...). One that combines a parameter's elements
-  (`clip_by_global_norm`, adafactor, lamb, `apply_if_finite`) is refused by
-  `init`: apply such a transform to the summed gradients before `update`.
+  rmsprop, adagrad, lion, ...). `init` refuses one that is not, naming the
+  first parameter it fails on (`ops/elementwise.py`): one whose update
+  combines a parameter's elements (`clip_by_global_norm`, adafactor, lamb,
+  `apply_if_finite`), draws random numbers (`optax.noisy_sgd`) or moves
+  values between elements (`jnp.roll`). Apply such a transform to the
+  summed gradients before `update`.
 
   Args:
     optimizer: the optax `GradientTransformation` to shard.
@@ -188,33 +165,35 @@ class ShardedOptimizer:
     axes = [split_axis(np.shape(x), n) for _, x in flat]
     whole = [f"{jax.tree_util.keystr(p) or '<params>'} {tuple(np.shape(x))}"
              for (p, x), a in zip(flat, axes) if a is None]
-    if n > 1 and (len(whole) == len(flat) or
-                  (whole and not self.mirror_indivisible)):
-      shown = ", ".join(whole[:8]) + (
-          f" and {len(whole) - 8} more" if len(whole) > 8 else "")
-      none = "None of the parameters" if len(whole) == len(flat) else (
-          "These parameters")
+    if n == 1 or not whole:
+      return axes
+    shown = ", ".join(whole[:8]) + (
+        f" and {len(whole) - 8} more" if len(whole) > 8 else "")
+    if len(whole) == len(flat):
       raise ShardingError(
-          f"{none} can be split over {n} replicas: {shown}. A leaf's "
-          f"optimizer state is split along its first axis that {n} divides. "
-          "Use a replica count that divides a dimension of each leaf (or "
-          "layer sizes that are multiples of it), or, to keep the state of "
-          "such leaves whole on every replica, ShardedOptimizer("
-          "mirror_indivisible=True) (the default; Trainer("
-          "shard_optimizer_state=True) uses it).")
+          f"None of the parameters can be split over {n} replicas: {shown}. "
+          f"A leaf's optimizer state is split along its first axis that {n} "
+          "divides, so all of this state would stay whole on every replica "
+          "and sharding would save nothing. Use the optimizer itself "
+          "(mirrored state; Trainer(shard_optimizer_state=False)), or layer "
+          f"sizes that are multiples of {n}.")
+    if not self.mirror_indivisible:
+      raise ShardingError(
+          f"These parameters cannot be split over {n} replicas: {shown}, and "
+          "ShardedOptimizer(mirror_indivisible=False) refuses to keep their "
+          f"state whole. A leaf's state is split along its first axis that "
+          f"{n} divides. Leave mirror_indivisible out (True keeps such "
+          "leaves' state whole on every replica, as mirrored training "
+          f"does), or use layer sizes that are multiples of {n}.")
     return axes
 
-  def _state_axes(self, params, axes: list, n: int) -> tuple:
+  def _state_axes(self, layout: elementwise.Layout, whole: list,
+                  blocks: list) -> tuple:
     """The split axis of each leaf of the optimizer's state, read from the
     state of the whole parameters and that of one replica's blocks."""
-    treedef = jax.tree_util.tree_structure(params)
-    spec = lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
-    full = jax.tree.map(spec, params)
-    local = jax.tree_util.tree_unflatten(treedef, [
-        jax.ShapeDtypeStruct(_local_shape(x.shape, a, n), x.dtype)
-        for x, a in zip(jax.tree.leaves(full), axes)])
-    whole_state = jax.eval_shape(self.optimizer.init, full)
-    block_state = jax.eval_shape(self.optimizer.init, local)
+    n = layout.num_replicas
+    whole_state = jax.eval_shape(self.optimizer.init, layout.tree(whole))
+    block_state = jax.eval_shape(self.optimizer.init, layout.tree(blocks))
     state_axes = []
     for (path, w), b in zip(
         jax.tree_util.tree_flatten_with_path(whole_state)[0],
@@ -227,27 +206,29 @@ class ShardedOptimizer:
             f"{w.shape} for the whole parameters but {b.shape} for one "
             "replica's blocks"))
       state_axes.append(diff[0] if diff else None)
-    self._check_elementwise(local, block_state)
     return tuple(state_axes)
 
-  def _check_elementwise(self, local_params, block_state) -> None:
-    traced = jax.make_jaxpr(self.optimizer.update)(
-        local_params, block_state, local_params)
-    found = _coupling_primitives(traced.jaxpr)
-    if found:
-      raise ShardingError(self._not_elementwise(
-          f"its update combines elements of a parameter "
-          f"({', '.join(sorted(found))})"))
+  def _check_elementwise(self, layout: elementwise.Layout) -> None:
+    """Refuses an update that is not elementwise, by program and by result."""
+    problem = elementwise.program_problem(self.optimizer, layout)
+    if problem is None and any(a is not None for a in layout.axes):
+      problem = elementwise.result_problem(
+          self.optimizer, layout,
+          lambda whole, blocks: self._state_axes(layout, whole, blocks))
+    if problem is not None:
+      raise ShardingError(self._not_elementwise(problem))
 
   def _not_elementwise(self, why: str) -> str:
     return (
         f"ShardedOptimizer cannot split this optimizer's state: {why}. Each "
         "replica updates only its block of every parameter, so the "
         "optimizer must be elementwise (adam, adamw, sgd, momentum, rmsprop, "
-        "adagrad, lion, ...); clip_by_global_norm, adafactor, lamb, lars and "
-        "apply_if_finite are not. Apply such a transform to the summed "
-        "gradients in the step before calling update, or train with "
-        "mirrored optimizer state.")
+        "adagrad, lion, ...): each element's update may depend only on its "
+        "own gradient and state. clip_by_global_norm, adafactor, lamb, lars "
+        "and apply_if_finite combine elements, noisy_sgd draws random "
+        "numbers, an update using jnp.roll moves values between elements. "
+        "Apply such a transform to the summed gradients in the step before "
+        "calling update, or train with mirrored optimizer state.")
 
   # --- optax's interface -----------------------------------------------
 
@@ -266,8 +247,9 @@ class ShardedOptimizer:
           "call it outside the step, once, and pass the state to the step.")
     strategy = self._resolve_strategy()
     n = strategy.num_replicas_in_sync
-    axes = self._checked_layout(params, n)
-    state_axes = self._state_axes(params, axes, n)
+    layout = elementwise.Layout(params, self._checked_layout(params, n), n)
+    state_axes = self._state_axes(layout, layout.specs, layout.block_specs())
+    self._check_elementwise(layout)
     layout = Sharded(None, state_axes, strategy.axis_name)
     shardings = [NamedSharding(strategy.mesh, spec)
                  for spec in layout.partition_specs()]

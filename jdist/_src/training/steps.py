@@ -19,7 +19,6 @@ import optax
 from jdist._src.core import in_step
 from jdist._src.core import placement
 from jdist._src.core.replica_context import resolve_batch
-from jdist._src.core.values import SyncOnRead
 from jdist._src.ops import accumulation
 from jdist._src.ops import loss_scale
 from jdist._src.ops import losses
@@ -255,9 +254,8 @@ def restore_totals(totals: dict, sums: dict) -> dict:
   """`totals` holding `sums` (from `read_sums`, e.g. a checkpoint's)."""
   restored = {}
   for name, metric in totals.items():
-    got = sums.get(name, {"total": 0.0, "count": 0.0})
-    restored[name] = metric._replace_totals(SyncOnRead(
-        {k: jnp.float32(got[k]) for k in ("total", "count")}, "sum"))
+    restored[name] = metric.with_sums(
+        sums.get(name, {"total": 0.0, "count": 0.0}))
   return restored
 
 

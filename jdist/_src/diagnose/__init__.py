@@ -1,0 +1,137 @@
+"""`jdist.diagnose`: where a training step's time goes, on 1 and on N devices.
+
+Four modules, one concept each: `measure` times the step (`StepTimes`),
+`hlo` reads the compiled program (collective sizes, host callbacks),
+`advice` turns times into a bottleneck, a cause and a fix (rules as rows of
+a table) and `report` holds the `Diagnosis` and prints it. `diagnose`'s
+docstring says how each number is measured; nothing is modelled.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Iterable
+
+import jax
+
+from jdist._src.core import placement
+from jdist._src.diagnose.measure import StepTimes
+from jdist._src.diagnose.measure import measure
+from jdist._src.diagnose.report import Diagnosis
+from jdist._src.equivalence import devices_hint
+from jdist._src.strategies.mirrored import MirroredStrategy, OneDeviceStrategy
+
+__all__ = ["Diagnosis", "StepTimes", "diagnose"]
+
+
+def diagnose(step: Callable, state: Any, batches: Iterable, *,
+             strategy=None, num_replicas: int | None = None,
+             steps: int = 10) -> Diagnosis:
+  """Runs a training step on 1 and on N devices and says where the time goes.
+
+  The step is `step(state, batch) -> (state, outputs)`, as for
+  `jdist.testing.assert_equivalent`, or a `strategy.function` /
+  `@jdist.mirrored` step (its strategy is then the N-device one). Every loop
+  starts from `state`; nothing changes the caller's values.
+
+  How each number is measured, on one device and on the N-replica strategy,
+  over the first `steps` (K) batches, after a first call that compiles:
+
+  - `step`: seconds per step of the loop as users write it
+    (`state, out = step(state, batch)`), fed the host batches through
+    `experimental_distribute_dataset`;
+  - `input_wait`: `step` minus the same loop over batches already placed on
+    the devices before the clock started;
+  - `compute + collectives` (the device time): the step run K times inside
+    one compiled program (`lax.fori_loop` under `jax.jit`, one dispatch);
+  - `collectives`: the compiled step's all-reduces (all-gathers, ...), read
+    from its HLO with their sizes, run alone K times in one program on the
+    same devices;
+  - `dispatch`: the placed loop's step minus the device time: the host's
+    time to launch each step (Python, arguments, jit dispatch, waiting
+    between steps) that the devices do not hide;
+  - `compile_seconds`: the first call less one step; `recompilations`:
+    compilations while the timed loops ran (batches that change shape);
+  - `host_callbacks`: calls back to Python compiled into the step
+    (`jax.debug.print`, `pure_callback`, `io_callback`); their time is part
+    of the device time.
+
+  Each loop runs twice and the faster run counts; on a shared machine the
+  numbers still move by tens of percent, so read the split, not the digits.
+  The bottleneck is the largest part on N devices (or recompilation, if the
+  step recompiled), and the cause and fix follow from it (`Diagnosis`).
+
+  Args:
+    step: the per-replica training step.
+    state: the initial state (a pytree; placed on each strategy here).
+    batches: a re-iterable of global batches (a list, or an object whose
+      `__iter__` starts over): the loops read it several times.
+    strategy: the N-replica strategy; default a `MirroredStrategy` over
+      `num_replicas` local devices (all of them by default).
+    num_replicas: replicas, when `strategy` is not given.
+    steps: steps per timed loop (more: steadier numbers, slower).
+
+  Returns:
+    A frozen `Diagnosis`; `print(diagnosis)` shows the table.
+
+  Raises:
+    TypeError: `step` is not callable or does not return `(state,
+      outputs)`; `batches` is a one-shot iterator.
+    ValueError: no batches, `steps` < 1, a strategy with one replica or one
+      that spans processes, or more replicas than local devices.
+
+  Example:
+    >>> import jdist, jax, jax.numpy as jnp, numpy as np
+    >>> def train_step(w, batch):
+    ...   loss_fn = lambda w: jdist.compute_average_loss((batch @ w) ** 2)
+    ...   loss, g = jax.value_and_grad(loss_fn)(w)
+    ...   return w - 0.1 * g, loss
+    >>> data = [np.ones((8, 3), np.float32)] * 4
+    >>> d = jdist.diagnose(train_step, jnp.ones(3), data, num_replicas=2,
+    ...                    steps=2)
+    >>> d.multi.num_replicas, d.bottleneck in ("input", "compute",
+    ...     "collectives", "dispatch", "recompilation")
+    (2, True)
+  """
+  fn = getattr(step, "python_function", step)
+  if not callable(fn):
+    raise TypeError(f"diagnose needs a step function, got {type(step).__name__}: "
+                    "pass step(state, batch) -> (state, outputs).")
+  if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+    raise ValueError(f"steps must be a positive int, got {steps!r}.")
+  if iter(batches) is batches:
+    raise TypeError(
+        "diagnose reads the batches several times (fed and pre-placed, on 1 "
+        "and on N devices), but got a one-shot iterator. Pass a list, or an "
+        "object whose __iter__ starts over (a tf.data or grain dataset).")
+  strategy = _multi_strategy(step, strategy, num_replicas)
+  one = measure(OneDeviceStrategy(strategy.devices[0]), fn, state, batches,
+                steps)
+  many = measure(strategy, fn, state, batches, steps)
+  return Diagnosis(single=one.times, multi=many.times,
+                   global_batch=many.global_batch, steps=many.steps,
+                   platform=strategy.devices[0].platform,
+                   host_cores=os.cpu_count() or 1,
+                   measurement_notes=many.notes)
+
+
+def _multi_strategy(step, strategy, num_replicas):
+  if strategy is not None and num_replicas is not None:
+    raise ValueError("Pass strategy or num_replicas, not both.")
+  if strategy is None and hasattr(step, "python_function"):
+    strategy = step.strategy  # a jdist step: its own strategy
+  if strategy is None:
+    n = num_replicas or len(jax.local_devices())
+    if n > len(jax.local_devices()):
+      raise ValueError(devices_hint(n))
+    strategy = MirroredStrategy(jax.local_devices()[:n])
+  if strategy.num_replicas_in_sync < 2:
+    raise ValueError(
+        f"diagnose compares one device with several, but {strategy!r} has one "
+        "replica. " + devices_hint(2))
+  if placement.spans_processes(strategy.mesh):
+    raise ValueError(
+        "diagnose measures this process's devices; its strategy spans "
+        "processes. Diagnose on one host with MirroredStrategy() (the step "
+        "and batches are the same).")
+  return strategy
