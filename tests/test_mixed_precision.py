@@ -346,3 +346,52 @@ def test_a_long_overflow_run_leaves_the_scale_at_one_and_clean_data_trains():
   # the order of float16 roundings differs, nothing else.
   np.testing.assert_allclose(np.asarray(w), np.asarray(ref_w), rtol=2e-3,
                              atol=2e-3)
+
+
+def _fit_mlp_float16(digits_flat, *, read_first: bool):
+  x, y = digits_flat
+  trainer = jdist.Trainer(MLP(), optimizer=optax.sgd(0.05, momentum=0.9),
+                          loss=LOSS, strategy=strategy_on(2),
+                          dtype_policy="mixed_float16")
+  if read_first:  # Keras users read these before training
+    assert trainer.train_function is trainer.train_function
+    assert trainer.test_function is not None
+    assert trainer.optimizer.iterations == 0
+  history = trainer.fit(x[:256], y[:256], batch_size=64, epochs=2, verbose=0)
+  return trainer, history.history
+
+
+def test_reading_the_step_functions_before_fit_keeps_loss_scaling(
+    digits_flat):
+  """Issue 17: `train_function`, `test_function` and `optimizer` read before
+  the first fit under "mixed_float16" (once they fixed an optimizer without
+  loss scaling, silently). Training scales the loss all the same."""
+  trainer, history = _fit_mlp_float16(digits_flat, read_first=True)
+  _, reference = _fit_mlp_float16(digits_flat, read_first=False)
+  assert history["loss_scale"] == [2.0 ** 15, 2.0 ** 15]
+  assert history["skipped_steps"] == [0.0, 0.0]
+  assert isinstance(trainer.state.opt_state, jdist.LossScaleState)
+  assert history["loss"] == reference["loss"]
+  assert trainer.optimizer.iterations == 8
+
+
+def test_a_hand_rebuilt_loss_scaled_optimizer_is_not_scaled_twice(
+    digits_flat):
+  """A loss-scaled optimizer rebuilt by hand (its state a LossScaleState, its
+  type not `loss_scale_optimizer`'s) would be wrapped a second time by
+  "mixed_float16": the trainer says so before the first step."""
+  x, y = digits_flat
+  scaled = jdist.loss_scale_optimizer(optax.sgd(0.1))
+  rebuilt = optax.GradientTransformation(scaled.init, scaled.update)
+  trainer = jdist.Trainer(MLP(), optimizer=rebuilt, loss=LOSS,
+                          strategy=strategy_on(2),
+                          dtype_policy="mixed_float16")
+  with pytest.raises(ValueError, match="scales the loss already"):
+    trainer.fit(x[:64], y[:64], batch_size=32, verbose=0)
+  assert trainer.global_step == 0
+  # loss_scale_optimizer's own result is used as it is.
+  trainer = jdist.Trainer(MLP(), optimizer=scaled, loss=LOSS,
+                          strategy=strategy_on(2),
+                          dtype_policy="mixed_float16")
+  history = trainer.fit(x[:64], y[:64], batch_size=32, verbose=0)
+  assert history.history["loss_scale"] == [2.0 ** 15]

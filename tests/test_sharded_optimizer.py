@@ -365,3 +365,30 @@ def test_combinations_not_supported_yet_fail_when_the_trainer_is_made(
                   loss=jdist.losses.SparseCategoricalCrossentropy(
                       from_logits=True),
                   shard_optimizer_state=True, **kwargs)
+
+
+def test_reading_the_step_functions_before_fit_keeps_the_state_sharded(
+    digits_flat):
+  """Issue 17: `train_function`, `test_function` and `optimizer` read before
+  the first fit; `shard_optimizer_state=True` still holds, and training is
+  that of a trainer nothing was read from."""
+  x, y = digits_flat
+  runs = []
+  for read_first in (True, False):
+    trainer = jdist.Trainer(
+        MODEL, optimizer=optax.sgd(0.05, momentum=0.9),
+        loss=jdist.losses.SparseCategoricalCrossentropy(from_logits=True),
+        strategy=strategy_on(4), shard_optimizer_state=True)
+    if read_first:
+      assert trainer.train_function is trainer.train_function
+      assert trainer.test_function is not None
+      assert isinstance(trainer.optimizer.transformation,
+                        jdist.ShardedOptimizer)
+    history = trainer.fit(x[:256], y[:256], batch_size=64, epochs=2,
+                          verbose=0)
+    runs.append((trainer, history.history))
+  (trainer, history), (_, reference) = runs
+  assert isinstance(trainer.state.opt_state, jdist.Sharded)
+  trace = trainer.state.opt_state.value[0].trace["Dense_0"]["kernel"]
+  assert {s.data.shape for s in trace.addressable_shards} == {(16, 32)}
+  assert history["loss"] == reference["loss"]
