@@ -5,6 +5,8 @@ scaling for float16 that skips overflowing steps. Tolerances are stated where
 they are used: low precision changes the numbers, not the training.
 """
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -395,3 +397,44 @@ def test_a_hand_rebuilt_loss_scaled_optimizer_is_not_scaled_twice(
                           dtype_policy="mixed_float16")
   history = trainer.fit(x[:64], y[:64], batch_size=32, verbose=0)
   assert history.history["loss_scale"] == [2.0 ** 15]
+
+
+def _fit_after(first, clean, x_test, y_test):
+  trainer = jdist.Trainer(MLP(), optimizer=optax.sgd(0.05, momentum=0.9),
+                          loss=LOSS, metrics=["accuracy"],
+                          strategy=strategy_on(4),
+                          dtype_policy="mixed_float16")
+  with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    first_history = trainer.fit(first, epochs=1, verbose=0).history
+  later = trainer.fit(clean, epochs=3, verbose=0).history  # no warning here
+  accuracy = trainer.evaluate(x_test, y_test, batch_size=64)["accuracy"]
+  return first_history, later, accuracy, [str(w.message) for w in seen]
+
+
+def test_a_long_nan_run_through_fit_is_named_and_training_recovers(
+    digits_flat):
+  """Issue 20.1 through `fit` on 4 devices under "mixed_float16": 40 batches
+  with a NaN, then clean ones. The scale halves to its floor of 1 (15
+  steps) and stays there; fit warns once, naming the skipped batches; the
+  clean batches then train as well as a run that never saw the NaNs."""
+  x, y = digits_flat
+  clean = [(x[i:i + 32], y[i:i + 32]) for i in range(0, 1376, 32)]
+  poisoned = []
+  for bx, by in clean[:40]:
+    bx = bx.copy()
+    bx[3, 5] = np.nan
+    poisoned.append((bx, by))
+  x_test, y_test = x[1400:], y[1400:]
+  first, later, accuracy, messages = _fit_after(poisoned + clean, clean,
+                                                x_test, y_test)
+  assert first["skipped_steps"] == [40.0] and first["loss_scale"] == [1.0]
+  assert later["skipped_steps"][-1] == 40.0  # none of the clean steps
+  floor = [m for m in messages if "at its floor" in m]
+  assert len(floor) == 1, messages
+  assert "Epoch 1: 40 training step(s) were skipped" in floor[0]
+  assert "epoch 1, as on_train_batch_end gets them): 0-39." in floor[0]
+  _, _, reference, clean_messages = _fit_after(clean, clean, x_test, y_test)
+  assert clean_messages == []
+  assert reference > 0.8
+  assert abs(accuracy - reference) < 0.03, (accuracy, reference)

@@ -67,12 +67,12 @@ class FitLoop:
     batch_size: the static global batch size (the first batch's, or a short
       only batch's padded size; None: the distributed dataset decides).
     steps_per_execution: batches per call of `train_function` (Keras' name).
+    skipped: a `mixed_precision.SkippedBatches` for a loss-scaled optimizer
+      (fit then warns, once an epoch, about batches skipped at the scale's
+      floor), or None.
 
   Attributes:
     position: the epoch and batch training is at.
-    global_step: optimizer steps applied so far: the state's step, known on
-      the host (read once when the loop is made, and when a callback
-      replaces the state).
     stop_training: set (by a callback, through `trainer.stop_training`) to
       end training after the current batch.
     steps_per_execution: batches per call of the train function.
@@ -86,7 +86,7 @@ class FitLoop:
                epochs: int, initial_epoch: int = 0,
                validate: Callable | None = None, make_totals: Callable,
                read_logs: Callable, batch_size: int | None = None,
-               steps_per_execution: int = 1):
+               steps_per_execution: int = 1, skipped=None):
     self.source = source
     self.history = History()
     self.position = Position(epoch=initial_epoch)
@@ -103,6 +103,7 @@ class FitLoop:
     self._batch_size = batch_size
     self._resume_sums = None
     self._warned_nonfinite = False
+    self._skipped = skipped
     self.state = state
 
   @property
@@ -115,8 +116,15 @@ class FitLoop:
     """Replaces the train state (a callback restoring weights); the step
     count follows the new state."""
     self._state = held
-    self.global_step = int(placement.to_host(
+    self._step = int(placement.to_host(
         self._strategy.state_placement.read(held).step))
+
+  @property
+  def global_step(self) -> int:
+    """Optimizer steps applied so far: the state's own step, known on the
+    host without a read from the devices after every step (read when the
+    state is given or replaced, then moved by the steps each call ran)."""
+    return self._step
 
   def reached_multiple(self, every: int) -> bool:
     """Whether the last execution made `global_step` reach a multiple of
@@ -143,10 +151,9 @@ class FitLoop:
 
   def restore(self, state, meta: dict) -> None:
     """Continues from a restored checkpoint (used by `BackupAndRestore`):
-    `state` (its value) and `meta` (its `checkpoint_meta` and step)."""
-    self._state = self._strategy.state_placement.write(
+    `state` (its value, with its step) and `meta` (its `checkpoint_meta`)."""
+    self.state = self._strategy.state_placement.write(
         self._state, state, self._strategy.mesh)
-    self.global_step = int(meta["step"])
     self.position = Position(int(meta["epoch"]), int(meta["batch"]),
                              int(meta["consumed"]))
     self._resume_sums = meta.get("sums")
@@ -166,6 +173,8 @@ class FitLoop:
       self._resume_sums = None
       cbs.call("on_epoch_begin", epoch, {})
       bar.start_epoch(epoch, self.source.steps_per_epoch, initial=start)
+      if self._skipped is not None:
+        self._skipped.start_epoch(self._state)
       if not self._run_epoch(epoch, start, cbs, bar) and start == 0:
         warnings.warn(
             f"The training data ran out at epoch {epoch + 1}: no batches were "
@@ -181,7 +190,7 @@ class FitLoop:
       self.history.on_epoch_end(epoch, logs)  # first: checkpoints include it
       cbs.call("on_epoch_end", epoch, logs)
       bar.end_epoch(epoch, logs)
-      self._warn_nonfinite(epoch, logs)
+      self._warn(epoch, logs)
       if self.stop_training:
         break
     cbs.call("on_train_end", logs)
@@ -203,7 +212,9 @@ class FitLoop:
       cbs.call("on_train_batch_begin", index, {})
       self._state, self.totals = self._train_function(self._state,
                                                       self.totals, batch)
-      self.global_step += steps
+      self._step += steps
+      if self._skipped is not None:
+        self._skipped.record(self._state, index, steps)
       self.last_execution = steps
       self.position = self.position.next_batch(steps)
       batch_logs = LazyLogs(functools.partial(self._read_logs, self._state,
@@ -215,7 +226,12 @@ class FitLoop:
         break
     return ran
 
-  def _warn_nonfinite(self, epoch: int, logs: dict) -> None:
+  def _warn(self, epoch: int, logs: dict) -> None:
+    """The epoch's warnings: steps skipped at the loss scale's floor (every
+    epoch they happen in), a non-finite loss (once a fit)."""
+    message = None if self._skipped is None else self._skipped.end_epoch(epoch)
+    if message is not None:
+      warnings.warn(message, UserWarning, stacklevel=4)
     # The epoch's logs are on the host already: telling costs nothing.
     loss = logs.get("loss")
     if loss is None or np.isfinite(loss) or self.stop_training or \
@@ -230,7 +246,7 @@ class FitLoop:
         UserWarning, stacklevel=4)
 
 
-def evaluate(eval_step, state, batches, totals, read: Callable,
+def evaluate(test_function, state, batches, totals, read: Callable,
              cbs: CallbackList, bar: ProgressBar, total: int | None) -> dict:
   """Accumulates loss and metrics over `batches`; returns their exact means."""
   cbs.call("on_test_begin", {})
@@ -239,7 +255,7 @@ def evaluate(eval_step, state, batches, totals, read: Callable,
     ran = 0
     for i, batch in enumerate(batches):
       cbs.call("on_test_batch_begin", i, {})
-      totals = eval_step(state, totals, batch)
+      totals = test_function(state, totals, batch)
       logs = LazyLogs(functools.partial(read, totals))
       cbs.call("on_test_batch_end", i, logs)
       bar.step(logs)
@@ -257,16 +273,16 @@ def evaluate(eval_step, state, batches, totals, read: Callable,
   return logs
 
 
-def predict(predict_step, state, batches, strategy, cbs: CallbackList,
+def predict(predict_function, state, batches, strategy, cbs: CallbackList,
             bar: ProgressBar, total: int | None) -> Any:
-  """Runs `predict_step` over `batches`; host outputs without padding rows."""
+  """Runs `predict_function` over `batches`; host outputs without padding rows."""
   outputs = []
   cbs.call("on_predict_begin", {})
   bar.start_epoch(0, total)
   try:
     for i, batch in enumerate(batches):
       cbs.call("on_predict_batch_begin", i, {})
-      outputs.append(predict_step(state, batch))
+      outputs.append(predict_function(state, batch))
       cbs.call("on_predict_batch_end", i, {"outputs": outputs[-1]})
       bar.step({})
     bar.end_epoch(0, {})

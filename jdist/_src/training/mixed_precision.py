@@ -21,6 +21,7 @@ import optax
 
 from jdist._src.core import context
 from jdist._src.core import in_step
+from jdist._src.core import placement
 from jdist._src.ops import loss_scale
 from jdist._src.ops.precision import DTypePolicy
 
@@ -107,3 +108,81 @@ def train_logs(opt_state) -> dict:
     return {}
   return {"loss_scale": opt_state.loss_scale.scale,
           "skipped_steps": opt_state.skipped_steps}
+
+
+class SkippedBatches:
+  """Which batches of an epoch a loss-scaled `fit` skipped, and when to say so.
+
+  After each call of the train step it keeps the state's skip count and
+  whether the scale sits at its floor, as device scalars (nothing waits for
+  the devices); at the end of the epoch it reads them in one transfer. Steps
+  skipped while the scale is above its floor are the scale finding its level
+  (normal); a step skipped at the floor of 1 overflowed unscaled: its batch,
+  or the loss on it, holds NaN or inf, and no scale helps. Then `end_epoch`
+  names every batch of the epoch whose step was skipped.
+
+  Args:
+    read: `read(held_state) -> state value` (the strategy's placement).
+  """
+
+  def __init__(self, read):
+    self._read = read
+    self._calls: list = []  # (first batch, steps, skipped so far, at floor)
+    self._before = None
+
+  def start_epoch(self, state) -> None:
+    """Starts an epoch's record from the state it starts with."""
+    self._calls = []
+    self._before = self._read(state).opt_state.skipped_steps
+
+  def record(self, state, first_batch: int, steps: int) -> None:
+    """Notes the state after a call that ran batches `first_batch` on."""
+    opt_state = self._read(state).opt_state
+    self._calls.append((first_batch, steps, opt_state.skipped_steps,
+                        opt_state.at_floor))
+
+  def end_epoch(self, epoch: int) -> str | None:
+    """A warning naming the epoch's skipped batches if a step was skipped at
+    the floor; None otherwise (also when nothing was recorded)."""
+    if not self._calls or self._before is None:
+      return None
+    counts, floors = jax.device_get(
+        ([placement.host_local(self._before)] +
+         [placement.host_local(c[2]) for c in self._calls],
+         [placement.host_local(c[3]) for c in self._calls]))
+    spans, at_floor = [], False
+    for (first, steps, _, _), new, old, floor in zip(
+        self._calls, counts[1:], counts[:-1], floors):
+      if int(new) > int(old):
+        spans.append((first, steps, int(new) - int(old)))
+        at_floor = at_floor or bool(floor)
+    if not at_floor:
+      return None
+    skipped = sum(n for _, _, n in spans)
+    return (f"Epoch {epoch + 1}: {skipped} training step(s) were skipped with "
+            "the loss scale at its floor of 1: their gradients were not "
+            "finite even unscaled, so these batches (or the loss on them) "
+            "hold NaN or inf, and no loss scale helps. Skipped batches "
+            f"(indices within epoch {epoch + 1}, as on_train_batch_end gets "
+            f"them): {_describe(spans)}. Check the data there; "
+            "jdist.TerminateOnNaN() stops at the first NaN loss.")
+
+
+def _describe(spans: list, limit: int = 20) -> str:
+  """Batch indices as ranges ("0-59, 70"); a call of several steps of which
+  only some were skipped as "8-15 (3 of 8 skipped)"."""
+  parts, run = [], None  # run: [first, last] of whole skipped batches
+  for first, steps, n in spans:
+    last = first + steps - 1
+    if n < steps:
+      parts.append(f"{first}-{last} ({n} of {steps} skipped)")
+      continue
+    if parts and run is not None and parts[-1] is run and run[1] + 1 == first:
+      run[1] = last
+    else:
+      run = [first, last]
+      parts.append(run)
+  text = [p if isinstance(p, str) else
+          (str(p[0]) if p[0] == p[1] else f"{p[0]}-{p[1]}") for p in parts]
+  more = len(text) - limit
+  return ", ".join(text[:limit]) + (f" and {more} more" if more > 0 else "")

@@ -515,7 +515,8 @@ class Trainer:
                        initial_epoch=initial_epoch, validate=validate,
                        make_totals=self._totals,
                        read_logs=self._read_train_logs, batch_size=static,
-                       steps_per_execution=self._steps_per_execution)
+                       steps_per_execution=self._steps_per_execution,
+                       skipped=self._skipped_batches())
     self.history = fit_loop.history
     cbs = CallbackList(callbacks, trainer=self,
                        params={"epochs": epochs, "verbose": verbose,
@@ -537,6 +538,15 @@ class Trainer:
     if isinstance(self._model, model_lib.NnxModel):
       self.export()
     return self.history
+
+  def _skipped_batches(self):
+    """What tells fit which batches a loss-scaled optimizer skipped; None
+    without loss scaling, and under an asynchronous strategy (reading the
+    state after every step would wait for the servers each time)."""
+    if not mixed_precision.scales_loss(self._tx) or not isinstance(
+        self.make_train_function(), DistributedFunction):
+      return None
+    return mixed_precision.SkippedBatches(self._read)
 
   def _read_means(self, totals) -> dict:
     totals = self._read(totals)  # one read from the servers, if held there
