@@ -22,8 +22,8 @@ LAYERS = [
     ("jdist._src.strategies",),
     ("jdist._src.current", "jdist._src.ops", "jdist._src.equivalence",
      "jdist._src.diagnose"),
-    # A separate engine (DESIGN.md 2.7): it runs the strategies' steps on
-    # workers against parameter servers; the Trainer builds on it.
+    # A separate engine (asynchronous, not one SPMD program): it runs the
+    # strategies' steps on workers against parameter servers.
     ("jdist._src.ps",),
     ("jdist._src.training",),
     ("jdist",),  # the facade and public modules, examples

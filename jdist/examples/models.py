@@ -71,7 +71,3 @@ class CNN(nn.Module):
       x = jdist.dropout(self.make_rng("dropout"), self.dropout_rate, x)
     return nn.Dense(self.classes, **kw)(x)
 
-
-def count_params(params) -> int:
-  import jax
-  return sum(int(jnp.size(p)) for p in jax.tree.leaves(params))

@@ -375,7 +375,7 @@ class DistributedIterator:
         # short last batch, padded like one.
         if next(self._source, _END) is not _END:
           raise host.split_error(size, n)
-        size_to = size + (-size) % n
+        size_to = host.padded_size(size, n)
       else:
         size_to = size
       self._size = size_to

@@ -74,6 +74,19 @@ def split_error(size: int, n: int) -> ValueError:
       "batch of an epoch may be any size and is padded.")
 
 
+def padded_size(rows: int, multiple: int) -> int:
+  """The size a batch that is all of the data is padded to: `rows` up to a
+  multiple of `multiple` (the replicas; times the micro-batches when each
+  replica's share is split further). The one place that rule is written.
+
+  Example:
+    >>> from jdist._src.input.host import padded_size
+    >>> padded_size(10, 4), padded_size(8, 4)
+    (12, 8)
+  """
+  return rows + (-rows) % multiple
+
+
 def pad(x: np.ndarray, size: int) -> np.ndarray:
   """`x` with zero rows appended up to `size` rows (itself if already full)."""
   if x.shape[0] == size:

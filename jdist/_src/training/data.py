@@ -1,6 +1,8 @@
 """Where `fit`, `evaluate` and `predict` get global batches, and how to resume.
 
-Three kinds of input, each a `Source` of host batches `{"x": ..., "y": ...}`:
+Every kind of input is a `Source` (the protocol below, in the manner of
+Keras' `DataAdapter`) of host batches `{"x": ..., "y": ...}`; the Trainer
+reads all of them the same way. Three kinds:
 
 * `ArraySource`: arrays (or pytrees of arrays) with a batch size. Epoch `e` is
   shuffled by a permutation drawn from `(seed, e)`, so any position can be
@@ -15,7 +17,8 @@ Three kinds of input, each a `Source` of host batches `{"x": ..., "y": ...}`:
 Batches are `(x, y)` or `(x, y, sample_weight)` tuples, `{"x": x, "y": y}`
 dicts (with an optional "sample_weight"), or `x` alone (predict). Keras'
 `class_weight` becomes per-example weights on the host. Every array is checked
-to be numeric here, before it reaches a step.
+to be numeric here, before it reaches a step. How a short batch is padded is
+the input layer's (`input/`): this module only asks it the size.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 import collections
 import itertools
 import math
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -112,10 +115,40 @@ def to_xy(batch: Any, *, need_y: bool, class_weight=None) -> dict:
   return out
 
 
+class Source(Protocol):
+  """What `fit`, `evaluate` and `predict` read data through.
+
+  Attributes:
+    steps_per_epoch: batches per epoch, or None (until the data ends).
+    one_shot: the batches come from an iterator that cannot start again:
+      an epoch continues where the last one ended, and how many batches
+      follow the first is known only by reading them.
+  """
+
+  steps_per_epoch: int | None
+  one_shot: bool
+
+  def peek(self) -> dict:
+    """The first batch, checked, without using it up."""
+
+  def batches(self, epoch: int, start: int = 0) -> Iterator[dict]:
+    """Epoch `epoch`'s batches from batch `start` on."""
+
+  def check_targets(self, check: Callable) -> None:
+    """Has every target checked by `check(y, where)`: arrays at once, batches
+    as they are read (the first one at once)."""
+
+  def state(self, consumed: int) -> dict:
+    """What a checkpoint stores to continue after `consumed` batches."""
+
+  def resume(self, state: dict, consumed: int) -> None:
+    """Continues after `consumed` batches, from `state(consumed)`."""
+
+
 class ArraySource:
   """Batches of in-memory arrays; epoch `e` shuffled from `(seed, e)`."""
 
-  resumable = True
+  one_shot = False
 
   def __init__(self, x, y, *, batch_size: int | None, shuffle: bool,
                seed: int, need_y: bool, sample_weight=None,
@@ -195,29 +228,44 @@ class ArraySource:
     del state, consumed  # positions are recomputed from (epoch, batch)
 
 
-class IterableSource:
+class _Batches:
+  """What the two sources of batches share: targets checked per batch."""
+
+  _target_check = None  # check(y, where) for each batch, once set
+
+  def check_targets(self, check: Callable) -> None:
+    """Checks the first batch's targets now, and each batch's as read."""
+    check(self.peek()["y"], lambda row: f"row {row} of batch 0")
+    self._target_check = check
+
+
+class IterableSource(_Batches):
   """A re-iterable of batches: each epoch is a new pass over it."""
 
-  resumable = True
+  one_shot = False
 
   def __init__(self, iterable, *, steps_per_epoch: int | None, need_y: bool,
                class_weight=None):
     self._iterable = iterable
     self._need_y = need_y
     self._class_weight = class_weight
-    self.target_check = None  # check(y, where) for each batch, if set
+    self._first = None  # the first batch, once peeked
     if steps_per_epoch is None and hasattr(iterable, "__len__"):
       steps_per_epoch = len(iterable)
     self.steps_per_epoch = steps_per_epoch
 
   def _xy(self, batch, index: int) -> dict:
     return _host_batch(batch, index, self._need_y, self._class_weight,
-                       self.target_check)
+                       self._target_check)
 
   def peek(self) -> dict:
-    for batch in self._iterable:
-      return self._xy(batch, 0)
-    raise ValueError("The data is empty: it gave no batches.")
+    if self._first is None:
+      for batch in self._iterable:
+        self._first = self._xy(batch, 0)
+        break
+      else:
+        raise ValueError("The data is empty: it gave no batches.")
+    return self._first
 
   def batches(self, epoch: int, start: int = 0) -> Iterator[dict]:
     del epoch
@@ -234,25 +282,22 @@ class IterableSource:
     del state, consumed
 
 
-class IteratorSource:
+class IteratorSource(_Batches):
   """A one-shot iterator, continued from epoch to epoch."""
+
+  one_shot = True
 
   def __init__(self, iterator, *, steps_per_epoch: int | None, need_y: bool,
                class_weight=None):
     self._it = iterator
     self._need_y = need_y
     self._class_weight = class_weight
-    self.target_check = None  # check(y, where) for each batch, if set
     self.steps_per_epoch = steps_per_epoch
     self._stateful = (callable(getattr(iterator, "get_state", None)) and
                       callable(getattr(iterator, "set_state", None)))
     self._buffer = collections.deque()  # peeked (state_before, batch) pairs
     self._pulled = 0
     self._states = collections.deque(maxlen=64)  # (index, state before it)
-
-  @property
-  def resumable(self) -> bool:
-    return True  # by state, or by skipping from a fresh iterator
 
   def _pull(self):
     if self._buffer:
@@ -269,7 +314,7 @@ class IteratorSource:
       except StopIteration:
         raise ValueError("The data iterator is exhausted: it gave no batches.")
     return _host_batch(self._buffer[0][1], self._pulled, self._need_y,
-                       self._class_weight, self.target_check)
+                       self._class_weight, self._target_check)
 
   def batches(self, epoch: int, start: int = 0) -> Iterator[dict]:
     del epoch
@@ -284,7 +329,7 @@ class IteratorSource:
       self._pulled += 1
       n += 1
       yield _host_batch(batch, self._pulled - 1, self._need_y,
-                        self._class_weight, self.target_check)
+                        self._class_weight, self._target_check)
 
   def state(self, consumed: int) -> dict:
     """What to store so that a fresh run can continue at batch `consumed`."""
@@ -389,27 +434,41 @@ def make_source(x, y=None, *, batch_size=None, steps_per_epoch=None,
                         class_weight=class_weight)
 
 
-def static_batch_size(source, sample: dict, num_replicas: int,
-                      what: str) -> int | None:
+def static_batch_size(source: Source, sample: dict, num_replicas: int,
+                      what: str, *, micro_batches: int = 1) -> int | None:
   """The global batch size steps compile for: the first batch's.
 
   Data that fits in one batch (fewer examples than `batch_size`, fewer
-  than the replicas) is one short batch: padded up to a multiple of the
-  replicas, like a short last batch. None for a one-shot iterator whose
-  first batch does not split: the distributed dataset decides when it sees
-  whether another batch follows.
+  than the replicas) is one short batch, padded as the input layer pads a
+  short last batch (`input/host.py: padded_size`). None for a one-shot
+  iterator whose first batch does not split: the distributed dataset
+  decides when it sees whether another batch follows.
+
+  Args:
+    micro_batches: K: each replica's share of a batch is split into K
+      micro-batches (gradient accumulation), so batches must split into
+      `num_replicas * K` equal parts.
 
   Raises:
-    ValueError: the batches cannot split evenly over the replicas.
+    ValueError: the batches cannot split evenly over the replicas (and
+      micro-batches).
   """
   rows = host.batch_size_of(sample["x"], f"{what}'s first batch")
-  if rows % num_replicas == 0:
+  parts = num_replicas * micro_batches
+  if rows % parts == 0:
     return rows
   if source.steps_per_epoch == 1:
-    return rows + (-rows) % num_replicas
-  if isinstance(source, IteratorSource) and source.steps_per_epoch is None:
-    return None
-  raise ValueError(f"In the {what}: {host.split_error(rows, num_replicas)}")
+    return host.padded_size(rows, parts)
+  if rows % num_replicas:
+    if source.one_shot and source.steps_per_epoch is None:
+      return None
+    raise ValueError(f"In the {what}: {host.split_error(rows, num_replicas)}")
+  raise ValueError(
+      f"gradient_accumulation_steps={micro_batches} splits each replica's "
+      f"batch into {micro_batches} micro-batches, but the global batch of "
+      f"{rows} gives {rows // num_replicas} rows to each of {num_replicas} "
+      f"replicas. Use a batch size that is a multiple of {parts} (replicas x "
+      "accumulation steps).")
 
 
 def validation_source(source, validation_data, *, validation_split: float,

@@ -386,15 +386,17 @@ class Trainer:
   def _weighted_names(self) -> frozenset:
     return frozenset(n for n, _ in self._weighted_items)
 
-  def _prepare(self, source, what: str, *, with_loss: bool = True,
-               training: bool = False) -> tuple[dict, int | None]:
+  def _prepare(self, source: data_lib.Source, what: str, *,
+               with_loss: bool = True, micro_batches: int = 1
+               ) -> tuple[dict, int | None]:
     """Checks the data against the model before any step; returns its first
     batch and the static global batch size.
 
     Args:
       what: the data's name in messages ("training data", ...).
       with_loss: the data has targets to check against the loss.
-      training: the data trains (its batches split into micro-batches).
+      micro_batches: the micro-batches each replica's share is split into
+        (gradient accumulation, when training).
     """
     sample = source.peek()
     self.build(sample["x"])
@@ -402,9 +404,8 @@ class Trainer:
         self._compute_model, self.strategy.state_placement.abstract(self.state),
         sample, what, self._initialised_for)
     static = data_lib.static_batch_size(
-        source, sample, self.strategy.num_replicas_in_sync, what)
-    if training:
-      static = self._micro_batched(source, static)
+        source, sample, self.strategy.num_replicas_in_sync, what,
+        micro_batches=micro_batches)
     if not with_loss:
       return sample, static
     if "y" not in sample:
@@ -422,28 +423,9 @@ class Trainer:
       objectives.check_predictions(self._loss, steps_lib.predictions(
           self._compute_model, self._read(self.state), sample["x"]))
     num_classes = y_pred.shape[-1] if y_pred.ndim > 1 else None
-    check = functools.partial(objectives.check_targets, self._loss,
-                              num_classes=num_classes)
-    if isinstance(source, data_lib.ArraySource):
-      source.check_targets(check)
-    else:
-      source.target_check = check
-      check(sample["y"], lambda row: f"row {row} of batch 0")
+    source.check_targets(functools.partial(
+        objectives.check_targets, self._loss, num_classes=num_classes))
     return sample, static
-
-  def _micro_batched(self, source, static: int | None) -> int | None:
-    """The static batch, checked to split into micro-batches on every
-    replica (data shorter than one batch is padded up to that)."""
-    k, n = self._accumulation, self.strategy.num_replicas_in_sync
-    if static is None or static % (n * k) == 0:
-      return static
-    if source.steps_per_epoch == 1:
-      return static + (-static) % (n * k)
-    raise ValueError(
-        f"gradient_accumulation_steps={k} splits each replica's batch into "
-        f"{k} micro-batches, but the global batch of {static} gives "
-        f"{static // n} rows to each of {n} replicas. Use a batch size "
-        f"that is a multiple of {n * k} (replicas x accumulation steps).")
 
   def _totals(self, sums: dict | None = None) -> dict:
     totals = steps_lib.make_totals(self._metrics, self._weighted_metrics)
@@ -504,7 +486,8 @@ class Trainer:
     source, val_source = data_lib.validation_source(
         source, validation_data, validation_split=validation_split,
         steps=validation_steps, batch_size=validation_batch_size)
-    _, static = self._prepare(source, "training data", training=True)
+    _, static = self._prepare(source, "training data",
+                              micro_batches=self._accumulation)
     validate = None
     if val_source is not None:
       _, val_static = self._prepare(val_source, "validation data")
