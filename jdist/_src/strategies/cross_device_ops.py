@@ -75,7 +75,7 @@ _TF_NAMES = {"NcclAllReduce": NcclAllReduce,
              "ReductionToOneDevice": ReductionToOneDevice}
 
 
-def resolve(value: Any) -> CrossDeviceOps | None:
+def from_argument(value: Any) -> CrossDeviceOps | None:
   """`cross_device_ops` as jdist keeps it: None, or one of the classes above.
 
   TensorFlow's own instances (`tf.distribute.NcclAllReduce()`, ...) map to

@@ -38,7 +38,8 @@ class MirroredStrategy(Strategy):
 
   def __init__(self, devices: Sequence[Any] | None = None, *,
                axis_name: str = "replica", cross_device_ops=None):
-    self._cross_device_ops = cross_device_ops_lib.resolve(cross_device_ops)
+    self._cross_device_ops = cross_device_ops_lib.from_argument(
+        cross_device_ops)
     super().__init__(resolve_devices(devices, jax.local_devices()),
                      axis_name=axis_name)
 
