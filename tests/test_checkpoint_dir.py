@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import jdist
-from jdist._src.training import directory_claim
+from jdist._src.checkpoint import directory_claim
 from jdist.examples.models import MLP
 
 from conftest import strategy_on

@@ -25,6 +25,9 @@ LAYERS = [
     # A separate engine (asynchronous, not one SPMD program): it runs the
     # strategies' steps on workers against parameter servers.
     ("jdist._src.ps",),
+    # Checkpoints: orbax, directory claims, preemption; below the Trainer,
+    # for custom loops too.
+    ("jdist._src.checkpoint",),
     ("jdist._src.training",),
     ("jdist",),  # the facade and public modules, examples
 ]

@@ -5,7 +5,7 @@ state, step, random stream) with the training position, named by the global
 step. Every process takes part in a save; orbax decides who writes what.
 
 When `fit` begins, both claim their directory for the job until it ends
-(`directory_claim.py`): `jdist.CheckpointDirectoryError` if a process cannot
+(`checkpoint/directory_claim.py`): `jdist.CheckpointDirectoryError` if a process cannot
 write there, `jdist.CheckpointInUseError` if another running job owns it,
 both before the first step.
 """
@@ -20,8 +20,8 @@ import warnings
 import numpy as np
 
 from jdist._src.training.callbacks import Callback, is_chief, resolve_mode
-from jdist._src.training.checkpoint import Checkpointer, nonfinite_leaves
-from jdist._src.training.preemption import PreemptionWatcher
+from jdist._src.checkpoint.checkpointer import Checkpointer, nonfinite_leaves
+from jdist._src.checkpoint.preemption import PreemptionWatcher
 
 
 def _check_freq(save_freq):

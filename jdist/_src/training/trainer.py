@@ -25,7 +25,7 @@ from jdist._src.training import model as model_lib
 from jdist._src.training import objectives
 from jdist._src.training import steps as steps_lib
 from jdist._src.training.callbacks import CallbackList
-from jdist._src.training.checkpoint import Checkpointer
+from jdist._src.checkpoint.checkpointer import Checkpointer
 from jdist._src.training.history import History
 from jdist._src.training.loop import FitLoop, Position
 from jdist._src.training.optimizer import OptimizerView

@@ -31,8 +31,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jdist._src.core import placement
 from jdist._src.errors import CheckpointError, CheckpointMismatchError
-from jdist._src.training import directory_claim
-from jdist._src.training import orbax_errors
+from jdist._src.checkpoint import directory_claim
+from jdist._src.checkpoint import orbax_errors
 
 FORMAT = "jdist.Trainer/2"
 # Version 1 had no checksum of its metadata; such checkpoints still load.
@@ -180,7 +180,7 @@ class Checkpointer:
 
   Example:
     >>> import jdist, tempfile
-    >>> from jdist._src.training.checkpoint import Checkpointer
+    >>> from jdist._src.checkpoint.checkpointer import Checkpointer
     >>> ckpt = Checkpointer(tempfile.mkdtemp())
     >>> ckpt.steps()
     []

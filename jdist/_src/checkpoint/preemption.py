@@ -27,7 +27,7 @@ class PreemptionWatcher:
   """Tells the training loop when to save and stop.
 
   Example:
-    >>> from jdist._src.training.preemption import PreemptionWatcher
+    >>> from jdist._src.checkpoint.preemption import PreemptionWatcher
     >>> watcher = PreemptionWatcher()
     >>> watcher.reached(0)
     False
