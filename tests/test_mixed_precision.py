@@ -438,3 +438,26 @@ def test_a_long_nan_run_through_fit_is_named_and_training_recovers(
   assert clean_messages == []
   assert reference > 0.8
   assert abs(accuracy - reference) < 0.03, (accuracy, reference)
+
+
+def test_skipped_batches_are_named_within_executions_of_several_steps(
+    digits_flat):
+  """With steps_per_execution=4 a call runs 4 batches: a call of which only
+  some steps were skipped is named as such; whole runs as ranges."""
+  x, y = digits_flat
+  data = []
+  for k, i in enumerate(range(0, 1376, 32)):
+    bx = x[i:i + 32].copy()
+    if k < 40 and k != 21:
+      bx[3, 5] = np.nan
+    data.append((bx, y[i:i + 32]))
+  trainer = jdist.Trainer(MLP(), optimizer=optax.sgd(0.05), loss=LOSS,
+                          strategy=strategy_on(4),
+                          dtype_policy="mixed_float16", steps_per_execution=4)
+  with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    history = trainer.fit(data, epochs=1, verbose=0).history
+  assert history["skipped_steps"] == [39.0]
+  floor = [str(w.message) for w in seen if "at its floor" in str(w.message)]
+  assert len(floor) == 1
+  assert "them): 0-19, 20-23 (3 of 4 skipped), 24-39." in floor[0]

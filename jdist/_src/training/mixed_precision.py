@@ -113,21 +113,26 @@ def train_logs(opt_state) -> dict:
 class SkippedBatches:
   """Which batches of an epoch a loss-scaled `fit` skipped, and when to say so.
 
-  After each call of the train step it keeps the state's skip count and
-  whether the scale sits at its floor, as device scalars (nothing waits for
-  the devices); at the end of the epoch it reads them in one transfer. Steps
-  skipped while the scale is above its floor are the scale finding its level
-  (normal); a step skipped at the floor of 1 overflowed unscaled: its batch,
-  or the loss on it, holds NaN or inf, and no scale helps. Then `end_epoch`
-  names every batch of the epoch whose step was skipped.
+  After each call of the train step it keeps references to the state's skip
+  count and loss scale (no computation, nothing waits for the devices). At
+  the end of the epoch one read of the last count tells whether any step was
+  skipped; only then does it look for which, by halving the epoch's calls
+  (a run of skipped calls costs a few reads, not one per call). Steps
+  skipped while the scale is above its floor are the scale finding its
+  level (normal); a step skipped at the floor of 1 overflowed unscaled: its
+  batch, or the loss on it, holds NaN or inf, and no scale helps. Then
+  `end_epoch` names every batch of the epoch whose step was skipped.
 
   Args:
     read: `read(held_state) -> state value` (the strategy's placement).
   """
 
+  # Ranges of at most this many calls are read in one transfer.
+  _BLOCK = 32
+
   def __init__(self, read):
     self._read = read
-    self._calls: list = []  # (first batch, steps, skipped so far, at floor)
+    self._calls: list = []  # (first batch, steps, skip count, loss scale)
     self._before = None
 
   def start_epoch(self, state) -> None:
@@ -139,33 +144,55 @@ class SkippedBatches:
     """Notes the state after a call that ran batches `first_batch` on."""
     opt_state = self._read(state).opt_state
     self._calls.append((first_batch, steps, opt_state.skipped_steps,
-                        opt_state.at_floor))
+                        opt_state.loss_scale))
 
   def end_epoch(self, epoch: int) -> str | None:
     """A warning naming the epoch's skipped batches if a step was skipped at
     the floor; None otherwise (also when nothing was recorded)."""
     if not self._calls or self._before is None:
       return None
-    counts, floors = jax.device_get(
-        ([placement.host_local(self._before)] +
-         [placement.host_local(c[2]) for c in self._calls],
-         [placement.host_local(c[3]) for c in self._calls]))
-    spans, at_floor = [], False
-    for (first, steps, _, _), new, old, floor in zip(
-        self._calls, counts[1:], counts[:-1], floors):
-      if int(new) > int(old):
-        spans.append((first, steps, int(new) - int(old)))
-        at_floor = at_floor or bool(floor)
-    if not at_floor:
+    skipped = self._skipped_calls()
+    if not skipped:
       return None
-    skipped = sum(n for _, _, n in spans)
-    return (f"Epoch {epoch + 1}: {skipped} training step(s) were skipped with "
+    scales = jax.device_get(jax.tree.map(
+        placement.host_local, [self._calls[i][3] for i, _ in skipped]))
+    if not any(bool(scale.at_floor) for scale in scales):
+      return None
+    spans = [(self._calls[i][0], self._calls[i][1], n) for i, n in skipped]
+    total = sum(n for _, _, n in spans)
+    return (f"Epoch {epoch + 1}: {total} training step(s) were skipped with "
             "the loss scale at its floor of 1: their gradients were not "
             "finite even unscaled, so these batches (or the loss on them) "
             "hold NaN or inf, and no loss scale helps. Skipped batches "
             f"(indices within epoch {epoch + 1}, as on_train_batch_end gets "
             f"them): {_describe(spans)}. Check the data there; "
             "jdist.TerminateOnNaN() stops at the first NaN loss.")
+
+  def _skipped_calls(self) -> list:
+    """`[(call index, steps skipped in it)]`, in order, read by halving."""
+    counts: dict = {}  # call index (-1: before the epoch) -> skip count
+
+    def fetch(indices):
+      refs = [self._before if i < 0 else self._calls[i][2] for i in indices]
+      for i, v in zip(indices, jax.device_get(
+          [placement.host_local(r) for r in refs])):
+        counts[i] = int(v)
+
+    fetch([-1, len(self._calls) - 1])
+    found, ranges = [], [(-1, len(self._calls) - 1)]
+    while ranges:
+      lo, hi = ranges.pop()
+      if counts[lo] == counts[hi]:
+        continue
+      if hi - lo <= self._BLOCK:
+        fetch([i for i in range(lo + 1, hi) if i not in counts])
+        found += [(i, counts[i] - counts[i - 1]) for i in range(lo + 1, hi + 1)
+                  if counts[i] > counts[i - 1]]
+        continue
+      mid = (lo + hi) // 2
+      fetch([mid])
+      ranges += [(mid, hi), (lo, mid)]
+    return sorted(found)
 
 
 def _describe(spans: list, limit: int = 20) -> str:
