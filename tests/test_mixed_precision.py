@@ -346,3 +346,26 @@ def test_a_long_overflow_run_leaves_the_scale_at_one_and_clean_data_trains():
   # the order of float16 roundings differs, nothing else.
   np.testing.assert_allclose(np.asarray(w), np.asarray(ref_w), rtol=2e-3,
                              atol=2e-3)
+
+
+@pytest.mark.parametrize("read", ["train_function", "test_function",
+                                  "optimizer"])
+def test_reading_keras_attributes_before_fit_keeps_loss_scaling_and_sharding(
+    read, digits_flat):
+  """Keras users read `model.train_function` (or the optimizer) first: the
+  step made then must scale the loss and shard the state all the same."""
+  x, y = digits_flat[0][:256], digits_flat[1][:256]
+  loss = jdist.losses.SparseCategoricalCrossentropy(from_logits=True)
+  scaled = jdist.Trainer(MLP(), optimizer=optax.sgd(0.1), loss=loss,
+                         dtype_policy="mixed_float16",
+                         strategy=strategy_on(2))
+  sharded = jdist.Trainer(MLP(), optimizer=optax.adam(1e-2), loss=loss,
+                          shard_optimizer_state=True, strategy=strategy_on(4))
+  for trainer in (scaled, sharded):
+    getattr(trainer, read)
+    history = trainer.fit(x, y, batch_size=64, epochs=1, verbose=0).history
+    assert np.isfinite(history["loss"]).all()
+  assert "loss_scale" in scaled.history.history
+  assert isinstance(jdist.read_value(scaled.state).opt_state,
+                    jdist.LossScaleState)
+  assert isinstance(sharded.state.opt_state, jdist.Sharded)

@@ -161,10 +161,22 @@ class LossScaleState(NamedTuple):
     return self.loss_scale.at_floor
 
 
+class LossScaleTransformation(optax.GradientTransformation):
+  """The optax transformation `loss_scale_optimizer` returns.
+
+  An `optax.GradientTransformation` like any other (optax's own
+  `GradientTransformationExtraArgs` is such a subclass); its type says that
+  the optimizer scales the loss already, before any state exists, so a
+  `Trainer` under "mixed_float16" does not wrap it a second time.
+  """
+
+  __slots__ = ()
+
+
 def loss_scale_optimizer(inner: optax.GradientTransformation, *,
                          initial_scale: float = 2.0 ** 15,
                          dynamic_growth_steps: int = 2000
-                         ) -> optax.GradientTransformation:
+                         ) -> LossScaleTransformation:
   """Wraps an optax optimizer with dynamic loss scaling (Keras' names).
 
   `update` takes the gradients of the scaled loss, divides them by the scale,
@@ -183,7 +195,8 @@ def loss_scale_optimizer(inner: optax.GradientTransformation, *,
     dynamic_growth_steps: finite steps after which the scale doubles.
 
   Returns:
-    An optax transformation whose state is a `LossScaleState`.
+    An optax transformation (a `LossScaleTransformation`) whose state is a
+    `LossScaleState`.
 
   Example:
     >>> import jdist, jax, jax.numpy as jnp, optax
@@ -216,4 +229,4 @@ def loss_scale_optimizer(inner: optax.GradientTransformation, *,
     return new_updates, LossScaleState(state.loss_scale.adjust(finite),
                                        inner_state)
 
-  return optax.GradientTransformation(init, update)
+  return LossScaleTransformation(init, update)

@@ -1,9 +1,11 @@
 """The batch loops of `fit`, `evaluate` and `predict`, and the state of a fit.
 
-`FitLoop` is one `fit` while it runs: where it is (epoch, batch, batches taken
-from the data), the epoch's running totals, the History, and the data source.
-It owns all of it, hands itself to the callbacks (`callback.fit_loop`), and is
-what a checkpoint stores besides the train state and what a resume restores.
+`FitLoop` is one `fit` while it runs: the train state (given to it, returned
+by `run`), the step count, where it is (epoch, batch, batches taken from the
+data), whether to stop, the epoch's running totals, the History, and the data
+source. It owns all of it, hands itself to the callbacks
+(`callback.fit_loop`), and is what a checkpoint stores besides the train state
+and what a resume restores.
 """
 
 from __future__ import annotations
@@ -41,61 +43,90 @@ class Position:
 class FitLoop:
   """One `fit` of a `Trainer`: its loop and everything the loop carries.
 
+  The loop is given the train state, owns it while it runs, and returns it
+  (as an optax `update` returns its state). Callbacks reach what it owns
+  through the trainer (`self.model.state`, `self.model.stop_training`, as
+  Keras callbacks write them), which forwards to the running loop, or
+  through `self.fit_loop`.
+
   Args:
-    trainer: the trainer (its `state` is read and written; callbacks may
-      replace it, as Keras callbacks replace weights).
-    train_step: the compiled `(state, totals, batch) -> (state, totals)`.
+    train_function: the compiled `(state, totals, batch) -> (state, totals)`
+      (above one `steps_per_execution`, a `jdist.multi_step` step that takes
+      a `BatchGroup`).
     source: the training data (`data.py`).
+    state: the train state, held as `strategy` holds it.
+    strategy: the strategy the steps run on (it reads and writes the state,
+      and distributes the batches).
     epochs: train until this epoch.
     initial_epoch: the epoch to start at.
-    global_step: optimizer steps applied before this fit.
-    validate: `validate(callbacks) -> logs`, or None without validation data.
+    validate: `validate(state, callbacks) -> logs`, or None without
+      validation data.
     make_totals: `make_totals(sums or None) -> totals`: fresh (or restored)
       running sums of the loss and metrics, placed on the devices.
-    read_means: `read_means(totals) -> logs`: their means, on the host.
+    read_logs: `read_logs(state, totals) -> logs`: their means, on the host.
     batch_size: the static global batch size (the first batch's, or a short
-      only batch's padded size).
-    steps_per_execution: batches per call of `train_step` (Keras' name);
-      above 1, `train_step` is a `jdist.multi_step` step that takes a
-      `BatchGroup`.
+      only batch's padded size; None: the distributed dataset decides).
+    steps_per_execution: batches per call of `train_function` (Keras' name).
 
   Attributes:
     position: the epoch and batch training is at.
-    global_step: optimizer steps applied so far.
-    steps_per_execution: batches per call of the train step.
-    last_execution: steps the last call of the train step ran (1, or up to
-      `steps_per_execution`): `global_step` moved by this much.
+    global_step: optimizer steps applied so far: the state's step, known on
+      the host (read once when the loop is made, and when a callback
+      replaces the state).
+    stop_training: set (by a callback, through `trainer.stop_training`) to
+      end training after the current batch.
+    steps_per_execution: batches per call of the train function.
+    last_execution: steps the last call of the train function ran (1, or up
+      to `steps_per_execution`): `global_step` moved by this much.
     totals: the epoch's running sums on the devices (`jdist.metrics`).
     history: the run's `History`.
   """
 
-  def __init__(self, trainer, train_step, source, *, epochs: int,
-               initial_epoch: int, global_step: int,
-               validate: Callable | None, make_totals: Callable,
-               read_means: Callable, batch_size: int | None = None,
+  def __init__(self, train_function, source, state, *, strategy,
+               epochs: int, initial_epoch: int = 0,
+               validate: Callable | None = None, make_totals: Callable,
+               read_logs: Callable, batch_size: int | None = None,
                steps_per_execution: int = 1):
-    self.trainer = trainer
     self.source = source
     self.history = History()
     self.position = Position(epoch=initial_epoch)
-    self.global_step = global_step
+    self.stop_training = False
+    self.steps_per_execution = steps_per_execution
+    self.last_execution = 1
     self.totals = None
-    self._resume_sums = None
-    self._train_step = train_step
+    self._strategy = strategy
+    self._train_function = train_function
     self._epochs = epochs
     self._validate = validate
     self._make_totals = make_totals
-    self._read_means = read_means
-    self._batch_size = batch_size  # the static global batch (None: the first)
+    self._read_logs = read_logs
+    self._batch_size = batch_size
+    self._resume_sums = None
     self._warned_nonfinite = False
-    self.steps_per_execution = steps_per_execution
-    self.last_execution = 1
+    self.state = state
+
+  @property
+  def state(self):
+    """The train state, held as the strategy holds it."""
+    return self._state
+
+  @state.setter
+  def state(self, held) -> None:
+    """Replaces the train state (a callback restoring weights); the step
+    count follows the new state."""
+    self._state = held
+    self.global_step = int(placement.to_host(
+        self._strategy.state_placement.read(held).step))
 
   def reached_multiple(self, every: int) -> bool:
     """Whether the last execution made `global_step` reach a multiple of
     `every` (with `steps_per_execution`, it moves several steps at once)."""
     step, ran = self.global_step, self.last_execution
     return step // every > (step - ran) // every
+
+  def logs(self) -> dict:
+    """The epoch's logs so far, read from the devices."""
+    return self._read_logs(self._state, self.totals)
 
   # --- checkpoints ----------------------------------------------------------
 
@@ -104,18 +135,17 @@ class FitLoop:
     pos = self.position
     sums = None
     if pos.batch and self.totals is not None:
-      strategy = self.trainer.strategy
-      sums = steps_lib.read_sums(strategy,
-                                 strategy.state_placement.read(self.totals))
+      sums = steps_lib.read_sums(
+          self._strategy, self._strategy.state_placement.read(self.totals))
     return {"epoch": pos.epoch, "batch": pos.batch, "consumed": pos.consumed,
             "sums": sums, "history": self.history.to_dict(),
             "data": self.source.state(pos.consumed)}
 
   def restore(self, state, meta: dict) -> None:
-    """Continues from a restored checkpoint (used by `BackupAndRestore`)."""
-    strategy = self.trainer.strategy
-    self.trainer.state = strategy.state_placement.write(
-        self.trainer.state, state, strategy.mesh)
+    """Continues from a restored checkpoint (used by `BackupAndRestore`):
+    `state` (its value) and `meta` (its `checkpoint_meta` and step)."""
+    self._state = self._strategy.state_placement.write(
+        self._state, state, self._strategy.mesh)
     self.global_step = int(meta["step"])
     self.position = Position(int(meta["epoch"]), int(meta["batch"]),
                              int(meta["consumed"]))
@@ -126,9 +156,8 @@ class FitLoop:
 
   # --- the loop -------------------------------------------------------------
 
-  def run(self, cbs: CallbackList, bar: ProgressBar) -> dict:
-    """Trains until the last epoch or a callback stops it; the last logs."""
-    trainer = self.trainer
+  def run(self, cbs: CallbackList, bar: ProgressBar):
+    """Trains until the last epoch or a callback stops it; returns the state."""
     logs: dict = {}
     cbs.call("on_train_begin", {})
     while self.position.epoch < self._epochs:
@@ -137,53 +166,59 @@ class FitLoop:
       self._resume_sums = None
       cbs.call("on_epoch_begin", epoch, {})
       bar.start_epoch(epoch, self.source.steps_per_epoch, initial=start)
-      ran = 0
-      batches = trainer.strategy.experimental_distribute_dataset(
-          self.source.batches(epoch, start), global_batch_size=self._batch_size)
-      if self.steps_per_execution > 1:
-        batches = batches.group(self.steps_per_execution)
-      for batch in batches:
-        # As Keras: once per execution, begin with its first batch's index
-        # and end with its last one's.
-        steps = getattr(batch, "num_steps", 1)
-        index = self.position.batch
-        cbs.call("on_train_batch_begin", index, {})
-        trainer.state, self.totals = self._train_step(trainer.state, self.totals,
-                                                      batch)
-        self.global_step += steps
-        self.last_execution = steps
-        self.position = self.position.next_batch(steps)
-        batch_logs = LazyLogs(functools.partial(self._read_means,
-                                                self.totals))
-        cbs.call("on_train_batch_end", index + steps - 1, batch_logs)
-        bar.step(batch_logs, steps)
-        ran += steps
-        if trainer.stop_training:
-          break
-      if ran == 0 and start == 0:
+      if not self._run_epoch(epoch, start, cbs, bar) and start == 0:
         warnings.warn(
             f"The training data ran out at epoch {epoch + 1}: no batches were "
             "left. Training stops here; pass steps_per_epoch and enough data "
             "(or a re-iterable dataset) for every epoch.", UserWarning)
         break
-      logs = self._read_means(self.totals)
+      logs = self.logs()
       if self._validate is not None:
-        logs.update({f"val_{k}": v for k, v in self._validate(cbs).items()})
+        val_logs = self._validate(self._state, cbs)
+        logs.update({f"val_{k}": v for k, v in val_logs.items()})
       self.position = self.position.next_epoch()
       self.totals = None
       self.history.on_epoch_end(epoch, logs)  # first: checkpoints include it
       cbs.call("on_epoch_end", epoch, logs)
       bar.end_epoch(epoch, logs)
       self._warn_nonfinite(epoch, logs)
-      if trainer.stop_training:
+      if self.stop_training:
         break
     cbs.call("on_train_end", logs)
-    return logs
+    return self._state
+
+  def _run_epoch(self, epoch: int, start: int, cbs: CallbackList,
+                 bar: ProgressBar) -> int:
+    """Trains on the epoch's batches from `start`; the steps that ran."""
+    ran = 0
+    batches = self._strategy.experimental_distribute_dataset(
+        self.source.batches(epoch, start), global_batch_size=self._batch_size)
+    if self.steps_per_execution > 1:
+      batches = batches.group(self.steps_per_execution)
+    for batch in batches:
+      # As Keras: once per execution, begin with its first batch's index
+      # and end with its last one's.
+      steps = getattr(batch, "num_steps", 1)
+      index = self.position.batch
+      cbs.call("on_train_batch_begin", index, {})
+      self._state, self.totals = self._train_function(self._state,
+                                                      self.totals, batch)
+      self.global_step += steps
+      self.last_execution = steps
+      self.position = self.position.next_batch(steps)
+      batch_logs = LazyLogs(functools.partial(self._read_logs, self._state,
+                                              self.totals))
+      cbs.call("on_train_batch_end", index + steps - 1, batch_logs)
+      bar.step(batch_logs, steps)
+      ran += steps
+      if self.stop_training:
+        break
+    return ran
 
   def _warn_nonfinite(self, epoch: int, logs: dict) -> None:
     # The epoch's logs are on the host already: telling costs nothing.
     loss = logs.get("loss")
-    if loss is None or np.isfinite(loss) or self.trainer.stop_training or \
+    if loss is None or np.isfinite(loss) or self.stop_training or \
         self._warned_nonfinite:
       return
     self._warned_nonfinite = True

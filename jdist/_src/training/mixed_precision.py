@@ -57,14 +57,41 @@ def adapt(model, policy: DTypePolicy):
   return MixedPrecisionModel(model, policy) if policy.is_mixed else model
 
 
-def optimizer(tx: optax.GradientTransformation, policy: DTypePolicy, params):
+def optimizer(tx: optax.GradientTransformation, policy: DTypePolicy
+              ) -> optax.GradientTransformation:
   """`tx` with dynamic loss scaling where the policy needs it (float16),
-  unless it has it already (`jdist.loss_scale_optimizer`): its state for
-  `params` tells (traced, nothing runs)."""
+  unless it scales the loss already (`jdist.loss_scale_optimizer`).
+
+  Decided from `tx` alone, when the trainer is made: every step function
+  built later, before or after the parameters exist, uses the same one.
+  """
   if not policy.needs_loss_scaling or isinstance(
-      jax.eval_shape(tx.init, params), loss_scale.LossScaleState):
+      tx, loss_scale.LossScaleTransformation):
     return tx
   return loss_scale.loss_scale_optimizer(tx)
+
+
+def check_scaled_once(given: optax.GradientTransformation,
+                      used: optax.GradientTransformation, params) -> None:
+  """Fails if `optimizer` wrapped a transformation whose state shows that it
+  scales the loss already (built by hand rather than by
+  `jdist.loss_scale_optimizer`): its gradients would be unscaled twice.
+
+  Raises:
+    ValueError: the loss would be scaled twice.
+  """
+  if used is not given and is_loss_scaled(jax.eval_shape(given.init, params)):
+    raise ValueError(
+        "The optimizer scales the loss already (its state is a "
+        "jdist.LossScaleState), but it is not the transformation "
+        "jdist.loss_scale_optimizer returned, so dtype_policy="
+        "\"mixed_float16\" wrapped it in loss scaling a second time. Pass "
+        "jdist.loss_scale_optimizer(...)'s result itself as the optimizer.")
+
+
+def scales_loss(tx: optax.GradientTransformation) -> bool:
+  """Whether `tx` is `jdist.loss_scale_optimizer`'s (fit logs its scale)."""
+  return isinstance(tx, loss_scale.LossScaleTransformation)
 
 
 def is_loss_scaled(opt_state) -> bool:

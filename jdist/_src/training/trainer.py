@@ -118,7 +118,9 @@ class Trainer:
     self._model = model_lib.adapt(model, params)
     # What the steps run: the model under the policy (itself for float32).
     self._compute_model = mixed_precision.adapt(self._model, self._policy)
-    self._tx = optimizer  # loss-scaled in build() if the policy needs it
+    self._given_tx = optimizer
+    # Fixed here, before any step function is made from it.
+    self._tx = mixed_precision.optimizer(optimizer, self._policy)
     self._shard_optimizer_state = bool(shard_optimizer_state)
     self._loss = objectives.resolve_loss(loss)
     self._metric_items = objectives.metric_items(metrics)
@@ -129,7 +131,9 @@ class Trainer:
     if clash:
       raise ValueError(f"Metric names {sorted(clash)} appear in both metrics "
                        "and weighted_metrics; name them apart (a dict).")
-    self._metrics: dict | None = None   # built from the first data's shapes
+    # Built from the first data's shapes (a metric's form may depend on them).
+    self._metrics: dict | None = None
+    self._weighted_metrics: dict | None = None
     self._checked_first_batch = False
     self._seed = int(seed)
     _check_count(steps_per_execution, "steps_per_execution", minimum=1)
@@ -146,12 +150,15 @@ class Trainer:
           "shard_optimizer_state=True with gradient_accumulation_steps="
           f"{self._accumulation} is not supported yet: the sharded optimizer "
           "reduce-scatters one batch's gradients. Use one of the two.")
-    self.state: TrainState | None = None
-    self.stop_training = False
+    self._state: TrainState | None = None
+    self._stopped = False  # whether the last fit was stopped by a callback
     self.history: History | None = None
-    self._global_step = 0
-    self._fit_loop: FitLoop | None = None  # the running fit
+    self._fit_loop: FitLoop | None = None  # the running fit owns the state
     self._initialised_for = None  # input_spec of the build's inputs
+    self._train_function = None
+    self._test_function = None
+    self._predict_function = None
+    self._step_optimizer = None
 
   # --- properties --------------------------------------------------------
 
@@ -163,16 +170,54 @@ class Trainer:
     return self._strategy
 
   @property
+  def state(self) -> TrainState | None:
+    """The train state (None before `build`), held as the strategy holds it.
+
+    During `fit` it is the running loop's: a callback that replaces it
+    (restoring weights, as Keras callbacks do) replaces the loop's.
+    """
+    return self._state if self._fit_loop is None else self._fit_loop.state
+
+  @state.setter
+  def state(self, held: TrainState) -> None:
+    if self._fit_loop is None:
+      self._state = held
+    else:
+      self._fit_loop.state = held
+
+  @property
+  def stop_training(self) -> bool:
+    """Keras' flag: a callback sets it to end `fit` after the current batch.
+
+    During `fit` it is the running loop's (each fit starts with False, as
+    in Keras); afterwards, whether the last fit was stopped.
+    """
+    if self._fit_loop is None:
+      return self._stopped
+    return self._fit_loop.stop_training
+
+  @stop_training.setter
+  def stop_training(self, value: bool) -> None:
+    if self._fit_loop is None:
+      self._stopped = bool(value)
+    else:
+      self._fit_loop.stop_training = bool(value)
+
+  @property
   def params(self):
     """The model's current parameters (mirrored arrays)."""
-    return None if self.state is None else self._read(self.state).params
+    state = self.state
+    return None if state is None else self._read(state).params
 
   @property
   def global_step(self) -> int:
-    """Optimizer steps applied so far (known on the host, no device read)."""
+    """Optimizer steps applied so far: the train state's step (known on the
+    host during `fit`)."""
     if self._fit_loop is not None:
       return self._fit_loop.global_step
-    return self._global_step
+    if self._state is None:
+      return 0
+    return int(placement.to_host(self._read(self._state).step))
 
   @property
   def steps_per_execution(self) -> int:
@@ -183,8 +228,21 @@ class Trainer:
   def train_function(self):
     """The compiled train step `fit` calls (Keras' `model.train_function`):
     a `jdist.DistributedFunction`, or with `steps_per_execution` above 1 a
-    `jdist.MultiStepFunction`; its `num_compilations` counts its compiles."""
-    return self._steps[0]
+    `jdist.MultiStepFunction`; its `num_compilations` counts its compiles.
+    Made on first use (`make_train_function`)."""
+    return self.make_train_function()
+
+  @property
+  def test_function(self):
+    """The compiled evaluation step `evaluate` (and fit's validation) calls
+    (Keras' `model.test_function`): `(state, totals, batch) -> totals`."""
+    return self.make_test_function()
+
+  @property
+  def predict_function(self):
+    """The compiled prediction step `predict` calls (Keras'
+    `model.predict_function`): `(state, batch) -> predictions`."""
+    return self.make_predict_function()
 
   @property
   def metrics_names(self) -> list[str]:
@@ -205,18 +263,22 @@ class Trainer:
   @learning_rate.setter
   def learning_rate(self, value: float) -> None:
     old = self._lr_leaf()
-    current_state = self._read(self.state)
-    self.state = self._write(self.state, current_state.replace(
+    held = self.state
+    value_now = self._read(held)
+    # Written in place of the state the hyperparameter is in; the step
+    # count stays (a running loop reads it again from the new state).
+    self.state = self._write(held, value_now.replace(
         opt_state=optax.tree_utils.tree_set(
-            current_state.opt_state,
+            value_now.opt_state,
             learning_rate=np.asarray(value, dtype=old.dtype))))
 
   @property
   def optimizer(self) -> OptimizerView:
     """The optimizer, as Keras callbacks read it: `trainer.optimizer.
     learning_rate` (needs `optax.inject_hyperparams`), `.iterations`; it
-    also works as the optax transformation it wraps."""
-    return OptimizerView(self, self._tx)
+    also works as the optax transformation the train step applies (loss
+    scaled under "mixed_float16", sharded with `shard_optimizer_state`)."""
+    return OptimizerView(self, self._optimizer())
 
   def _lr_leaf(self):
     self._require_state("read or set the learning rate")
@@ -238,7 +300,7 @@ class Trainer:
 
     `fit`, `evaluate` and `predict` call it with their first batch.
     """
-    if self.state is None:
+    if self._state is None:
       key = jax.random.key(self._seed)
       init_key, rng_key = jax.random.split(key)
       sample = jax.tree.map(lambda a: np.asarray(a)[:1], x)
@@ -256,12 +318,11 @@ class Trainer:
             "empty), so training would change nothing. "
             "Check that its layers are created (flax linen: in setup or "
             "@nn.compact __call__; nnx: as attributes in __init__).")
-      self._tx = mixed_precision.optimizer(self._tx, self._policy, params)
-      state = TrainState(jnp.int32(0), params, self._optimizer.init(params),
+      mixed_precision.check_scaled_once(self._given_tx, self._tx, params)
+      state = TrainState(jnp.int32(0), params, self._optimizer().init(params),
                          model_state, jax.random.key_data(rng_key))
-      self.state = self.strategy.replicate(state)
-      self._global_step = 0
-    return self.state
+      self._state = self.strategy.replicate(state)
+    return self._state
 
   def _read(self, held):
     """The value of held state (read from the servers under parameter servers)."""
@@ -276,38 +337,65 @@ class Trainer:
       raise RuntimeError(f"The trainer has no parameters yet; call fit(), or "
                          f"build(x) with a batch of inputs, to {what}.")
 
-  @functools.cached_property
   def _optimizer(self):
-    """What the train step calls: the optimizer, or its sharded form."""
-    if self._shard_optimizer_state:
-      return ShardedOptimizer(self._tx, self.strategy)
-    return self._tx
+    """What the train step calls: the optimizer, or its sharded form (made
+    once: it holds the strategy, fixed from the first use on)."""
+    if self._step_optimizer is None:
+      self._step_optimizer = (ShardedOptimizer(self._tx, self.strategy)
+                              if self._shard_optimizer_state else self._tx)
+    return self._step_optimizer
 
-  @functools.cached_property
-  def _steps(self):
-    s = self.strategy
-    weighted = frozenset(n for n, _ in self._weighted_items)
-    model = self._compute_model
-    train = s.function(steps_lib.make_train_step(
-        model, self._loss, self._optimizer, weighted,
-        accumulation_steps=self._accumulation))
-    if self._steps_per_execution > 1:
-      if not isinstance(train, DistributedFunction):
-        raise ValueError(
-            f"steps_per_execution={self._steps_per_execution} runs several "
-            "steps in one compiled call, which needs a synchronous strategy "
-            "(Mirrored, MultiWorkerMirrored, TPU, OneDevice, CentralStorage); "
-            f"under {type(s).__name__} every step is scheduled on a worker "
-            "on its own. Use steps_per_execution=1 there.")
-      train = multi_step(train)
-    return (train,
-            s.function(steps_lib.make_eval_step(model, self._loss, weighted)),
-            s.function(steps_lib.make_predict_step(model)))
+  def make_train_function(self, force: bool = False):
+    """Makes (once, or again with `force`) and returns the compiled train
+    step, as Keras 3's `model.make_train_function()`; see
+    `train_function`."""
+    if self._train_function is None or force:
+      s = self.strategy
+      train = s.function(steps_lib.make_train_step(
+          self._compute_model, self._loss, self._optimizer(),
+          self._weighted_names(), accumulation_steps=self._accumulation))
+      if self._steps_per_execution > 1:
+        if not isinstance(train, DistributedFunction):
+          raise ValueError(
+              f"steps_per_execution={self._steps_per_execution} runs several "
+              "steps in one compiled call, which needs a synchronous strategy "
+              "(Mirrored, MultiWorkerMirrored, TPU, OneDevice, "
+              f"CentralStorage); under {type(s).__name__} every step is "
+              "scheduled on a worker on its own. Use steps_per_execution=1 "
+              "there.")
+        train = multi_step(train)
+      self._train_function = train
+    return self._train_function
 
-  def _prepare(self, source, what: str, *, with_loss: bool = True
-               ) -> tuple[dict, int | None]:
+  def make_test_function(self, force: bool = False):
+    """Makes (once, or again with `force`) and returns the compiled
+    evaluation step; see `test_function`."""
+    if self._test_function is None or force:
+      self._test_function = self.strategy.function(steps_lib.make_eval_step(
+          self._compute_model, self._loss, self._weighted_names()))
+    return self._test_function
+
+  def make_predict_function(self, force: bool = False):
+    """Makes (once, or again with `force`) and returns the compiled
+    prediction step; see `predict_function`."""
+    if self._predict_function is None or force:
+      self._predict_function = self.strategy.function(
+          steps_lib.make_predict_step(self._compute_model))
+    return self._predict_function
+
+  def _weighted_names(self) -> frozenset:
+    return frozenset(n for n, _ in self._weighted_items)
+
+  def _prepare(self, source, what: str, *, with_loss: bool = True,
+               training: bool = False) -> tuple[dict, int | None]:
     """Checks the data against the model before any step; returns its first
-    batch and the static global batch size."""
+    batch and the static global batch size.
+
+    Args:
+      what: the data's name in messages ("training data", ...).
+      with_loss: the data has targets to check against the loss.
+      training: the data trains (its batches split into micro-batches).
+    """
     sample = source.peek()
     self.build(sample["x"])
     y_pred = steps_lib.output_spec(
@@ -315,20 +403,19 @@ class Trainer:
         sample, what, self._initialised_for)
     static = data_lib.static_batch_size(
         source, sample, self.strategy.num_replicas_in_sync, what)
-    if what == "training data":
+    if training:
       static = self._micro_batched(source, static)
     if not with_loss:
       return sample, static
     if "y" not in sample:
       raise ValueError(f"The {what} has no targets y.")
     if self._metrics is None:
-      self._metrics = (
-          objectives.build_metrics(self._metric_items, self._loss,
-                                   sample["y"], y_pred),
-          objectives.build_metrics(self._weighted_items, self._loss,
-                                   sample["y"], y_pred))
-    steps_lib.check_objectives(self._loss, {**self._metrics[0],
-                                            **self._metrics[1]},
+      self._metrics = objectives.build_metrics(
+          self._metric_items, self._loss, sample["y"], y_pred)
+      self._weighted_metrics = objectives.build_metrics(
+          self._weighted_items, self._loss, sample["y"], y_pred)
+    steps_lib.check_objectives(self._loss, {**self._metrics,
+                                            **self._weighted_metrics},
                                sample, y_pred, what)
     if not self._checked_first_batch:
       self._checked_first_batch = True
@@ -359,7 +446,7 @@ class Trainer:
         f"that is a multiple of {n * k} (replicas x accumulation steps).")
 
   def _totals(self, sums: dict | None = None) -> dict:
-    totals = steps_lib.make_totals(*self._metrics)
+    totals = steps_lib.make_totals(self._metrics, self._weighted_metrics)
     if sums:
       totals = steps_lib.restore_totals(totals, sums)
     return self.strategy.replicate(totals)
@@ -417,21 +504,17 @@ class Trainer:
     source, val_source = data_lib.validation_source(
         source, validation_data, validation_split=validation_split,
         steps=validation_steps, batch_size=validation_batch_size)
-    _, static = self._prepare(source, "training data")
-    if val_source is not None:
-      _, val_static = self._prepare(val_source, "validation data")
-
-    self.stop_training = False
+    _, static = self._prepare(source, "training data", training=True)
     validate = None
     if val_source is not None:
-      validate = functools.partial(self._evaluate_source, val_source,
-                                   val_static)
-    fit_loop = FitLoop(self, self._steps[0], source, epochs=epochs,
-                       initial_epoch=initial_epoch,
-                       global_step=int(placement.to_host(
-                           self._read(self.state).step)),
-                       validate=validate, make_totals=self._totals,
-                       read_means=self._read_train_logs, batch_size=static,
+      _, val_static = self._prepare(val_source, "validation data")
+      validate = lambda state, cbs: self._evaluate_source(
+          val_source, val_static, state, cbs)
+    fit_loop = FitLoop(self.make_train_function(), source, self._state,
+                       strategy=self.strategy, epochs=epochs,
+                       initial_epoch=initial_epoch, validate=validate,
+                       make_totals=self._totals,
+                       read_logs=self._read_train_logs, batch_size=static,
                        steps_per_execution=self._steps_per_execution)
     self.history = fit_loop.history
     cbs = CallbackList(callbacks, trainer=self,
@@ -441,10 +524,14 @@ class Trainer:
     bar = ProgressBar(verbose, epochs)
     self._fit_loop = fit_loop
     try:
-      fit_loop.run(cbs, bar)
+      self._state = fit_loop.run(cbs, bar)
+    except BaseException:
+      # The steps that ran stay applied, as Keras' variables do.
+      self._state = fit_loop.state
+      raise
     finally:
+      self._stopped = fit_loop.stop_training
       self._fit_loop = None
-      self._global_step = fit_loop.global_step
       bar.close()
       cbs.close()
     if isinstance(self._model, model_lib.NnxModel):
@@ -455,14 +542,11 @@ class Trainer:
     totals = self._read(totals)  # one read from the servers, if held there
     return steps_lib.means(totals, steps_lib.read_sums(self.strategy, totals))
 
-  def _read_train_logs(self, totals) -> dict:
+  def _read_train_logs(self, state, totals) -> dict:
     """The training logs: the means, and the loss scale's state if any."""
     logs = self._read_means(totals)
-    extra = None
-    if mixed_precision.is_loss_scaled(
-        self.strategy.state_placement.abstract(self.state).opt_state):
-      extra = mixed_precision.train_logs(self._read(self.state).opt_state)
-    if extra:
+    if mixed_precision.scales_loss(self._tx):
+      extra = mixed_precision.train_logs(self._read(state).opt_state)
       logs.update({k: float(v) for k, v in
                    placement.to_host(extra).items()})
     return logs
@@ -484,14 +568,15 @@ class Trainer:
     _, static = self._prepare(source, "evaluation data")
     cbs = CallbackList(callbacks, trainer=self, params={"steps": steps,
                                                         "verbose": verbose})
-    return self._evaluate_source(source, static, cbs, verbose=verbose)
+    return self._evaluate_source(source, static, self.state, cbs,
+                                 verbose=verbose)
 
-  def _evaluate_source(self, source, static: int, cbs: CallbackList,
-                       verbose=0) -> dict:
+  def _evaluate_source(self, source, static: int | None, state,
+                       cbs: CallbackList, verbose=0) -> dict:
     batches = self.strategy.experimental_distribute_dataset(
         source.batches(0), global_batch_size=static)
-    return loop.evaluate(self._steps[1], self.state, batches, self._totals(),
-                         self._read_means, cbs,
+    return loop.evaluate(self.make_test_function(), state, batches,
+                         self._totals(), self._read_means, cbs,
                          ProgressBar(verbose, 1), source.steps_per_epoch)
 
   def predict(self, x, *, batch_size: int | None = None,
@@ -509,8 +594,9 @@ class Trainer:
                                                         "verbose": verbose})
     inputs = self.strategy.experimental_distribute_dataset(
         ({"x": b["x"]} for b in source.batches(0)), global_batch_size=static)
-    return loop.predict(self._steps[2], self.state, inputs, self.strategy, cbs,
-                        ProgressBar(verbose, 1), source.steps_per_epoch)
+    return loop.predict(self.make_predict_function(), self.state, inputs,
+                        self.strategy, cbs, ProgressBar(verbose, 1),
+                        source.steps_per_epoch)
 
   def export(self) -> Any:
     """The trained model in its own terms.
@@ -528,8 +614,8 @@ class Trainer:
 
     Reads checkpoints written by `ModelCheckpoint` or `BackupAndRestore`, on
     any number of devices or processes. A `save_weights_only` checkpoint
-    loads the parameters and model state and keeps the optimizer's. Call `build(x)` first if the trainer
-    has not run yet (the checkpoint must match the model's shapes).
+    loads the parameters and model state and keeps the optimizer's. Call
+    `build(x)` first if the trainer has not run yet (the checkpoint must match the model's shapes).
 
     Raises:
       jdist.CheckpointNotFoundError: `directory` holds no checkpoint (a
@@ -556,9 +642,8 @@ class Trainer:
       self.state = self._write(self.state, current_state.replace(
           params=state.params, model_state=state.model_state))
       return int(meta["step"])
-    self.state = self._write(self.state, state)
-    self._global_step = int(meta["step"])
-    return self._global_step
+    self.state = self._write(self.state, state)  # its step comes with it
+    return int(meta["step"])
 
 
 def _check_count(value, name: str, *, minimum: int) -> None:
