@@ -1,16 +1,33 @@
-"""Test setup: 4 fake CPU devices, set before JAX starts its backend."""
+"""Test setup: 4 fake CPU devices, set before JAX starts its backend.
+
+Every program XLA compiles during the session goes into one persistent
+compilation cache (a temporary directory, removed at the end), shared with the
+processes the tests start: the many tests that compile the same step, and the
+relaunches of one training, compile it once. The cache starts empty on every
+run, so nothing from an earlier run (or another jdist) is ever reused.
+"""
 
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=4").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_CACHE = tempfile.mkdtemp(prefix="jdist-tests-xla-cache-")
+os.environ.update(JAX_COMPILATION_CACHE_DIR=_CACHE,
+                  JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                  JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import jdist  # noqa: E402
+
+
+def pytest_unconfigure(config):
+  shutil.rmtree(_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -392,3 +392,74 @@ def test_reading_the_step_functions_before_fit_keeps_the_state_sharded(
   trace = trainer.state.opt_state.value[0].trace["Dense_0"]["kernel"]
   assert {s.data.shape for s in trace.addressable_shards} == {(16, 32)}
   assert history["loss"] == reference["loss"]
+
+
+def _trainer(n, *, sharded, policy="float32"):
+  return jdist.Trainer(
+      MODEL, optimizer=optax.adam(1e-2),
+      loss=jdist.losses.SparseCategoricalCrossentropy(from_logits=True),
+      strategy=strategy_on(n), shard_optimizer_state=sharded,
+      dtype_policy=policy)
+
+
+@pytest.mark.parametrize("saved_sharded,saved_on,loaded_on", [
+    (True, 4, 4), (False, 4, 4), (True, 4, 1), (False, 2, 4)])
+def test_sharded_and_mirrored_checkpoints_load_into_each_other(
+    digits_flat, tmp_path, saved_sharded, saved_on, loaded_on):
+  """A user turns sharding on for a bigger run, or off to evaluate."""
+  x, y = digits_flat[0][:256], digits_flat[1][:256]
+  saver = _trainer(saved_on, sharded=saved_sharded)
+  saver.fit(x, y, batch_size=64, epochs=1, verbose=0,
+            callbacks=[jdist.ModelCheckpoint(str(tmp_path / "ckpt"))])
+  loader = _trainer(loaded_on, sharded=not saved_sharded)
+  loader.build(x)
+  assert loader.load_checkpoint(tmp_path / "ckpt") == 4
+  unwrap = lambda s: s.value if isinstance(s, jdist.Sharded) else s
+  saved_state = jax.device_get(unwrap(saver.state.opt_state))
+  loaded_state = jax.device_get(unwrap(loader.state.opt_state))
+  assert not jdist.testing.compare_trees(saved_state, loaded_state, rtol=0,
+                                         atol=0)
+  assert not jdist.testing.compare_trees(jax.device_get(saver.state.params),
+                                         jax.device_get(loader.state.params),
+                                         rtol=0, atol=0)
+  assert isinstance(loader.state.opt_state, jdist.Sharded) == (
+      not saved_sharded)
+  # And it trains on from there like the run that saved it.
+  saver.fit(x, y, batch_size=64, epochs=1, verbose=0)
+  loader.fit(x, y, batch_size=64, epochs=1, verbose=0)
+  assert not jdist.testing.compare_trees(
+      jax.device_get(saver.state.params), jax.device_get(loader.state.params),
+      rtol=1e-5, atol=1e-6)
+
+
+def test_a_checkpoint_of_another_dtype_policy_says_so(digits_flat, tmp_path):
+  x, y = digits_flat[0][:256], digits_flat[1][:256]
+  saver = _trainer(2, sharded=False, policy="mixed_float16")
+  saver.fit(x, y, batch_size=64, epochs=1, verbose=0,
+            callbacks=[jdist.ModelCheckpoint(str(tmp_path / "ckpt"))])
+  loader = _trainer(2, sharded=False)
+  loader.build(x)
+  with pytest.raises(jdist.CheckpointMismatchError,
+                     match=r'dtype_policy="mixed_float16"'):
+    loader.load_checkpoint(tmp_path / "ckpt")
+
+
+def test_a_sharded_checkpoint_of_the_previous_format_still_loads(
+    digits_flat, tmp_path):
+  """tests/data/trainer_v2_sharded: written in checkpoint format 2 (sharded
+  state named with one more level), 2 devices, MLP(hidden=8), one epoch."""
+  import shutil
+  source = os.path.join(ROOT, "tests", "data", "trainer_v2_sharded")
+  shutil.copytree(source, tmp_path / "v2")  # a reader may tidy the directory
+  expected = np.load(tmp_path / "v2" / "expected.npz")
+  trainer = jdist.Trainer(
+      MLP(hidden=8), optimizer=optax.adam(1e-2),
+      loss=jdist.losses.SparseCategoricalCrossentropy(from_logits=True),
+      strategy=strategy_on(2), shard_optimizer_state=True)
+  trainer.build(digits_flat[0][:64])
+  assert trainer.load_checkpoint(tmp_path / "v2" / "ckpt") == 2
+  np.testing.assert_array_equal(
+      np.asarray(trainer.state.opt_state.value[0].mu["Dense_0"]["kernel"]),
+      expected["mu"])
+  np.testing.assert_array_equal(
+      np.asarray(trainer.state.params["Dense_0"]["kernel"]), expected["kernel"])

@@ -28,6 +28,9 @@ parser.add_argument("--port", type=int, default=0)
 parser.add_argument("--pause-at", type=int, default=0)
 parser.add_argument("--until", default="")
 args = parser.parse_args()
+# Ctrl-C as from a terminal, even when the test runs where SIGINT is ignored
+# (a background job: its children inherit that, and Python keeps it so).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 devices = 4 // args.processes
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"

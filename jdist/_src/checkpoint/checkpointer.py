@@ -30,13 +30,18 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jdist._src.core import placement
+from jdist._src.core.values import Sharded
 from jdist._src.errors import CheckpointError, CheckpointMismatchError
 from jdist._src.checkpoint import directory_claim
 from jdist._src.checkpoint import orbax_errors
 
-FORMAT = "jdist.Trainer/2"
-# Version 1 had no checksum of its metadata; such checkpoints still load.
+FORMAT = "jdist.Trainer/3"
+# Version 2 named the leaves of sharded optimizer state with one more level
+# (the `jdist.Sharded` around it), so sharded and mirrored checkpoints did not
+# load into each other; version 1 had no checksum of its metadata. Both load.
+_NESTED_FORMAT = "jdist.Trainer/2"
 _UNCHECKED_FORMAT = "jdist.Trainer/1"
+_FORMATS = (FORMAT, _NESTED_FORMAT, _UNCHECKED_FORMAT)
 
 
 def _name(entry) -> str:
@@ -50,9 +55,30 @@ def _is_key(x) -> bool:
   return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
 
 
-def _flatten(tree) -> tuple[list[str], list, Any]:
-  """Leaves of `tree` with stable '/'-joined path names."""
-  with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+def _paths(tree, fmt: str) -> list:
+  """`(path, leaf)` of every leaf of `tree`, in its flattening order.
+
+  A `jdist.Sharded` adds no level to the paths (from format 3 on): sharded
+  optimizer state has the names of the mirrored state it equals, leaf for
+  leaf, so either checkpoint loads into the other.
+  """
+  if fmt in (_NESTED_FORMAT, _UNCHECKED_FORMAT):
+    return jax.tree_util.tree_flatten_with_path(tree)[0]
+  is_sharded = lambda x: isinstance(x, Sharded)
+  pairs = []
+  for path, x in jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=is_sharded)[0]:
+    inner = jax.tree_util.tree_flatten_with_path(x.value)[0] \
+        if is_sharded(x) else [((), x)]
+    pairs.extend((path + sub, leaf) for sub, leaf in inner)
+  return pairs
+
+
+def _flatten(tree, fmt: str = FORMAT) -> tuple[list[str], list, Any]:
+  """Leaves of `tree` with stable '/'-joined path names (as `fmt` names
+  them)."""
+  with_path = _paths(tree, fmt)
+  treedef = jax.tree_util.tree_structure(tree)
   names = ["/".join(_name(e) for e in path) for path, _ in with_path]
   if len(set(names)) != len(names):
     raise ValueError("Two leaves of the train state have the same path name; "
@@ -138,12 +164,28 @@ def _unsealed(meta: dict) -> tuple[dict, str | None]:
   meta = dict(meta)
   checksum = meta.pop("meta_checksum", None)
   if checksum is None:
-    if meta.get("format") == FORMAT:
+    if meta.get("format") in (FORMAT, _NESTED_FORMAT):
       return meta, "its metadata has lost its checksum"
     return meta, None  # an older checkpoint, or not one of jdist's
   if checksum != _digest(meta):
     return meta, "its metadata fails its checksum"
   return meta, None
+
+
+def _policy_change(saved: dict, names: list[str]) -> list[str]:
+  """The line that says a loss-scaling dtype policy was turned on or off
+  between the save and this trainer (its loss scale is in one state only)."""
+  scaled = lambda ns: any("/loss_scale/" in f"/{n}/" for n in ns)
+  if scaled(saved) == scaled(names):
+    return []
+  if scaled(saved):
+    why = ("the checkpoint was saved with dtype_policy=\"mixed_float16\" (its "
+           "optimizer state has a loss scale), this Trainer scales no loss")
+  else:
+    why = ("the checkpoint was saved without loss scaling, this Trainer's "
+           "dtype_policy=\"mixed_float16\" adds a loss scale")
+  return [f"  ({why}: make the Trainer with the dtype_policy of the run that "
+          "saved it)"]
 
 
 def _mismatch(saved: dict, expected: dict) -> list[str]:
@@ -277,14 +319,9 @@ class Checkpointer:
       jdist.CheckpointError: no checkpoint in the directory can be read (a
         RuntimeError).
     """
-    ocp = self._ocp
-    names, leaves, treedef = _flatten(target)
-    stored = _storable(leaves)
-    expected = _describe(names, stored)
     candidates = [step] if step is not None else self.steps()[::-1]
     if not candidates:
       return None
-    sharding = NamedSharding(mesh, P())
     problems = []
     for s in candidates:
       try:
@@ -297,40 +334,53 @@ class Checkpointer:
       if problem:
         problems.append(self._skip(s, problem))
         continue
-      if meta.get("format") not in (FORMAT, _UNCHECKED_FORMAT):
+      if meta.get("format") not in _FORMATS:
         raise CheckpointMismatchError(
             f"{self.directory}/{s} is not a jdist.Trainer checkpoint (format "
             f"{meta.get('format')!r}). Use another directory.")
-      diff = _mismatch(meta.get("leaves", {}), expected)
-      if diff:
-        shown = "\n".join(diff[:10])
-        more = f"\n  ... and {len(diff) - 10} more" if len(diff) > 10 else ""
-        raise CheckpointMismatchError(
-            f"The checkpoint {self.directory}/{s} was saved from a different "
-            f"model or optimizer:\n{shown}{more}\nPoint the callback at a new "
-            "directory, or delete this one to start over.")
-      abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                       sharding=_target_sharding(x, sharding))
-                  for x in stored]
-      try:
-        with orbax_errors.summarised(f"{self.directory}/{s}/"):
-          restored = self._manager.restore(s, args=ocp.args.Composite(
-              state=ocp.args.StandardRestore(_nest(names, abstract))))["state"]
-        got = _unnest(names, restored)
-      except Exception as e:
-        problems.append(self._skip(s, "its arrays cannot be read "
-                                   f"({orbax_errors.reason(e)})"))
+      got, problem = self._read_state(s, meta, target, mesh)
+      if problem:
+        problems.append(self._skip(s, problem))
         continue
-      if not np.allclose(_checksums(got), meta.get("checksums", []),
-                         rtol=1e-5, atol=1e-6, equal_nan=True):
-        problems.append(self._skip(s, "its arrays fail their checksums"))
-        continue
-      got = [jax.random.wrap_key_data(g, impl=jax.random.key_impl(t))
-             if _is_key(t) else g for g, t in zip(got, leaves)]
-      return jax.tree_util.tree_unflatten(treedef, got), meta
+      return got, meta
     raise CheckpointError(
         f"No checkpoint in {self.directory} can be restored:\n" +
         "\n".join(problems) + "\nDelete the directory to start over.")
+
+  def _read_state(self, s: int, meta: dict, target, mesh):
+    """`(state, None)` read from checkpoint `s`, or `(None, problem)`.
+
+    Raises:
+      CheckpointMismatchError: the checkpoint holds another model.
+    """
+    names, leaves, treedef = _flatten(target, meta["format"])
+    stored = _storable(leaves)
+    diff = _mismatch(meta.get("leaves", {}), _describe(names, stored))
+    if diff:
+      shown = "\n".join(_policy_change(meta.get("leaves", {}), names) +
+                        diff[:10])
+      more = f"\n  ... and {len(diff) - 10} more" if len(diff) > 10 else ""
+      raise CheckpointMismatchError(
+          f"The checkpoint {self.directory}/{s} was saved from a different "
+          f"model or optimizer:\n{shown}{more}\nPoint the callback at a new "
+          "directory, or delete this one to start over.")
+    replicated = NamedSharding(mesh, P())
+    abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                     sharding=_target_sharding(x, replicated))
+                for x in stored]
+    try:
+      with orbax_errors.summarised(f"{self.directory}/{s}/"):
+        restored = self._manager.restore(s, args=self._ocp.args.Composite(
+            state=self._ocp.args.StandardRestore(_nest(names, abstract))))
+      got = _unnest(names, restored["state"])
+    except Exception as e:
+      return None, f"its arrays cannot be read ({orbax_errors.reason(e)})"
+    if not np.allclose(_checksums(got), meta.get("checksums", []),
+                       rtol=1e-5, atol=1e-6, equal_nan=True):
+      return None, "its arrays fail their checksums"
+    got = [jax.random.wrap_key_data(g, impl=jax.random.key_impl(t))
+           if _is_key(t) else g for g, t in zip(got, leaves)]
+    return jax.tree_util.tree_unflatten(treedef, got), None
 
   def _skip(self, step: int, why: str) -> str:
     msg = (f"Checkpoint {self.directory}/{step} is corrupt: {why}. Using the "
