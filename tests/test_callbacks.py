@@ -238,6 +238,26 @@ def test_model_checkpoint_best_only_and_load(data, tmp_path):
                                 trainer.predict(x, batch_size=64))
 
 
+def test_model_checkpoint_takes_keras_arguments(data, tmp_path):
+  """Keras 3's call, word for word: filepath=, verbose=, mode=,
+  initial_value_threshold= (a score must beat it before any save)."""
+  (x, y), _ = data
+  script = Scripted([0.9, 0.5, 0.7, 0.4])
+  ckpt = jdist.ModelCheckpoint(filepath=str(tmp_path), monitor="score",
+                               verbose=0, save_best_only=True,
+                               save_weights_only=False, mode="min",
+                               save_freq="epoch", initial_value_threshold=0.6)
+  make_trainer().fit(x, y, batch_size=64, epochs=4, verbose=0,
+                     callbacks=[script, ckpt])
+  # 0.9 does not beat 0.6; 0.5 and 0.4 do (epochs 2 and 4: steps 8, 16).
+  assert sorted(int(d) for d in os.listdir(tmp_path) if d.isdigit()) == [8, 16]
+  with pytest.raises(TypeError):  # another order's third argument
+    jdist.ModelCheckpoint(str(tmp_path), "val_loss", True)
+  with pytest.raises(ValueError, match=r"orbax directory.*without the "
+                     "extension"):
+    jdist.ModelCheckpoint(str(tmp_path / "model_{epoch}.keras"))
+
+
 def test_model_checkpoint_every_n_steps(data, tmp_path):
   (x, y), _ = data
   trainer = make_trainer()

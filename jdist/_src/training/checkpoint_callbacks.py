@@ -62,38 +62,60 @@ def _template_fields(path: str) -> list[str]:
                      f"{path!r}: {e}.") from None
 
 
+def _check_not_a_keras_file(filepath) -> None:
+  path = os.fspath(filepath) if isinstance(filepath, (str, os.PathLike)) else ""
+  if str(path).endswith((".keras", ".h5")):
+    raise ValueError(
+        f"ModelCheckpoint(filepath={path!r}): jdist writes each checkpoint as "
+        "an orbax directory (sharded arrays, restorable on any device count), "
+        "not a Keras .keras or .h5 file. Give a directory name without the "
+        "extension, such as 'ckpt_{epoch:02d}'.")
+
+
 class ModelCheckpoint(Callback):
   """Saves checkpoints during training (load them with `load_checkpoint`).
 
+  Keras 3's signature: `filepath` and `monitor` may be positional, the rest
+  are keywords (a positional third argument is a TypeError, so that code
+  written for another order never runs with its arguments swapped).
+
   Args:
-    directory: where checkpoints go, one orbax step directory each. As in
-      Keras it may be a template filled in at each save with the epoch
-      (1-based), the batch and the logs, such as "ckpt_{epoch:02d}" or
-      "ckpt_{epoch}_{val_loss:.2f}": each save then goes to its own
-      directory. Unknown names are an error when training starts.
+    filepath: where checkpoints go: a directory, with one orbax step
+      directory per checkpoint (not a `.keras` or `.h5` file: such a name is
+      a ValueError). As in Keras it may be a template filled in at each save
+      with the epoch (1-based), the batch and the logs, such as
+      "ckpt_{epoch:02d}" or "ckpt_{epoch}_{val_loss:.2f}": each save then
+      goes to its own directory. Unknown names are an error when training
+      starts.
     monitor: the log that decides the best epoch for `save_best_only`.
-    save_best_only: save at an epoch's end only if `monitor` improved.
-    mode: "min", "max", or "auto" (max for names with "acc", else min).
-    save_freq: "epoch", or a number of steps between saves.
-    max_to_keep: keep only the newest N checkpoints (None: all).
     verbose: 1 prints each save (process 0 only).
+    save_best_only: save at an epoch's end only if `monitor` improved.
     save_weights_only: save the parameters and the model's state (batch
       statistics) without the optimizer state, as Keras' weights;
       `trainer.load_checkpoint` loads them into a trainer.
+    mode: "min", "max", or "auto" (max for names with "acc", else min).
+    save_freq: "epoch", or a number of steps between saves.
+    initial_value_threshold: the `monitor` value a checkpoint must beat
+      first, with `save_best_only` (Keras' meaning; None: any).
+    max_to_keep: keep only the newest N checkpoints (None: all; not in
+      Keras, whose checkpoints overwrite one file).
 
   Example:
     >>> import jdist
     >>> cb = jdist.ModelCheckpoint("checkpoints", monitor="val_accuracy",
     ...                            save_best_only=True)
-    >>> cb = jdist.ModelCheckpoint("ckpt_{epoch:02d}", save_weights_only=True)
+    >>> cb = jdist.ModelCheckpoint(filepath="ckpt_{epoch:02d}",
+    ...                            save_weights_only=True)
   """
 
-  def __init__(self, directory, monitor: str = "val_loss",
-               save_best_only: bool = False, mode: str = "auto",
-               save_freq="epoch", max_to_keep: int | None = None,
-               verbose: int = 0, save_weights_only: bool = False):
+  def __init__(self, filepath, monitor: str = "val_loss", *,
+               verbose: int = 0, save_best_only: bool = False,
+               save_weights_only: bool = False, mode: str = "auto",
+               save_freq="epoch", initial_value_threshold: float | None = None,
+               max_to_keep: int | None = None):
     super().__init__()
-    self.directory = _check_directory(directory, "ModelCheckpoint")
+    _check_not_a_keras_file(filepath)
+    self.directory = _check_directory(filepath, "ModelCheckpoint")
     self.monitor = monitor
     self.save_best_only = save_best_only
     self.mode = resolve_mode(mode, monitor)
@@ -102,7 +124,9 @@ class ModelCheckpoint(Callback):
     self.verbose = verbose
     self.save_weights_only = bool(save_weights_only)
     self.best = np.inf if self.mode == "min" else -np.inf
-    self._fields = _template_fields(os.fspath(directory))
+    if initial_value_threshold is not None:
+      self.best = float(initial_value_threshold)
+    self._fields = _template_fields(os.fspath(filepath))
     self._ckpt = None
 
   def on_train_begin(self, logs=None):
