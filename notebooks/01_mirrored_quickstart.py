@@ -179,6 +179,7 @@ plt.tight_layout(); plt.show()
 fit_vs_one = max(abs(a - b) for a, b in zip(fit_history["loss"], one_history["loss"]))
 print(f"largest |loss difference| between fit on {mirrored.num_replicas_in_sync} "
       f"devices and on 1 device: {fit_vs_one:.2e}")
+assert fit_vs_one < 1e-4, "fit on all devices should train as on one"
 
 # %% [markdown]
 # ## When do more devices help?

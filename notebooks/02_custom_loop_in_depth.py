@@ -121,10 +121,14 @@ print("one device            ", np.round(one_device, 3))
 print("compute_average_loss  ", np.round(right, 3))
 print(f"local mean (x{n} too big)", np.round(wrong, 3))
 print("ratio wrong/right:", float(wrong[0] / right[0]))
+np.testing.assert_allclose(right, one_device, rtol=1e-5)    # exact against one device
+np.testing.assert_allclose(wrong, n * right, rtol=1e-5)     # N times too big
 try:
     strategy.run(grads, args=(strategy.replicate(w), batch))
 except jdist.LossScalingError as e:
     print("\njdist.LossScalingError:", str(e)[:160], "...")
+else:
+    raise AssertionError("jdist should have refused the local mean")
 
 # %% [markdown]
 # ## 3. A short last batch
@@ -218,6 +222,8 @@ try:
     jdist.testing.assert_equivalent(make_step(False), state, batches, num_replicas=n)
 except jdist.LossScalingError as e:
     print("jdist.LossScalingError:", str(e)[:160], "...")
+else:
+    raise AssertionError("assert_equivalent should have caught the local mean")
 
 # %% [markdown]
 # ## 6. The double-reduction trap, on purpose
@@ -235,6 +241,8 @@ try:
     strategy.run(ported_step, args=(strategy.replicate(w), batch))
 except jdist.DoubleReductionError as e:
     print("DoubleReductionError:", e)
+else:
+    raise AssertionError("jdist should have refused the second all-reduce")
 
 # %% [markdown]
 # ## 7. One picture: the same training on 1 and on N devices

@@ -104,6 +104,8 @@ try:
               callbacks=[jdist.BackupAndRestore(backup_dir, save_freq=10), Crash(at_step=57)])
 except RuntimeError as e:
     print("first run stopped:", e, "| backups:", sorted(p.name for p in backup_dir.iterdir()))
+else:
+    raise AssertionError("the simulated crash should have stopped the first run")
 
 resumed = new_trainer(strategy)
 restore = jdist.BackupAndRestore(backup_dir, save_freq=10)
@@ -116,6 +118,9 @@ same = all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(jax.device_get(r
 print("final parameters identical to the uninterrupted run:", same)
 print("loss per epoch, uninterrupted:", np.round(ref_history.history["loss"], 6))
 print("loss per epoch, resumed:      ", np.round(res_history.history["loss"], 6))
+assert same, "resume was not exact"
+assert restore.restored_step == 50 and resumed.global_step == reference.global_step
+np.testing.assert_allclose(res_history.history["loss"], ref_history.history["loss"], rtol=1e-6)
 
 # %%
 import matplotlib.pyplot as plt

@@ -137,6 +137,8 @@ multi_kernel = np.load(workdir / "kernel.npy")
 print(f"{strategy.num_replicas_in_sync} local devices vs 2 processes x 2 devices:")
 print("  largest loss difference:  ", max(abs(a - b) for a, b in zip(local_losses, multi_losses)))
 print("  largest weight difference:", float(np.max(np.abs(np.asarray(local_kernel) - multi_kernel))))
+np.testing.assert_allclose(local_losses, multi_losses, rtol=1e-5, atol=1e-6)
+np.testing.assert_allclose(np.asarray(local_kernel), multi_kernel, rtol=1e-4, atol=1e-6)
 
 import matplotlib.pyplot as plt
 fig, ax = plt.subplots(figsize=(6, 3.2))
@@ -218,5 +220,5 @@ finally:
 try:
     tpu = jdist.TPUStrategy()
     print(tpu, tpu.num_replicas_in_sync, "replicas")
-except Exception as e:
+except jdist.ClusterError as e:  # no TPU here
     print(type(e).__name__ + ":", str(e)[:300])

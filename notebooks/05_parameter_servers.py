@@ -114,6 +114,7 @@ curve = coordinator.fetch(losses)
 print(f"loss: first 20 steps {np.mean(curve[:20]):.3f}, last 20 {np.mean(curve[-20:]):.3f}")
 print(f"updates applied per server: {state.version()}")
 print(f"test accuracy: {accuracy(coordinator.fetch(state)[0]):.3f}")
+assert set(state.version().values()) == {400} and np.mean(curve[-20:]) < np.mean(curve[:20]) / 2
 
 # %% [markdown]
 # ## 3. How asynchronous is it?
@@ -175,6 +176,7 @@ coordinator.join()
 print(f"{len(results)} scheduled, {sum(r.done() for r in results)} finished, "
       f"{state.version()[0] - before[0]} updates applied on server 0")
 print(f"test accuracy: {accuracy(state.read()[0]):.3f}")
+assert all(r.done() for r in results) and state.version()[0] - before[0] == 200
 
 # %% [markdown]
 # A scheduled function's own error is different: it reaches `join()` (with its
@@ -189,6 +191,9 @@ try:
     coordinator.join()
 except ValueError as e:
     print("join() raised:", e)
+    assert "a bug in the step" in str(e)
+else:
+    raise AssertionError("join() should have raised the step's error")
 
 # %% [markdown]
 # ## 5. Keras-style: `fit` under parameter servers
@@ -205,7 +210,9 @@ with strategy.scope():
                             metrics=["accuracy"])
 history = trainer.fit(x_train, y_train, batch_size=32, epochs=3,
                       validation_data=(x_test, y_test), verbose=2)
-print(trainer.evaluate(x_test, y_test))
+evaluation = trainer.evaluate(x_test, y_test)
+print(evaluation)
+assert evaluation["accuracy"] > 0.8
 coordinator.shutdown()   # stops the workers and servers; nothing is left running
 
 # %% [markdown]
@@ -252,6 +259,7 @@ if ray is not None:
     print(f"killed worker process {victim}; steps ran in processes {sorted(pids)}; "
           f"{ray_state.version()[0]} updates applied for {40 + 300} scheduled")
     print(f"test accuracy: {accuracy(ray_state.read()[0]):.3f}")
+    assert ray_state.version()[0] == 40 + 300  # every step once, none lost with the worker
     ray_coordinator.shutdown()
     ray.shutdown()
 

@@ -1,7 +1,12 @@
 """One conformance suite, run over every strategy: same training as one device.
 
-Each case trains with optax adam on scikit-learn's digits and compares final
-parameters, per-step losses and per-example outputs against a one-device run.
+Each strategy of several replicas trains with SGD with momentum on
+scikit-learn's digits and is compared with a one-device run on final
+parameters, optimizer state, per-step losses and per-example outputs. SGD, not
+adam: adam normalises the gradient's scale away, so a gradient N times too large
+would still pass. The strategies of one replica cannot show a device-count bug
+against one device; they are compared with the same training written in plain
+JAX instead (no jdist), and checked to run where they say.
 """
 
 from typing import Any
@@ -19,24 +24,26 @@ from jdist.examples.data import batches
 from jdist.examples.models import CNN, MLP
 
 
-def _strategies():
-  """Every single-process strategy, by name (multi-process ones: tests/multiprocess)."""
-  def mirrored(n):
-    return lambda: jdist.MirroredStrategy(jax.local_devices()[:n])
-  return {
-      "default": jdist.get_strategy,
-      "one_device": lambda: jdist.OneDeviceStrategy("cpu:1"),
-      "mirrored_1": mirrored(1),
-      "mirrored_2": mirrored(2),
-      "mirrored_4": mirrored(4),
-      # Without a cluster: one process over every local device.
-      "multi_worker": jdist.MultiWorkerMirroredStrategy,
-      # Variables held once on cpu:0, steps on all four devices.
-      "central_storage": jdist.CentralStorageStrategy,
-  }
+def mirrored(n):
+  return lambda: jdist.MirroredStrategy(jax.local_devices()[:n])
 
 
-STRATEGIES = _strategies()
+# Every single-process strategy of several replicas, by name (multi-process
+# ones: tests/multiprocess).
+STRATEGIES = {
+    "mirrored_2": mirrored(2),
+    "mirrored_4": mirrored(4),
+    # Without a cluster: one process over every local device.
+    "multi_worker": jdist.MultiWorkerMirroredStrategy,
+    # Variables held once on cpu:0, steps on all four devices.
+    "central_storage": jdist.CentralStorageStrategy,
+}
+# The strategies of one replica, with the device each promises to run on.
+ONE_REPLICA = {
+    "default": (jdist.get_strategy, 0),
+    "one_device": (lambda: jdist.OneDeviceStrategy("cpu:1"), 1),
+    "mirrored_1": (mirrored(1), 0),
+}
 
 
 class State(train_state.TrainState):
@@ -44,15 +51,16 @@ class State(train_state.TrainState):
   key: Any = None
 
 
-def make_state(model, sample, *, lr=1e-2, seed=0):
+def make_state(model, sample, *, lr=0.1, seed=0):
   variables = model.init({"params": jax.random.key(seed),
                           "dropout": jax.random.key(1)}, sample, train=False)
   return State.create(apply_fn=model.apply, params=variables["params"],
-                      tx=optax.adam(lr), batch_stats=variables.get("batch_stats"),
+                      tx=optax.sgd(lr, momentum=0.9),
+                      batch_stats=variables.get("batch_stats"),
                       key=jax.random.key(seed + 7))
 
 
-def classifier_step(state, batch):
+def classifier_step(state, batch, average=jdist.compute_average_loss):
   """A user's per-replica step: flax model, optax, compute_average_loss."""
   dropout_key = jax.random.fold_in(state.key, state.step)
   has_bn = state.batch_stats is not None
@@ -65,7 +73,7 @@ def classifier_step(state, batch):
         variables, batch["x"], train=True, rngs={"dropout": dropout_key},
         mutable=["batch_stats"] if has_bn else [])
     per_example = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
-    return jdist.compute_average_loss(per_example), (logits, updates)
+    return average(per_example), (logits, updates)
 
   (loss, (logits, updates)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
       state.params)
@@ -85,20 +93,59 @@ def digit_batches(digits, digits_flat):
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_mlp_matches_one_device(name, digit_batches):
+  """Parameters, momentum, losses and logits of every step, N vs 1 device."""
   data = digit_batches["flat"]
+  strategy = STRATEGIES[name]()
+  assert strategy.num_replicas_in_sync > 1  # else it proves nothing
   state = make_state(MLP(), data[0]["x"])
-  jdist.testing.assert_equivalent(classifier_step, state, data,
-                                  strategy=STRATEGIES[name]())
+  out = jdist.testing.assert_equivalent(classifier_step, state, data,
+                                        strategy=strategy)
+  assert out.outputs[-1]["loss"] < 0.75 * out.outputs[0]["loss"]  # it learned
 
 
-@pytest.mark.parametrize("name", ["mirrored_2", "mirrored_4", "one_device"])
+def plain_jax_training(state, data):
+  """The same training with no jdist at all: jit, a mean loss, optax."""
+  step = jax.jit(lambda s, b: classifier_step(s, b, average=jnp.mean))
+  losses = []
+  for batch in data:
+    state, out = step(state, batch)
+    losses.append(float(out["loss"]))
+  return state, losses
+
+
+@pytest.mark.parametrize("name", sorted(ONE_REPLICA))
+def test_one_replica_strategy_is_plain_jax_on_its_device(name, digit_batches):
+  """A strategy of one replica trains exactly as plain JAX does (a padded
+  last batch included), on the device it names."""
+  make_strategy, device = ONE_REPLICA[name]
+  strategy = make_strategy()
+  assert strategy.num_replicas_in_sync == 1
+  assert strategy.devices == (jax.local_devices()[device],)
+  data = digit_batches["flat"][:5] + [
+      {k: v[:40] for k, v in digit_batches["flat"][5].items()}]
+  state = make_state(MLP(), data[0]["x"])
+  want, want_losses = plain_jax_training(state, data)
+  got = jdist.testing.run_training(strategy, classifier_step, state, data)
+  np.testing.assert_allclose([o["loss"] for o in got.outputs], want_losses,
+                             rtol=1e-5)
+  for a, b in zip(jax.tree.leaves((got.state.params, got.state.opt_state)),
+                  jax.tree.leaves((want.params, want.opt_state))):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  step = strategy.function(classifier_step)
+  placed = strategy.replicate(state)
+  (batch,) = strategy.experimental_distribute_dataset(data[:1])
+  new, out = step(placed, batch)
+  for leaf in jax.tree.leaves((new.params, out)):
+    assert leaf.devices() == {jax.local_devices()[device]}
+
+
+@pytest.mark.parametrize("name", ["mirrored_2", "mirrored_4"])
 def test_cnn_batchnorm_dropout_matches_one_device(name, digits):
   """BatchNorm (statistics all-reduced MEAN) and dropout, bit-for-bit semantics.
 
-  Runs in float64: in float32 adam turns reduction-order noise in near-zero
-  gradients into visible drift after ~8 steps, which would hide a real error
-  behind a loose tolerance. In float64 a semantic difference (wrong statistics,
-  dropout masks that depend on the replica) still shows; noise does not.
+  Runs in float64, so that the tolerance can be tight: a semantic difference
+  (wrong statistics, dropout masks that depend on the replica) shows at
+  1e-9; reduction-order noise does not.
   """
   strategy = STRATEGIES[name]()
   with jax.enable_x64(True):
@@ -115,13 +162,14 @@ def test_cnn_batchnorm_dropout_matches_one_device(name, digits):
 
 
 def test_cnn_float32_stays_close_to_one_device(digit_batches):
-  """The float32 run on 4 replicas follows one device within noise."""
+  """The float32 run on 4 replicas follows one device within reduction-order
+  noise (SGD with momentum does not amplify it as adam does)."""
   strategy = STRATEGIES["mirrored_4"]()
   model = CNN(batch_norm=True, bn_axis_name=strategy.axis_name, dropout_rate=0.3)
   data = digit_batches["image"]
   state = make_state(model, data[0]["x"])
   out = jdist.testing.assert_equivalent(classifier_step, state, data[:6],
-                                        strategy=strategy, rtol=1e-3, atol=1e-3)
+                                        strategy=strategy)
   assert len(out.outputs) == 6
 
 
@@ -142,9 +190,9 @@ def test_assert_equivalent_catches_a_wrong_step(digit_batches):
     loss, grads = jax.value_and_grad(loss_fn)(state.params)
     return state.apply_gradients(grads=grads), loss
 
-  adam_state = make_state(MLP(), data[0]["x"])
+  momentum_state = make_state(MLP(), data[0]["x"])
   sgd = optax.sgd(0.1)  # the parameters then move N times as far
-  state = adam_state.replace(tx=sgd, opt_state=sgd.init(adam_state.params))
+  state = momentum_state.replace(tx=sgd, opt_state=sgd.init(momentum_state.params))
   with pytest.raises(AssertionError, match=r"(?s)state.*params.*differ.*"
                      r"Loss scaling\? The 4-replica run moved the parameters.*"
                      r"about [34]\.\d+ times.*compute_average_loss"):

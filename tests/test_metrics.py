@@ -12,24 +12,43 @@ from jdist.examples.models import MLP
 
 from conftest import strategy_on
 
-METRICS = [jdist.metrics.Mean(), jdist.metrics.Sum(), jdist.metrics.Accuracy(),
-           jdist.metrics.SparseCategoricalAccuracy(),
-           jdist.metrics.CategoricalAccuracy(),
-           jdist.metrics.BinaryAccuracy(threshold=0.3),
-           jdist.metrics.MeanSquaredError(), jdist.metrics.MeanAbsoluteError(),
-           jdist.metrics.MeanMetricWrapper(lambda t, p: t == 1, name="ones")]
+# Each metric, arguments for one update and the result Keras gives for them.
+CASES = [
+    (jdist.metrics.Mean(), ([1.0, 2.0, 3.0, 6.0],), 3.0),
+    (jdist.metrics.Sum(), ([1.0, 2.0, 3.0, 6.0],), 12.0),
+    (jdist.metrics.Accuracy(), ([1, 2, 3, 4], [1, 2, 0, 4]), 0.75),
+    (jdist.metrics.SparseCategoricalAccuracy(),
+     ([0, 1, 1], [[2.0, 1.0], [0.0, 3.0], [4.0, 1.0]]), 2 / 3),
+    (jdist.metrics.CategoricalAccuracy(),
+     ([[0, 1], [1, 0]], [[0.2, 0.8], [0.3, 0.7]]), 0.5),
+    (jdist.metrics.BinaryAccuracy(threshold=0.3),
+     ([1, 0, 1, 0], [0.4, 0.2, 0.1, 0.5]), 0.5),
+    (jdist.metrics.MeanSquaredError(), ([[0.0], [1.0]], [[1.0], [3.0]]), 2.5),
+    (jdist.metrics.MeanAbsoluteError(), ([[0.0], [1.0]], [[1.0], [3.0]]), 1.5),
+    (jdist.metrics.MeanMetricWrapper(lambda t, p: t == 1, name="ones"),
+     ([1, 0, 1, 1], [0, 0, 0, 0]), 0.75),
+]
 
 
-@pytest.mark.parametrize("metric", METRICS, ids=lambda m: m.name)
-def test_every_metric_round_trips_through_jit(metric):
-  placed = strategy_on(2).replicate(metric)
-  for m in (metric, placed):
-    out = jax.jit(lambda m: m)(m)
-    assert jax.tree.structure(out) == jax.tree.structure(m)
-    assert type(out) is type(m) and out.name == m.name
-  assert jax.jit(lambda m: m.reset())(metric).totals.value["count"] == 0
+@pytest.mark.parametrize("metric,args,want", CASES, ids=lambda c: getattr(
+    c, "name", ""))
+def test_every_metric_round_trips_through_jit(metric, args, want):
+  """A metric updated inside jit, and inside a step of 2 replicas, comes back
+  with its sums and its settings (name, threshold)."""
+  args = tuple(jnp.asarray(a) for a in args)
+  updated = jax.jit(lambda m, a: m.update(*a))(metric, args)
+  assert type(updated) is type(metric) and updated.name == metric.name
+  assert float(updated.result()) == pytest.approx(want, rel=1e-6)
+  strategy = strategy_on(2)
+  step = strategy.function(lambda m, a: m.update(*a))
+  (batch,) = strategy.experimental_distribute_dataset([args])
+  placed = step(strategy.replicate(metric), batch)
+  assert type(placed) is type(metric) and placed.name == metric.name
+  assert float(placed.result()) == pytest.approx(want, rel=1e-6)
+  cleared = jax.jit(lambda m: m.reset())(updated)
+  assert float(cleared.totals.value["count"]) == 0
   if isinstance(metric, jdist.metrics.BinaryAccuracy):
-    assert jax.jit(lambda m: m)(metric).threshold == 0.3
+    assert updated.threshold == placed.threshold == 0.3
 
 
 def _tf_tutorial_port(strategy, params, test_x, test_y):
