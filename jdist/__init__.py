@@ -86,6 +86,8 @@ from jdist._src.strategies.cross_device_ops import CrossDeviceOps
 from jdist._src.strategies.cross_device_ops import HierarchicalCopyAllReduce
 from jdist._src.strategies.cross_device_ops import NcclAllReduce
 from jdist._src.strategies.cross_device_ops import ReductionToOneDevice
+from jdist._src.strategies.device_mesh import DeviceMesh
+from jdist._src.strategies.layout_map import LayoutMap
 from jdist._src.strategies.mirrored import MirroredStrategy
 from jdist._src.strategies.mirrored import OneDeviceStrategy
 from jdist._src.strategies.mirrored import mirrored
@@ -123,6 +125,7 @@ __all__ = [
     "CommunicationOptions",
     "CrossDeviceOps",
     "DTypePolicy",
+    "DeviceMesh",
     "Diagnosis",
     "DistributedDataset",
     "DistributedFunction",
@@ -137,6 +140,7 @@ __all__ = [
     "History",
     "InputContext",
     "InputOptions",
+    "LayoutMap",
     "LearningRateScheduler",
     "LossScaleState",
     "LossScalingError",

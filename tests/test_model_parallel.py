@@ -1,0 +1,129 @@
+"""Model parallelism: DeviceMesh, LayoutMap (Keras 3's names and meaning)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jdist
+
+
+@pytest.fixture(scope="module")
+def mesh22(devices):
+  return jdist.DeviceMesh((2, 2), ("data", "model"), devices[:4])
+
+
+def _mlp_params():
+  return {"dense_0": {"kernel": jnp.zeros((3, 8)), "bias": jnp.zeros(8)},
+          "dense_1": {"kernel": jnp.zeros((8, 2)), "bias": jnp.zeros(2)}}
+
+
+# --- DeviceMesh --------------------------------------------------------------
+
+
+def test_device_mesh_lays_devices_out_row_major(devices, mesh22):
+  assert mesh22.shape == (2, 2) and mesh22.axis_names == ("data", "model")
+  assert mesh22.devices[1, 0] == devices[2]
+  assert mesh22.axis_size("model") == 2
+  jm = mesh22.jax_mesh
+  assert dict(jm.shape) == {"data": 2, "model": 2}
+
+
+def test_device_mesh_defaults_to_every_device():
+  mesh = jdist.DeviceMesh((len(jax.devices()),), ("data",))
+  assert list(mesh.devices) == jax.devices()
+
+
+def test_device_mesh_size_must_match_device_count(devices):
+  with pytest.raises(ValueError, match=r"holds 6 devices but 4 were given"):
+    jdist.DeviceMesh((2, 3), ("data", "model"), devices[:4])
+
+
+def test_device_mesh_needs_one_name_per_axis(devices):
+  with pytest.raises(ValueError, match="one name per axis"):
+    jdist.DeviceMesh((2, 2), ("data",), devices[:4])
+
+
+# --- LayoutMap ---------------------------------------------------------------
+
+
+def test_keys_match_the_whole_path_and_unmatched_is_replicated(mesh22):
+  layout_map = jdist.LayoutMap(mesh22)
+  layout_map["dense_.*/kernel"] = (None, "model")
+  layout_map["dense_0/bias"] = ("model",)
+  specs = layout_map.partition_specs(_mlp_params())
+  assert specs["dense_0"]["kernel"] == P(None, "model")
+  assert specs["dense_1"]["kernel"] == P(None, "model")
+  assert specs["dense_0"]["bias"] == P("model")
+  assert specs["dense_1"]["bias"] == P()
+  # Matched whole, as Keras: a key without the prefix does not match.
+  assert layout_map["model/dense_0/kernel"] is None
+
+
+def test_shardings_place_each_leaf_on_its_axes(mesh22):
+  layout_map = jdist.LayoutMap(mesh22)
+  layout_map[".*kernel"] = (None, "model")
+  params = _mlp_params()
+  placed = jax.device_put(params, layout_map.shardings(params))
+  kernel = placed["dense_0"]["kernel"]
+  assert kernel.addressable_shards[0].data.shape == (3, 4)
+  assert placed["dense_0"]["bias"].addressable_shards[0].data.shape == (8,)
+
+
+def test_two_keys_matching_one_path_is_an_error_naming_both(mesh22):
+  layout_map = jdist.LayoutMap(mesh22)
+  layout_map["dense_0/k.*"] = (None, "model")
+  layout_map[".*kernel"] = ("model", None)
+  with pytest.raises(ValueError, match=r"dense_0/kernel.*'dense_0/k\.\*', "
+                     r"'\.\*kernel'"):
+    layout_map.partition_specs(_mlp_params())
+
+
+def test_indivisible_layout_names_path_dim_and_axis(devices):
+  mesh = jdist.DeviceMesh((1, 4), ("data", "model"), devices[:4])
+  layout_map = jdist.LayoutMap(mesh)
+  layout_map[".*kernel"] = (None, "model")
+  with pytest.raises(ValueError, match=r"'dense_1/kernel' of shape \(8, 2\): "
+                     r"dimension 1 \(2\) cannot be split over mesh axis model "
+                     r"of size 4"):
+    layout_map.partition_specs(_mlp_params())
+
+
+def test_layout_of_the_wrong_rank_is_an_error(mesh22):
+  layout_map = jdist.LayoutMap(mesh22)
+  layout_map["dense_0/bias"] = (None, "model")
+  with pytest.raises(ValueError, match=r"'dense_0/bias' of shape \(8,\).*2 "
+                     "dimensions"):
+    layout_map.partition_specs(_mlp_params())
+
+
+def test_unknown_axis_name_is_an_error_at_assignment(mesh22):
+  layout_map = jdist.LayoutMap(mesh22)
+  with pytest.raises(ValueError, match=r"mesh axis 'tensor'.*\('data', "
+                     r"'model'\)"):
+    layout_map[".*kernel"] = (None, "tensor")
+  assert len(layout_map) == 0
+
+
+def test_a_key_that_matches_nothing_warns(mesh22):
+  layout_map = jdist.LayoutMap(mesh22)
+  layout_map["d1/kernel"] = (None, "model")
+  with pytest.warns(UserWarning, match="'d1/kernel' matches no parameter"):
+    layout_map.partition_specs(_mlp_params())
+
+
+def test_a_string_layout_is_refused(mesh22):
+  layout_map = jdist.LayoutMap(mesh22)
+  with pytest.raises(TypeError, match=r"\('model',\)"):
+    layout_map[".*bias"] = "model"
+
+
+def test_a_key_is_set_once(mesh22):
+  layout_map = jdist.LayoutMap(mesh22)
+  layout_map[".*bias"] = ("model",)
+  with pytest.raises(ValueError, match="already has the key"):
+    layout_map[".*bias"] = (None,)
+  del layout_map[".*bias"]
+  layout_map[".*bias"] = (None,)
+  assert list(layout_map) == [".*bias"]
