@@ -91,6 +91,7 @@ from jdist._src.strategies.layout_map import LayoutMap
 from jdist._src.strategies.mirrored import MirroredStrategy
 from jdist._src.strategies.mirrored import OneDeviceStrategy
 from jdist._src.strategies.mirrored import mirrored
+from jdist._src.strategies.model_parallel import ModelParallelStrategy
 from jdist._src.strategies.multi_worker import MultiWorkerMirroredStrategy
 from jdist._src.strategies.tpu import TPUStrategy
 from jdist._src.training.callbacks import Callback
@@ -148,6 +149,7 @@ __all__ = [
     "MinSizePartitioner",
     "MirroredStrategy",
     "ModelCheckpoint",
+    "ModelParallelStrategy",
     "MultiStepFunction",
     "MultiWorkerMirroredStrategy",
     "NcclAllReduce",

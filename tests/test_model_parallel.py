@@ -127,3 +127,88 @@ def test_a_key_is_set_once(mesh22):
   del layout_map[".*bias"]
   layout_map[".*bias"] = (None,)
   assert list(layout_map) == [".*bias"]
+
+
+# --- ModelParallelStrategy: one device against a mesh ------------------------
+
+import optax  # noqa: E402
+
+_TX = optax.sgd(0.1, momentum=0.9)
+
+
+def _make_params(key=0):
+  k0, k1, k2 = jax.random.split(jax.random.key(key), 3)
+  return {"dense_0": {"kernel": jax.random.normal(k0, (3, 8)) * 0.5,
+                      "bias": jax.random.normal(k2, (8,)) * 0.1},
+          "dense_1": {"kernel": jax.random.normal(k1, (8, 4)) * 0.5,
+                      "bias": jnp.zeros(4)}}
+
+
+def _step(params, opt_state, batch):
+  x, y = batch
+
+  def loss_fn(p):
+    h = jnp.tanh(x @ p["dense_0"]["kernel"] + p["dense_0"]["bias"])
+    out = h @ p["dense_1"]["kernel"] + p["dense_1"]["bias"]
+    return jdist.compute_average_loss(jnp.sum((out - y) ** 2, -1))
+
+  loss, grads = jax.value_and_grad(loss_fn)(params)
+  updates, opt_state = _TX.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, loss
+
+
+def _batches(n=4, size=8):
+  rng = np.random.default_rng(0)
+  return [(rng.normal(size=(size, 3)).astype(np.float32),
+           rng.normal(size=(size, 4)).astype(np.float32)) for _ in range(n)]
+
+
+def _train(strategy, params, opt_state):
+  step = strategy.function(_step)
+  losses = []
+  for batch in strategy.experimental_distribute_dataset(_batches()):
+    params, opt_state, loss = step(params, opt_state, batch)
+    losses.append(float(strategy.reduce("sum", loss)))
+  return params, opt_state, losses
+
+
+@pytest.fixture(scope="module")
+def one_device_run(devices):
+  strategy = jdist.OneDeviceStrategy(devices[0])
+  params = strategy.replicate(_make_params())
+  return _train(strategy, params, strategy.replicate(_TX.init(params)))
+
+
+def _tensor_parallel(mesh):
+  layout_map = jdist.LayoutMap(mesh)
+  layout_map[".*dense_0/kernel"] = (None, "model")
+  layout_map[".*dense_1/kernel"] = ("model", None)
+  layout_map[".*dense_0/bias"] = ("model",)
+  return layout_map
+
+
+def _model_parallel_run(layout_map, batch_dim_name):
+  strategy = jdist.ModelParallelStrategy(layout_map=layout_map,
+                                         batch_dim_name=batch_dim_name)
+  params = strategy.init(_make_params)
+  opt_state = strategy.init(_TX.init, params)
+  return strategy, _train(strategy, params, opt_state)
+
+
+def _assert_same(run, reference):
+  (params, _, losses), (ref_params, _, ref_losses) = run, reference
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-6, atol=1e-6)
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def test_data_by_model_2x2_equals_one_device(mesh22, one_device_run):
+  strategy, run = _model_parallel_run(_tensor_parallel(mesh22), "data")
+  assert strategy.num_replicas_in_sync == 2
+  _assert_same(run, one_device_run)
+  params, opt_state, _ = run
+  kernel = params["dense_0"]["kernel"]
+  assert kernel.sharding.spec == P(None, "model")
+  assert kernel.addressable_shards[0].data.shape == (3, 4)
+  momentum = jax.tree.leaves(opt_state)[1]
+  assert momentum.addressable_shards[0].data.shape == (3, 4)
