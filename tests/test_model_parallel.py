@@ -212,3 +212,83 @@ def test_data_by_model_2x2_equals_one_device(mesh22, one_device_run):
   assert kernel.addressable_shards[0].data.shape == (3, 4)
   momentum = jax.tree.leaves(opt_state)[1]
   assert momentum.addressable_shards[0].data.shape == (3, 4)
+
+
+def _empty_layout(mesh):
+  return jdist.LayoutMap(mesh)
+
+
+# (mesh shape, axis names, layout, fsdp axis, replicas, dense_0 kernel's and
+# dense_1 kernel's shard shapes)
+_MESHES = {
+    "data_by_fsdp_2x2": ((2, 2), ("data", "fsdp"), _empty_layout, "fsdp", 2,
+                         (3, 4), (4, 4)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_MESHES))
+def test_mesh_equals_one_device_and_state_stays_split(devices, one_device_run,
+                                                      case):
+  shape, names, layout, fsdp, replicas, shard0, shard1 = _MESHES[case]
+  mesh = jdist.DeviceMesh(shape, names, devices[:4])
+  strategy = jdist.ModelParallelStrategy(layout_map=layout(mesh),
+                                         batch_dim_name="data",
+                                         fsdp_axis=fsdp)
+  assert strategy.num_replicas_in_sync == replicas
+  params = strategy.init(_make_params)
+  opt_state = strategy.init(_TX.init, params)
+  run = _train(strategy, params, opt_state)
+  _assert_same(run, one_device_run)
+  params, opt_state, _ = run
+  assert params["dense_0"]["kernel"].addressable_shards[0].data.shape == shard0
+  assert params["dense_1"]["kernel"].addressable_shards[0].data.shape == shard1
+  trace = opt_state[0].trace
+  assert trace["dense_1"]["kernel"].addressable_shards[0].data.shape == shard1
+
+
+def test_fsdp_splits_each_replicas_batch(devices):
+  mesh = jdist.DeviceMesh((2, 2), ("data", "fsdp"), devices[:4])
+  strategy = jdist.ModelParallelStrategy(
+      layout_map=jdist.LayoutMap(mesh), batch_dim_name="data",
+      fsdp_axis="fsdp")
+  batch = next(iter(strategy.experimental_distribute_dataset(_batches(1))))
+  x = batch.values[0]
+  assert x.sharding.spec == P("data", "fsdp")
+  assert x.addressable_shards[0].data.shape == (1, 2, 3)
+
+
+def test_batch_that_fsdp_cannot_split_is_an_error(devices):
+  mesh = jdist.DeviceMesh((2, 2), ("data", "fsdp"), devices[:4])
+  strategy = jdist.ModelParallelStrategy(
+      layout_map=jdist.LayoutMap(mesh), fsdp_axis="fsdp")
+  with pytest.raises(ValueError, match=r"global batch of 6 examples cannot "
+                     r"split evenly over 4 parts \(2 replicas x 2 devices of "
+                     r"'fsdp'\)"):
+    next(iter(strategy.experimental_distribute_dataset(_batches(1, size=6))))
+
+
+def test_batch_that_the_replicas_cannot_split_is_an_error(mesh22):
+  strategy = jdist.ModelParallelStrategy(layout_map=jdist.LayoutMap(mesh22))
+  with pytest.raises(ValueError, match=r"global batch of 7 examples cannot "
+                     r"split evenly over 2 replicas"):
+    list(strategy.experimental_distribute_dataset(_batches(2, size=7)))
+
+
+def test_unknown_axis_names_are_errors(mesh22):
+  with pytest.raises(ValueError, match=r"batch_dim_name names the mesh axis "
+                     r"'batch'"):
+    jdist.ModelParallelStrategy(layout_map=jdist.LayoutMap(mesh22),
+                                batch_dim_name="batch")
+  with pytest.raises(ValueError, match=r"fsdp_axis names the mesh axis 'fsdp'"):
+    jdist.ModelParallelStrategy(layout_map=jdist.LayoutMap(mesh22),
+                                fsdp_axis="fsdp")
+
+
+@pytest.mark.parametrize("names", [("data", "model"), ("data", "fsdp")])
+def test_one_replica_over_every_device_is_refused_clearly(devices, names):
+  # jax 0.10.2's XLA cannot compile the gradient when the manual (replica)
+  # axis has size 1 and another splits the parameters (1x4, 4 FSDP).
+  mesh = jdist.DeviceMesh((1, 4), names, devices[:4])
+  with pytest.raises(NotImplementedError, match="batch axis 'data' has size 1"):
+    jdist.ModelParallelStrategy(layout_map=jdist.LayoutMap(mesh),
+                                batch_dim_name="data")

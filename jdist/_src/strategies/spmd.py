@@ -114,6 +114,12 @@ class Strategy(StrategyBase):
     return len(self._devices)
 
   @property
+  def replica_batch_axis(self) -> str | None:
+    """The mesh axis that splits each replica's batch over its devices
+    (FSDP: `ModelParallelStrategy(fsdp_axis=...)`), or None."""
+    return None
+
+  @property
   def communication_options(self):
     """The `jdist.CommunicationOptions` of this strategy's collectives."""
     return self._communication_options
