@@ -163,8 +163,9 @@ def _batches(n=4, size=8):
            rng.normal(size=(size, 4)).astype(np.float32)) for _ in range(n)]
 
 
-def _train(strategy, params, opt_state):
+def _train(strategy, params, opt_state, outer_jit=False):
   step = strategy.function(_step)
+  step = jax.jit(step) if outer_jit else step
   losses = []
   for batch in strategy.experimental_distribute_dataset(_batches()):
     params, opt_state, loss = step(params, opt_state, batch)
@@ -187,12 +188,12 @@ def _tensor_parallel(mesh):
   return layout_map
 
 
-def _model_parallel_run(layout_map, batch_dim_name):
+def _model_parallel_run(layout_map, batch_dim_name, outer_jit=False):
   strategy = jdist.ModelParallelStrategy(layout_map=layout_map,
                                          batch_dim_name=batch_dim_name)
   params = strategy.init(_make_params)
   opt_state = strategy.init(_TX.init, params)
-  return strategy, _train(strategy, params, opt_state)
+  return strategy, _train(strategy, params, opt_state, outer_jit)
 
 
 def _assert_same(run, reference):
@@ -202,8 +203,11 @@ def _assert_same(run, reference):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
 
 
-def test_data_by_model_2x2_equals_one_device(mesh22, one_device_run):
-  strategy, run = _model_parallel_run(_tensor_parallel(mesh22), "data")
+@pytest.mark.parametrize("outer_jit", [False, True])
+def test_data_by_model_2x2_equals_one_device(mesh22, one_device_run,
+                                             outer_jit):
+  strategy, run = _model_parallel_run(_tensor_parallel(mesh22), "data",
+                                      outer_jit)
   assert strategy.num_replicas_in_sync == 2
   _assert_same(run, one_device_run)
   params, opt_state, _ = run
