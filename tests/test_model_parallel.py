@@ -296,3 +296,18 @@ def test_one_replica_over_every_device_is_refused_clearly(devices, names):
   with pytest.raises(NotImplementedError, match="batch axis 'data' has size 1"):
     jdist.ModelParallelStrategy(layout_map=jdist.LayoutMap(mesh),
                                 batch_dim_name="data")
+
+
+def test_run_reduce_gather_and_local_results_see_one_value_per_replica(mesh22):
+  strategy = jdist.ModelParallelStrategy(layout_map=jdist.LayoutMap(mesh22))
+  assert repr(strategy) == ("ModelParallelStrategy(DeviceMesh(data=2, "
+                            "model=2), batch_dim_name='data')")
+  data = np.arange(8.0, dtype=np.float32).reshape(8, 1)
+  batch = next(iter(strategy.experimental_distribute_dataset([data])))
+  out = strategy.run(lambda x: x * 2, args=(batch,))
+  local = strategy.experimental_local_results(out)
+  assert [np.asarray(v).ravel().tolist() for v in local] == [
+      [0.0, 2.0, 4.0, 6.0], [8.0, 10.0, 12.0, 14.0]]
+  np.testing.assert_array_equal(np.asarray(strategy.gather(out, 0)), data * 2)
+  np.testing.assert_array_equal(
+      np.asarray(strategy.reduce("sum", out, axis=0)), [56.0])

@@ -139,6 +139,11 @@ class ModelParallelStrategy(Strategy):
   def identity(self) -> tuple:
     return super().identity + (self.device_mesh, self._fsdp_axis)
 
+  def __repr__(self) -> str:
+    fsdp = f", fsdp_axis={self._fsdp_axis!r}" if self._fsdp_axis else ""
+    return (f"ModelParallelStrategy({self.device_mesh!r}, "
+            f"batch_dim_name={self.axis_name!r}{fsdp})")
+
   def partition_specs(self, tree: Any) -> Any:
     """The `PartitionSpec` of every leaf of `tree`: the layout map's, split
     over `fsdp_axis` as well when there is one."""
