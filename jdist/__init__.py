@@ -86,9 +86,12 @@ from jdist._src.strategies.cross_device_ops import CrossDeviceOps
 from jdist._src.strategies.cross_device_ops import HierarchicalCopyAllReduce
 from jdist._src.strategies.cross_device_ops import NcclAllReduce
 from jdist._src.strategies.cross_device_ops import ReductionToOneDevice
+from jdist._src.strategies.device_mesh import DeviceMesh
+from jdist._src.strategies.layout_map import LayoutMap
 from jdist._src.strategies.mirrored import MirroredStrategy
 from jdist._src.strategies.mirrored import OneDeviceStrategy
 from jdist._src.strategies.mirrored import mirrored
+from jdist._src.strategies.model_parallel import ModelParallelStrategy
 from jdist._src.strategies.multi_worker import MultiWorkerMirroredStrategy
 from jdist._src.strategies.tpu import TPUStrategy
 from jdist._src.training.callbacks import Callback
@@ -123,6 +126,7 @@ __all__ = [
     "CommunicationOptions",
     "CrossDeviceOps",
     "DTypePolicy",
+    "DeviceMesh",
     "Diagnosis",
     "DistributedDataset",
     "DistributedFunction",
@@ -137,6 +141,7 @@ __all__ = [
     "History",
     "InputContext",
     "InputOptions",
+    "LayoutMap",
     "LearningRateScheduler",
     "LossScaleState",
     "LossScalingError",
@@ -144,6 +149,7 @@ __all__ = [
     "MinSizePartitioner",
     "MirroredStrategy",
     "ModelCheckpoint",
+    "ModelParallelStrategy",
     "MultiStepFunction",
     "MultiWorkerMirroredStrategy",
     "NcclAllReduce",

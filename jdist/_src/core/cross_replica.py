@@ -135,7 +135,7 @@ def _check_owner(strategy, rows: Any, what: str) -> None:
   x = leaves[0]
   n = strategy.num_replicas_in_sync
   devices = x.sharding.device_set
-  if np.shape(x)[:1] == (n,) and devices == set(strategy.devices):
+  if np.shape(x)[:1] == (n,) and devices == set(strategy.mesh.devices.flat):
     return
   described = ", ".join(f"{d.platform}:{d.id}" for d in sorted(
       devices, key=lambda d: d.id))

@@ -320,7 +320,8 @@ class DistributedFunction:
     results = jax.shard_map(
         lambda *local: outputs.local_results(run_replica(*local)[0], axis),
         mesh=strategy.mesh, in_specs=plan.specs,
-        out_specs=outputs.out_specs(axis), check_vma=True)(*plan.leaves)
+        out_specs=outputs.out_specs(axis), axis_names={axis},
+        check_vma=True)(*plan.leaves)
     return outputs.wrap(results, plan.validity)
 
 
@@ -357,7 +358,7 @@ def _foreign_argument(args: tuple, kwargs: dict,
                       strategy) -> StrategyMismatchError | None:
   """The error for an argument committed to devices other than the
   strategy's (jit refuses such a call), or None if there is none."""
-  mesh_devices = set(strategy.devices)
+  mesh_devices = set(strategy.mesh.devices.flat)
   with_path = jax.tree_util.tree_flatten_with_path((args, kwargs),
                                                    is_leaf=kinds.is_node)[0]
   for path, node in with_path:

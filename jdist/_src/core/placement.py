@@ -21,8 +21,11 @@ def replicated_sharding(mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
-def per_replica_sharding(mesh, axis_name: str) -> NamedSharding:
-  return NamedSharding(mesh, P(axis_name))
+def per_replica_sharding(mesh, axis_name: str,
+                         inner_axis: str | None = None) -> NamedSharding:
+  """Rows split over `axis_name`; each row's batch over `inner_axis` (FSDP)."""
+  return NamedSharding(mesh, P(axis_name, inner_axis) if inner_axis
+                       else P(axis_name))
 
 
 def spans_processes(mesh) -> bool:
@@ -53,12 +56,13 @@ def put_replicated(x: Any, mesh) -> jax.Array:
 
 
 def put_per_replica(local_rows: Any, mesh, axis_name: str,
-                    num_replicas: int) -> Any:
+                    num_replicas: int, inner_axis: str | None = None) -> Any:
   """Places this process's rows `(local_replicas, ...)` as `(R, ...)` arrays.
 
-  `local_rows` may be a pytree; every leaf goes in one transfer.
+  `local_rows` may be a pytree; every leaf goes in one transfer. With
+  `inner_axis`, each replica's batch (axis 1) is split over that mesh axis.
   """
-  sharding = per_replica_sharding(mesh, axis_name)
+  sharding = per_replica_sharding(mesh, axis_name, inner_axis)
   if not spans_processes(mesh):
     leaves, treedef = jax.tree.flatten(local_rows)
     return jax.tree.unflatten(treedef,

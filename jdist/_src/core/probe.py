@@ -104,7 +104,8 @@ def probe(run_replica: Callable, leaves: tuple, specs: tuple, strategy, *,
             for x in _flatten(out)[0]]
 
   mapped = jax.shard_map(body, mesh=strategy.mesh, in_specs=specs,
-                         out_specs=P(axis), check_vma=True)
+                         out_specs=P(axis), axis_names={axis},
+                         check_vma=True)
   n = strategy.num_replicas_in_sync
   if program_check is None and (batch_rows is None or n == 1):
     jax.eval_shape(mapped, *leaves)

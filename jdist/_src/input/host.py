@@ -64,12 +64,13 @@ def _batch_size_error(batch: Any, what: str):
       "every array must have the same leading axis.")
 
 
-def split_error(size: int, n: int) -> ValueError:
-  """The error for a global batch of `size` that `n` replicas cannot share."""
+def split_error(size: int, n: int, parts: str = "replicas") -> ValueError:
+  """The error for a global batch of `size` that `n` parts (replicas, or
+  replicas x FSDP devices) cannot share."""
   examples = sorted({max(n, size - size % n), size + n - size % n})
   return ValueError(
       f"A global batch of {size} examples cannot split evenly over {n} "
-      f"replicas. Use a global batch size that is a multiple of {n} "
+      f"{parts}. Use a global batch size that is a multiple of {n} "
       f"(for example {' or '.join(map(str, examples))}); the last, shorter "
       "batch of an epoch may be any size and is padded.")
 
@@ -85,6 +86,16 @@ def padded_size(rows: int, multiple: int) -> int:
     (12, 8)
   """
   return rows + (-rows) % multiple
+
+
+def _check_inner_split(local_rows, n: int, axis: str, k: int) -> None:
+  """Raises unless each replica's batch splits over the `k` devices of the
+  within-replica mesh `axis` (FSDP splits the replica's batch too)."""
+  for leaf in jax.tree.leaves(local_rows):
+    b = np.shape(leaf)[1] if np.ndim(leaf) > 1 else None
+    if b is not None and b % k:
+      raise split_error(n * b, n * k,
+                        f"parts ({n} replicas x {k} devices of {axis!r})")
 
 
 def pad(x: np.ndarray, size: int) -> np.ndarray:
@@ -122,8 +133,25 @@ class Placer:
   def put(self, local_rows):
     """Places a pytree of local rows, all leaves in one transfer."""
     s = self.strategy
-    return placement.put_per_replica(local_rows, s.mesh, s.axis_name,
-                                     s.num_replicas_in_sync)
+    inner = s.replica_batch_axis
+    if inner is None:
+      return placement.put_per_replica(local_rows, s.mesh, s.axis_name,
+                                       s.num_replicas_in_sync)
+    # FSDP: the examples split over `inner` too; the validity stays whole.
+    flat, treedef = jax.tree.flatten(
+        local_rows, is_leaf=lambda x: isinstance(x, Validity))
+    data = [i for i, x in enumerate(flat) if not isinstance(x, Validity)]
+    _check_inner_split([flat[i] for i in data], s.num_replicas_in_sync, inner,
+                       s.mesh.shape[inner])
+    placed = placement.put_per_replica(
+        [x if i in data else None for i, x in enumerate(flat)], s.mesh,
+        s.axis_name, s.num_replicas_in_sync, inner)
+    whole = placement.put_per_replica(
+        [None if i in data else x for i, x in enumerate(flat)], s.mesh,
+        s.axis_name, s.num_replicas_in_sync)
+    return jax.tree.unflatten(
+        treedef, [p if i in data else w for i, (p, w) in
+                  enumerate(zip(placed, whole))])
 
   def validity(self, local_mask: np.ndarray, num_valid: int | None) -> Validity:
     """The host `Validity` of this process's rows; full batches reuse one.

@@ -49,15 +49,18 @@ class Strategy(StrategyBase):
 
   def __init__(self, devices: Sequence[Any], *, axis_name: str = "replica",
                communication_options=None,
-               state_placement: placement.StatePlacement | None = None):
+               state_placement: placement.StatePlacement | None = None,
+               mesh: Mesh | None = None):
     super().__init__(state_placement=state_placement)
     devices = tuple(devices)
     if not devices:
       raise ValueError("A strategy needs at least one device.")
     self._devices = devices
     self._axis_name = axis_name
-    self._mesh = Mesh(np.array(devices, dtype=object), (axis_name,),
-                      axis_types=(AxisType.Auto,))
+    # A replica may span devices (ModelParallelStrategy): then `mesh` has
+    # more axes than the replicas' one, which XLA partitions from layouts.
+    self._mesh = mesh or Mesh(np.array(devices, dtype=object), (axis_name,),
+                              axis_types=(AxisType.Auto,))
     self._communication_options = CommunicationOptions.of(
         communication_options)
     # Only a mesh that spans processes needs the runtime's cross-process checks.
@@ -90,12 +93,14 @@ class Strategy(StrategyBase):
 
   @property
   def devices(self) -> tuple:
-    """The devices of the replicas, in replica order."""
+    """The devices of the replicas, in replica order (a replica that spans
+    devices is named by its first)."""
     return self._devices
 
   @property
   def mesh(self) -> Mesh:
-    """The one-axis `jax.sharding.Mesh` the replicas run on."""
+    """The `jax.sharding.Mesh` the replicas run on: one axis, or more when a
+    replica spans devices (`ModelParallelStrategy`)."""
     return self._mesh
 
   @property
@@ -107,6 +112,12 @@ class Strategy(StrategyBase):
   def num_replicas_in_sync(self) -> int:
     """How many replicas run each step."""
     return len(self._devices)
+
+  @property
+  def replica_batch_axis(self) -> str | None:
+    """The mesh axis that splits each replica's batch over its devices
+    (FSDP: `ModelParallelStrategy(fsdp_axis=...)`), or None."""
+    return None
 
   @property
   def communication_options(self):

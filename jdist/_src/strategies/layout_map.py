@@ -1,0 +1,164 @@
+"""`LayoutMap`: which mesh axes split each parameter, by rules over its path.
+
+As Keras 3's `keras.distribution.LayoutMap`: each key is a regular
+expression matched whole (`re.fullmatch`) against a parameter's path, its
+keys in the parameter tree joined by "/" (flax: `Dense_0/kernel`); the value
+names one mesh axis (or None) per dimension of the parameter. A parameter no
+key matches is replicated; one that two keys match is an error.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import re
+import warnings
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jdist._src.strategies.device_mesh import DeviceMesh
+
+
+def path_name(path: tuple) -> str:
+  """A pytree key path as the "/"-joined string the keys match."""
+  parts = []
+  for key in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(key, attr):
+        parts.append(str(getattr(key, attr)))
+        break
+    else:
+      parts.append(str(key))
+  return "/".join(parts)
+
+
+class LayoutMap(collections.abc.MutableMapping):
+  """Rules from parameter paths to per-dimension mesh axes.
+
+  Args:
+    device_mesh: the `jdist.DeviceMesh` the axes belong to.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jdist
+    >>> mesh = jdist.DeviceMesh((1, len(jax.devices())), ("data", "model"))
+    >>> layout_map = jdist.LayoutMap(mesh)
+    >>> layout_map["dense.*/kernel"] = (None, "model")
+    >>> layout_map["dense_1/kernel"]
+    P(None, 'model')
+    >>> layout_map["dense_1/bias"] is None
+    True
+    >>> params = {"dense_1": {"kernel": jnp.zeros((3, 8)), "bias": jnp.zeros(8)}}
+    >>> layout_map.partition_specs(params)["dense_1"]["bias"]
+    P()
+  """
+
+  def __init__(self, device_mesh: DeviceMesh):
+    if not isinstance(device_mesh, DeviceMesh):
+      raise TypeError(
+          f"LayoutMap needs a jdist.DeviceMesh, got {type(device_mesh).__name__}.")
+    self._mesh = device_mesh
+    self._rules: dict[str, P] = {}
+
+  @property
+  def device_mesh(self) -> DeviceMesh:
+    """The mesh whose axes the layouts name."""
+    return self._mesh
+
+  def __setitem__(self, key: str, layout) -> None:
+    re.compile(key)  # a bad pattern fails here, not at the first lookup
+    if key in self._rules:
+      raise ValueError(
+          f"LayoutMap already has the key {key!r} (layout "
+          f"{tuple(self._rules[key])}); delete it first to change it.")
+    if isinstance(layout, str) or layout is None:
+      raise TypeError(
+          f"LayoutMap[{key!r}] must be a tuple with one mesh axis name (or "
+          f"None) per dimension, got {layout!r}; for a vector split over "
+          "'model' write ('model',).")
+    for axes in layout:
+      for axis in axes if isinstance(axes, tuple) else (axes,):
+        if axis is not None:
+          self._mesh.check_axis(axis, f"LayoutMap[{key!r}] = {tuple(layout)}")
+    self._rules[key] = P(*layout)
+
+  def __getitem__(self, path: str) -> P | None:
+    """The layout of the parameter at `path`: its key's, or None (replicated).
+
+    Raises:
+      ValueError: more than one key matches `path`.
+    """
+    if path in self._rules:
+      return self._rules[path]
+    matches = [k for k in self._rules if re.fullmatch(k, path)]
+    if len(matches) > 1:
+      raise ValueError(
+          f"Parameter path {path!r} matches more than one LayoutMap key: "
+          f"{matches}. Make the keys exclusive so that each path matches at "
+          "most one.")
+    return self._rules[matches[0]] if matches else None
+
+  def __delitem__(self, key: str) -> None:
+    del self._rules[key]
+
+  def __iter__(self):
+    return iter(self._rules)
+
+  def __len__(self) -> int:
+    return len(self._rules)
+
+  def spec_for(self, path: str, shape: tuple) -> P:
+    """The checked `PartitionSpec` of a parameter of `shape` at `path`.
+
+    Raises:
+      ValueError: the layout's rank is not the parameter's, or an axis's
+        size does not divide the dimension it splits.
+    """
+    spec = self[path]
+    if spec is None:
+      return P()
+    if len(spec) != len(shape):
+      raise ValueError(
+          f"LayoutMap gives parameter {path!r} of shape {tuple(shape)} the "
+          f"layout {tuple(spec)} of {len(spec)} dimensions; give one axis (or "
+          f"None) for each of its {len(shape)} dimensions.")
+    for dim, (size, axes) in enumerate(zip(shape, spec)):
+      axes = axes if isinstance(axes, tuple) else (axes,)
+      split = int(np.prod([self._mesh.axis_size(a) for a in axes if a]))
+      if size % split:
+        raise ValueError(
+            f"Parameter {path!r} of shape {tuple(shape)}: dimension {dim} "
+            f"({size}) cannot be split over mesh axis {'x'.join(map(str, axes))}"
+            f" of size {split}. Choose an axis whose size divides {size}, or "
+            "None for that dimension in its LayoutMap key.")
+    return spec
+
+  def partition_specs(self, tree: Any) -> Any:
+    """A `PartitionSpec` for every leaf of the parameter tree `tree`.
+
+    Warns for each key that matched no leaf (a misspelt path would otherwise
+    leave its parameters replicated, silently).
+    """
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    names = [path_name(p) for p, _ in flat]
+    specs = [self.spec_for(n, np.shape(x)) for n, (_, x) in zip(names, flat)]
+    for key in self._rules:
+      if not any(re.fullmatch(key, n) for n in names):
+        warnings.warn(
+            f"LayoutMap key {key!r} matches no parameter; the paths are "
+            f"{names[:20]}{' ...' if len(names) > 20 else ''}. Keys match a "
+            "whole path (re.fullmatch): add '.*' where the path has a prefix.",
+            stacklevel=2)
+    return jax.tree_util.tree_unflatten(treedef, specs)
+
+  def shardings(self, tree: Any) -> Any:
+    """A `NamedSharding` on the mesh for every leaf of `tree`."""
+    mesh = self._mesh.jax_mesh
+    return jax.tree.map(lambda s: NamedSharding(mesh, s),
+                        self.partition_specs(tree),
+                        is_leaf=lambda x: isinstance(x, P))
+
+  def __repr__(self) -> str:
+    return f"LayoutMap({self._mesh!r}, {dict(self._rules)!r})"

@@ -1,0 +1,174 @@
+"""ModelParallelStrategy: replicas that span devices, laid out by a LayoutMap."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jdist._src.strategies.layout_map import LayoutMap
+from jdist._src.strategies.spmd import Strategy
+
+
+def _uses(spec: P, axis: str) -> bool:
+  return any(axis == a or (isinstance(a, tuple) and axis in a) for a in spec)
+
+
+def fsdp_spec(spec: P, shape: tuple, axis: str, size: int) -> P:
+  """`spec` with its largest free dimension that `size` divides split over
+  the FSDP `axis` (ZeRO-3); unchanged when it already uses `axis` or no
+  dimension fits (scalars, small vectors: kept whole on each device)."""
+  if _uses(spec, axis):
+    return spec
+  dims = list(spec) + [None] * (len(shape) - len(spec))
+  free = [d for d in range(len(shape))
+          if dims[d] is None and shape[d] % size == 0]
+  if not free:
+    return spec
+  dims[max(free, key=lambda d: (shape[d], -d))] = axis
+  return P(*dims)
+
+
+def _check_replica_axis(device_mesh, batch_dim_name: str) -> None:
+  """Refuses a batch axis of size 1 on a mesh of several devices.
+
+  jax 0.10.2's XLA fails to compile the gradient of a step whose manual
+  (replica) axis has size 1 while other axes split the parameters ("RET_CHECK
+  ... Cross-partition allreduce must be in (partial) manual partitioning
+  mode"); the size-1 axis's transposed `pvary` is the all-reduce it rejects.
+  """
+  if device_mesh.axis_size(batch_dim_name) == 1 and device_mesh.devices.size > 1:
+    raise NotImplementedError(
+        f"The batch axis {batch_dim_name!r} has size 1 on a mesh of "
+        f"{device_mesh.devices.size} devices ({device_mesh!r}): one replica "
+        "spanning every device. This JAX version's compiler cannot "
+        "differentiate such a step. Give the batch axis at least 2 devices "
+        "(for example DeviceMesh((2, 2), ...)).")
+
+
+def _replica_devices(mesh, batch_dim_name: str) -> tuple:
+  """One device per replica (its first), in replica order."""
+  axis = mesh.axis_names.index(batch_dim_name)
+  grid = np.moveaxis(mesh.devices, axis, 0)
+  return tuple(grid.reshape(grid.shape[0], -1)[:, 0])
+
+
+class ModelParallelStrategy(Strategy):
+  """Data parallelism over one mesh axis, the parameters split over the others.
+
+  As Keras 3's `keras.distribution.ModelParallel`: the mesh axis
+  `batch_dim_name` splits the global batch over replicas; each replica is
+  the group of devices along the other axes, over which the parameters are
+  split as `layout_map` says (XLA partitions the replica's computation from
+  those layouts). The per-replica step, `compute_average_loss`, metrics and
+  `num_replicas_in_sync` (the size of the batch axis) mean what they mean
+  for `MirroredStrategy`; gradients are summed over the replicas.
+
+  FSDP (ZeRO-3) is one argument: `fsdp_axis` names a within-replica axis
+  that splits both each replica's batch and every parameter (its largest
+  dimension that the axis divides, unless the LayoutMap already uses that
+  axis for it), so that each device holds 1/k of the parameters, gradients
+  and optimizer state; XLA gathers them for the computation.
+
+  Args:
+    layout_map: a `jdist.LayoutMap` over a `jdist.DeviceMesh`.
+    batch_dim_name: the mesh axis of the replicas; defaults to the mesh's
+      first axis (as Keras).
+    fsdp_axis: a mesh axis (not the batch one) for FSDP, or None.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jdist
+    >>> n = len(jax.devices())
+    >>> mesh = jdist.DeviceMesh((n, 1), ("data", "model"))
+    >>> layout_map = jdist.LayoutMap(mesh)
+    >>> layout_map["w"] = (None, "model")
+    >>> strategy = jdist.ModelParallelStrategy(layout_map=layout_map,
+    ...                                        batch_dim_name="data")
+    >>> params = strategy.init(lambda: {"w": jnp.ones((2, 4))})
+    >>> params["w"].sharding.spec
+    P(None, 'model')
+  """
+
+  def __init__(self, *, layout_map: LayoutMap,
+               batch_dim_name: str | None = None,
+               fsdp_axis: str | None = None):
+    if not isinstance(layout_map, LayoutMap):
+      raise TypeError(
+          "ModelParallelStrategy needs layout_map=jdist.LayoutMap(mesh), got "
+          f"{type(layout_map).__name__}.")
+    device_mesh = layout_map.device_mesh
+    batch_dim_name = batch_dim_name or device_mesh.axis_names[0]
+    device_mesh.check_axis(batch_dim_name, "batch_dim_name")
+    if fsdp_axis is not None:
+      device_mesh.check_axis(fsdp_axis, "fsdp_axis")
+      if fsdp_axis == batch_dim_name:
+        raise ValueError(
+            f"fsdp_axis and batch_dim_name are both {fsdp_axis!r}: FSDP splits "
+            "each replica over another mesh axis. Give the mesh a second "
+            "axis, for example DeviceMesh((2, 2), ('data', 'fsdp')).")
+    _check_replica_axis(device_mesh, batch_dim_name)
+    self._fsdp_axis = fsdp_axis
+    mesh = device_mesh.jax_mesh
+    self._layout_map = layout_map
+    super().__init__(_replica_devices(mesh, batch_dim_name),
+                     axis_name=batch_dim_name, mesh=mesh)
+
+  @property
+  def layout_map(self) -> LayoutMap:
+    """The rules that lay the parameters out."""
+    return self._layout_map
+
+  @property
+  def device_mesh(self):
+    """The `jdist.DeviceMesh` (Keras's name for the mesh)."""
+    return self._layout_map.device_mesh
+
+  @property
+  def fsdp_axis(self) -> str | None:
+    """The mesh axis that splits the parameters and each replica's batch."""
+    return self._fsdp_axis
+
+  @property
+  def replica_batch_axis(self) -> str | None:
+    return self._fsdp_axis
+
+  @property
+  def identity(self) -> tuple:
+    return super().identity + (self.device_mesh, self._fsdp_axis)
+
+  def __repr__(self) -> str:
+    fsdp = f", fsdp_axis={self._fsdp_axis!r}" if self._fsdp_axis else ""
+    return (f"ModelParallelStrategy({self.device_mesh!r}, "
+            f"batch_dim_name={self.axis_name!r}{fsdp})")
+
+  def partition_specs(self, tree: Any) -> Any:
+    """The `PartitionSpec` of every leaf of `tree`: the layout map's, split
+    over `fsdp_axis` as well when there is one."""
+    specs = self._layout_map.partition_specs(tree)
+    if self._fsdp_axis is None:
+      return specs
+    size = self.device_mesh.axis_size(self._fsdp_axis)
+    return jax.tree.map(
+        lambda s, x: fsdp_spec(s, np.shape(x), self._fsdp_axis, size),
+        specs, tree, is_leaf=lambda x: isinstance(x, P))
+
+  def shardings(self, tree: Any) -> Any:
+    """The `NamedSharding` of every leaf of `tree` (see `partition_specs`)."""
+    return jax.tree.map(lambda s: NamedSharding(self.mesh, s),
+                        self.partition_specs(tree),
+                        is_leaf=lambda x: isinstance(x, P))
+
+  def init(self, fn: Callable, *args, **kwargs) -> Any:
+    """Runs `fn(*args, **kwargs)` compiled so that its result is created laid
+    out: each leaf directly in its layout, never whole on one device.
+
+    Use it for the parameters and the optimizer state
+    (`strategy.init(optimizer.init, params)`): a LayoutMap key matches the
+    optimizer state's paths as it matches the parameters' (write `.*kernel`
+    rather than `dense/kernel` to lay out both).
+    """
+    shapes = jax.eval_shape(fn, *args, **kwargs)
+    return jax.jit(fn, out_shardings=self.shardings(shapes))(*args, **kwargs)

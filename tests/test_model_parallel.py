@@ -1,0 +1,313 @@
+"""Model parallelism: DeviceMesh, LayoutMap (Keras 3's names and meaning)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jdist
+
+
+@pytest.fixture(scope="module")
+def mesh22(devices):
+  return jdist.DeviceMesh((2, 2), ("data", "model"), devices[:4])
+
+
+def _mlp_params():
+  return {"dense_0": {"kernel": jnp.zeros((3, 8)), "bias": jnp.zeros(8)},
+          "dense_1": {"kernel": jnp.zeros((8, 2)), "bias": jnp.zeros(2)}}
+
+
+# --- DeviceMesh --------------------------------------------------------------
+
+
+def test_device_mesh_lays_devices_out_row_major(devices, mesh22):
+  assert mesh22.shape == (2, 2) and mesh22.axis_names == ("data", "model")
+  assert mesh22.devices[1, 0] == devices[2]
+  assert mesh22.axis_size("model") == 2
+  jm = mesh22.jax_mesh
+  assert dict(jm.shape) == {"data": 2, "model": 2}
+
+
+def test_device_mesh_defaults_to_every_device():
+  mesh = jdist.DeviceMesh((len(jax.devices()),), ("data",))
+  assert list(mesh.devices) == jax.devices()
+
+
+def test_device_mesh_size_must_match_device_count(devices):
+  with pytest.raises(ValueError, match=r"holds 6 devices but 4 were given"):
+    jdist.DeviceMesh((2, 3), ("data", "model"), devices[:4])
+
+
+def test_device_mesh_needs_one_name_per_axis(devices):
+  with pytest.raises(ValueError, match="one name per axis"):
+    jdist.DeviceMesh((2, 2), ("data",), devices[:4])
+
+
+# --- LayoutMap ---------------------------------------------------------------
+
+
+def test_keys_match_the_whole_path_and_unmatched_is_replicated(mesh22):
+  layout_map = jdist.LayoutMap(mesh22)
+  layout_map["dense_.*/kernel"] = (None, "model")
+  layout_map["dense_0/bias"] = ("model",)
+  specs = layout_map.partition_specs(_mlp_params())
+  assert specs["dense_0"]["kernel"] == P(None, "model")
+  assert specs["dense_1"]["kernel"] == P(None, "model")
+  assert specs["dense_0"]["bias"] == P("model")
+  assert specs["dense_1"]["bias"] == P()
+  # Matched whole, as Keras: a key without the prefix does not match.
+  assert layout_map["model/dense_0/kernel"] is None
+
+
+def test_shardings_place_each_leaf_on_its_axes(mesh22):
+  layout_map = jdist.LayoutMap(mesh22)
+  layout_map[".*kernel"] = (None, "model")
+  params = _mlp_params()
+  placed = jax.device_put(params, layout_map.shardings(params))
+  kernel = placed["dense_0"]["kernel"]
+  assert kernel.addressable_shards[0].data.shape == (3, 4)
+  assert placed["dense_0"]["bias"].addressable_shards[0].data.shape == (8,)
+
+
+def test_two_keys_matching_one_path_is_an_error_naming_both(mesh22):
+  layout_map = jdist.LayoutMap(mesh22)
+  layout_map["dense_0/k.*"] = (None, "model")
+  layout_map[".*kernel"] = ("model", None)
+  with pytest.raises(ValueError, match=r"dense_0/kernel.*'dense_0/k\.\*', "
+                     r"'\.\*kernel'"):
+    layout_map.partition_specs(_mlp_params())
+
+
+def test_indivisible_layout_names_path_dim_and_axis(devices):
+  mesh = jdist.DeviceMesh((1, 4), ("data", "model"), devices[:4])
+  layout_map = jdist.LayoutMap(mesh)
+  layout_map[".*kernel"] = (None, "model")
+  with pytest.raises(ValueError, match=r"'dense_1/kernel' of shape \(8, 2\): "
+                     r"dimension 1 \(2\) cannot be split over mesh axis model "
+                     r"of size 4"):
+    layout_map.partition_specs(_mlp_params())
+
+
+def test_layout_of_the_wrong_rank_is_an_error(mesh22):
+  layout_map = jdist.LayoutMap(mesh22)
+  layout_map["dense_0/bias"] = (None, "model")
+  with pytest.raises(ValueError, match=r"'dense_0/bias' of shape \(8,\).*2 "
+                     "dimensions"):
+    layout_map.partition_specs(_mlp_params())
+
+
+def test_unknown_axis_name_is_an_error_at_assignment(mesh22):
+  layout_map = jdist.LayoutMap(mesh22)
+  with pytest.raises(ValueError, match=r"mesh axis 'tensor'.*\('data', "
+                     r"'model'\)"):
+    layout_map[".*kernel"] = (None, "tensor")
+  assert len(layout_map) == 0
+
+
+def test_a_key_that_matches_nothing_warns(mesh22):
+  layout_map = jdist.LayoutMap(mesh22)
+  layout_map["d1/kernel"] = (None, "model")
+  with pytest.warns(UserWarning, match="'d1/kernel' matches no parameter"):
+    layout_map.partition_specs(_mlp_params())
+
+
+def test_a_string_layout_is_refused(mesh22):
+  layout_map = jdist.LayoutMap(mesh22)
+  with pytest.raises(TypeError, match=r"\('model',\)"):
+    layout_map[".*bias"] = "model"
+
+
+def test_a_key_is_set_once(mesh22):
+  layout_map = jdist.LayoutMap(mesh22)
+  layout_map[".*bias"] = ("model",)
+  with pytest.raises(ValueError, match="already has the key"):
+    layout_map[".*bias"] = (None,)
+  del layout_map[".*bias"]
+  layout_map[".*bias"] = (None,)
+  assert list(layout_map) == [".*bias"]
+
+
+# --- ModelParallelStrategy: one device against a mesh ------------------------
+
+import optax  # noqa: E402
+
+_TX = optax.sgd(0.1, momentum=0.9)
+
+
+def _make_params(key=0):
+  k0, k1, k2 = jax.random.split(jax.random.key(key), 3)
+  return {"dense_0": {"kernel": jax.random.normal(k0, (3, 8)) * 0.5,
+                      "bias": jax.random.normal(k2, (8,)) * 0.1},
+          "dense_1": {"kernel": jax.random.normal(k1, (8, 4)) * 0.5,
+                      "bias": jnp.zeros(4)}}
+
+
+def _step(params, opt_state, batch):
+  x, y = batch
+
+  def loss_fn(p):
+    h = jnp.tanh(x @ p["dense_0"]["kernel"] + p["dense_0"]["bias"])
+    out = h @ p["dense_1"]["kernel"] + p["dense_1"]["bias"]
+    return jdist.compute_average_loss(jnp.sum((out - y) ** 2, -1))
+
+  loss, grads = jax.value_and_grad(loss_fn)(params)
+  updates, opt_state = _TX.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, loss
+
+
+def _batches(n=4, size=8):
+  rng = np.random.default_rng(0)
+  return [(rng.normal(size=(size, 3)).astype(np.float32),
+           rng.normal(size=(size, 4)).astype(np.float32)) for _ in range(n)]
+
+
+def _train(strategy, params, opt_state, outer_jit=False):
+  step = strategy.function(_step)
+  step = jax.jit(step) if outer_jit else step
+  losses = []
+  for batch in strategy.experimental_distribute_dataset(_batches()):
+    params, opt_state, loss = step(params, opt_state, batch)
+    losses.append(float(strategy.reduce("sum", loss)))
+  return params, opt_state, losses
+
+
+@pytest.fixture(scope="module")
+def one_device_run(devices):
+  strategy = jdist.OneDeviceStrategy(devices[0])
+  params = strategy.replicate(_make_params())
+  return _train(strategy, params, strategy.replicate(_TX.init(params)))
+
+
+def _tensor_parallel(mesh):
+  layout_map = jdist.LayoutMap(mesh)
+  layout_map[".*dense_0/kernel"] = (None, "model")
+  layout_map[".*dense_1/kernel"] = ("model", None)
+  layout_map[".*dense_0/bias"] = ("model",)
+  return layout_map
+
+
+def _model_parallel_run(layout_map, batch_dim_name, outer_jit=False):
+  strategy = jdist.ModelParallelStrategy(layout_map=layout_map,
+                                         batch_dim_name=batch_dim_name)
+  params = strategy.init(_make_params)
+  opt_state = strategy.init(_TX.init, params)
+  return strategy, _train(strategy, params, opt_state, outer_jit)
+
+
+def _assert_same(run, reference):
+  (params, _, losses), (ref_params, _, ref_losses) = run, reference
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-6, atol=1e-6)
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+@pytest.mark.parametrize("outer_jit", [False, True])
+def test_data_by_model_2x2_equals_one_device(mesh22, one_device_run,
+                                             outer_jit):
+  strategy, run = _model_parallel_run(_tensor_parallel(mesh22), "data",
+                                      outer_jit)
+  assert strategy.num_replicas_in_sync == 2
+  _assert_same(run, one_device_run)
+  params, opt_state, _ = run
+  kernel = params["dense_0"]["kernel"]
+  assert kernel.sharding.spec == P(None, "model")
+  assert kernel.addressable_shards[0].data.shape == (3, 4)
+  momentum = jax.tree.leaves(opt_state)[1]
+  assert momentum.addressable_shards[0].data.shape == (3, 4)
+
+
+def _empty_layout(mesh):
+  return jdist.LayoutMap(mesh)
+
+
+# (mesh shape, axis names, layout, fsdp axis, replicas, dense_0 kernel's and
+# dense_1 kernel's shard shapes)
+_MESHES = {
+    "data_by_fsdp_2x2": ((2, 2), ("data", "fsdp"), _empty_layout, "fsdp", 2,
+                         (3, 4), (4, 4)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_MESHES))
+def test_mesh_equals_one_device_and_state_stays_split(devices, one_device_run,
+                                                      case):
+  shape, names, layout, fsdp, replicas, shard0, shard1 = _MESHES[case]
+  mesh = jdist.DeviceMesh(shape, names, devices[:4])
+  strategy = jdist.ModelParallelStrategy(layout_map=layout(mesh),
+                                         batch_dim_name="data",
+                                         fsdp_axis=fsdp)
+  assert strategy.num_replicas_in_sync == replicas
+  params = strategy.init(_make_params)
+  opt_state = strategy.init(_TX.init, params)
+  run = _train(strategy, params, opt_state)
+  _assert_same(run, one_device_run)
+  params, opt_state, _ = run
+  assert params["dense_0"]["kernel"].addressable_shards[0].data.shape == shard0
+  assert params["dense_1"]["kernel"].addressable_shards[0].data.shape == shard1
+  trace = opt_state[0].trace
+  assert trace["dense_1"]["kernel"].addressable_shards[0].data.shape == shard1
+
+
+def test_fsdp_splits_each_replicas_batch(devices):
+  mesh = jdist.DeviceMesh((2, 2), ("data", "fsdp"), devices[:4])
+  strategy = jdist.ModelParallelStrategy(
+      layout_map=jdist.LayoutMap(mesh), batch_dim_name="data",
+      fsdp_axis="fsdp")
+  batch = next(iter(strategy.experimental_distribute_dataset(_batches(1))))
+  x = batch.values[0]
+  assert x.sharding.spec == P("data", "fsdp")
+  assert x.addressable_shards[0].data.shape == (1, 2, 3)
+
+
+def test_batch_that_fsdp_cannot_split_is_an_error(devices):
+  mesh = jdist.DeviceMesh((2, 2), ("data", "fsdp"), devices[:4])
+  strategy = jdist.ModelParallelStrategy(
+      layout_map=jdist.LayoutMap(mesh), fsdp_axis="fsdp")
+  with pytest.raises(ValueError, match=r"global batch of 6 examples cannot "
+                     r"split evenly over 4 parts \(2 replicas x 2 devices of "
+                     r"'fsdp'\)"):
+    next(iter(strategy.experimental_distribute_dataset(_batches(1, size=6))))
+
+
+def test_batch_that_the_replicas_cannot_split_is_an_error(mesh22):
+  strategy = jdist.ModelParallelStrategy(layout_map=jdist.LayoutMap(mesh22))
+  with pytest.raises(ValueError, match=r"global batch of 7 examples cannot "
+                     r"split evenly over 2 replicas"):
+    list(strategy.experimental_distribute_dataset(_batches(2, size=7)))
+
+
+def test_unknown_axis_names_are_errors(mesh22):
+  with pytest.raises(ValueError, match=r"batch_dim_name names the mesh axis "
+                     r"'batch'"):
+    jdist.ModelParallelStrategy(layout_map=jdist.LayoutMap(mesh22),
+                                batch_dim_name="batch")
+  with pytest.raises(ValueError, match=r"fsdp_axis names the mesh axis 'fsdp'"):
+    jdist.ModelParallelStrategy(layout_map=jdist.LayoutMap(mesh22),
+                                fsdp_axis="fsdp")
+
+
+@pytest.mark.parametrize("names", [("data", "model"), ("data", "fsdp")])
+def test_one_replica_over_every_device_is_refused_clearly(devices, names):
+  # jax 0.10.2's XLA cannot compile the gradient when the manual (replica)
+  # axis has size 1 and another splits the parameters (1x4, 4 FSDP).
+  mesh = jdist.DeviceMesh((1, 4), names, devices[:4])
+  with pytest.raises(NotImplementedError, match="batch axis 'data' has size 1"):
+    jdist.ModelParallelStrategy(layout_map=jdist.LayoutMap(mesh),
+                                batch_dim_name="data")
+
+
+def test_run_reduce_gather_and_local_results_see_one_value_per_replica(mesh22):
+  strategy = jdist.ModelParallelStrategy(layout_map=jdist.LayoutMap(mesh22))
+  assert repr(strategy) == ("ModelParallelStrategy(DeviceMesh(data=2, "
+                            "model=2), batch_dim_name='data')")
+  data = np.arange(8.0, dtype=np.float32).reshape(8, 1)
+  batch = next(iter(strategy.experimental_distribute_dataset([data])))
+  out = strategy.run(lambda x: x * 2, args=(batch,))
+  local = strategy.experimental_local_results(out)
+  assert [np.asarray(v).ravel().tolist() for v in local] == [
+      [0.0, 2.0, 4.0, 6.0], [8.0, 10.0, 12.0, 14.0]]
+  np.testing.assert_array_equal(np.asarray(strategy.gather(out, 0)), data * 2)
+  np.testing.assert_array_equal(
+      np.asarray(strategy.reduce("sum", out, axis=0)), [56.0])
