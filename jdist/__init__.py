@@ -10,6 +10,7 @@ Example:
 from jdist import cluster_resolver
 from jdist import losses
 from jdist import metrics
+from jdist._src.checkpoint.manager import CheckpointManager
 from jdist._src.core.function import DistributedFunction
 from jdist._src.core.multi_step import MultiStepFunction
 from jdist._src.core.multi_step import multi_step
@@ -118,6 +119,7 @@ __all__ = [
     "CheckpointDirectoryError",
     "CheckpointError",
     "CheckpointInUseError",
+    "CheckpointManager",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "ClusterCoordinator",

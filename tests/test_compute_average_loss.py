@@ -101,3 +101,26 @@ def test_global_batch_size_computed_inside_a_step():
   assert float(f(jnp.ones(4), jnp.int32(8))) == 0.5
   assert float(jdist.compute_average_loss(
       jnp.ones(4), global_batch_size=np.int64(8))) == 0.5
+
+
+def test_a_batch_every_replica_gets_whole_is_refused():
+  """A batch passed to the step as it is reaches every replica whole: the
+  loss is the same on all of them, autodiff sums nothing, and the gradients
+  were 4 times too small, silently. It is an error naming the fix."""
+  strategy = jdist.MirroredStrategy(jax.local_devices()[:4])
+  x = np.linspace(-1, 1, 64, dtype=np.float32).reshape(16, 4)
+
+  @strategy.function
+  def grad(w, batch):
+    return jax.grad(lambda w: jdist.compute_average_loss(
+        (batch @ w) ** 2))(w)
+
+  w = strategy.replicate(np.ones(4, np.float32))
+  with pytest.raises(jdist.LossScalingError,
+                     match=r"same on all 4 replicas.*4 times too small.*"
+                     r"experimental_distribute_dataset"):
+    grad(w, x)
+  split, = strategy.experimental_distribute_dataset([x])
+  np.testing.assert_allclose(  # distributed, it is one device's gradient
+      grad(w, split), jax.grad(lambda w: jnp.mean((x @ w) ** 2))(np.ones(4)),
+      rtol=1e-6)

@@ -13,7 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jdist._src.core import in_step
 from jdist._src.core.replica_context import resolve_batch
+from jdist._src.errors import LossScalingError
 
 
 def _fit_weights(sample_weight, loss):
@@ -106,6 +108,7 @@ def compute_average_loss(per_example_loss, sample_weight=None,
   if global_batch_size is not None:
     _check_divisor(global_batch_size)
   batch = resolve_batch(mask=mask)
+  _check_varies(loss, batch)
   if batch.mask is not None:
     if batch.mask.shape[0] != loss.shape[0]:
       raise ValueError(
@@ -125,6 +128,27 @@ def compute_average_loss(per_example_loss, sample_weight=None,
   else:
     divisor = loss.shape[0] * batch.num_replicas
   return total / jnp.maximum(jnp.asarray(divisor, total.dtype), 1)
+
+
+def _check_varies(loss, batch) -> None:
+  """Refuses per-example losses that are the same on every replica: each
+  replica then saw the whole batch (a plain array argument reaches every
+  replica whole), autodiff sums nothing over replicas, and the gradients
+  would be `num_replicas` times too small, silently."""
+  ctx = batch.replica_context
+  axis = getattr(ctx, "axis_name", None)
+  if batch.num_replicas < 2 or axis is None or in_step.is_varying(loss, axis):
+    return
+  raise LossScalingError(
+      f"compute_average_loss got per-example losses that are the same on all "
+      f"{batch.num_replicas} replicas: every replica computed them from the "
+      "same whole batch (an array passed to the step as it is reaches every "
+      "replica whole), so the gradients would be "
+      f"{batch.num_replicas} times too small. Split the batch over the "
+      "replicas: iterate strategy.experimental_distribute_dataset(batches) "
+      "(or use distribute_datasets_from_function / "
+      "experimental_distribute_values_from_function) and pass its batches "
+      "to the step.")
 
 
 def scale_regularization_loss(regularization_loss) -> jax.Array:

@@ -1,0 +1,120 @@
+"""`jdist.CheckpointManager` in a custom loop, as the multi-worker tutorial
+writes one: flax's TrainState, a `strategy.function` step, a save every few
+steps, a restart that restores the newest checkpoint and finishes exactly as
+an uninterrupted run, on the same or another number of devices."""
+
+import os
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+
+import jdist
+import jdist.testing
+from conftest import strategy_on
+from jdist.examples.models import MLP
+
+MODEL = MLP(hidden=16)
+
+
+def _batches(digits_flat, n=12, size=64):
+  x, y = digits_flat
+  return [{"x": x[i * size:(i + 1) * size], "y": y[i * size:(i + 1) * size]}
+          for i in range(n)]
+
+
+def _initial(strategy, batches, tx=None):
+  params = MODEL.init(jax.random.key(0), batches[0]["x"][:1])["params"]
+  with strategy.scope():
+    return strategy.replicate(train_state.TrainState.create(
+        apply_fn=MODEL.apply, params=params,
+        tx=tx or optax.sgd(0.1, momentum=0.9)))
+
+
+def _step(strategy):
+  @strategy.function
+  def step(state, batch):
+    def loss_fn(params):
+      logits = state.apply_fn({"params": params}, batch["x"])
+      return jdist.compute_average_loss(
+          optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]))
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+  return step
+
+
+def _train(strategy, batches, directory=None, stop_at=None):
+  """The tutorial's loop: resume if there is a checkpoint, save every 4."""
+  state, start = _initial(strategy, batches), 0
+  step = _step(strategy)
+  manager = directory and jdist.CheckpointManager(directory, max_to_keep=2,
+                                                  strategy=strategy)
+  if manager and manager.latest_step is not None:
+    start = manager.latest_step
+    state = manager.restore(state)
+    assert int(state.step) == start
+  dist = strategy.experimental_distribute_dataset(batches[start:])
+  for i, batch in enumerate(dist, start):
+    if i == stop_at:
+      manager.close()  # the job ends here (its process would exit)
+      return None
+    state, _ = step(state, batch)
+    if manager and (i + 1) % 4 == 0:
+      manager.save(i + 1, state)
+  if manager:
+    manager.close()
+  return jax.device_get((state.params, state.opt_state))
+
+
+@pytest.mark.parametrize("saved_on,resumed_on", [(4, 4), (4, 2), (2, 1)])
+def test_a_restarted_loop_finishes_as_an_uninterrupted_one(
+    digits_flat, tmp_path, saved_on, resumed_on):
+  batches = _batches(digits_flat)
+  reference = _train(strategy_on(4), batches)
+  assert _train(strategy_on(saved_on), batches, tmp_path, stop_at=10) is None
+  assert sorted(int(d) for d in os.listdir(tmp_path) if d.isdigit()) == [4, 8]
+  resumed = _train(strategy_on(resumed_on), batches, tmp_path)
+  problems = jdist.testing.compare_trees(reference, resumed, rtol=1e-5,
+                                         atol=1e-6, names=("uninterrupted",
+                                                           "resumed"))
+  assert not problems, "\n".join(problems)
+
+
+def test_the_manager_says_what_it_holds_and_what_is_wrong(digits_flat,
+                                                           tmp_path):
+  strategy = strategy_on(2)
+  batches = _batches(digits_flat, n=1)
+  state = _initial(strategy, batches)
+  with jdist.CheckpointManager(tmp_path, strategy=strategy) as manager:
+    assert manager.latest_step is None and manager.latest_checkpoint is None
+    with pytest.raises(jdist.CheckpointNotFoundError, match="latest_step"):
+      manager.restore(state)
+    assert manager.save(7, state) == str(tmp_path / "7")
+    assert manager.latest_checkpoint == str(tmp_path / "7")
+    # A second job on the same directory is refused, not interleaved.
+    with pytest.raises(jdist.CheckpointInUseError):
+      jdist.CheckpointManager(tmp_path)
+    # Another model's state: the differing leaves are named.
+    other = _initial(strategy, batches, tx=optax.adam(1e-3))
+    with pytest.raises(jdist.CheckpointMismatchError, match=r"opt_state/0/mu"):
+      manager.restore(other)
+  with pytest.raises(ValueError, match="max_to_keep=0"):
+    jdist.CheckpointManager(tmp_path, max_to_keep=0)
+
+
+def test_a_save_a_killed_job_left_half_written_is_removed(digits_flat,
+                                                           tmp_path):
+  strategy = strategy_on(2)
+  state = _initial(strategy, _batches(digits_flat, n=1))
+  with jdist.CheckpointManager(tmp_path, strategy=strategy) as manager:
+    manager.save(4, state)
+  left = tmp_path / "8.orbax-checkpoint-tmp"
+  (left / "state").mkdir(parents=True)  # what a kill -9 during a save leaves
+  with jdist.CheckpointManager(tmp_path, strategy=strategy) as manager:
+    assert manager.steps == [4]
+    restored = manager.restore(state)
+    manager.save(12, restored)  # the next save waits for the clean-up too
+  assert sorted(os.listdir(tmp_path)) == ["12", "4"]
+  assert int(restored.step) == 0
