@@ -343,3 +343,18 @@ def test_too_few_nodes_end_the_job(script, tmp_path):
           "than the minimum of 2 (--nnodes 2:3), and no other joined within "
           "--join-timeout 1 s." in r.stderr), r.stderr
   assert "pid" not in r.stdout
+
+
+def test_a_closed_rendezvous_leaves_no_thread_or_socket():
+  import threading
+  from jdist._src.multiprocess import rendezvous, rendezvous_tcp
+  spec = rendezvous.JobSpec(1, 1, 0, ("train.py",))
+  server = rendezvous_tcp.Server(rendezvous.Rendezvous(spec), "127.0.0.1", 0)
+  client = rendezvous_tcp.Client(*server.address, timeout=10)
+  client.hello(spec.asdict(), nproc=1)
+  server.close(linger=0)
+  assert not [t for t in threading.enumerate()
+              if t.name.startswith("jdist-rendezvous")]
+  with pytest.raises(rendezvous_tcp.RendezvousError, match="ended"):
+    client.request("view")
+  client.close()

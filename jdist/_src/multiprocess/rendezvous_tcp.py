@@ -47,8 +47,12 @@ class Server:
     self._lock = threading.Lock()
     self._changed = threading.Condition(self._lock)
     self._closed = threading.Event()
-    for target in (self._accept, self._tick):
-      threading.Thread(target=target, name="jdist-rendezvous", daemon=True).start()
+    self._connections: set[socket.socket] = set()
+    self._threads = [threading.Thread(target=target, name="jdist-rendezvous",
+                                      daemon=True)
+                     for target in (self._accept, self._tick)]
+    for thread in self._threads:
+      thread.start()
 
   @classmethod
   def host_if_local(cls, state, host: str, port: int) -> "Server | None":
@@ -66,7 +70,12 @@ class Server:
         conn, _ = self._sock.accept()
       except OSError:
         return
-      threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+      with self._lock:
+        self._connections.add(conn)
+      thread = threading.Thread(target=self._serve, args=(conn,),
+                                name="jdist-rendezvous-node", daemon=True)
+      self._threads.append(thread)
+      thread.start()
 
   def _tick(self) -> None:
     while not self._closed.wait(TICK_SECONDS):
@@ -89,8 +98,9 @@ class Server:
       except (OSError, ValueError):
         pass
       finally:
-        if member is not None:
-          with self._lock:
+        with self._lock:
+          self._connections.discard(conn)
+          if member is not None:
             self.state.leave(member, "its launcher's connection closed")
 
   def _handle(self, member, request: dict, conn) -> dict:
@@ -124,10 +134,20 @@ class Server:
           break
       time.sleep(0.05)
     self._closed.set()
-    try:
-      self._sock.close()
-    except OSError:
-      pass
+    with self._lock:
+      sockets = [self._sock, *self._connections]
+    for sock in sockets:
+      # shutdown, not only close: a thread blocked in accept() or a read on
+      # Linux wakes only on shutdown.
+      for end in (lambda: sock.shutdown(socket.SHUT_RDWR), sock.close):
+        try:
+          end()
+        except OSError:
+          pass
+    for thread in self._threads[:2]:  # accept and tick: no new threads after
+      thread.join(timeout=5)
+    for thread in self._threads[2:]:
+      thread.join(timeout=5)
 
 
 class Client:
