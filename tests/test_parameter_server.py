@@ -357,6 +357,8 @@ def test_bad_input_is_a_clear_error():
     coordinator.schedule(3)
   with pytest.raises(TypeError, match=r"must be a tuple of arguments"):
     coordinator.schedule(lambda x: x, args=np.ones(2))
+  with pytest.raises(TypeError, match=r"kwargs=\.\.\.\) must be a dict.*got list"):
+    coordinator.schedule(lambda x: x, kwargs=[1])
   rv = coordinator.schedule(lambda: 1)
   with pytest.raises(TypeError, match="A RemoteValue cannot be an argument"):
     coordinator.schedule(lambda x: x, args=(rv,))
@@ -370,6 +372,24 @@ def test_bad_input_is_a_clear_error():
   coordinator.shutdown()
   with pytest.raises(RuntimeError, match="shut down"):
     coordinator.schedule(lambda: 1)
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), float("inf"), 0, -1.0])
+def test_a_timeout_that_is_not_a_finite_positive_number_is_refused(timeout):
+  with pytest.raises(ValueError, match="timeout_seconds must be a positive "
+                     "finite number"):
+    make(num_workers=1, timeout_seconds=timeout)
+
+
+@pytest.mark.parametrize("answer", [None, [2.5, 1], [True, 1], 3])
+def test_a_partitioner_answer_that_is_not_counts_is_a_clear_error(answer):
+  strategy = make(num_workers=1, num_ps=2,
+                  variable_partitioner=lambda shape, dtype: answer)
+  with pytest.raises(ValueError, match=r"variable_partitioner returned "
+                     r".*must return a list of whole numbers"):
+    strategy.replicate({"w": jnp.zeros((4, 2))})
+  if strategy.attached_coordinator is not None:
+    strategy.attached_coordinator.shutdown()
 
 
 def test_cluster_without_parameter_servers_is_a_clear_error(monkeypatch):

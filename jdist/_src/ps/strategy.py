@@ -122,9 +122,10 @@ class ParameterServerStrategy(StrategyBase):
       raise ValueError(f"Unknown backend {backend!r}; choose 'threads' (this "
                        "process) or 'ray' (Ray actors).")
     if (isinstance(timeout_seconds, bool) or
-        not isinstance(timeout_seconds, (int, float)) or timeout_seconds <= 0):
-      raise ValueError(f"timeout_seconds must be a positive number, got "
-                       f"{timeout_seconds!r}.")
+        not isinstance(timeout_seconds, (int, float)) or
+        not math.isfinite(timeout_seconds) or timeout_seconds <= 0):
+      raise ValueError(f"timeout_seconds must be a positive finite number of "
+                       f"seconds, got {timeout_seconds!r}.")
     self._cluster_resolver = cluster_resolver
     self._partitioner = variable_partitioner
     self._max_staleness = max_staleness
