@@ -647,3 +647,31 @@ def test_model_checkpoint_and_early_stopping_read_the_servers(digits_split,
                              np.asarray(trainer.predict(val[0])), rtol=1e-5)
   strategy.coordinator.shutdown()
   other.coordinator.shutdown()
+
+
+def test_flax_train_state_keeps_jax_dtypes_on_the_servers():
+  """TrainState.create stores step as the Python int 0: the servers keep it as
+  JAX would (int32 with x64 off), so the step's step + 1 fits it."""
+  from flax.training import train_state
+  tx = optax.sgd(0.1, momentum=0.9)
+  loss_fn = lambda p, x: jnp.mean(jnp.sum((p["w"] - x) ** 2, -1))
+
+  def step(state, x):
+    grads = jax.grad(loss_fn)(state.params, x)
+    grads = jdist.get_replica_context().all_reduce("mean", grads)
+    return state.apply_gradients(grads=grads), state.step
+
+  strategy = make(num_workers=1)
+  state = strategy.replicate(train_state.TrainState.create(
+      apply_fn=None, params={"w": jnp.zeros(2)}, tx=tx))
+  ps_step = strategy.function(step)
+  for _ in range(5):
+    state, _ = ps_step(state, np.ones((4, 2), np.float32))
+  w, trace = np.zeros(2), np.zeros(2)  # SGD with momentum in numpy
+  for _ in range(5):
+    trace = 0.9 * trace + 2 * (w - 1)
+    w = w - 0.1 * trace
+  got = state.read()
+  assert got.step.dtype == jnp.int32 and int(got.step) == 5
+  np.testing.assert_allclose(got.params["w"], w, rtol=1e-6)
+  strategy.coordinator.shutdown()
