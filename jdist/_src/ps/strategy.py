@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from typing import Any, Callable
 
 import jax
