@@ -357,6 +357,8 @@ def test_bad_input_is_a_clear_error():
     coordinator.schedule(3)
   with pytest.raises(TypeError, match=r"must be a tuple of arguments"):
     coordinator.schedule(lambda x: x, args=np.ones(2))
+  with pytest.raises(TypeError, match=r"kwargs=\.\.\.\) must be a dict.*got list"):
+    coordinator.schedule(lambda x: x, kwargs=[1])
   rv = coordinator.schedule(lambda: 1)
   with pytest.raises(TypeError, match="A RemoteValue cannot be an argument"):
     coordinator.schedule(lambda x: x, args=(rv,))
@@ -370,6 +372,24 @@ def test_bad_input_is_a_clear_error():
   coordinator.shutdown()
   with pytest.raises(RuntimeError, match="shut down"):
     coordinator.schedule(lambda: 1)
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), float("inf"), 0, -1.0])
+def test_a_timeout_that_is_not_a_finite_positive_number_is_refused(timeout):
+  with pytest.raises(ValueError, match="timeout_seconds must be a positive "
+                     "finite number"):
+    make(num_workers=1, timeout_seconds=timeout)
+
+
+@pytest.mark.parametrize("answer", [None, [2.5, 1], [True, 1], 3])
+def test_a_partitioner_answer_that_is_not_counts_is_a_clear_error(answer):
+  strategy = make(num_workers=1, num_ps=2,
+                  variable_partitioner=lambda shape, dtype: answer)
+  with pytest.raises(ValueError, match=r"variable_partitioner returned "
+                     r".*must return a list of whole numbers"):
+    strategy.replicate({"w": jnp.zeros((4, 2))})
+  if strategy.attached_coordinator is not None:
+    strategy.attached_coordinator.shutdown()
 
 
 def test_cluster_without_parameter_servers_is_a_clear_error(monkeypatch):
@@ -627,3 +647,31 @@ def test_model_checkpoint_and_early_stopping_read_the_servers(digits_split,
                              np.asarray(trainer.predict(val[0])), rtol=1e-5)
   strategy.coordinator.shutdown()
   other.coordinator.shutdown()
+
+
+def test_flax_train_state_keeps_jax_dtypes_on_the_servers():
+  """TrainState.create stores step as the Python int 0: the servers keep it as
+  JAX would (int32 with x64 off), so the step's step + 1 fits it."""
+  from flax.training import train_state
+  tx = optax.sgd(0.1, momentum=0.9)
+  loss_fn = lambda p, x: jnp.mean(jnp.sum((p["w"] - x) ** 2, -1))
+
+  def step(state, x):
+    grads = jax.grad(loss_fn)(state.params, x)
+    grads = jdist.get_replica_context().all_reduce("mean", grads)
+    return state.apply_gradients(grads=grads), state.step
+
+  strategy = make(num_workers=1)
+  state = strategy.replicate(train_state.TrainState.create(
+      apply_fn=None, params={"w": jnp.zeros(2)}, tx=tx))
+  ps_step = strategy.function(step)
+  for _ in range(5):
+    state, _ = ps_step(state, np.ones((4, 2), np.float32))
+  w, trace = np.zeros(2), np.zeros(2)  # SGD with momentum in numpy
+  for _ in range(5):
+    trace = 0.9 * trace + 2 * (w - 1)
+    w = w - 0.1 * trace
+  got = state.read()
+  assert got.step.dtype == jnp.int32 and int(got.step) == 5
+  np.testing.assert_allclose(got.params["w"], w, rtol=1e-6)
+  strategy.coordinator.shutdown()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import jax
@@ -113,7 +114,8 @@ class ClusterCoordinator:
       A `RemoteValue` of `fn`'s result.
 
     Raises:
-      TypeError: `fn` is not callable, or an argument is a `RemoteValue`.
+      TypeError: `fn` is not callable, `args` not a tuple, `kwargs` not a
+        dict, or an argument is a `RemoteValue`.
       The first error of an earlier function, if one failed since the last
       `join()` (queued functions are then cancelled).
     """
@@ -125,6 +127,10 @@ class ClusterCoordinator:
     if not isinstance(args, (tuple, list)):
       raise TypeError(f"schedule(args=...) must be a tuple of arguments, got "
                       f"{type(args).__name__}; write args=(x,) for one argument.")
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+      raise TypeError(f"schedule(kwargs=...) must be a dict of keyword "
+                      f"arguments or None, got {type(kwargs).__name__}; write "
+                      "kwargs={'name': x}.")
     kwargs = dict(kwargs or {})
     if any(isinstance(x, RemoteValue) for x in jax.tree.leaves(
         (args, kwargs), is_leaf=lambda x: isinstance(x, RemoteValue))):

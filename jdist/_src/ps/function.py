@@ -117,7 +117,10 @@ def _changes(layout, parts, new) -> tuple:
           f"The step returned {leaf.dtype}{list(got)} for the variable "
           f"{spec.path or '<value>'}, which is {spec.dtype}{list(spec.shape)}. "
           "A step must return the new state with the shapes and dtypes of "
-          "the state it took.")
+          "the state it took" + (
+              f": cast it back, e.g. `.astype(jnp.{spec.dtype})`, or give "
+              f"strategy.replicate a {leaf.dtype} value"
+              if tuple(got) == tuple(spec.shape) else "") + ".")
     old = spec.join(leaf_parts)
     if spec.key_impl:
       old = jax.random.key_data(old)

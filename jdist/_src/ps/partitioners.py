@@ -149,13 +149,15 @@ def row_splits(shape: Sequence[int], dtype, partitioner) -> tuple | None:
   """
   if partitioner is None or len(shape) == 0:
     return None
-  parts = list(partitioner(tuple(int(d) for d in shape), np.dtype(dtype)))
-  if (len(parts) != len(shape) or parts[0] < 1 or
+  answer = partitioner(tuple(int(d) for d in shape), np.dtype(dtype))
+  parts = list(answer) if isinstance(answer, (list, tuple)) else None
+  if (parts is None or len(parts) != len(shape) or
+      not all(_is_count(p) for p in parts) or parts[0] < 1 or
       any(p != 1 for p in parts[1:])):
     raise ValueError(
-        f"The variable_partitioner returned {parts} for shape {tuple(shape)}; it "
-        "must return one count per axis, 1 everywhere but the first axis (only "
-        "the first axis is split).")
+        f"The variable_partitioner returned {answer!r} for shape "
+        f"{tuple(shape)}; it must return a list of whole numbers, one per axis, "
+        "1 everywhere but the first axis (only the first axis is split).")
   n = min(int(parts[0]), int(shape[0]))
   if n <= 1:
     return None
@@ -166,3 +168,8 @@ def row_splits(shape: Sequence[int], dtype, partitioner) -> tuple | None:
     bounds.append((start, stop))
     start = stop
   return tuple(bounds)
+
+
+def _is_count(p) -> bool:
+  """A whole number of pieces (an int, not a bool or a fraction)."""
+  return isinstance(p, (int, np.integer)) and not isinstance(p, (bool, np.bool_))

@@ -46,8 +46,10 @@ class ParameterServerStrategy(StrategyBase):
 
   Updates are asynchronous: for numbers, a server adds the worker's change
   (new value minus the value it read), so plain SGD is TensorFlow's
-  asynchronous SGD exactly, and with one worker (or `max_staleness=0`)
-  training is the same as on one device, step by step. Optimizer state
+  asynchronous SGD exactly. With one worker training is the same as on one
+  device, step by step; with `max_staleness=0` it is the same as one device
+  trained on the batches in the order the servers applied them, an order
+  that with several workers depends on timing and varies between runs. Optimizer state
   (Adam's moments, step counts) gets the same treatment: moments mix
   changes computed from slightly different reads, counts count every
   applied step. Booleans and PRNG keys are replaced (the last update wins).
@@ -71,7 +73,8 @@ class ParameterServerStrategy(StrategyBase):
     max_staleness: the most updates a server may have applied between a
       worker's read and its update; default twice the number of workers.
       0 makes training sequential (one update at a time, each on the latest
-      values); `math.inf` never refuses (TensorFlow's behaviour).
+      values; the order of several workers' updates still varies between
+      runs); `math.inf` never refuses (TensorFlow's behaviour).
     timeout_seconds: how long a call to a parameter server may take before
       the server counts as failed (`jdist.ParameterServerError`).
     backend: "threads" (workers are threads of this process on its local
@@ -120,9 +123,10 @@ class ParameterServerStrategy(StrategyBase):
       raise ValueError(f"Unknown backend {backend!r}; choose 'threads' (this "
                        "process) or 'ray' (Ray actors).")
     if (isinstance(timeout_seconds, bool) or
-        not isinstance(timeout_seconds, (int, float)) or timeout_seconds <= 0):
-      raise ValueError(f"timeout_seconds must be a positive number, got "
-                       f"{timeout_seconds!r}.")
+        not isinstance(timeout_seconds, (int, float)) or
+        not math.isfinite(timeout_seconds) or timeout_seconds <= 0):
+      raise ValueError(f"timeout_seconds must be a positive finite number of "
+                       f"seconds, got {timeout_seconds!r}.")
     self._cluster_resolver = cluster_resolver
     self._partitioner = variable_partitioner
     self._max_staleness = max_staleness

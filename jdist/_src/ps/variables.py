@@ -132,7 +132,7 @@ class Layout:
       key_impl = str(jax.random.key_impl(leaf))
       host = np.asarray(jax.random.key_data(leaf))
     else:
-      host = np.asarray(leaf)
+      host = _stored(leaf)
       dtype = host.dtype
     if host.dtype.kind not in "biufc":
       raise TypeError(
@@ -150,10 +150,14 @@ class Layout:
 
 
 def _stored(leaf) -> np.ndarray:
+  """The leaf on the host, in the dtype JAX computes it in (a Python int is
+  int32 and a numpy int64 array int32 while x64 is off), so a step's result
+  has the dtype of the variable it replaces."""
   dtype = getattr(leaf, "dtype", None)
   if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
     leaf = jax.random.key_data(leaf)
-  return np.asarray(leaf)
+  host = np.asarray(leaf)
+  return host.astype(jax.dtypes.canonicalize_dtype(host.dtype), copy=False)
 
 
 @dataclasses.dataclass(frozen=True)
