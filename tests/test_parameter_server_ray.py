@@ -219,14 +219,23 @@ def test_parameter_server_killed_join_raises_within_timeout(digits_split):
   coordinator.schedule(step_fn, args=(iterator,))
   coordinator.join()
   server = actor_pids("ParameterServer")[0]
-  for _ in range(400):
-    coordinator.schedule(step_fn, args=(iterator,))
-  os.kill(server, signal.SIGKILL)
-  start = time.monotonic()
+  killed = []
+
+  def kill():
+    killed.append(time.monotonic())
+    os.kill(server, signal.SIGKILL)
+
+  # A run that keeps scheduling steps when its server dies (scheduling 400
+  # and then killing let them all finish first, now and then).
+  threading.Timer(0.5, kill).start()
   with pytest.raises(jdist.ParameterServerError,
                      match=r"Parameter server 0 \(localhost:2\) is unavailable"):
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+      coordinator.schedule(step_fn, args=(iterator,))
+      time.sleep(0.001)
     coordinator.join()
-  took = time.monotonic() - start
+  took = time.monotonic() - killed[0]
   assert took < 10
   print(f"join raised {took:.2f} s after the server was killed")
   with pytest.raises(jdist.ParameterServerError):
