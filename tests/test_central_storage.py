@@ -79,10 +79,14 @@ def test_parameter_device_outside_the_compute_devices(data):
 
 
 def test_one_compute_device_holds_its_own_variables(data):
+  """With one compute device, the variables stay on it (not on the default
+  parameter device, cpu:0), and so do the step's outputs."""
+  devices = jax.local_devices()
   strategy = jdist.CentralStorageStrategy(compute_devices=["cpu:2"])
-  assert strategy.parameter_device == jax.local_devices()[2]
-  state, _, _ = user_loop(strategy, data)
-  assert held_bytes(state) == one_copy_bytes(state)
+  assert strategy.parameter_device == devices[2]
+  state, _, loss = user_loop(strategy, data)
+  assert {d for x in jax.tree.leaves((state, loss)) for d in x.devices()} == {
+      devices[2]}
 
 
 def test_fit_matches_one_device_and_keeps_one_copy(digits_flat):
@@ -93,7 +97,7 @@ def test_fit_matches_one_device_and_keeps_one_copy(digits_flat):
                          ("central", jdist.CentralStorageStrategy())):
     with strategy.scope():
       trainer = jdist.Trainer(MLP(), optimizer=optax.inject_hyperparams(
-          optax.adam)(learning_rate=1e-2),
+          optax.sgd)(learning_rate=0.1, momentum=0.9),
           loss=jdist.losses.SparseCategoricalCrossentropy(from_logits=True),
           metrics=["accuracy"])
     histories[name] = trainer.fit(x, y, batch_size=64, epochs=2,
@@ -102,6 +106,12 @@ def test_fit_matches_one_device_and_keeps_one_copy(digits_flat):
   for key, values in histories["one"].items():
     np.testing.assert_allclose(histories["central"][key], values, rtol=1e-4,
                                err_msg=key)
+  # Parameters and momentum (SGD: a wrong gradient scale shows in both).
+  one, central = (jax.device_get((t.params, t.state.opt_state))
+                  for t in (trainers["one"], trainers["central"]))
+  problems = jdist.testing.compare_trees(one, central, rtol=1e-4, atol=1e-5,
+                                         names=("1 device", "central"))
+  assert not problems, "\n".join(problems)
   trainer = trainers["central"]
   device = trainer.strategy.parameter_device
   trainer.learning_rate = 1e-3  # set between steps: held centrally as well

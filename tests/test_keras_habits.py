@@ -170,19 +170,31 @@ from test_loss_scaling import CNN as MnistCNN  # noqa: E402
 
 
 def test_flax_mnist_model_with_rngs_trains_under_the_trainer(digits):
+  """flax's MNIST model (`__call__(self, x, rngs)`, BatchNorm, nnx Dropout)
+  on 2 replicas: it learns, its dropout draws from the trainer's seed, and
+  evaluation runs it without dropout. (nnx's Dropout draws the same mask on
+  every replica, so its training depends on the device count: README, Known
+  limitations. That is why this is not compared with one device.)"""
   x, y = digits
-  results = []
-  for n in (1, 2):
-    model = MnistCNN(nnx.Rngs(0))  # __call__(self, x, rngs), BatchNorm, dropout
+  runs = {}
+  for seed in (0, 0, 1):
+    model = MnistCNN(nnx.Rngs(0))  # the same initial weights each time
     trainer = jdist.Trainer(
-        model, optimizer=optax.sgd(0.05, 0.9), strategy=strategy_on(n),
+        model, optimizer=optax.sgd(0.05, 0.9), strategy=strategy_on(2),
         loss=jdist.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"])
+        metrics=["accuracy"], seed=seed)
     history = trainer.fit(x[:256], y[:256], batch_size=64, epochs=2, verbose=0)
-    results.append(trainer.evaluate(x[1500:1600], y[1500:1600]))
-  assert history.history["loss"][1] < history.history["loss"][0]
-  # nnx's Dropout draws the same mask on every replica: close, not equal.
-  assert results[1]["loss"] == pytest.approx(results[0]["loss"], rel=0.05)
+    runs.setdefault(seed, []).append((history.history, trainer.params,
+                                      trainer.evaluate(x[1500:1600],
+                                                       y[1500:1600])))
+  (h0, p0, e0), (h0_again, p0_again, e0_again) = runs[0]
+  _, p1, _ = runs[1][0]
+  assert h0["loss"][1] < h0["loss"][0]
+  assert h0 == h0_again and e0 == e0_again  # the seed decides the masks
+  for a, b in zip(jax.tree.leaves(p0), jax.tree.leaves(p0_again)):
+    np.testing.assert_array_equal(a, b)
+  assert any(not np.array_equal(a, b) for a, b in
+             zip(jax.tree.leaves(p0), jax.tree.leaves(p1)))  # dropout was on
 
 
 class NeedsLabels(nnx.Module):
