@@ -5,6 +5,7 @@ benchmarks/peers.py from rotting. The peers' part needs the venv that
 `make bench` builds (.venv-peers, or PEERS_PYTHON) and is skipped without it.
 """
 
+import importlib
 import json
 import os
 import pathlib
@@ -41,11 +42,22 @@ def _run(args, *, devices=2, timeout=240):
   return json.loads(out.strip().splitlines()[-1])
 
 
+def _bench_module(name):
+  sys.path.insert(0, str(BENCH))
+  try:
+    return importlib.import_module(name)
+  finally:
+    sys.path.remove(str(BENCH))
+
+
 def test_overhead_runs():
   results = _run([BENCH / "overhead.py", "--quick", "--json", "--devices", "2",
                   "--steps", "2", "--rounds", "1"])
   assert {(r["model"], r["devices"]) for r in results} == {("mlp", 2), ("cnn", 2)}
-  assert all(r["ratio"] > 0 and r["jdist_steps_per_s"] > 0 for r in results)
+  for r in results:  # one round: the ratio is the two speeds' ratio
+    assert r["ratio"] == pytest.approx(
+        r["jdist_steps_per_s"] / r["hand_steps_per_s"], rel=1e-9), r
+    assert r["ratio_spread"] == [r["ratio"], r["ratio"]], r
 
 
 def test_peers_jdist_part_runs():
@@ -55,7 +67,19 @@ def test_peers_jdist_part_runs():
   assert got == {(m, 2, f) for m in ("mlp", "cnn") for f in ("jdist", "jax_hand")}
   # The hand-written step trains the same model: same loss after the same steps.
   assert not res["loss_mismatch"], res["loss_mismatch"]
-  assert all(r["jdist_speedup"] > 0 for r in res["rows"])
+  by = {(r["model"], r["framework"]): r for r in res["rows"]}
+  for (model, framework), r in by.items():
+    assert r["samples_per_s"] == pytest.approx(
+        r["steps_per_block"] * r["batch"] / r["seconds"][0], rel=1e-9), r
+    # jdist's speed over the peer's: the peer's time over jdist's.
+    assert r["jdist_speedup"] == pytest.approx(
+        r["seconds"][0] / by[model, "jdist"]["seconds"][0], rel=1e-9), r
+  # RESULTS.md's section shows these measured rows, not other numbers.
+  text = "\n".join(_bench_module("run").peers_section(res))
+  for r in res["rows"]:
+    label = f"**{r['label']}**" if r["framework"] == "jdist" else r["label"]
+    assert (f"| 2 | {label} | {r['samples_per_s']:,.0f} |" in text), (r, text)
+  assert f"{by['mlp', 'jax_hand']['jdist_speedup']:.2f}" in text
 
 
 def test_parameter_server_jdist_part_runs():
@@ -63,27 +87,11 @@ def test_parameter_server_jdist_part_runs():
   assert not res["skipped"], res["skipped"]
   (row,) = res["rows"]
   assert (row["workers"], row["framework"]) == (2, "jdist")
-  assert row["examples_per_s"] > 0 and row["loss"] < row["loss0"]
-
-
-def test_results_section_renders():
-  sys.path.insert(0, str(BENCH))
-  try:
-    import run
-  finally:
-    sys.path.remove(str(BENCH))
-  row = {"model": "mlp", "replicas": 2, "framework": "jdist", "label": "jdist",
-         "batch": 256, "samples_per_s": 1e5, "samples_per_s_spread": [9e4, 1.1e5],
-         "loss0": 2.5, "loss": 0.5}
-  peer = dict(row, framework="torch_ddp", label="torch DDP", loss=0.5000001,
-              jdist_speedup=2.0, jdist_speedup_spread=[1.5, 2.5])
-  res = {"rows": [row, peer], "skipped": {"tf_mirrored": "did not install"},
-         "versions": {"jdist": "jdist"}, "loss_mismatch": [],
-         "settings": {"rounds": 1, "steps": {"mlp": 3}, "warmup": "mlp:1"}}
-  text = "\n".join(run.peers_section(res))
-  assert "| 2 | torch DDP | 100,000 | 90,000 to 110,000 | **2.00** |" in text
-  assert "- tf_mirrored: did not install" in text
-  assert "loss after 4 steps" in text
+  assert row["loss"] < row["loss0"]
+  lo, hi = row["spread"]
+  assert lo <= row["examples_per_s"] <= hi, row
+  text = "\n".join(_bench_module("ps").section(res))
+  assert f"| 2 | {row['label']} | {row['examples_per_s']:,.0f} |" in text, text
 
 
 @pytest.mark.slow
@@ -100,12 +108,10 @@ def test_peers_run():
 
 
 def test_issue_12_sections_render(tmp_path):
-  """The targets, the chart and the step-time model read peers.py's rows."""
-  sys.path.insert(0, str(BENCH))
-  try:
-    import step_model
-  finally:
-    sys.path.remove(str(BENCH))
+  """The targets, the chart and the step-time model read peers.py's rows.
+  The rows are built from chosen per-step times so that every figure the
+  sections compute (ratios, the dispatch cost) is known by hand."""
+  step_model = _bench_module("step_model")
   rows = []
   # Per step: hand 100 us; jdist 110 us one step per dispatch, 40 us with 32.
   per_step = {"jax_hand": 100e-6, "jdist": 110e-6, "jdist_multi": 40e-6,
@@ -138,26 +144,6 @@ def test_steps_per_execution_workers_run():
   assert not res["loss_mismatch"], res["loss_mismatch"]
 
 
-def test_parameter_server_section_renders():
-  sys.path.insert(0, str(BENCH))
-  try:
-    import ps
-  finally:
-    sys.path.remove(str(BENCH))
-  jd = {"workers": 2, "framework": "jdist", "label": "jdist, threads",
-        "examples_per_s": 2e5, "spread": [1.5e5, 2.5e5], "loss0": 2.5,
-        "loss": 2.2, "vs_tf": 3.0, "vs_tf_spread": [2.0, 4.0]}
-  tf = dict(jd, framework="tf", label="TensorFlow", examples_per_s=6e4,
-            spread=[5e4, 7e4])
-  del tf["vs_tf"], tf["vs_tf_spread"]
-  text = "\n".join(ps.section({"rows": [jd, tf], "skipped": {},
-                               "versions": {"jdist": "jdist"},
-                               "settings": {"rounds": 1, "steps": 20,
-                                            "warmup": 5}}))
-  assert "| 2 | jdist, threads | 200,000 | 150,000 to 250,000 | **3.00** |" in text
-  assert "Slower than TensorFlow here (median): none." in text
-
-
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.skipif(not PEERS_PYTHON.exists(),
@@ -167,7 +153,7 @@ def test_parameter_server_against_tensorflow_runs():
               "--peers-python", PEERS_PYTHON], timeout=400)
   assert not res["skipped"], res["skipped"]
   by = {r["framework"]: r for r in res["rows"]}
-  assert set(by) == {"jdist", "tf"} and by["jdist"]["vs_tf"] > 0
+  assert set(by) == {"jdist", "tf"}
   # Both start from the same weights on the same data.
   assert by["jdist"]["loss0"] == pytest.approx(by["tf"]["loss0"], rel=1e-4)
 
@@ -188,19 +174,7 @@ def test_mixed_precision_runs_and_renders():
   for policy in ("mixed_bfloat16", "mixed_float16"):
     assert res["curves"][policy]["max_rel_diff"] < 0.05
     assert res["cpu"]["batches"]["256"][policy]["residual_ratio"] <= 0.6
-  sys.path.insert(0, str(BENCH))
-  try:
-    import run
-  finally:
-    sys.path.remove(str(BENCH))
-  text = "\n".join(run.mixed_precision_section(res))
+  text = "\n".join(_bench_module("run").mixed_precision_section(res))
   assert "| 256 | mixed_bfloat16 |" in text
   if "error" in res["tpu"]:  # no libtpu here (make bench installs it)
     assert "**TPU**: not measured" in text
-  tpu = {"device": "TPU v5 lite", "batches": {"8192": {
-      p: {"temp_bytes": b, "temp_ratio": r} for p, b, r in [
-          ("float32", 2**20, 1.0), ("mixed_bfloat16", 2**19, 0.5),
-          ("mixed_float16", 0, None)]}}}
-  text = "\n".join(run.mixed_precision_section(dict(res, tpu=tpu)))
-  assert "| 8192 | mixed_bfloat16 | 0.5 MB | **0.50** |" in text
-  assert "| 8192 | mixed_float16 | 0.0 MB | n/a |" in text

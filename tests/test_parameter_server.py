@@ -173,7 +173,8 @@ def test_async_accuracy_matches_sync_for_the_same_examples(
     state, _ = step(state, batch)
   got = accuracy(state.read()[0], digits_split)
   assert state.version() == {0: len(batches)}
-  assert got >= sync - 0.02, (got, sync)
+  # Stale updates cost a little accuracy; both runs learned.
+  assert sync > 0.85 and abs(got - sync) <= 0.03, (got, sync)
   strategy.coordinator.shutdown()
 
 
@@ -463,7 +464,8 @@ def test_worker_failure_reschedules_and_rebuilds_its_dataset(
     # Three failures: three datasets rebuilt, on top of one per worker.
     assert len(built) == 2 + 3
     sync = accuracy(train_sync(batches, tx)[0], digits_split)
-    assert accuracy(state.read()[0], digits_split) >= sync - 0.02
+    got = accuracy(state.read()[0], digits_split)
+    assert sync > 0.85 and abs(got - sync) <= 0.03, (got, sync)
 
 
 def test_a_function_that_kills_every_worker_fails_in_the_end():
@@ -542,7 +544,8 @@ def test_fit_on_workers_evaluates_inline_and_exactly(digits_split):
                         verbose=0).history
   sync_history = sync.fit(x, y, batch_size=32, epochs=3,
                           validation_data=(vx, vy), verbose=0).history
-  assert history["val_accuracy"][-1] >= sync_history["val_accuracy"][-1] - 0.02
+  got, want = history["val_accuracy"][-1], sync_history["val_accuracy"][-1]
+  assert want > 0.85 and abs(got - want) <= 0.03, (got, want)
   assert history["loss"][-1] < history["loss"][0] / 2
   # Evaluation and prediction run on the workers; every example counts once.
   logits = np.asarray(apply_fn(trainer.params, vx))
@@ -625,26 +628,50 @@ def test_backup_and_restore_resumes_on_new_servers(digits_split, tmp_path):
                params, reference)
 
 
+class ScriptedValLoss(jdist.Callback):
+  """Replaces val_loss by scripted scores (callbacks share one logs dict, as
+  in Keras) and keeps each epoch's parameters as read then."""
+
+  def __init__(self, scores):
+    super().__init__()
+    self.scores, self.params_at = scores, []
+
+  def on_epoch_end(self, epoch, logs=None):
+    logs["val_loss"] = self.scores[epoch]
+    self.params_at.append(jax.device_get(self.model.params))
+
+
 def test_model_checkpoint_and_early_stopping_read_the_servers(digits_split,
                                                              tmp_path):
   (x, y), val = digits_split
   strategy = make(num_workers=2)
   trainer = make_trainer(strategy)
+  # Best at epoch 1, worse at epoch 2: patience 1 stops there and restores
+  # epoch 1's parameters, which are not the last ones.
+  script = ScriptedValLoss([0.9, 0.5, 0.7, 0.8])
   stop = jdist.EarlyStopping(monitor="val_loss", patience=1,
                              restore_best_weights=True)
-  trainer.fit(x[:640], y[:640], batch_size=64, epochs=4, validation_data=val,
-              callbacks=[jdist.ModelCheckpoint(tmp_path), stop], verbose=0)
+  history = trainer.fit(x[:640], y[:640], batch_size=64, epochs=4,
+                        validation_data=val, verbose=0, callbacks=[
+                            script, jdist.ModelCheckpoint(tmp_path), stop])
+  assert (stop.best_epoch, stop.stopped_epoch) == (1, 2)
+  assert history.history["val_loss"] == [0.9, 0.5, 0.7]
   # The best weights are a copy taken then, not the live variables.
   assert isinstance(stop.best_state.params["Dense_0"]["kernel"], np.ndarray)
-  jax.tree.map(np.testing.assert_array_equal, trainer.params,
-               stop.best_state.params)
-  # A checkpoint of the servers' variables loads into a new cluster.
+  best, last = script.params_at[1], script.params_at[2]
+  assert any(not np.array_equal(a, b) for a, b in
+             zip(jax.tree.leaves(best), jax.tree.leaves(last)))
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(trainer.params),
+               best)
+  # The checkpoint of the servers' variables (the last epoch's) loads into a
+  # new cluster.
   other = make(num_workers=1)
   loaded = make_trainer(other)
   loaded.build(x[:1])
   assert loaded.load_checkpoint(tmp_path) == trainer.global_step
   np.testing.assert_allclose(loaded.predict(val[0]),
-                             np.asarray(trainer.predict(val[0])), rtol=1e-5)
+                             np.asarray(apply_fn(last, val[0])), rtol=1e-5,
+                             atol=1e-6)
   strategy.coordinator.shutdown()
   other.coordinator.shutdown()
 
