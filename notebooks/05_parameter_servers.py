@@ -259,7 +259,7 @@ if ray is not None:
     print(f"killed worker process {victim}; steps ran in processes {sorted(pids)}; "
           f"{ray_state.version()[0]} updates applied for {40 + 300} scheduled")
     print(f"test accuracy: {accuracy(ray_state.read()[0]):.3f}")
-    assert ray_state.version()[0] == 40 + 300  # every step once, none lost with the worker
+    assert 40 + 300 <= ray_state.version()[0] <= 40 + 300 + 1  # none lost; at least once, as tf.distribute: the killed worker's step may reach the servers, lose its result and run again
     ray_coordinator.shutdown()
     ray.shutdown()
 
