@@ -108,7 +108,9 @@ def compute_average_loss(per_example_loss, sample_weight=None,
   if global_batch_size is not None:
     _check_divisor(global_batch_size)
   batch = resolve_batch(mask=mask)
-  _check_varies(loss, batch)
+  if global_batch_size is None and batch.mask is None and \
+      batch.num_valid is None:  # the divisor b * num_replicas assumes a split
+    _check_varies(loss, batch)
   if batch.mask is not None:
     if batch.mask.shape[0] != loss.shape[0]:
       raise ValueError(
@@ -131,10 +133,12 @@ def compute_average_loss(per_example_loss, sample_weight=None,
 
 
 def _check_varies(loss, batch) -> None:
-  """Refuses per-example losses that are the same on every replica: each
-  replica then saw the whole batch (a plain array argument reaches every
-  replica whole), autodiff sums nothing over replicas, and the gradients
-  would be `num_replicas` times too small, silently."""
+  """Refuses per-example losses that are the same on every replica when the
+  divisor is `b * num_replicas`: each replica then saw the whole batch (a
+  plain array argument reaches every replica whole), autodiff sums nothing
+  over replicas, and the gradients would be `num_replicas` times too small,
+  silently. (With an explicit `global_batch_size` the user stated the
+  divisor: the whole batch's size there gives one device's gradients.)"""
   ctx = batch.replica_context
   axis = getattr(ctx, "axis_name", None)
   if batch.num_replicas < 2 or axis is None or in_step.is_varying(loss, axis):
