@@ -71,13 +71,15 @@ x, y = x[:256], y[:256]
 def train(strategy):
   w = jnp.zeros((64, 10))
   @strategy.function
-  def step(w, xb, yb):
+  def step(w, batch):
     def loss_fn(w):
-      per_example = optax.softmax_cross_entropy_with_integer_labels(xb @ w, yb)
-      return jdist.compute_average_loss(per_example, global_batch_size=256)
+      logits = batch["x"] @ w
+      return jdist.compute_average_loss(
+          optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]))
     return w - 0.5 * jax.grad(loss_fn)(w)  # summed over replicas already
-  for _ in range(3):
-    w = step(w, x, y)
+  batches = [{"x": x[i:i + 64], "y": y[i:i + 64]} for i in range(0, 256, 64)]
+  for batch in strategy.experimental_distribute_dataset(batches):
+    w = step(w, batch)
   return np.asarray(w)
 
 four = train(jdist.MirroredStrategy())
