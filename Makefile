@@ -48,8 +48,13 @@ $(TPU_PLUGIN)/.installed-$(LIBTPU):
 demo: $(STAMP)
 	$(PY) -m jdist.examples.demo
 
+# Two pytest workers, one test file each at a time (module fixtures, such as
+# a Ray cluster, stay in one process): most of the suite waits on processes it
+# started, so two workers halve its time on two cores. TEST_WORKERS=0 runs it
+# in this process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
 
 # An sdist and a wheel in dist/ (the wheel is what a Colab notebook installs).
 dist: $(STAMP)

@@ -14,10 +14,15 @@ import tempfile
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=4").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-_CACHE = tempfile.mkdtemp(prefix="jdist-tests-xla-cache-")
-os.environ.update(JAX_COMPILATION_CACHE_DIR=_CACHE,
-                  JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                  JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+# pytest-xdist's workers inherit the cache of the run that started them.
+_OWNER = "JDIST_TESTS_XLA_CACHE_OWNER"
+if _OWNER not in os.environ:
+  os.environ.update({
+      _OWNER: str(os.getpid()),
+      "JAX_COMPILATION_CACHE_DIR": tempfile.mkdtemp(
+          prefix="jdist-tests-xla-cache-"),
+      "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+      "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"})
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -27,7 +32,8 @@ import jdist  # noqa: E402
 
 
 def pytest_unconfigure(config):
-  shutil.rmtree(_CACHE, ignore_errors=True)
+  if os.environ.get(_OWNER) == str(os.getpid()):
+    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

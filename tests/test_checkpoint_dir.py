@@ -9,6 +9,9 @@ paths that cannot hold checkpoints.
 
 import json
 import os
+import shutil
+import subprocess
+import sys
 import threading
 import time
 
@@ -93,9 +96,9 @@ def ignores_permissions(tmp_path) -> bool:
 
 def test_a_directory_without_write_permission_fails_before_any_step(
     data, tmp_path):
-  if ignores_permissions(tmp_path):
-    pytest.skip("this process (root) writes to read-only directories; "
-                "tests/test_resume.py mounts a read-only file system")
+  if ignores_permissions(tmp_path):  # root: run the same fit as a plain user
+    _fit_unprivileged_into_a_read_only_directory()
+    return
   tmp_path.chmod(0o500)
   try:
     with pytest.raises(jdist.CheckpointDirectoryError,
@@ -104,6 +107,54 @@ def test_a_directory_without_write_permission_fails_before_any_step(
   finally:
     tmp_path.chmod(0o700)
   assert fit.steps == 0
+
+
+# The same program, for a process that permissions bind (run as `nobody`).
+_READ_ONLY_FIT = """
+import os, tempfile
+import optax, jdist
+from jdist.examples.data import load_digits
+from jdist.examples.models import MLP
+
+x, y = load_digits(image=False)
+steps = []
+
+class Count(jdist.Callback):
+  def on_train_batch_end(self, batch, logs=None):
+    steps.append(batch)
+
+directory = tempfile.mkdtemp()
+os.chmod(directory, 0o500)
+trainer = jdist.Trainer(
+    MLP(), optimizer=optax.adam(1e-2),
+    loss=jdist.losses.SparseCategoricalCrossentropy(from_logits=True))
+try:
+  trainer.fit(x[:256], y[:256], batch_size=64, verbose=0,
+              callbacks=[Count(), jdist.ModelCheckpoint(directory)])
+except jdist.CheckpointDirectoryError as e:
+  print("refused:", e)
+finally:
+  os.chmod(directory, 0o700)
+  os.rmdir(directory)
+print("steps:", len(steps))
+"""
+
+
+def _fit_unprivileged_into_a_read_only_directory():
+  setpriv = shutil.which("setpriv")
+  if setpriv is None:
+    pytest.skip("root writes to read-only directories, and there is no "
+                "setpriv to run the program as another user")
+  env = {k: v for k, v in os.environ.items()
+         if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
+  env["HOME"] = "/tmp"
+  done = subprocess.run(
+      [setpriv, "--reuid=nobody", "--regid=nogroup", "--clear-groups",
+       sys.executable, "-c", _READ_ONLY_FIT],
+      capture_output=True, text=True, timeout=300, env=env, cwd="/")
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "this process cannot write to it" in done.stdout, done.stdout
+  assert done.stdout.rstrip().endswith("steps: 0"), done.stdout
 
 
 def test_two_callbacks_of_one_fit_on_one_directory(data, tmp_path):
