@@ -205,13 +205,18 @@ def test_a_killed_coordinator_ends_the_others_at_once(tmp_path):
 
 
 def test_a_stuck_process_times_out_with_its_name(tmp_path):
-  """timeout_seconds=3; process 1 sleeps in its loop before step 4."""
+  """timeout_seconds=5; process 1 sleeps in its loop before step 4.
+
+  The timeout also bounds the first input agreement, which a process reaches
+  only after importing JAX and building its dataset: 3 s was too short for
+  that on a loaded machine (the slower process timed out there, not at step 4).
+  """
   results = harness.run_workers("stuck", tmp_path, timeout=RUN_TIMEOUT,
-                                WORKER_TIMEOUT=3)
+                                WORKER_TIMEOUT=5)
   waiting, stuck = results
   assert_all_failed(results, r"jdist\.", within=RUN_TIMEOUT)
   assert ("jdist.CollectiveTimeoutError: step 4 (classifier_step) did not "
-          "complete within timeout_seconds=3 on process 0. Not started there: "
+          "complete within timeout_seconds=5 on process 0. Not started there: "
           "process 1 (dispatched 3 steps)") in waiting.stderr, waiting.stderr
   assert "jdist.PeerFailureError: process 0 stopped: jdist.CollectiveTimeout" \
          in stuck.stderr
