@@ -349,3 +349,35 @@ def test_train_state_round_trips_through_jit(split):
     assert jax.tree.structure(got) == jax.tree.structure(want), name
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+class CountedMLP(nnx.Module):
+  """An MLP that counts how often Python runs it (each trace runs it once)."""
+
+  runs = 0
+
+  def __init__(self, rngs):
+    self.hidden = nnx.Linear(64, 32, rngs=rngs)
+    self.out = nnx.Linear(32, 10, rngs=rngs)
+
+  def __call__(self, x):
+    CountedMLP.runs += 1
+    return self.out(jax.nn.relu(self.hidden(x)))
+
+
+def test_a_second_fit_on_data_of_the_same_shape_traces_nothing(split):
+  """The data's check against the model (a trace of the model, loss and
+  metrics) cost more than a short fit's steps; Keras does not repeat it
+  either. New shapes are still checked."""
+  (x, y), _ = split
+  trainer = trainer_on(2, CountedMLP(nnx.Rngs(0)),
+                       optimizer=optax.sgd(0.1, 0.9))
+  CountedMLP.runs = 0
+  trainer.fit(x[:256], y[:256], batch_size=64, verbose=0)
+  assert CountedMLP.runs > 0
+  CountedMLP.runs = 0
+  history = trainer.fit(x[256:512], y[256:512], batch_size=64, verbose=0)
+  assert CountedMLP.runs == 0 and trainer.global_step == 8
+  assert np.isfinite(history.history["loss"][0])
+  with pytest.raises(ValueError, match=r"model fails on the training data's "):
+    trainer.fit(x[:256, :63], y[:256], batch_size=64, verbose=0)

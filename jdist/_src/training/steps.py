@@ -174,6 +174,14 @@ def input_spec(x) -> Any:
       lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.asarray(a).dtype), x)
 
 
+def spec_key(tree) -> tuple:
+  """A hashable key of a pytree's structure, shapes and dtypes."""
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef, tuple(
+      (tuple(jnp.shape(a)), a.dtype if hasattr(a, "dtype") else
+       np.asarray(a).dtype) for a in leaves)
+
+
 def output_spec(model, state: TrainState, sample: dict, what: str,
                 initialised_for=None):
   """The model's output shapes for `sample`'s inputs, traced (nothing runs).

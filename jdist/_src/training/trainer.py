@@ -155,6 +155,10 @@ class Trainer:
     self.history: History | None = None
     self._fit_loop: FitLoop | None = None  # the running fit owns the state
     self._initialised_for = None  # input_spec of the build's inputs
+    # (data spec, state spec) -> the model's output spec; and the keys whose
+    # loss and metrics were traced against it and found to fit.
+    self._output_specs: dict = {}
+    self._objectives_checked: set = set()
     self._train_function = None
     self._test_function = None
     self._predict_function = None
@@ -400,9 +404,14 @@ class Trainer:
     """
     sample = source.peek()
     self.build(sample["x"])
-    y_pred = steps_lib.output_spec(
-        self._compute_model, self.strategy.state_placement.abstract(self.state),
-        sample, what, self._initialised_for)
+    # Tracing the model, loss and metrics costs a fixed ~0.1-0.2 s, more than
+    # a short fit's steps: data of a shape already checked is not traced again.
+    abstract = self.strategy.state_placement.abstract(self.state)
+    key = (steps_lib.spec_key(sample), steps_lib.spec_key(abstract))
+    if key not in self._output_specs:
+      self._output_specs[key] = steps_lib.output_spec(
+          self._compute_model, abstract, sample, what, self._initialised_for)
+    y_pred = self._output_specs[key]
     static = data_lib.static_batch_size(
         source, sample, self.strategy.num_replicas_in_sync, what,
         micro_batches=micro_batches)
@@ -415,9 +424,11 @@ class Trainer:
           self._metric_items, self._loss, sample["y"], y_pred)
       self._weighted_metrics = objectives.build_metrics(
           self._weighted_items, self._loss, sample["y"], y_pred)
-    steps_lib.check_objectives(self._loss, {**self._metrics,
-                                            **self._weighted_metrics},
-                               sample, y_pred, what)
+    if key not in self._objectives_checked:
+      steps_lib.check_objectives(self._loss, {**self._metrics,
+                                              **self._weighted_metrics},
+                                 sample, y_pred, what)
+      self._objectives_checked.add(key)
     if not self._checked_first_batch:
       self._checked_first_batch = True
       objectives.check_predictions(self._loss, steps_lib.predictions(
