@@ -101,6 +101,22 @@ class PerReplica(DistributedValue):
     """Returns a PerReplica with new `values` and the same validity."""
     return PerReplica(values, packed=self.packed)
 
+  def __iter__(self):
+    """Unpacks a batch of several parts as TensorFlow's distributed batches
+    unpack (`images, labels = next(iterator)`): one `PerReplica` per part,
+    each with the batch's rows and validity.
+
+    Raises:
+      TypeError: the values are not a tuple or list (an array, a dict).
+    """
+    if not isinstance(self.values, (tuple, list)):
+      raise TypeError(
+          f"Cannot unpack a PerReplica of {type(self.values).__name__}: only "
+          f"a batch of a tuple or list, such as (images, labels), unpacks. "
+          f"Pass it to the step whole (strategy.run(fn, args=(batch,))) and "
+          f"take it apart inside the step.")
+    return iter([PerReplica(v, packed=self.packed) for v in self.values])
+
   def __repr__(self) -> str:
     shapes = jax.tree.map(lambda x: tuple(np.shape(x)), self.values)
     masked = "" if self.packed is None else ", masked"
