@@ -20,6 +20,7 @@ kind, written once in `kinds.py`.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Any
 
@@ -326,8 +327,20 @@ def _read_in_step(value: Any, agg: VariableAggregation, ctx) -> Any:
   return ctx.all_reduce(agg.name, value)
 
 
+class RemoteState(abc.ABC):
+  """State held away from this process's devices and read on request: the
+  base of the parameter servers' `ServerVariables`."""
+
+  @abc.abstractmethod
+  def read(self) -> Any:
+    """The values, on the host."""
+
+
 def read_value(tree: Any) -> Any:
-  """Replaces every `SyncOnRead` in `tree` by its aggregated value.
+  """Replaces every `SyncOnRead` in `tree` by its aggregated value, and every
+  `RemoteState` (`jdist.ServerVariables`) by its `read()`: the values it
+  holds, in the form they were placed there (a `jdist.metrics` metric stays
+  a metric, `read_value(accuracy).result()`).
 
   Use it to evaluate or save state that holds per-replica statistics.
 
@@ -336,9 +349,12 @@ def read_value(tree: Any) -> Any:
     >>> jdist.read_value({"n": jdist.SyncOnRead(jnp.ones(()), "sum")})
     {'n': Array(1., dtype=float32)}
   """
-  return jax.tree.map(
-      lambda x: x.read() if isinstance(x, SyncOnRead) else x, tree,
-      is_leaf=lambda x: isinstance(x, SyncOnRead))
+  def one(x):
+    if isinstance(x, RemoteState):
+      return x.read()
+    return x.read() if isinstance(x, SyncOnRead) else x
+  return jax.tree.map(one, tree,
+                      is_leaf=lambda x: isinstance(x, (SyncOnRead, RemoteState)))
 
 
 def is_distributed(x: Any) -> bool:
