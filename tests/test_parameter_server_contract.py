@@ -144,7 +144,8 @@ def test_an_all_reduced_eval_loss_does_not_replace_a_scalar_variable(strategy):
   np.testing.assert_allclose(coordinator.fetch(losses), [want] * 4, rtol=1e-6)
   assert float(scale.read()) == 1.0 and scale.version() == {0: 0}
   with pytest.raises(jdist.DistributionError, match="state_output=None"):
-    coordinator.schedule(lambda it: strategy.function(eval_step)(scale, next(it)),
+    undeclared = strategy.function(eval_step)
+    coordinator.schedule(lambda it: undeclared(scale, next(it)),
                          args=(iterator,))
     coordinator.join()
   assert float(scale.read()) == 1.0
@@ -164,7 +165,7 @@ def test_a_dict_output_and_several_variable_sets(strategy):
                     lambda: ambiguous(w, seen, next(iter(batches))))
   assert ("takes 2 sets of ServerVariables (the ServerVariables argument 0 "
           "`w`; the ServerVariables argument 1 `seen`)") in message
-  assert "state_output=(0, 1,)" in message
+  assert "strategy.function(step, state_output=(0, 1)) for a step" in message
   assert w.version() == {0: 0} and seen.version() == {0: 0}
 
   train = strategy.function(step, state_output=("w", "seen"))

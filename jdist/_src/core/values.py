@@ -353,8 +353,8 @@ def read_value(tree: Any) -> Any:
     if isinstance(x, RemoteState):
       return x.read()
     return x.read() if isinstance(x, SyncOnRead) else x
-  return jax.tree.map(one, tree,
-                      is_leaf=lambda x: isinstance(x, (SyncOnRead, RemoteState)))
+  return jax.tree.map(
+      one, tree, is_leaf=lambda x: isinstance(x, (SyncOnRead, RemoteState)))
 
 
 def is_distributed(x: Any) -> bool:

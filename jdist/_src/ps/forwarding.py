@@ -100,5 +100,6 @@ def _is_key(x) -> bool:
 def _changed(before: tuple, tree) -> bool:
   treedef, leaves = _host_leaves(tree)
   return treedef != before[0] or any(
-      a.shape != b.shape or not np.array_equal(a, b, equal_nan=a.dtype.kind in "fc")
+      a.shape != b.shape or
+      not np.array_equal(a, b, equal_nan=a.dtype.kind in "fc")
       for a, b in zip(leaves, before[1]))

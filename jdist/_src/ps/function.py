@@ -127,17 +127,23 @@ def _new_state(state_output, out, values, names) -> list[tuple]:
                               state_output is state_output_lib.DEFAULT):
     return []
   places = state_output if isinstance(state_output, tuple) else (state_output,)
+  if not values:
+    raise DistributionError(
+        f"state_output={state_output!r} names where the step returns the new "
+        "value of its ServerVariables, but it takes none: pass the variables "
+        "as an argument, or drop state_output.")
   if len(places) != len(values):
-    example = ", ".join(str(p) for p in range(len(values)))
+    given = ("the default (one)" if state_output is state_output_lib.DEFAULT
+             else str(len(places)))
+    example = tuple(range(len(values)))
     raise DistributionError(
         f"The step takes {len(values)} sets of ServerVariables "
-        f"({'; '.join(names) or 'none'}) and state_output gives "
-        f"{len(places) if state_output is not state_output_lib.DEFAULT else 'the default'}"
-        f" place{'s' if len(places) != 1 else ''} for their new values. Nothing "
-        f"was written. Pass one place per set, in the order of the arguments, "
-        f"e.g. strategy.function(step, state_output=({example},)) for a step "
-        f"that returns them as its first outputs, with None for a set it only "
-        f"reads (or state_output=None when it writes none).")
+        f"({'; '.join(names)}) and state_output gives {given} place(s) for "
+        f"their new values. Nothing was written. Pass one place per set, in "
+        f"the order of the arguments, e.g. strategy.function(step, "
+        f"state_output={example}) for a step that returns them as its first "
+        f"outputs, with None for a set it only reads (or state_output=None "
+        f"when it writes none).")
   writes = []
   for j, place in enumerate(places):
     if place is not None:
