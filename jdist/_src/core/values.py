@@ -20,6 +20,7 @@ kind, written once in `kinds.py`.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Any
 
@@ -100,6 +101,22 @@ class PerReplica(DistributedValue):
   def replace(self, values: Any) -> "PerReplica":
     """Returns a PerReplica with new `values` and the same validity."""
     return PerReplica(values, packed=self.packed)
+
+  def __iter__(self):
+    """Unpacks a batch of several parts as TensorFlow's distributed batches
+    unpack (`images, labels = next(iterator)`): one `PerReplica` per part,
+    each with the batch's rows and validity.
+
+    Raises:
+      TypeError: the values are not a tuple or list (an array, a dict).
+    """
+    if not isinstance(self.values, (tuple, list)):
+      raise TypeError(
+          f"Cannot unpack a PerReplica of {type(self.values).__name__}: only "
+          f"a batch of a tuple or list, such as (images, labels), unpacks. "
+          f"Pass it to the step whole (strategy.run(fn, args=(batch,))) and "
+          f"take it apart inside the step.")
+    return iter([PerReplica(v, packed=self.packed) for v in self.values])
 
   def __repr__(self) -> str:
     shapes = jax.tree.map(lambda x: tuple(np.shape(x)), self.values)
@@ -310,8 +327,20 @@ def _read_in_step(value: Any, agg: VariableAggregation, ctx) -> Any:
   return ctx.all_reduce(agg.name, value)
 
 
+class RemoteState(abc.ABC):
+  """State held away from this process's devices and read on request: the
+  base of the parameter servers' `ServerVariables`."""
+
+  @abc.abstractmethod
+  def read(self) -> Any:
+    """The values, on the host."""
+
+
 def read_value(tree: Any) -> Any:
-  """Replaces every `SyncOnRead` in `tree` by its aggregated value.
+  """Replaces every `SyncOnRead` in `tree` by its aggregated value, and every
+  `RemoteState` (`jdist.ServerVariables`) by its `read()`: the values it
+  holds, in the form they were placed there (a `jdist.metrics` metric stays
+  a metric, `read_value(accuracy).result()`).
 
   Use it to evaluate or save state that holds per-replica statistics.
 
@@ -320,9 +349,12 @@ def read_value(tree: Any) -> Any:
     >>> jdist.read_value({"n": jdist.SyncOnRead(jnp.ones(()), "sum")})
     {'n': Array(1., dtype=float32)}
   """
+  def one(x):
+    if isinstance(x, RemoteState):
+      return x.read()
+    return x.read() if isinstance(x, SyncOnRead) else x
   return jax.tree.map(
-      lambda x: x.read() if isinstance(x, SyncOnRead) else x, tree,
-      is_leaf=lambda x: isinstance(x, SyncOnRead))
+      one, tree, is_leaf=lambda x: isinstance(x, (SyncOnRead, RemoteState)))
 
 
 def is_distributed(x: Any) -> bool:

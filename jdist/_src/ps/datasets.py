@@ -61,8 +61,10 @@ class PerWorkerIterator(PerWorkerResource):
   """Each worker's iterator over its dataset; pass it to scheduled functions.
 
   Inside a scheduled function it is the running worker's iterator:
-  `next(iterator)` gives a `PerReplica` batch over the worker's devices. A
-  worker that failed and came back builds its dataset again.
+  `next(iterator)` gives a `PerReplica` batch over the worker's devices (a
+  batch of a tuple unpacks as TensorFlow's does: `batch_data, labels =
+  next(iterator)`). A worker that failed and came back builds its dataset
+  again.
   """
 
   def __init__(self, dataset_fn, key: str):

@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from jdist._src.core import cross_replica
+from jdist._src.core import state_output as state_output_lib
 from jdist._src.core.reduce_op import ReduceOp
 from jdist._src.core.values import PerReplica, SyncOnRead, is_distributed
 from jdist._src.ps import cluster as cluster_lib
@@ -250,15 +251,53 @@ class ParameterServerStrategy(StrategyBase):
                            coordinator=coordinator)
 
   def function(self, fn: Callable | None = None, *, donate_argnums=(),
-               static_argnums=(), static_argnames=(), check_state: bool = True):
+               static_argnums=(), static_argnames=(), check_state: bool = True,
+               state_output=state_output_lib.DEFAULT):
     """A step run on the workers; see `ParameterServerFunction`.
 
     Called inside a scheduled function it runs on that worker; called on the
     coordinator it is scheduled (`coordinator.schedule`) and returns at once,
     with the variables' handle where the step returns the new state.
+
+    Args:
+      fn: the per-replica step, as for the synchronous strategies.
+      donate_argnums, static_argnums, static_argnames, check_state: as for
+        the synchronous strategies' `function`.
+      state_output: where the step returns the new value of the
+        `ServerVariables` it takes, which the workers write to the servers.
+        By default the step takes one set and returns its new value as
+        output 0 of a tuple or list (`return state, loss`, the synchronous
+        step's shape); a step returning only a value with the variables'
+        structure must say whether it is their new value (`lambda out: out`)
+        or computed from them (`None`). `None`: the step only reads
+        its variables (an evaluation) and nothing is written. An int (an
+        index of a tuple output), a str (a key of a dict output) or a
+        function of the output that returns the new state: that place. A
+        tuple of those (or None), one per set of variables in the order of
+        the arguments, for a step that takes several. An output that does
+        not hold the variables' new value where the contract says (another
+        structure, shape or dtype) is a `jdist.DistributionError` (or
+        `VaryingStateError`) naming the output and the variables, raised
+        before anything is written. Shapes never decide what is written.
+
+    Example:
+      >>> import jdist, jax.numpy as jnp
+      >>> strategy = jdist.ParameterServerStrategy(
+      ...     jdist.cluster_resolver.LocalClusterResolver(1, 1))
+      >>> w = strategy.replicate(jnp.ones(2))
+      >>> def train(w, x):            # returns (loss, new state)
+      ...   return jnp.sum(w * x), w - 0.5 * x
+      >>> def normalized(w):          # reads only
+      ...   return w / jnp.linalg.norm(w)
+      >>> loss, w = strategy.function(train, state_output=1)(w, jnp.ones(2))
+      >>> unit = strategy.function(normalized, state_output=None)(w)
+      >>> w.read().tolist(), [round(float(u), 3) for u in unit.fetch()]
+      ([0.5, 0.5], [0.707, 0.707])
+      >>> jdist.ClusterCoordinator(strategy).shutdown()
     """
     options = dict(donate_argnums=donate_argnums, static_argnums=static_argnums,
-                   static_argnames=static_argnames, check_state=check_state)
+                   static_argnames=static_argnames, check_state=check_state,
+                   state_output=state_output)
     if fn is None:
       return lambda f: self.function(f, **options)
     return ParameterServerFunction(self, fn, **options)

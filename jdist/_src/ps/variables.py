@@ -28,8 +28,9 @@ import numpy as np
 
 from jdist._src.core import placement
 from jdist._src.core.reduce_op import VariableAggregation
-from jdist._src.core.values import SyncOnRead
+from jdist._src.core.values import RemoteState, SyncOnRead
 from jdist._src.errors import ParameterServerError
+from jdist._src.ps import forwarding
 from jdist._src.ps import partitioners
 from jdist._src.ps import worker as worker_lib
 from jdist._src.ps.server import ADD, ASSIGN
@@ -168,14 +169,21 @@ class Snapshot:
   parts: tuple     # per leaf: tuple of piece arrays
 
 
-class ServerVariables:
+class ServerVariables(RemoteState):
   """A pytree of variables held by the parameter servers.
 
   `ParameterServerStrategy.replicate(tree)` returns one. Pass it to steps
   where they take the state: a step run on a worker reads the variables,
   computes, and sends the servers its change; the step's result holds the
-  handle where it returned the new state. On the coordinator, `read()` gives
-  the values and `assign()` replaces them.
+  handle where it returned the new state. On the coordinator, `read()` (or
+  `jdist.read_value`) gives the values and `assign()` replaces them.
+
+  A handle of an object (a metric, a train state) forwards its attributes
+  and methods (`accuracy.result()`, `accuracy.reset_state()`, nnx's
+  `metric.compute()`), with a variable's meaning: reads run on the values
+  read from the servers, in-place changes are written back, and a method
+  that returns a new object is refused with the assignment to write (see
+  `ps/forwarding.py`).
 
   Example:
     >>> import jdist, jax.numpy as jnp
@@ -184,6 +192,12 @@ class ServerVariables:
     >>> v = strategy.replicate({"w": jnp.ones(3)})
     >>> v.read()["w"].tolist()
     [1.0, 1.0, 1.0]
+    >>> mean = strategy.replicate(jdist.metrics.Mean().update(jnp.ones(4)))
+    >>> float(mean.result()), float(mean.sums()["count"])
+    (1.0, 4.0)
+    >>> mean.reset_state()                  # on the servers, as in Keras
+    >>> float(mean.sums()["count"])
+    0.0
     >>> jdist.ClusterCoordinator(strategy).shutdown()
   """
 
@@ -203,6 +217,8 @@ class ServerVariables:
          tuple(p.rows for p in s.pieces)) for s in specs))
     self._sums = (isinstance(tree, SyncOnRead) and
                   tree.aggregation is VariableAggregation.SUM)
+    self._value_type = type(tree)
+    self._value_attributes = forwarding.attributes(tree)
     store.create(self._set_id, self._per_server(hosts),
                  {s: {p.shard: spec.kind for spec in specs for p in spec.pieces
                       if p.server == s} for s in self.servers})
@@ -220,6 +236,17 @@ class ServerVariables:
   def __repr__(self) -> str:
     shapes = jax.tree.unflatten(self._treedef, [s.shape for s in self._specs])
     return f"ServerVariables({shapes}, servers={list(self.servers)})"
+
+  def __getattr__(self, name: str):
+    # Only names the handle lacks: the held object's (module forwarding).
+    held = self.__dict__.get("_value_attributes") or {}
+    if name.startswith("_") or name not in held:
+      raise AttributeError(
+          f"'ServerVariables' object has no attribute {name!r}, nor has the "
+          f"{self.__dict__.get('_value_type', object).__name__} it holds. "
+          "Read the values with .read() (or jdist.read_value(handle)) and "
+          "replace them with .assign(value).")
+    return forwarding.attribute(self, self._value_type, name, held[name])
 
   # --- what it holds ---------------------------------------------------------
 

@@ -19,6 +19,7 @@ from jax.sharding import AxisType, Mesh
 
 from jdist._src.core import cross_replica
 from jdist._src.core import placement
+from jdist._src.core import state_output as state_output_lib
 from jdist._src.core.function import DistributedFunction
 from jdist._src.core.values import PerReplica, Sharded, SyncOnRead
 from jdist._src.input import dataset as input_lib
@@ -138,7 +139,8 @@ class Strategy(StrategyBase):
 
   def function(self, fn: Callable | None = None, *, donate_argnums=(),
                static_argnums=(), static_argnames=(), check_state: bool = True,
-               check_loss_scaling: bool = True):
+               check_loss_scaling: bool = True,
+               state_output=state_output_lib.DEFAULT):
     """Compiles `fn` as a per-replica step; the result is called like `fn`.
 
     `fn` runs once per replica (inside `jax.shard_map`) and sees its own slice
@@ -160,6 +162,11 @@ class Strategy(StrategyBase):
         loss is a mean over its replica's batch (gradients, summed over
         replicas, would be num_replicas times too large), found in the
         traced program at the first compilation.
+      state_output: where the step returns the new value of the state it
+        takes (see `jdist.ParameterServerStrategy.function`). Here the caller
+        keeps the new state by assigning the outputs, so only its form is
+        checked; it is accepted so that a step declared once (an evaluation
+        with `state_output=None`, say) runs under every strategy.
 
     Returns:
       A `DistributedFunction`.
@@ -176,6 +183,7 @@ class Strategy(StrategyBase):
     options = dict(donate_argnums=donate_argnums, static_argnums=static_argnums,
                    static_argnames=static_argnames, check_state=check_state,
                    check_loss_scaling=check_loss_scaling)
+    state_output_lib.check(state_output)
     if fn is None:
       return lambda f: self.function(f, **options)
     return DistributedFunction(self, fn, **options)

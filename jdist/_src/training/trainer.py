@@ -12,6 +12,7 @@ import optax
 
 from jdist._src import current
 from jdist._src.core import placement
+from jdist._src.core import state_output as state_output_lib
 from jdist._src.core.function import DistributedFunction
 from jdist._src.core.multi_step import multi_step
 from jdist._src.errors import CheckpointNotFoundError
@@ -355,9 +356,12 @@ class Trainer:
     `train_function`."""
     if self._train_function is None or force:
       s = self.strategy
+      # (state, totals, batch) -> (state, totals): both written back where
+      # the strategy holds them (parameter servers).
       train = s.function(steps_lib.make_train_step(
           self._compute_model, self._loss, self._optimizer(),
-          self._weighted_names(), accumulation_steps=self._accumulation))
+          self._weighted_names(), accumulation_steps=self._accumulation),
+          state_output=(0, 1))
       if self._steps_per_execution > 1:
         if not isinstance(train, DistributedFunction):
           raise ValueError(
@@ -375,8 +379,10 @@ class Trainer:
     """Makes (once, or again with `force`) and returns the compiled
     evaluation step; see `test_function`."""
     if self._test_function is None or force:
+      # (state, totals, batch) -> totals: the model's state is only read.
       self._test_function = self.strategy.function(steps_lib.make_eval_step(
-          self._compute_model, self._loss, self._weighted_names()))
+          self._compute_model, self._loss, self._weighted_names()),
+          state_output=(None, state_output_lib.whole))
     return self._test_function
 
   def make_predict_function(self, force: bool = False):
@@ -384,7 +390,7 @@ class Trainer:
     prediction step; see `predict_function`."""
     if self._predict_function is None or force:
       self._predict_function = self.strategy.function(
-          steps_lib.make_predict_step(self._compute_model))
+          steps_lib.make_predict_step(self._compute_model), state_output=None)
     return self._predict_function
 
   def _weighted_names(self) -> frozenset:

@@ -1,0 +1,86 @@
+"""`state_output`: where a step returns the new value of the state it took.
+
+A synchronous strategy hands the step's outputs back to the caller, who keeps
+the new state by assigning it. `ParameterServerStrategy` writes the new state
+back to its servers itself, so which output is new state must be stated, and
+never inferred from shapes: a value that merely looks like the state (an
+evaluation's `w / norm(w)`, an all-reduced loss the shape of a scalar
+variable) must not overwrite it. Every strategy's `function` takes the same
+`state_output`, so a step declared once runs under each of them; only the
+parameter servers act on it.
+
+The forms (checked here, read where the state is written):
+
+- `DEFAULT`: the step takes one set of variables and returns its new value as
+  output 0 of a tuple or list, the synchronous step's
+  `step(state, batch) -> (state, outputs)`. A step whose whole output has the
+  variables' structure is not taken to return their new value: that is the
+  shape of an evaluation's `w / norm(w)` or of a loss beside a scalar
+  variable, so it must say which it is (`lambda out: out` or `None`).
+- `None`: the step only reads its variables; nothing is written.
+- a place: an int (an index of a tuple or list output), a str (a key of a
+  mapping output) or a callable (given the output, returns the new state).
+- a tuple of places (or None), one per set of variables the step takes, in
+  the order of its arguments.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+
+class _Default(enum.Enum):
+  """The type of `DEFAULT` (an enum member: it keeps its identity through
+  pickling to a Ray worker)."""
+
+  FIRST = "output 0"
+
+  def __repr__(self) -> str:
+    return "<output 0 of a tuple>"
+
+
+DEFAULT = _Default.FIRST
+
+
+def _is_place(x: Any) -> bool:
+  return (x is None or callable(x) or isinstance(x, str) or
+          (isinstance(x, int) and not isinstance(x, bool)))
+
+
+def check(state_output: Any) -> Any:
+  """Returns `state_output` if it has one of the forms above.
+
+  Raises:
+    TypeError: any other value, with the forms it may take.
+  """
+  if state_output is DEFAULT or _is_place(state_output):
+    return state_output
+  if isinstance(state_output, tuple) and state_output and all(
+      _is_place(p) for p in state_output):
+    return state_output
+  raise TypeError(
+      f"state_output={state_output!r} is not a place in the step's output. "
+      "Pass an int (an index of the tuple the step returns), a str (a key of "
+      "the dict it returns), a function of the output that returns the new "
+      "state, None for a step that only reads its variables, or a tuple of "
+      "these with one per set of variables the step takes.")
+
+
+def describe(place: Any) -> str:
+  """A place as a message names it: "output 1", "output['state']"."""
+  if place is DEFAULT:
+    return "output 0"
+  if isinstance(place, int):
+    return f"output {place}"
+  if isinstance(place, str):
+    return f"output[{place!r}]"
+  if place is whole:
+    return "the whole output"
+  return f"the output selected by {getattr(place, '__name__', repr(place))}"
+
+
+def whole(output: Any) -> Any:
+  """The place that is the whole output: the step returns only the new value
+  of its variables (`lambda out: out`, with a name for messages)."""
+  return output
