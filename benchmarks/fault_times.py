@@ -307,12 +307,7 @@ def main(argv=None):
   parser.add_argument("--json", action="store_true",
                       help="print one JSON line of the results at the end")
   args = parser.parse_args(argv)
-  st = provenance.stamp()
-  res = measure(args.trials, args.case)
-  res["provenance"] = provenance.finish(st)
-  print("\n".join(section(res)), flush=True)
-  if args.json:
-    print(json.dumps(res))
+  provenance.report(lambda: measure(args.trials, args.case), section, args.json)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ the two loops' speeds in the same round.
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -139,12 +138,7 @@ def main(argv=None):
   parser.add_argument("--json", action="store_true",
                       help="print one JSON line of the results at the end")
   args = parser.parse_args(argv)
-  st = provenance.stamp()
-  res = measure(QUICK if args.quick else FULL)
-  res["provenance"] = provenance.finish(st)
-  print("\n".join(section(res)), flush=True)
-  if args.json:
-    print(json.dumps(res))
+  provenance.report(lambda: measure(QUICK if args.quick else FULL), section, args.json)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,19 @@
 """Where a RESULTS.md section's figures came from: the command, the date, the
 machine and its load.
 
-A benchmark script calls `stamp()` when it starts and `finish(stamp)` when it
-has measured, keeps the result in its JSON, and its `section()` opens with
-`line(stamp)`, so that a section pasted from a script run alone says so as
+A benchmark script's `main` calls `report(measure, section, as_json)`: it
+stamps the run, measures, keeps the stamp in the result, and prints the
+script's RESULTS.md section (which opens with `line(stamp)`) and, with
+`--json`, the result; so a section pasted from a script run alone says so as
 plainly as one that `make bench` wrote.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import datetime
+import json
 import os
 import pathlib
 import platform
@@ -44,3 +48,15 @@ def line(st: dict) -> str:
   return (f"From `{st['command']}` on {st['date']} ({st['machine']}); load "
           f"average (1, 5, 15 min) before: {st['load_before']}, after: "
           f"{st.get('load_after', 'not recorded')}.")
+
+
+def report(measure: Callable[[], dict], section: Callable[[dict], list],
+           as_json: bool) -> dict:
+  """Measures, prints the RESULTS.md section and, `as_json`, the result."""
+  st = stamp()
+  res = measure()
+  res["provenance"] = finish(st)
+  print("\n".join(section(res)), flush=True)
+  if as_json:
+    print(json.dumps(res))
+  return res
