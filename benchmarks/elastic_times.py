@@ -39,10 +39,10 @@ CASES = {
              "--stuck-timeout 5`",
              ["--nnodes", "3", "--max-restarts", "2", "--stuck-timeout", "5"],
              ["0:2:30:stop"]),
-    "hang": ("a process hangs, alive, outside its step (after step 31), "
+    "hang": ("a process hangs, alive, outside its step (after step 30), "
              "`--nnodes 3 --stuck-timeout 5`",
              ["--nnodes", "3", "--max-restarts", "2", "--stuck-timeout", "5"],
-             ["0:1:31:hang"]),
+             ["0:1:30:hang"]),
 }
 # The markers between the fault and the first step after it, and what the
 # time up to each one is.
