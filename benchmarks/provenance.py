@@ -10,8 +10,6 @@ plainly as one that `make bench` wrote.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import datetime
 import json
 import os
@@ -19,6 +17,7 @@ import pathlib
 import platform
 import shlex
 import sys
+from typing import Callable
 
 
 def _load() -> str:
