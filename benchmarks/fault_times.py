@@ -8,9 +8,16 @@ the start. Cases that need a tmpfs (a full disk, a read-only directory) run
 in a private mount namespace (`unshare`; root or user namespaces) and are
 left out where that is not possible.
 
-    python benchmarks/fault_times.py           # about 3 minutes
+    python benchmarks/fault_times.py --trials 2      # about 6 minutes
+    python benchmarks/fault_times.py --case SIGINT   # the cases named so
+
+Each trial runs every case once (the trials follow each other, so a case's
+range spans the machine's load over the run); `--json` adds one JSON line of
+the results, and `section()` renders them for benchmarks/RESULTS.md as
+`make bench` does.
 """
 
+import argparse
 import json
 import os
 import shutil
@@ -22,6 +29,8 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import provenance  # noqa: E402  (RESULTS.md's "from which run")
 
 
 def child(backup: str, mode: str) -> None:
@@ -43,6 +52,8 @@ def child(backup: str, mode: str) -> None:
       say(f"step {self.model.global_step}")
       if mode == "slow":
         time.sleep(0.2)
+      if mode == "hold" and self.model.global_step >= 2:
+        threading.Event().wait()  # holds the directory until it is killed
 
   x, y = load_digits(image=False)
   x = x[:1000].copy()
@@ -93,7 +104,7 @@ def finish(proc, lines=()):
 
 def case_second_job(tmp):
   backup = os.path.join(tmp, "b")
-  holder, seen = start(backup, "slow"), []
+  holder, seen = start(backup, "hold"), []
   wait_for(holder, "step 2", seen)
   ev, err = finish(start(backup))
   holder.kill()
@@ -231,16 +242,72 @@ CASES = [
     ("SIGINT", lambda t: case_signal(t, [signal.SIGINT])),
     ("SIGTERM twice", lambda t: case_signal(t, [signal.SIGTERM] * 2)),
     ("kill -9, then relaunch", case_kill_9_relaunch),
+    ("SIGTERM once", lambda t: case_signal(t, [signal.SIGTERM])),
 ]
 
 
-def main():
-  print("| fault | seconds | measured |\n|---|---|---|", flush=True)
-  for name, case in CASES:
-    with tempfile.TemporaryDirectory() as tmp:
-      seconds, what = case(tmp)
-    shown = "-" if seconds is None else f"{seconds:.2f}"
-    print(f"| {name} | {shown} | {what} |", flush=True)
+def measure(trials: int, names: list | None = None) -> dict:
+  """Each case (those in `names`, or all) `trials` times: its seconds per
+  trial, or None where it cannot run here."""
+  chosen = [(n, c) for n, c in CASES if names is None or n in names]
+  unknown = set(names or ()) - {n for n, _ in CASES}
+  if unknown:
+    raise SystemExit(f"no such case: {sorted(unknown)}; the cases: "
+                     f"{[n for n, _ in CASES]}")
+  rows = {n: {"fault": n, "seconds": [], "measured": None} for n, _ in chosen}
+  for trial in range(trials):
+    for name, case in chosen:
+      with tempfile.TemporaryDirectory() as tmp:
+        seconds, what = case(tmp)
+      rows[name]["seconds"].append(seconds)
+      rows[name]["measured"] = what
+      shown = "-" if seconds is None else f"{seconds:.2f}"
+      print(f"| {trial + 1} | {name} | {shown} | {what} |", file=sys.stderr,
+            flush=True)
+  return {"trials": trials, "rows": list(rows.values())}
+
+
+def span(seconds: list) -> str:
+  """`lo-hi s` over the trials, to the digits the spread allows."""
+  def fmt(t):
+    return f"{t:.0f}" if t >= 10 else f"{t:.1f}" if t >= 1 else f"{t:.2f}"
+  lo, hi = fmt(min(seconds)), fmt(max(seconds))
+  return f"{lo} s" if lo == hi else f"{lo}-{hi} s"
+
+
+def section(res: dict) -> list:
+  """The RESULTS.md section of these measurements."""
+  lines = [
+      "## Faults: time to a clean error (checkpoint rows)",
+      "",
+      provenance.line(res["provenance"]),
+      "",
+      "A training job (the digits MLP on 4 fake CPU devices, 1,000 examples, "
+      "batch 64, `BackupAndRestore(save_freq=4)`) in a child process; each "
+      "case timed from the fault to the error, or from `fit()` when the "
+      f"fault is there from the start. The range of {res['trials']} "
+      "trial(s); README's \"What jdist guarantees under faults\" quotes it.",
+      "",
+      "| fault | seconds | measured |",
+      "|---|---|---|",
+  ]
+  for r in res["rows"]:
+    got = [t for t in r["seconds"] if t is not None]
+    lines.append(f"| {r['fault']} | {span(got) if got else '-'} | "
+                 f"{r['measured']} |")
+  return lines
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--trials", type=int, default=1,
+                      help="runs of every case; the section shows their range")
+  parser.add_argument("--case", action="append",
+                      help="a case to run (by its name; repeatable): only those")
+  parser.add_argument("--json", action="store_true",
+                      help="print one JSON line of the results at the end")
+  args = parser.parse_args(argv)
+  provenance.report(lambda: measure(args.trials, args.case), section, args.json)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
   python -m jdist.launch -n 2 --devices-per-process 2 benchmarks/multihost_overhead.py
   XLA_FLAGS=--xla_force_host_platform_device_count=4 python benchmarks/multihost_overhead.py
+  ... benchmarks/multihost_overhead.py --quick --json   # a smoke run: seconds
 
 Measures, for a tiny MLP step (64 features, Dense 16, Dense 10, batch 64):
 the jdist step against the same step hand-written with jax.jit + shard_map
@@ -12,10 +13,14 @@ fingerprint that lets processes compare the global batches they read
 experimental_distribute_dataset across processes).
 Process 0 prints the medians (and minima) of 9 alternating trials; on a
 shared machine the minimum is the better estimate of the intrinsic cost.
+`--quick` runs 5 steps in 1 trial (too few to quote); `--json` ends process
+0's output with one JSON line of the figures it printed.
 """
 
+import json
 import os
 import statistics
+import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -33,7 +38,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from jdist._src.input import agreement  # noqa: E402
 from jdist._src.multiprocess import program_check  # noqa: E402
 
-STEPS, TRIALS = 200, 9
+QUICK = "--quick" in sys.argv[1:]
+STEPS, TRIALS = (5, 1) if QUICK else (200, 9)
+REPEATS = 20 if QUICK else 2000  # fingerprints per timing
+report = {"steps": STEPS, "trials": TRIALS}  # what --json prints
 ME = jax.process_index()
 AXIS = strategy.axis_name
 N = strategy.num_replicas_in_sync
@@ -161,6 +169,11 @@ med = {k: statistics.median(v) for k, v in times.items()}
 best = {k: min(v) for k, v in times.items()}
 where = (f"{jax.process_count()} processes x {len(jax.local_devices())} devices"
          if jax.process_count() > 1 else f"1 process x {N} devices")
+hand_name = "hand-written jit+shard_map"
+report.update(where=where, us_per_step={k: {"median": med[k], "min": best[k]}
+                                        for k in med},
+              first_call_ms=first_call * 1e3,
+              jdist_vs_hand=med[hand_name] / med["jdist step"])
 say(f"== {where}, {STEPS} steps x {TRIALS} trials, us/step: median (min)")
 for k, v in med.items():
   say(f"{k:32s} {v:9.1f} ({best[k]:.1f})")
@@ -225,18 +238,20 @@ shapes = {
 }
 
 
-def time_fingerprint(leaves, repeats=2000):
+def time_fingerprint(leaves, repeats=REPEATS):
   t = time.perf_counter()
   for _ in range(repeats):
     agreement.fingerprint(leaves)
   return (time.perf_counter() - t) / repeats * 1e6
 
 
-say("fingerprint of one global batch, us (median of 9 trials, min):")
+say(f"fingerprint of one global batch, us (median of {TRIALS} trials, min):")
 for name, batch_ in shapes.items():
   leaves = [np.asarray(v) for v in jax.tree.leaves(batch_)]
   agreement.fingerprint(leaves)
   trials = [time_fingerprint(leaves) for _ in range(TRIALS)]
+  report.setdefault("fingerprint_us", {})[name] = {
+      "median": statistics.median(trials), "min": min(trials)}
   say(f"  {name:48s} {statistics.median(trials):7.1f} ({min(trials):.1f})")
 
 if jax.process_count() > 1:
@@ -267,3 +282,6 @@ if jax.process_count() > 1:
   say(f"  => fingerprint cost per batch: {med_[True] - med_[False]:+.1f} us "
       f"median ({(med_[True] / med_[False] - 1) * 100:+.1f}%), "
       f"{min(runs_[True]) - min(runs_[False]):+.1f} us min")
+
+if "--json" in sys.argv[1:]:
+  say(json.dumps(report))

@@ -3,7 +3,9 @@
 Every figure is a ratio measured within one run (jdist against the
 hand-written step, and against its peers, interleaved), because these machines
 are shared and noisy; absolute steps or samples per second are printed for
-context only.
+context only. The fault sections (fault_times.py, elastic_times.py) are times,
+seconds to a clean error or to training again, under the load the header
+states; README's fault tables quote them.
 
   python benchmarks/run.py [--quick] [--peers-python .venv-peers/bin/python]
       [--frameworks jdist,jax_hand,...] [--models mlp] [--replicas 1,2]
@@ -27,6 +29,9 @@ import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import elastic_times  # noqa: E402  (its RESULTS.md section)
+import fault_times  # noqa: E402  (its RESULTS.md section)
+import fit_overhead  # noqa: E402  (its RESULTS.md section)
 import ps  # noqa: E402  (its RESULTS.md section)
 import step_model  # noqa: E402  (issue 12's sections)
 
@@ -71,6 +76,9 @@ def main(argv=None) -> int:
   parser.add_argument("--rounds", help="peers.py's --rounds")
   parser.add_argument("--no-ps", action="store_true",
                       help="leave out the parameter-server comparison (ps.py)")
+  parser.add_argument("--no-faults", action="store_true",
+                      help="leave out fault_times.py and elastic_times.py "
+                           "(several minutes)")
   parser.add_argument("--tpu-plugin", default=str(HERE.parent / ".tpu-plugin"),
                       help="a directory holding libtpu (pip install --target), "
                            "for mixed_precision.py's deviceless TPU compile")
@@ -125,6 +133,12 @@ def main(argv=None) -> int:
       lines += [""] + step_model.model_section(peers_result["rows"])
   if ps_result is not None:
     lines += [""] + ps.section(ps_result)
+  lines += [""] + fit_overhead.section(_run("fit_overhead.py", 4, *extra))
+  if not args.no_faults:
+    lines += [""] + fault_times.section(_run(
+        "fault_times.py", 4, *(FAULT_TRIALS_QUICK if args.quick else FAULT_TRIALS)))
+    lines += [""] + elastic_times.section(_run(
+        "elastic_times.py", 1, *(ELASTIC_QUICK if args.quick else FAULT_TRIALS)))
   out = HERE / "RESULTS.md"
   out.write_text("\n".join(lines) + "\n")
   print("\n".join(lines))
@@ -133,6 +147,9 @@ def main(argv=None) -> int:
 
 
 PER_CALL_CALLS = 300  # calls counted by callgrind, per implementation
+FAULT_TRIALS = ("--trials", "2")  # README quotes the range of two
+FAULT_TRIALS_QUICK = ("--case", "backup path is a file")
+ELASTIC_QUICK = ("--case", "kill")
 BEFORE = HERE / "overhead_before.json"  # the same figures for an earlier engine
 
 

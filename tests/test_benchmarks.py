@@ -1,7 +1,8 @@
 """The benchmark scripts still run (not how fast: timed tests are banned).
 
-Tiny step counts, one round: these only keep benchmarks/overhead.py and
-benchmarks/peers.py from rotting. The peers' part needs the venv that
+Tiny step counts, one round: these keep the scripts behind RESULTS.md and
+README's figures from rotting, and check that what they print is what they
+measured. The peers' part needs the venv that
 `make bench` builds (.venv-peers, or PEERS_PYTHON) and is skipped without it.
 """
 
@@ -12,6 +13,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -166,6 +168,54 @@ def test_zero_memory_runs():
   assert all(modes[m]["state_ratio"] <= 0.3 for m in ("zero1", "zero2"))
   assert modes["zero2"]["collectives"]["reduce-scatter"] > 0
 
+
+
+def test_fault_times_runs_and_renders():
+  # The quickest case: a backup path that is a file fails fit() at once.
+  start = time.time()
+  res = _run([BENCH / "fault_times.py", "--json", "--case",
+              "backup path is a file"], devices=1, timeout=180)
+  elapsed = time.time() - start
+  (row,) = res["rows"]
+  (seconds,) = row["seconds"]
+  # Timed inside the run from fit() to the error: within the run's own time.
+  assert 0 < seconds < elapsed, (seconds, elapsed)
+  text = "\n".join(_bench_module("fault_times").section(res))
+  assert f"| backup path is a file | {_bench_module('fault_times').span([seconds])} |" \
+      in text, text
+  assert "From `python benchmarks/fault_times.py --case 'backup path is a file'` on " \
+      in text, text
+
+
+def test_fit_overhead_runs_and_renders():
+  res = _run([BENCH / "fit_overhead.py", "--quick", "--json"], devices=2)
+  (row,) = res["rows"]  # --quick: the 2 devices only
+  assert row["devices"] == 2
+  steps = res["steps_per_round"]
+  assert steps == res["examples"] // res["batch"] * res["epochs"]
+  (hand,) = row["seconds"]["hand-written"]
+  for loop, vs in row["vs_hand"].items():  # one round: the times' ratio
+    (t,) = row["seconds"][loop]
+    assert t > 0 and vs == pytest.approx(hand / t, rel=1e-9), row
+    assert row["steps_per_s"][loop] == pytest.approx(steps / t, rel=1e-9)
+  text = "\n".join(_bench_module("fit_overhead").section(res))
+  assert f"**{row['vs_hand']['fit']:.2f}x**" in text, text
+
+
+def test_multihost_overhead_runs_alone():
+  # One process over 2 devices: the smallest case (under `jdist launch` it
+  # takes a minute on 2 busy cores); the cross-process parts are left out.
+  res = _run([BENCH / "multihost_overhead.py", "--quick", "--json"], devices=2)
+  assert (res["steps"], res["where"]) == (5, "1 process x 2 devices")
+  times = res["us_per_step"]
+  assert {"jdist step", "hand-written jit+shard_map", "bare psum"} <= set(times)
+  assert all(0 < t["min"] <= t["median"] for t in times.values()), times
+  assert res["jdist_vs_hand"] == pytest.approx(
+      times["hand-written jit+shard_map"]["median"]
+      / times["jdist step"]["median"], rel=1e-9)
+  assert res["first_call_ms"] > 0
+  assert len(res["fingerprint_us"]) == 3
+  assert all(t["median"] > 0 for t in res["fingerprint_us"].values())
 
 @pytest.mark.slow
 def test_mixed_precision_runs_and_renders():

@@ -1,0 +1,137 @@
+"""How long an elastic job takes to train again after a fault (README:
+"Elastic training").
+
+Each case runs `jdist launch` on tests/multiprocess/elastic_job.py (100 SGD
+steps of a linear regression, one CPU device per process, a numpy checkpoint
+every 10 steps), with one process killing, stopping or hanging itself at a
+known step, and reads the processes' timestamped markers: from the fault to
+the first step after it, split into the launcher's part (the fault to the
+new processes' start), starting Python and importing jdist and JAX,
+`jax.distributed.initialize`, reading the checkpoint, and compiling and
+running the first step.
+
+    python benchmarks/elastic_times.py --trials 3     # a few minutes
+    python benchmarks/elastic_times.py --case kill    # one case
+
+`--json` adds one JSON line of the results; `section()` renders them for
+benchmarks/RESULTS.md.
+"""
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+JOB = os.path.join(ROOT, "tests", "multiprocess", "elastic_job.py")
+sys.path.insert(0, HERE)
+import fault_times  # noqa: E402  (its ranges)
+import provenance  # noqa: E402  (RESULTS.md's "from which run")
+
+# name: (what happens, the launcher's options, the job's faults)
+CASES = {
+    "kill": ("a process dies (SIGKILL at step 30), `--nnodes 2:4`",
+             ["--nnodes", "2:4", "--max-restarts", "3"], ["0:2:30:kill"]),
+    "stop": ("a process is stopped (SIGSTOP at step 30), `--nnodes 3 "
+             "--stuck-timeout 5`",
+             ["--nnodes", "3", "--max-restarts", "2", "--stuck-timeout", "5"],
+             ["0:2:30:stop"]),
+    "hang": ("a process hangs, alive, outside its step (after step 30), "
+             "`--nnodes 3 --stuck-timeout 5`",
+             ["--nnodes", "3", "--max-restarts", "2", "--stuck-timeout", "5"],
+             ["0:1:30:hang"]),
+}
+# The markers between the fault and the first step after it, and what the
+# time up to each one is.
+PARTS = {"started": "the launcher", "imported": "Python, jdist and JAX",
+         "initialized": "`jax.distributed.initialize`",
+         "resumed": "reading the checkpoint", "step": "compiling and the first step"}
+
+
+def stamps(output: str, name: str) -> list:
+  """The wall times of the processes' `[rank] name ...` markers."""
+  return [float(t) for t in re.findall(
+      rf"^\[\d+\] {name} .*?(\d{{9,}}\.\d+)", output, re.M)]
+
+
+def fault_to_step(output: str) -> dict:
+  """Seconds from the fault to each part's end (the slowest process's), and
+  in all to the first step after it."""
+  fault = stamps(output, "fault")[0]
+  restart = min(t for t in stamps(output, "started") if t > fault)
+  ends = {"started": restart}
+  for name in list(PARTS)[1:]:
+    later = [t for t in stamps(output, name) if t > restart]
+    ends[name] = min(later) if name == "step" else max(later)
+  times = [fault, *ends.values()]
+  return {"total": times[-1] - fault,
+          **{k: b - a for k, a, b in zip(ends, times, times[1:])}}
+
+
+def run_case(name: str) -> dict:
+  _, options, faults = CASES[name]
+  env = {k: v for k, v in os.environ.items()
+         if not k.startswith(("JDIST_", "TF_CONFIG", "XLA_FLAGS"))}
+  env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+             PYTHONPATH=os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]))
+  with tempfile.TemporaryDirectory() as out:
+    done = subprocess.run(
+        [sys.executable, "-m", "jdist.launch", *options,
+         "--devices-per-process", "1", JOB, out, *faults],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    finished = os.path.exists(os.path.join(out, "final.npz"))
+  if done.returncode or not finished:
+    raise RuntimeError(f"case {name}: the job did not finish "
+                       f"(exit {done.returncode}):\n{done.stderr[-3000:]}")
+  return fault_to_step(done.stdout)
+
+
+def measure(trials: int, names: list) -> dict:
+  rows = {n: {"case": n, "what": CASES[n][0], "seconds": []} for n in names}
+  for trial in range(trials):
+    for name in names:
+      rows[name]["seconds"].append(run_case(name))
+      print(f"trial {trial + 1}, {name}: {rows[name]['seconds'][-1]}",
+            file=sys.stderr, flush=True)
+  return {"trials": trials, "rows": list(rows.values())}
+
+
+def section(res: dict) -> list:
+  """The RESULTS.md section of these measurements."""
+  lines = [
+      "## Elastic training: time to training again",
+      "",
+      provenance.line(res["provenance"]),
+      "",
+      "`jdist launch` on tests/multiprocess/elastic_job.py (100 SGD steps, one "
+      "CPU device per process, a checkpoint every 10 steps); from the fault to "
+      "the first step after it, and its parts (each up to the slowest "
+      f"process's marker). The range of {res['trials']} trial(s); README's "
+      "\"Elastic training\" quotes it.",
+      "",
+      "| fault | in all | " + " | ".join(PARTS.values()) + " |",
+      "|---|---|" + "---|" * len(PARTS),
+  ]
+  for r in res["rows"]:
+    cells = [fault_times.span([s[k] for s in r["seconds"]])
+             for k in ("total", *PARTS)]
+    lines.append(f"| {r['what']} | " + " | ".join(cells) + " |")
+  return lines
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--trials", type=int, default=1)
+  parser.add_argument("--case", action="append", choices=list(CASES),
+                      help="a case to run (repeatable): only those")
+  parser.add_argument("--json", action="store_true",
+                      help="print one JSON line of the results at the end")
+  args = parser.parse_args(argv)
+  provenance.report(lambda: measure(args.trials, args.case or list(CASES)), section, args.json)
+
+
+if __name__ == "__main__":
+  main()
