@@ -445,9 +445,9 @@ def static_batch_size(source: Source, sample: dict, num_replicas: int,
   decides when it sees whether another batch follows.
 
   Args:
-    micro_batches: K: each replica's share of a batch is split into K
-      micro-batches (gradient accumulation), so batches must split into
-      `num_replicas * K` equal parts.
+    micro_batches: M: each replica's share of a batch is split into M
+      micro-batches (the Trainer's `micro_batches`), so batches must split
+      into `num_replicas * M` equal parts.
 
   Raises:
     ValueError: the batches cannot split evenly over the replicas (and
@@ -464,11 +464,11 @@ def static_batch_size(source: Source, sample: dict, num_replicas: int,
       return None
     raise ValueError(f"In the {what}: {host.split_error(rows, num_replicas)}")
   raise ValueError(
-      f"gradient_accumulation_steps={micro_batches} splits each replica's "
+      f"micro_batches={micro_batches} splits each replica's "
       f"batch into {micro_batches} micro-batches, but the global batch of "
       f"{rows} gives {rows // num_replicas} rows to each of {num_replicas} "
       f"replicas. Use a batch size that is a multiple of {parts} (replicas x "
-      "accumulation steps).")
+      "micro-batches).")
 
 
 def validation_source(source, validation_data, *, validation_split: float,
