@@ -70,6 +70,9 @@ class FitLoop:
       with gradient accumulation at least one group).
     batches_per_step: batches per optimizer step (gradient accumulation:
       the train function joins this many batches into one step).
+    batches: `batches(epoch, start) -> iterable` of what the train function
+      takes for each batch of the epoch from `start` on; default: `source`'s
+      batches through the strategy's `experimental_distribute_dataset`.
     skipped: a `mixed_precision.SkippedBatches` for a loss-scaled optimizer
       (fit then warns, once an epoch, about batches skipped at the scale's
       floor), or None.
@@ -92,7 +95,7 @@ class FitLoop:
                validate: Callable | None = None, make_totals: Callable,
                read_logs: Callable, batch_size: int | None = None,
                steps_per_execution: int = 1, batches_per_step: int = 1,
-               skipped=None):
+               batches: Callable | None = None, skipped=None):
     self.source = source
     self.history = History()
     self.position = Position(epoch=initial_epoch)
@@ -111,6 +114,7 @@ class FitLoop:
     self._resume_sums = None
     self._warned_nonfinite = False
     self._skipped = skipped
+    self._batches = batches
     self.state = state
 
   @property
@@ -222,8 +226,12 @@ class FitLoop:
                  bar: ProgressBar) -> int:
     """Trains on the epoch's batches from `start`; the steps that ran."""
     ran = 0
-    batches = self._strategy.experimental_distribute_dataset(
-        self.source.batches(epoch, start), global_batch_size=self._batch_size)
+    if self._batches is not None:
+      batches = self._batches(epoch, start)
+    else:
+      batches = self._strategy.experimental_distribute_dataset(
+          self.source.batches(epoch, start),
+          global_batch_size=self._batch_size)
     if self.steps_per_execution > 1:
       batches = batches.group(self.steps_per_execution)
     for batch in batches:

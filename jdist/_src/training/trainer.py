@@ -22,6 +22,7 @@ from jdist._src.training import loop
 from jdist._src.training import mixed_precision
 from jdist._src.training import model as model_lib
 from jdist._src.training import objectives
+from jdist._src.training import dataset_creator
 from jdist._src.training import steps as steps_lib
 from jdist._src.training.callbacks import CallbackList
 from jdist._src.checkpoint.checkpointer import Checkpointer
@@ -422,9 +423,11 @@ class Trainer:
     y_pred = steps_lib.output_spec(
         self._compute_model, self.strategy.state_placement.abstract(self.state),
         sample, what, self._initialised_for)
-    static = data_lib.static_batch_size(
-        source, sample, self.strategy.num_replicas_in_sync, what,
-        micro_batches=micro_batches)
+    static = None  # a DatasetCreator's pipelines batch for themselves
+    if not isinstance(source, dataset_creator.CreatorSource):
+      static = data_lib.static_batch_size(
+          source, sample, self.strategy.num_replicas_in_sync, what,
+          micro_batches=micro_batches)
     if not with_loss:
       return sample, static
     if "y" not in sample:
@@ -468,7 +471,9 @@ class Trainer:
       x: inputs as arrays (with `y` and `batch_size`), or the data as an
         iterable of `(x, y)` / `(x, y, sample_weight)` / `{"x", "y"}` global
         batches (a list, a tf.data dataset, a grain dataset or iterator, a
-        generator).
+        generator). Or a `jdist.DatasetCreator(dataset_fn)` (with
+        `steps_per_epoch`, as in TensorFlow): every input pipeline builds
+        its own data (under parameter servers, every worker).
       y: targets, when `x` is arrays.
       batch_size: the global batch size for arrays (default 32). It must be a
         multiple of the number of replicas; the last batch may be shorter
@@ -497,11 +502,10 @@ class Trainer:
     """
     _check_count(epochs, "epochs", minimum=0)
     _check_count(initial_epoch, "initial_epoch", minimum=0)
-    source = data_lib.make_source(x, y, batch_size=batch_size,
-                                  steps_per_epoch=steps_per_epoch,
-                                  shuffle=shuffle, seed=self._seed,
-                                  sample_weight=sample_weight,
-                                  class_weight=class_weight)
+    source = self._training_source(x, y, batch_size=batch_size,
+                                   steps_per_epoch=steps_per_epoch,
+                                   shuffle=shuffle, sample_weight=sample_weight,
+                                   class_weight=class_weight)
     source, val_source = data_lib.validation_source(
         source, validation_data, validation_split=validation_split,
         steps=validation_steps, batch_size=validation_batch_size)
@@ -520,6 +524,8 @@ class Trainer:
                        read_logs=self._read_train_logs, batch_size=static,
                        steps_per_execution=self._batches_per_call,
                        batches_per_step=self._accumulation,
+                       batches=(source.distributed if isinstance(
+                           source, dataset_creator.CreatorSource) else None),
                        skipped=self._skipped_batches())
     self.history = fit_loop.history
     cbs = CallbackList(callbacks, trainer=self,
@@ -542,6 +548,32 @@ class Trainer:
     if isinstance(self._model, model_lib.NnxModel):
       self.export()
     return self.history
+
+  def _training_source(self, x, y, *, batch_size, steps_per_epoch, shuffle,
+                       sample_weight, class_weight) -> data_lib.Source:
+    """fit's data as a `Source`: a `DatasetCreator`'s, built by each input
+    pipeline (each parameter-server worker), or data read on this host."""
+    if not isinstance(x, dataset_creator.DatasetCreator):
+      return data_lib.make_source(x, y, batch_size=batch_size,
+                                  steps_per_epoch=steps_per_epoch,
+                                  shuffle=shuffle, seed=self._seed,
+                                  sample_weight=sample_weight,
+                                  class_weight=class_weight)
+    given = {"y": y, "batch_size": batch_size, "sample_weight": sample_weight}
+    extra = [k for k, v in given.items() if v is not None]
+    if extra:
+      raise ValueError(
+          f"fit(jdist.DatasetCreator(...)) takes no {', '.join(extra)}: "
+          "dataset_fn's batches carry their targets and weights, batched as "
+          "it batches them.")
+    if self._batches_per_call > 1:
+      raise ValueError(
+          "fit(jdist.DatasetCreator(...)) runs one batch per call: "
+          "steps_per_execution and gradient_accumulation_steps above 1 are "
+          "not supported with it yet (micro_batches= is).")
+    return dataset_creator.CreatorSource(x, strategy=self.strategy,
+                                         steps_per_epoch=steps_per_epoch,
+                                         class_weight=class_weight)
 
   def _skipped_batches(self):
     """What tells fit which batches a loss-scaled optimizer skipped; None

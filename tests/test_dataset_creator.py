@@ -1,0 +1,148 @@
+"""`fit(jdist.DatasetCreator(dataset_fn), steps_per_epoch=...)` under
+parameter servers, in the shape of TensorFlow's "Parameter server training"
+tutorial (its Model.fit section), threads backend.
+
+Every worker builds its own input pipeline, once per fit; one worker trains
+as one device on the same batches.
+"""
+
+import collections
+import threading
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import jdist
+from jdist.examples.models import MLP
+
+from conftest import strategy_on
+
+LOSS = jdist.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def make_dataset_fn(x, y, calls):
+  def dataset_fn(input_context):
+    calls.append((input_context.input_pipeline_id,
+                  threading.current_thread() is threading.main_thread()))
+    batch_size = input_context.get_per_replica_batch_size(32)
+    # Each worker its own shard, shuffled and repeated.
+    shard = np.arange(len(x))[input_context.input_pipeline_id::
+                              input_context.num_input_pipelines]
+    rng = np.random.default_rng(input_context.input_pipeline_id)
+    while True:
+      order = rng.permutation(shard)
+      for i in range(0, len(order) - batch_size + 1, batch_size):
+        rows = order[i:i + batch_size]
+        yield x[rows], y[rows]
+  return dataset_fn
+
+
+def make_trainer(strategy):
+  with strategy.scope():
+    return jdist.Trainer(MLP(hidden=32), optimizer=optax.sgd(0.1, momentum=0.9),
+                         loss=LOSS, metrics=["accuracy"])
+
+
+def ps_strategy(num_workers):
+  return jdist.ParameterServerStrategy(
+      jdist.cluster_resolver.LocalClusterResolver(num_workers=num_workers,
+                                                  num_ps=1))
+
+
+def test_each_worker_builds_its_pipeline_once_and_training_learns(digits_flat):
+  x, y = digits_flat
+  calls = []
+  strategy = ps_strategy(2)
+  trainer = make_trainer(strategy)
+  try:
+    history = trainer.fit(
+        jdist.DatasetCreator(make_dataset_fn(x[:1400], y[:1400], calls)),
+        epochs=3, steps_per_epoch=20, validation_data=(x[1400:1600], y[1400:1600]),
+        verbose=0)
+    # Once on each worker (pipelines 0 and 1, off the main thread) for the
+    # whole fit, and once on the coordinator for the batch fit checks.
+    assert collections.Counter(calls) == {(0, False): 1, (1, False): 1,
+                                          (0, True): 1}
+    assert trainer.global_step == 60
+    assert int(trainer.state.read().step) == 60  # every step applied
+    assert history.history["val_accuracy"][-1] > 0.5  # chance: 0.1
+    assert history.history["loss"][-1] < history.history["loss"][0]
+  finally:
+    strategy.coordinator.shutdown()
+
+
+def test_one_worker_trains_as_one_device_on_the_same_batches(digits_flat):
+  x, y = digits_flat
+  x, y = x[:640], y[:640]
+  strategy = ps_strategy(1)
+  trainer = make_trainer(strategy)
+  try:
+    history = trainer.fit(jdist.DatasetCreator(make_dataset_fn(x, y, [])),
+                          epochs=2, steps_per_epoch=15, verbose=0).history
+    params = jax.device_get(trainer.params)
+  finally:
+    strategy.coordinator.shutdown()
+  # The worker's batches in order, read by one device from the same function.
+  batches = make_dataset_fn(x, y, [])(jdist.InputContext(1, 0, 1))
+  one = make_trainer(strategy_on(1))
+  reference = one.fit(batches, epochs=2, steps_per_epoch=15, verbose=0).history
+  for key in reference:
+    np.testing.assert_allclose(history[key], reference[key], rtol=1e-5,
+                               err_msg=key)
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(one.params)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_under_mirrored_each_replica_takes_a_per_replica_batch(digits_flat):
+  """As TensorFlow's fit of a DatasetCreator under MirroredStrategy: the
+  batches are per-replica (`get_per_replica_batch_size`), each step takes
+  one per replica. Two replicas on batches of 16 train as one device on the
+  same pairs of batches joined."""
+  x, y = digits_flat
+  x, y = x[:640], y[:640]
+
+  def dataset_fn(ctx):
+    size = ctx.get_per_replica_batch_size(32)
+    while True:  # repeated: the second epoch continues where the first ended
+      for i in range(0, len(x), size):
+        yield x[i:i + size], y[i:i + size]
+
+  trainer = make_trainer(strategy_on(2))
+  history = trainer.fit(jdist.DatasetCreator(dataset_fn), epochs=2,
+                        steps_per_epoch=12, verbose=0).history
+  one = make_trainer(strategy_on(1))
+  reference = one.fit(dataset_fn(jdist.InputContext(1, 0, 1)), epochs=2,
+                      steps_per_epoch=12, verbose=0).history
+  for key in reference:
+    np.testing.assert_allclose(history[key], reference[key], rtol=1e-5,
+                               err_msg=key)
+  for a, b in zip(jax.tree.leaves(trainer.params),
+                  jax.tree.leaves(one.params)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_what_fit_refuses_with_a_dataset_creator(digits_flat):
+  x, y = digits_flat
+  creator = jdist.DatasetCreator(make_dataset_fn(x, y, []))
+  with pytest.raises(ValueError, match="gradient_accumulation_steps above 1 "
+                     "are not supported with it"):
+    jdist.Trainer(MLP(), optimizer=optax.sgd(0.1), loss=LOSS,
+                  gradient_accumulation_steps=2).fit(creator,
+                                                     steps_per_epoch=4)
+  strategy = ps_strategy(1)
+  trainer = make_trainer(strategy)
+  try:
+    with pytest.raises(ValueError, match="needs steps_per_epoch"):
+      trainer.fit(creator, verbose=0)
+    with pytest.raises(ValueError, match="takes no y, batch_size"):
+      trainer.fit(creator, y, batch_size=32, steps_per_epoch=5, verbose=0)
+    assert trainer.global_step == 0
+  finally:
+    strategy.coordinator.shutdown()
+  with pytest.raises(TypeError, match="needs a function"):
+    jdist.DatasetCreator([1, 2])
+  with pytest.raises(ValueError, match="input_options"):
+    jdist.DatasetCreator(make_dataset_fn(x, y, []),
+                         input_options=jdist.InputOptions())
