@@ -58,17 +58,16 @@ def test_each_worker_builds_its_pipeline_once_and_training_learns(digits_flat):
   trainer = make_trainer(strategy)
   try:
     history = trainer.fit(
-        jdist.DatasetCreator(make_dataset_fn(x[:1400], y[:1400], calls)),
-        epochs=3, steps_per_epoch=20, validation_data=(x[1400:1600], y[1400:1600]),
-        verbose=0)
+        jdist.DatasetCreator(make_dataset_fn(x, y, calls)),
+        epochs=3, steps_per_epoch=20, verbose=0).history
     # Once on each worker (pipelines 0 and 1, off the main thread) for the
     # whole fit, and once on the coordinator for the batch fit checks.
     assert collections.Counter(calls) == {(0, False): 1, (1, False): 1,
                                           (0, True): 1}
     assert trainer.global_step == 60
     assert int(trainer.state.read().step) == 60  # every step applied
-    assert history.history["val_accuracy"][-1] > 0.5  # chance: 0.1
-    assert history.history["loss"][-1] < history.history["loss"][0]
+    assert history["loss"][-1] < history["loss"][0] * 0.7
+    assert history["accuracy"][-1] > 0.5  # chance: 0.1
   finally:
     strategy.coordinator.shutdown()
 
