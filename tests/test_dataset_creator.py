@@ -102,34 +102,48 @@ def test_under_mirrored_each_replica_takes_a_per_replica_batch(digits_flat):
   x, y = digits_flat
   x, y = x[:640], y[:640]
 
-  def dataset_fn(ctx):
-    size = ctx.get_per_replica_batch_size(32)
-    while True:  # repeated: the second epoch continues where the first ended
+  def cycle(size):  # repeated: the second epoch continues the first
+    while True:
       for i in range(0, len(x), size):
         yield x[i:i + size], y[i:i + size]
 
-  trainer = make_trainer(strategy_on(2))
-  history = trainer.fit(jdist.DatasetCreator(dataset_fn), epochs=2,
-                        steps_per_epoch=12, verbose=0).history
+  def dataset_fn(ctx):
+    return cycle(ctx.get_per_replica_batch_size(32))
+
   one = make_trainer(strategy_on(1))
-  reference = one.fit(dataset_fn(jdist.InputContext(1, 0, 1)), epochs=2,
-                      steps_per_epoch=12, verbose=0).history
-  for key in reference:
-    np.testing.assert_allclose(history[key], reference[key], rtol=1e-5,
-                               err_msg=key)
-  for a, b in zip(jax.tree.leaves(trainer.params),
-                  jax.tree.leaves(one.params)):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  reference = one.fit(cycle(32), epochs=2, steps_per_epoch=12,
+                      verbose=0).history
+  # Also with gradient accumulation: 2 steps of 2 x 16 rows make one
+  # optimizer step of 64, as one device on batches of 64 (an epoch of 12
+  # steps is 6 of those).
+  one_64 = make_trainer(strategy_on(1))
+  reference_64 = one_64.fit(cycle(64), epochs=2, steps_per_epoch=6,
+                            verbose=0).history
+  for k, (ref, ref_history) in ((1, (one, reference)),
+                                (2, (one_64, reference_64))):
+    with strategy_on(2).scope():
+      trainer = jdist.Trainer(MLP(hidden=32),
+                              optimizer=optax.sgd(0.1, momentum=0.9),
+                              loss=LOSS, metrics=["accuracy"],
+                              gradient_accumulation_steps=k)
+    history = trainer.fit(jdist.DatasetCreator(dataset_fn), epochs=2,
+                          steps_per_epoch=12, verbose=0).history
+    for key in ref_history:
+      np.testing.assert_allclose(history[key], ref_history[key], rtol=1e-5,
+                                 err_msg=key)
+    for a, b in zip(jax.tree.leaves(trainer.params),
+                    jax.tree.leaves(ref.params)):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_what_fit_refuses_with_a_dataset_creator(digits_flat):
   x, y = digits_flat
   creator = jdist.DatasetCreator(make_dataset_fn(x, y, []))
-  with pytest.raises(ValueError, match="gradient_accumulation_steps above 1 "
-                     "are not supported with it"):
+  with pytest.raises(ValueError, match="steps_per_epoch must be a multiple "
+                     "of 4"):
     jdist.Trainer(MLP(), optimizer=optax.sgd(0.1), loss=LOSS,
-                  gradient_accumulation_steps=2).fit(creator,
-                                                     steps_per_epoch=4)
+                  gradient_accumulation_steps=4).fit(creator,
+                                                     steps_per_epoch=6)
   strategy = ps_strategy(1)
   trainer = make_trainer(strategy)
   try:

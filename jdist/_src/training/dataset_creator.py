@@ -98,21 +98,33 @@ class CreatorSource:
     strategy: the strategy training runs under.
     steps_per_epoch: batches (steps) per epoch; required.
     class_weight: Keras' `class_weight`, applied where the batches are read.
+    batches_per_call: batches each call of the train function takes
+      (`steps_per_execution`, gradient accumulation): above 1, the items
+      are `BatchGroup`s of that many batches.
 
   Raises:
-    ValueError: no `steps_per_epoch`.
+    ValueError: no `steps_per_epoch`, or one that is not a multiple of
+      `batches_per_call`.
   """
 
   one_shot = True
 
   def __init__(self, creator: DatasetCreator, *, strategy,
-               steps_per_epoch: int | None, class_weight=None):
+               steps_per_epoch: int | None, class_weight=None,
+               batches_per_call: int = 1):
     if steps_per_epoch is None:
       raise ValueError(
           "fit(jdist.DatasetCreator(...)) needs steps_per_epoch, as in "
           "TensorFlow: the dataset should be endless (repeated), so only "
           "steps_per_epoch says where an epoch ends.")
+    if steps_per_epoch % batches_per_call:
+      raise ValueError(
+          f"fit(jdist.DatasetCreator(...)) with steps_per_epoch="
+          f"{steps_per_epoch}: each compiled call takes {batches_per_call} "
+          "batches (steps_per_execution, gradient_accumulation_steps), so "
+          f"steps_per_epoch must be a multiple of {batches_per_call}.")
     self.steps_per_epoch = int(steps_per_epoch)
+    self._per_call = batches_per_call
     self._creator = creator
     self._strategy = strategy
     self._class_weight = class_weight
@@ -145,9 +157,13 @@ class CreatorSource:
     that runs the step")."""
     del epoch
     if self._iterator is None:
-      self._iterator = iter(self._strategy.distribute_datasets_from_function(
-          _PipelineInput(self._creator, self._class_weight, self._check)))
-    return itertools.islice(self._iterator, self.steps_per_epoch - start)
+      dataset = self._strategy.distribute_datasets_from_function(
+          _PipelineInput(self._creator, self._class_weight, self._check))
+      if self._per_call > 1:
+        dataset = dataset.group(self._per_call)
+      self._iterator = iter(dataset)
+    return itertools.islice(self._iterator,
+                            (self.steps_per_epoch - start) // self._per_call)
 
   def state(self, consumed: int) -> dict:
     del consumed

@@ -71,8 +71,9 @@ class FitLoop:
     batches_per_step: batches per optimizer step (gradient accumulation:
       the train function joins this many batches into one step).
     batches: `batches(epoch, start) -> iterable` of what the train function
-      takes for each batch of the epoch from `start` on; default: `source`'s
-      batches through the strategy's `experimental_distribute_dataset`.
+      takes for each call in the epoch from batch `start` on (batches, or
+      groups of `steps_per_execution`); default: `source`'s batches through
+      the strategy's `experimental_distribute_dataset`.
     skipped: a `mixed_precision.SkippedBatches` for a loss-scaled optimizer
       (fit then warns, once an epoch, about batches skipped at the scale's
       floor), or None.
@@ -232,8 +233,8 @@ class FitLoop:
       batches = self._strategy.experimental_distribute_dataset(
           self.source.batches(epoch, start),
           global_batch_size=self._batch_size)
-    if self.steps_per_execution > 1:
-      batches = batches.group(self.steps_per_execution)
+      if self.steps_per_execution > 1:
+        batches = batches.group(self.steps_per_execution)
     for batch in batches:
       # As Keras: once per execution, begin with its first batch's index
       # and end with its last one's.

@@ -566,14 +566,9 @@ class Trainer:
           f"fit(jdist.DatasetCreator(...)) takes no {', '.join(extra)}: "
           "dataset_fn's batches carry their targets and weights, batched as "
           "it batches them.")
-    if self._batches_per_call > 1:
-      raise ValueError(
-          "fit(jdist.DatasetCreator(...)) runs one batch per call: "
-          "steps_per_execution and gradient_accumulation_steps above 1 are "
-          "not supported with it yet (micro_batches= is).")
-    return dataset_creator.CreatorSource(x, strategy=self.strategy,
-                                         steps_per_epoch=steps_per_epoch,
-                                         class_weight=class_weight)
+    return dataset_creator.CreatorSource(
+        x, strategy=self.strategy, steps_per_epoch=steps_per_epoch,
+        class_weight=class_weight, batches_per_call=self._batches_per_call)
 
   def _skipped_batches(self):
     """What tells fit which batches a loss-scaled optimizer skipped; None
