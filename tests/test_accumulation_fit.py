@@ -17,6 +17,7 @@ import jdist
 from jdist.examples.models import MLP
 
 from conftest import Interrupt, strategy_on
+from test_accumulation import _all_reduces
 
 LOSS = jdist.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -120,11 +121,11 @@ def test_data_of_unknown_length_ending_mid_group_fails_loudly(data):
   assert trainer.global_step == 1  # the whole group before stays applied
 
 
-def test_backup_and_restore_resumes_between_groups_exactly(data, tmp_path):
+def test_backup_and_restore_resumes_between_groups_exactly(data, big_batch,
+                                                          tmp_path):
   def run(callbacks):
     return fit(make(2, 4), data, callbacks=callbacks)
 
-  reference = run([])
   # save_freq counts batches, as Keras's: every 8 batches is every second
   # optimizer step. Killed after step 7 (batch 7 of epoch 2).
   with pytest.raises(KeyboardInterrupt):
@@ -133,7 +134,7 @@ def test_backup_and_restore_resumes_between_groups_exactly(data, tmp_path):
   backup = jdist.BackupAndRestore(tmp_path, save_freq=8)
   resumed = run([backup])
   assert backup.restored_step == 6
-  assert_same(resumed, reference)
+  assert_same(resumed, big_batch)  # as if never interrupted
   # A backup from a run without accumulation, saved after batch 5.
   other = tmp_path / "other"
   with pytest.raises(KeyboardInterrupt):
@@ -171,3 +172,30 @@ def test_an_overflow_in_one_batch_skips_the_whole_group(data):
   for a, b in zip(jax.tree.leaves(with_bad.params),
                   jax.tree.leaves(without.params)):
     np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4)
+
+
+def test_one_all_reduce_per_optimizer_step_of_k_batches(data):
+  """The compiled call of K batches reduces the gradients once, after the
+  loop over its batches: as many all-reduces as one step on one batch."""
+  x, y = data
+  totals = []
+
+  class Grab(jdist.Callback):
+    def on_train_batch_begin(self, batch, logs=None):
+      totals.append(self.fit_loop.totals)
+
+  def program(k, batches):
+    trainer = make(2, k)
+    trainer.fit(x[:64], y[:64], batch_size=64 // k, verbose=0,
+                callbacks=[Grab()])
+    batches = trainer.strategy.experimental_distribute_dataset(batches)
+    item = next(iter(batches.group(k) if k > 1 else batches))
+    return jax.jit(trainer.train_function).lower(
+        trainer.state, totals[-1], item).compile().as_text()
+
+  whole = [{"x": x[:64], "y": y[:64]}]
+  quarters = [{"x": x[i:i + 16], "y": y[i:i + 16]} for i in range(0, 64, 16)]
+  plain_total, _ = _all_reduces(program(1, whole))
+  total, in_loop = _all_reduces(program(4, quarters))
+  assert plain_total >= 1
+  assert (total, in_loop) == (plain_total, 0)
