@@ -17,7 +17,7 @@ import pytest
 import jdist
 from jdist.examples.models import MLP
 
-from conftest import strategy_on
+from conftest import Interrupt, strategy_on
 
 LOSS = jdist.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -159,3 +159,27 @@ def test_what_fit_refuses_with_a_dataset_creator(digits_flat):
   with pytest.raises(ValueError, match="input_options"):
     jdist.DatasetCreator(make_dataset_fn(x, y, []),
                          input_options=jdist.InputOptions())
+
+
+def test_backup_and_restore_resumes_with_fresh_pipelines(digits_flat,
+                                                         tmp_path):
+  """An interrupted fit of a DatasetCreator resumes at its step and batch;
+  the pipelines cannot be rewound, so dataset_fn runs again (and the resumed
+  epoch reads its batches from the start of the data)."""
+  x, y = digits_flat
+  calls = []
+  creator = jdist.DatasetCreator(make_dataset_fn(x[:640], y[:640], calls))
+
+  def run(callbacks):
+    trainer = make_trainer(strategy_on(2))
+    trainer.fit(creator, epochs=2, steps_per_epoch=10, verbose=0,
+                callbacks=callbacks)
+    return trainer
+
+  with pytest.raises(KeyboardInterrupt):
+    run([jdist.BackupAndRestore(tmp_path, save_freq=4), Interrupt(13)])
+  assert len(calls) == 2  # the host's peek and the one pipeline
+  backup = jdist.BackupAndRestore(tmp_path, save_freq=4)
+  trainer = run([backup])
+  assert backup.restored_step == 12 and trainer.global_step == 20
+  assert len(calls) == 4
