@@ -18,11 +18,11 @@ from jdist._src.errors import CheckpointNotFoundError
 from jdist._src.ops import precision
 from jdist._src.ops.sharded_optimizer import ShardedOptimizer
 from jdist._src.training import data as data_lib
+from jdist._src.training import dataset_creator
 from jdist._src.training import loop
 from jdist._src.training import mixed_precision
 from jdist._src.training import model as model_lib
 from jdist._src.training import objectives
-from jdist._src.training import dataset_creator
 from jdist._src.training import steps as steps_lib
 from jdist._src.training.callbacks import CallbackList
 from jdist._src.checkpoint.checkpointer import Checkpointer
