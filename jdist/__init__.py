@@ -99,6 +99,7 @@ from jdist._src.training.callbacks import Callback
 from jdist._src.training.checkpoint_callbacks import BackupAndRestore
 from jdist._src.training.checkpoint_callbacks import ModelCheckpoint
 from jdist._src.training.control import EarlyStopping
+from jdist._src.training.dataset_creator import DatasetCreator
 from jdist._src.training.control import LearningRateScheduler
 from jdist._src.training.history import History
 from jdist._src.training.loggers import CSVLogger
@@ -128,6 +129,7 @@ __all__ = [
     "CommunicationOptions",
     "CrossDeviceOps",
     "DTypePolicy",
+    "DatasetCreator",
     "DeviceMesh",
     "Diagnosis",
     "DistributedDataset",

@@ -352,7 +352,7 @@ print("max |mirrored - sharded| parameter after 10 steps:",
 # - `jdist.accumulate_gradients(loss_fn, params, batch, num_micro_batches=K)` runs each
 #   replica's batch as K micro-batches in one compiled step: only one micro-batch's
 #   activations are alive at a time, the gradients are all-reduced once, and the result
-#   equals the whole batch's (`Trainer(..., gradient_accumulation_steps=K)` in `fit`).
+#   equals the whole batch's (`Trainer(..., micro_batches=K)` in `fit`).
 # - A mixed `jdist.DTypePolicy` runs the model in bfloat16 on float32 master weights:
 #   the activations the backward pass keeps take half the bytes
 #   (`Trainer(..., dtype_policy="mixed_bfloat16")` in `fit`). XLA's CPU backend still

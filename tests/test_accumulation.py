@@ -1,7 +1,8 @@
 """Gradient accumulation: K micro-batches, one all-reduce, the big batch's step.
 
 Custom loops call `jdist.accumulate_gradients` inside their step; the Trainer
-takes `gradient_accumulation_steps=K`. Both must train exactly as one step on
+takes `micro_batches=K` (its `gradient_accumulation_steps`, Keras' meaning,
+is tested in test_accumulation_fit.py). Both must train exactly as one step on
 the whole batch does (a padded last batch included) and reduce gradients over
 replicas once per optimizer step, which the compiled program shows.
 """
@@ -166,9 +167,9 @@ def test_one_all_reduce_per_optimizer_step(uneven):
   assert naive_in_loop >= 1
 
 
-def test_trainer_accumulation_trains_as_the_big_batch(digits_flat):
-  """fit with K=4 on 2 replicas: the history and weights of K=1, on data
-  whose last batch is short (padded micro-batches)."""
+def test_trainer_micro_batches_train_as_the_whole_batch(digits_flat):
+  """fit with micro_batches=4 on 2 replicas: the history and weights of one
+  micro-batch, on data whose last batch is short (padded micro-batches)."""
   x, y = digits_flat
   x, y = x[:360], y[:360]
   runs = []
@@ -176,7 +177,7 @@ def test_trainer_accumulation_trains_as_the_big_batch(digits_flat):
     trainer = jdist.Trainer(
         MLP(), optimizer=optax.adam(1e-2), strategy=strategy_on(2),
         loss=jdist.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"], gradient_accumulation_steps=k)
+        metrics=["accuracy"], micro_batches=k)
     history = trainer.fit(x, y, batch_size=64, epochs=2, verbose=0,
                           shuffle=False)
     runs.append((trainer, history))
@@ -191,9 +192,9 @@ def test_trainer_accumulation_trains_as_the_big_batch(digits_flat):
 @pytest.mark.parametrize("k,error", [(0, ValueError), (-2, ValueError),
                                      (1.5, TypeError), (True, TypeError)])
 def test_bad_accumulation_steps_fail_at_once(k, error):
-  with pytest.raises(error, match="accumulation steps"):
-    jdist.Trainer(MLP(), optimizer=optax.sgd(0.1), loss="mse",
-                  gradient_accumulation_steps=k)
+  for name in ("gradient_accumulation_steps", "micro_batches"):
+    with pytest.raises(error, match=name):
+      jdist.Trainer(MLP(), optimizer=optax.sgd(0.1), loss="mse", **{name: k})
   with pytest.raises(error, match="accumulation steps"):
     jdist.accumulate_gradients(lambda p, b: jnp.sum(p * b), jnp.ones(2),
                                jnp.ones((4, 2)), num_micro_batches=k)
@@ -204,7 +205,7 @@ def test_batch_that_does_not_split_fails_before_the_first_step(digits_flat):
   trainer = jdist.Trainer(
       MLP(), optimizer=optax.sgd(0.1), strategy=strategy_on(2),
       loss=jdist.losses.SparseCategoricalCrossentropy(from_logits=True),
-      gradient_accumulation_steps=4)
+      micro_batches=4)
   seen = []
 
   class Spy(jdist.Callback):

@@ -208,9 +208,9 @@ def test_mixed_bfloat16_step_matches_one_device(n, digits_flat):
 
 def test_trainer_mixed_precision_with_accumulation_matches_one_device(
     digits_flat):
-  """mixed_bfloat16 and K=2 on 4 replicas against one device, K=1: the
-  losses, and the parameters and momentum (SGD, which a wrong gradient scale
-  cannot hide behind as it can behind adam)."""
+  """mixed_bfloat16 and K=2 batches of 32 on 4 replicas against one device
+  with batches of 64: the losses, and the parameters and momentum (SGD,
+  which a wrong gradient scale cannot hide behind as it can behind adam)."""
   x, y = digits_flat
   runs = []
   for n, k in ((1, 1), (4, 2)):
@@ -218,7 +218,7 @@ def test_trainer_mixed_precision_with_accumulation_matches_one_device(
                             loss=LOSS, strategy=strategy_on(n),
                             dtype_policy="mixed_bfloat16",
                             gradient_accumulation_steps=k)
-    history = trainer.fit(x[:360], y[:360], batch_size=64, epochs=2,
+    history = trainer.fit(x[:360], y[:360], batch_size=64 // k, epochs=2,
                           verbose=0, shuffle=False).history["loss"]
     runs.append((history, trainer.state.params, trainer.state.opt_state))
   (h1, *state1), (h4, *state4) = runs

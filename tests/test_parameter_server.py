@@ -366,8 +366,12 @@ def test_bad_input_is_a_clear_error():
   iterator = iter(coordinator.create_per_worker_dataset(lambda: [1]))
   with pytest.raises(TypeError, match="not iterated on the coordinator"):
     next(iterator)
-  with pytest.raises(TypeError, match="create_per_worker_dataset"):
-    strategy.distribute_datasets_from_function(lambda ctx: [])
+  with pytest.raises(ValueError, match="options=.*create_per_worker_dataset"):
+    strategy.distribute_datasets_from_function(lambda ctx: [],
+                                               options=jdist.InputOptions())
+  with pytest.raises(TypeError, match="per-worker batch is taken on a worker"):
+    next(iter(strategy.distribute_datasets_from_function(
+        lambda ctx: []))).distribute(strategy)
   with pytest.raises(TypeError, match="works with jdist.ParameterServerStrategy"):
     jdist.ClusterCoordinator(jdist.MirroredStrategy())
   coordinator.shutdown()

@@ -355,7 +355,6 @@ def test_on_one_device_the_state_is_whole_and_training_the_same(digits_flat):
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    (dict(gradient_accumulation_steps=2), "gradient_accumulation_steps=2"),
     (dict(dtype_policy="mixed_float16"), "'mixed_float16'"),
 ])
 def test_combinations_not_supported_yet_fail_when_the_trainer_is_made(

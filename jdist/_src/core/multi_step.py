@@ -31,9 +31,16 @@ class MultiStepFunction(DistributedFunction):
 
   Called as `multi(*carried, group)`: the step's own arguments, the batch
   replaced by a group of K batches. See `multi_step`.
+
+  Args:
+    step: the per-batch step (a `strategy.function`).
+    batches_per_step: each call of `step` takes this many consecutive
+      batches of the group joined into one (`BatchGroup.merged`): the
+      Trainer's gradient accumulation, one optimizer step per that many
+      batches. The group's length must be a multiple of it.
   """
 
-  def __init__(self, step: DistributedFunction):
+  def __init__(self, step: DistributedFunction, batches_per_step: int = 1):
     options = step.options
     if options.static_argnums or options.static_argnames:
       raise ValueError(
@@ -46,6 +53,7 @@ class MultiStepFunction(DistributedFunction):
                      check_state=options.check_state,
                      check_loss_scaling=options.check_loss_scaling)
     self._step = step
+    self._batches_per_step = batches_per_step
 
   def _trace(self, args: tuple, kwargs: dict, *, check: bool):
     if kwargs:
@@ -58,7 +66,7 @@ class MultiStepFunction(DistributedFunction):
           f"A multi-step {self._name} takes the carried values, then a "
           f"BatchGroup last (got {got}). Make groups with "
           "strategy.experimental_distribute_dataset(data).group(k).")
-    carry, group = tuple(args[:-1]), args[-1]
+    carry, group = tuple(args[:-1]), args[-1].merged(self._batches_per_step)
     layout = []
 
     def body(carried, i):

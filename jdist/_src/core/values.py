@@ -169,6 +169,40 @@ class BatchGroup:
                 Validity(take(self.validity.packed)))
     return PerReplica(jax.tree.map(take, self.values), validity=validity)
 
+  def merged(self, k: int) -> "BatchGroup":
+    """The group with every `k` consecutive batches joined into one.
+
+    Each replica's rows of batches `j*k ... j*k + k - 1` become one batch of
+    `k * b` rows (batch after batch), whose validity holds their masks side
+    by side and the sum of their global counts: a step on it sees the `k`
+    batches as one batch (gradient accumulation over batches: one optimizer
+    step per `k` batches, each batch a micro-batch). Works on host, device
+    and traced arrays.
+
+    Raises:
+      ValueError: the group's batches are not a multiple of `k`.
+    """
+    steps = self.num_steps
+    if steps % k:
+      raise ValueError(
+          f"A group of {steps} batches cannot be joined {k} at a time.")
+    if k == 1:
+      return self
+
+    def join(x):
+      shape = np.shape(x)
+      return x.reshape((shape[0], steps // k, k * shape[2]) + shape[3:])
+
+    validity = None
+    if self.validity is not None:
+      packed = self.validity.packed
+      r, b = np.shape(packed)[0], np.shape(packed)[2] - 1
+      mask = packed[..., :b].reshape(r, steps // k, k * b)
+      count = packed[..., b].reshape(r, steps // k, k).sum(axis=-1)
+      validity = Validity(jnp.concatenate(
+          [mask, count[..., None].astype(mask.dtype)], axis=-1))
+    return BatchGroup(jax.tree.map(join, self.values), validity)
+
   def __repr__(self) -> str:
     shapes = jax.tree.map(lambda x: tuple(np.shape(x)), self.values)
     return f"BatchGroup({shapes}, steps={self.num_steps})"

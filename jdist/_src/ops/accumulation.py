@@ -1,5 +1,12 @@
 """Gradient accumulation: K micro-batches, one gradient reduction per step.
 
+Two uses share this engine. `jdist.accumulate_gradients` (and the Trainer's
+`micro_batches`) splits each replica's share of one batch into micro-batches.
+The Trainer's `gradient_accumulation_steps` (Keras' meaning) joins K
+consecutive distributed batches into one step (`BatchGroup.merged`, inside
+the compiled call) and runs each batch as a micro-batch: one optimizer step
+per K batches, whose divisor is the count of valid examples of all K.
+
 Each replica's share of the step's batch is split into K micro-batches that
 run one after another in a `lax.scan`, inside the same compiled step, so the
 activations of only one micro-batch are alive at a time. The gradients stay
@@ -72,9 +79,14 @@ class MicroBatchContext(ReplicaContext):
     self._k = num_micro_batches
 
   def example_index(self, batch_size: int) -> jax.Array:
-    step_rows = batch_size * self._k
-    return (self.replica_id_in_sync_group * step_rows +
-            self._index * batch_size + jnp.arange(batch_size, dtype=jnp.int32))
+    # Micro-batch `index` is part `index % k` of the `index // k`-th
+    # distributed batch joined into the step (one, unless the Trainer
+    # accumulates over batches); each such batch holds `b * replicas` rows.
+    b = batch_size * self._k
+    batch, part = self._index // self._k, self._index % self._k
+    return (batch * b * self.num_replicas_in_sync +
+            self.replica_id_in_sync_group * b + part * batch_size +
+            jnp.arange(batch_size, dtype=jnp.int32))
 
 
 def _split(batch, k: int):
@@ -99,27 +111,37 @@ def merge_micro_batches(tree):
 
 
 def scan_micro_batches(loss_fn: Callable, params, carry, batch, *,
-                       num_micro_batches: int):
+                       num_micro_batches: int, num_batches: int = 1,
+                       sum_over_replicas: bool = True):
   """The engine of `accumulate_gradients`, with a carry between micro-batches.
 
   Args:
-    loss_fn: `loss_fn(params, carry, micro_batch) -> (loss, (carry, aux))`,
-      with a scalar loss.
+    loss_fn: `loss_fn(params, carry, micro_batch, index) -> (loss, (carry,
+      aux))`, with a scalar loss; `index` is the micro-batch's position.
     params: the parameters to differentiate (mirrored inside a step).
     carry: state threaded through the micro-batches in order (e.g. a model's
       batch statistics); `None` for none.
-    batch: this replica's batch, a pytree of `(b, ...)` arrays.
-    num_micro_batches: K; `b` must be a multiple of it.
+    batch: this replica's batch, a pytree of `(n * b, ...)` arrays: the rows
+      of `num_batches` distributed batches joined (`BatchGroup.merged`).
+    num_micro_batches: K: each of those batches runs as K micro-batches;
+      `b` must be a multiple of it.
+    num_batches: n: how many distributed batches the rows hold (the
+      Trainer's gradient accumulation over batches); the scan runs `n * K`
+      micro-batches, batch after batch.
+    sum_over_replicas: sum the gradients over replicas at the end (the one
+      all-reduce); False leaves each replica its own sum, for an optimizer
+      that reduces them itself (`jdist.ShardedOptimizer` reduce-scatters).
 
   Returns:
     `((loss, (carry, aux)), grads)`: the loss and gradients summed over the
     micro-batches (inside a step; their mean outside one), the last carry, and
-    `aux` stacked along a leading axis of K.
+    `aux` stacked along a leading axis of `n * K`.
   """
-  k = check_steps(num_micro_batches)
+  per_batch = check_steps(num_micro_batches)
+  k = per_batch * num_batches
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   if k == 1:
-    (loss, (carry, aux)), grads = grad_fn(params, carry, batch)
+    (loss, (carry, aux)), grads = grad_fn(params, carry, batch, 0)
     return (loss, (carry, jax.tree.map(lambda a: a[None], aux))), grads
   micro = _split(batch, k)
   ctx = context.current_replica_context()
@@ -141,12 +163,14 @@ def scan_micro_batches(loss_fn: Callable, params, carry, batch, *,
     index, micro_batch, mask = xs
     loss_acc, grad_acc, carry = acc
     if ctx is None:
-      (loss, (carry, aux)), grads = grad_fn(params, carry, micro_batch)
+      (loss, (carry, aux)), grads = grad_fn(params, carry, micro_batch, index)
     else:
       sub = (None if mask is None else
              Validity.pack(mask, ctx.validity.num_valid))
-      with context.replica_scope(MicroBatchContext(ctx, sub, index, k)):
-        (loss, (carry, aux)), grads = grad_fn(params, carry, micro_batch)
+      with context.replica_scope(
+          MicroBatchContext(ctx, sub, index, per_batch)):
+        (loss, (carry, aux)), grads = grad_fn(params, carry, micro_batch,
+                                              index)
       carry = jax.tree.map(lambda c: in_step.to_varying(c, axis), carry)
     grads = jax.tree.map(lambda a, g: a + g.astype(a.dtype), grad_acc, grads)
     return (loss_acc + loss.astype(loss_acc.dtype), grads, carry), aux
@@ -159,6 +183,8 @@ def scan_micro_batches(loss_fn: Callable, params, carry, batch, *,
   (loss, grads, carry), aux = lax.scan(body, (loss0, zeros, carry), xs)
   if ctx is None:  # plain code: the micro-batches' losses are means
     return (loss / k, (carry, aux)), jax.tree.map(lambda g: g / k, grads)
+  if not sum_over_replicas:
+    return (loss, (carry, aux)), grads
   # The one reduction of the step.
   grads = jax.tree.map(lambda g, inv: lax.psum(g, axis) if inv else g,
                        grads, invariant)
@@ -215,7 +241,8 @@ def accumulate_gradients(loss_fn: Callable, params, batch, *,
     >>> float(strategy.reduce("sum", loss))
     1.0
   """
-  def with_carry(p, carry, micro_batch):
+  def with_carry(p, carry, micro_batch, index):
+    del index
     out = loss_fn(p, micro_batch)
     loss, aux = out if has_aux else (out, None)
     return loss, (carry, aux)

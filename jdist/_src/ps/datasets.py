@@ -9,6 +9,12 @@ worker's iterator of `PerReplica` batches over its devices.
 `ParameterServerStrategy.experimental_distribute_dataset(batches)` instead
 iterates batches on the coordinator and ships each with the step that
 consumes it (`WorkerBatch`), which is what `Trainer.fit` does with arrays.
+
+`ParameterServerStrategy.distribute_datasets_from_function(dataset_fn)` is the
+per-worker input seen from the coordinator (`PerWorkerBatches`): each item is
+a `PerWorkerBatch`, "the next batch of the worker that runs this step", which
+a `strategy.function` step scheduled with it takes from that worker's own
+pipeline; `Trainer.fit` reads a `DatasetCreator` this way.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from typing import Any, Callable, Iterable
 import jax
 import numpy as np
 
+from jdist._src.ps import worker as worker_lib
 from jdist._src.ps.worker import PerWorkerResource
 
 
@@ -45,6 +52,8 @@ class PerWorkerDataset:
   """
 
   def __init__(self, dataset_fn):
+    if isinstance(dataset_fn, PerWorkerBatches):
+      dataset_fn = dataset_fn.dataset_fn
     if not callable(dataset_fn) and not isinstance(dataset_fn, Iterable):
       raise TypeError(
           f"create_per_worker_dataset needs a function that returns a dataset "
@@ -122,6 +131,53 @@ class WorkerBatches:
       if size is None:
         size = _batch_size(batch)
       yield WorkerBatch(batch, size)
+
+
+class PerWorkerBatch(WorkerBatch):
+  """The next batch of the worker that runs the step this is passed to.
+
+  What iterating a `PerWorkerBatches` gives on the coordinator; the worker
+  that runs the step takes the batch from its own iterator (built on its
+  first use, again after the worker failed and came back).
+  """
+
+  def __init__(self, iterator: PerWorkerIterator):
+    super().__init__(None, None)
+    self.iterator = iterator
+
+  def distribute(self, strategy):
+    """The running worker's next batch (a `PerReplica` over its devices)."""
+    del strategy  # the worker's iterator distributes over its devices
+    ctx = worker_lib.current()
+    if ctx is None:
+      raise TypeError(
+          "A per-worker batch is taken on a worker: pass it to a "
+          "strategy.function step (which schedules it), not to code that "
+          "runs on the coordinator.")
+    return next(ctx.resource(self.iterator))
+
+
+class PerWorkerBatches:
+  """`distribute_datasets_from_function` under parameter servers.
+
+  Each `iter()` makes every worker's pipeline anew (`dataset_fn` runs on a
+  worker when a step first takes its batch there) and yields, without end,
+  `PerWorkerBatch` items: each step scheduled with one takes the next batch
+  of the worker that runs it. Bound the loop by a number of steps (the
+  workers' datasets should repeat), as with TensorFlow's per-worker input.
+
+  Args:
+    dataset_fn: as for `ClusterCoordinator.create_per_worker_dataset`.
+  """
+
+  def __init__(self, dataset_fn):
+    self.dataset_fn = dataset_fn
+    self._dataset = PerWorkerDataset(dataset_fn)
+
+  def __iter__(self):
+    batch = PerWorkerBatch(iter(self._dataset))
+    while True:
+      yield batch
 
 
 def _batch_size(batch) -> int:

@@ -24,6 +24,7 @@ from jdist._src.core.values import PerReplica, SyncOnRead, is_distributed
 from jdist._src.ps import cluster as cluster_lib
 from jdist._src.ps import worker as worker_lib
 from jdist._src.ps.coordinator import ClusterCoordinator
+from jdist._src.ps.datasets import PerWorkerBatches
 from jdist._src.ps.datasets import WorkerBatches
 from jdist._src.ps.function import ParameterServerFunction
 from jdist._src.ps import ray_backend
@@ -316,11 +317,34 @@ class ParameterServerStrategy(StrategyBase):
     return WorkerBatches(dataset, global_batch_size)
 
   def distribute_datasets_from_function(self, dataset_fn, options=None):
-    del dataset_fn, options
-    raise TypeError(
-        "Under ParameterServerStrategy each worker builds its own input: use "
-        "jdist.ClusterCoordinator(strategy).create_per_worker_dataset("
-        "dataset_fn) and pass iter() of it to coordinator.schedule.")
+    """Each worker's own input, seen from the coordinator.
+
+    Every worker builds its pipeline from `dataset_fn(input_context)` (as
+    `coordinator.create_per_worker_dataset` does; the data never passes
+    through the coordinator). Iterating the result here gives, without end,
+    "the next batch of the worker that runs the step": pass each to a
+    `strategy.function` step, scheduled from here, and bound the loop by a
+    number of steps (make the workers' datasets repeat). This is how
+    `Trainer.fit` reads a `jdist.DatasetCreator`. In a function scheduled by
+    hand, use `create_per_worker_dataset` and `next(iterator)` instead.
+
+    Args:
+      dataset_fn: returns an iterable of a worker's batches (each one
+        step's, split over the worker's devices); it may take a
+        `jdist.InputContext`.
+      options: only None (workers place batches as
+        `create_per_worker_dataset` does).
+    """
+    if options is not None:
+      raise ValueError(
+          "distribute_datasets_from_function(options=...) is not supported "
+          "under ParameterServerStrategy: each worker places its batches as "
+          "ClusterCoordinator.create_per_worker_dataset does.")
+    if not callable(dataset_fn):
+      raise TypeError(
+          f"distribute_datasets_from_function needs a function that returns "
+          f"a dataset, got {type(dataset_fn).__name__}.")
+    return PerWorkerBatches(dataset_fn)
 
   # --- reading results -----------------------------------------------------------------
 

@@ -26,15 +26,16 @@ from jdist._src.checkpoint.preemption import PreemptionWatcher
 
 def _check_freq(save_freq):
   if save_freq != "epoch" and not (isinstance(save_freq, int) and save_freq > 0):
-    raise ValueError(f"save_freq must be 'epoch' or a positive number of steps, "
-                     f"got {save_freq!r}.")
+    raise ValueError(f"save_freq must be 'epoch' or a positive number of "
+                     f"batches, got {save_freq!r}.")
   return save_freq
 
 
 def _save_due(callback: Callback, save_freq) -> bool:
-  # With steps_per_execution the step count moves by several at a time: as
-  # in Keras, the save happens at the end of the execution that reached the
-  # count (a group boundary, where training resumes exactly).
+  # Batches are counted, as in Keras. With steps_per_execution or gradient
+  # accumulation the count moves by several at a time: as in Keras, the save
+  # happens at the end of the execution that reached the count (a group
+  # boundary, where training resumes exactly).
   return save_freq != "epoch" and callback.fit_loop.reached_multiple(save_freq)
 
 
@@ -94,7 +95,9 @@ class ModelCheckpoint(Callback):
       statistics) without the optimizer state, as Keras' weights;
       `trainer.load_checkpoint` loads them into a trainer.
     mode: "min", "max", or "auto" (max for names with "acc", else min).
-    save_freq: "epoch", or a number of steps between saves.
+    save_freq: "epoch", or a number of batches between saves (as Keras
+      counts them: with `gradient_accumulation_steps=K`, K batches make one
+      optimizer step).
     initial_value_threshold: the `monitor` value a checkpoint must beat
       first, with `save_best_only` (Keras' meaning; None: any).
     max_to_keep: keep only the newest N checkpoints (None: all; not in
@@ -222,7 +225,8 @@ class BackupAndRestore(Callback):
 
   Args:
     backup_dir: where backups go (shared by all processes).
-    save_freq: "epoch", or a number of steps between backups.
+    save_freq: "epoch", or a number of batches between backups (as Keras
+      counts them; with gradient accumulation, saves fall between groups).
     delete_checkpoint: delete the backups when training completes.
     max_to_keep: backups kept; more than one lets a corrupt newest one fall
       back to the one before it.

@@ -255,7 +255,7 @@ class IterableSource(_Batches):
     self.steps_per_epoch = steps_per_epoch
 
   def _xy(self, batch, index: int) -> dict:
-    return _host_batch(batch, index, self._need_y, self._class_weight,
+    return host_batch(batch, index, self._need_y, self._class_weight,
                        self._target_check)
 
   def peek(self) -> dict:
@@ -313,7 +313,7 @@ class IteratorSource(_Batches):
         self._buffer.append((before, next(self._it)))
       except StopIteration:
         raise ValueError("The data iterator is exhausted: it gave no batches.")
-    return _host_batch(self._buffer[0][1], self._pulled, self._need_y,
+    return host_batch(self._buffer[0][1], self._pulled, self._need_y,
                        self._class_weight, self._target_check)
 
   def batches(self, epoch: int, start: int = 0) -> Iterator[dict]:
@@ -328,7 +328,7 @@ class IteratorSource(_Batches):
       self._states.append((self._pulled, before))
       self._pulled += 1
       n += 1
-      yield _host_batch(batch, self._pulled - 1, self._need_y,
+      yield host_batch(batch, self._pulled - 1, self._need_y,
                         self._class_weight, self._target_check)
 
   def state(self, consumed: int) -> dict:
@@ -354,8 +354,9 @@ class IteratorSource(_Batches):
     self._pulled = consumed
 
 
-def _host_batch(batch, index: int, need_y: bool, class_weight, check) -> dict:
-  """One batch of an iterable, checked: numeric, and its targets if asked."""
+def host_batch(batch, index: int, need_y: bool, class_weight, check) -> dict:
+  """One batch of an iterable in the `{"x", "y"[, "sample_weight"]}` form,
+  checked: numeric, and its targets by `check(y, where)` if given."""
   out = to_xy(batch, need_y=need_y, class_weight=class_weight)
   _check_numeric(out, f"batch {index}: ")
   if check is not None and "y" in out:
@@ -445,9 +446,9 @@ def static_batch_size(source: Source, sample: dict, num_replicas: int,
   decides when it sees whether another batch follows.
 
   Args:
-    micro_batches: K: each replica's share of a batch is split into K
-      micro-batches (gradient accumulation), so batches must split into
-      `num_replicas * K` equal parts.
+    micro_batches: M: each replica's share of a batch is split into M
+      micro-batches (the Trainer's `micro_batches`), so batches must split
+      into `num_replicas * M` equal parts.
 
   Raises:
     ValueError: the batches cannot split evenly over the replicas (and
@@ -464,11 +465,11 @@ def static_batch_size(source: Source, sample: dict, num_replicas: int,
       return None
     raise ValueError(f"In the {what}: {host.split_error(rows, num_replicas)}")
   raise ValueError(
-      f"gradient_accumulation_steps={micro_batches} splits each replica's "
+      f"micro_batches={micro_batches} splits each replica's "
       f"batch into {micro_batches} micro-batches, but the global batch of "
       f"{rows} gives {rows // num_replicas} rows to each of {num_replicas} "
       f"replicas. Use a batch size that is a multiple of {parts} (replicas x "
-      "accumulation steps).")
+      "micro-batches).")
 
 
 def validation_source(source, validation_data, *, validation_split: float,

@@ -66,7 +66,14 @@ class FitLoop:
     read_logs: `read_logs(state, totals) -> logs`: their means, on the host.
     batch_size: the static global batch size (the first batch's, or a short
       only batch's padded size; None: the distributed dataset decides).
-    steps_per_execution: batches per call of `train_function` (Keras' name).
+    steps_per_execution: batches per call of `train_function` (Keras' name;
+      with gradient accumulation at least one group).
+    batches_per_step: batches per optimizer step (gradient accumulation:
+      the train function joins this many batches into one step).
+    batches: `batches(epoch, start) -> iterable` of what the train function
+      takes for each call in the epoch from batch `start` on (batches, or
+      groups of `steps_per_execution`); default: `source`'s batches through
+      the strategy's `experimental_distribute_dataset`.
     skipped: a `mixed_precision.SkippedBatches` for a loss-scaled optimizer
       (fit then warns, once an epoch, about batches skipped at the scale's
       floor), or None.
@@ -76,8 +83,10 @@ class FitLoop:
     stop_training: set (by a callback, through `trainer.stop_training`) to
       end training after the current batch.
     steps_per_execution: batches per call of the train function.
-    last_execution: steps the last call of the train function ran (1, or up
-      to `steps_per_execution`): `global_step` moved by this much.
+    batches_per_step: batches per optimizer step.
+    last_execution: batches the last call of the train function ran (1, or
+      up to `steps_per_execution`): `global_step` moved by this much over
+      `batches_per_step`.
     totals: the epoch's running sums on the devices (`jdist.metrics`).
     history: the run's `History`.
   """
@@ -86,12 +95,14 @@ class FitLoop:
                epochs: int, initial_epoch: int = 0,
                validate: Callable | None = None, make_totals: Callable,
                read_logs: Callable, batch_size: int | None = None,
-               steps_per_execution: int = 1, skipped=None):
+               steps_per_execution: int = 1, batches_per_step: int = 1,
+               batches: Callable | None = None, skipped=None):
     self.source = source
     self.history = History()
     self.position = Position(epoch=initial_epoch)
     self.stop_training = False
     self.steps_per_execution = steps_per_execution
+    self.batches_per_step = batches_per_step
     self.last_execution = 1
     self.totals = None
     self._strategy = strategy
@@ -104,6 +115,7 @@ class FitLoop:
     self._resume_sums = None
     self._warned_nonfinite = False
     self._skipped = skipped
+    self._batches = batches
     self.state = state
 
   @property
@@ -126,11 +138,19 @@ class FitLoop:
     state is given or replaced, then moved by the steps each call ran)."""
     return self._step
 
+  @property
+  def batches_trained(self) -> int:
+    """Batches trained on since the first step (of this run and the ones it
+    resumed): `global_step` times the batches per optimizer step."""
+    return self._step * self.batches_per_step
+
   def reached_multiple(self, every: int) -> bool:
-    """Whether the last execution made `global_step` reach a multiple of
-    `every` (with `steps_per_execution`, it moves several steps at once)."""
-    step, ran = self.global_step, self.last_execution
-    return step // every > (step - ran) // every
+    """Whether the last execution made `batches_trained` reach a multiple
+    of `every` (as Keras' `save_freq` counts batches; with
+    `steps_per_execution` or gradient accumulation it moves several
+    batches at once)."""
+    done, ran = self.batches_trained, self.last_execution
+    return done // every > (done - ran) // every
 
   def logs(self) -> dict:
     """The epoch's logs so far, read from the devices."""
@@ -156,6 +176,13 @@ class FitLoop:
         self._state, state, self._strategy.mesh)
     self.position = Position(int(meta["epoch"]), int(meta["batch"]),
                              int(meta["consumed"]))
+    if self.position.batch % self.batches_per_step:
+      raise ValueError(
+          f"The checkpoint was saved after batch {self.position.batch} of "
+          f"epoch {self.position.epoch + 1}, inside a group of "
+          f"gradient_accumulation_steps={self.batches_per_step} batches: it "
+          "was written by a run with another gradient_accumulation_steps. "
+          "Resume with the value it was saved with.")
     self._resume_sums = meta.get("sums")
     if meta.get("history"):
       self.history.load_dict(meta["history"])
@@ -200,19 +227,24 @@ class FitLoop:
                  bar: ProgressBar) -> int:
     """Trains on the epoch's batches from `start`; the steps that ran."""
     ran = 0
-    batches = self._strategy.experimental_distribute_dataset(
-        self.source.batches(epoch, start), global_batch_size=self._batch_size)
-    if self.steps_per_execution > 1:
-      batches = batches.group(self.steps_per_execution)
+    if self._batches is not None:
+      batches = self._batches(epoch, start)
+    else:
+      batches = self._strategy.experimental_distribute_dataset(
+          self.source.batches(epoch, start),
+          global_batch_size=self._batch_size)
+      if self.steps_per_execution > 1:
+        batches = batches.group(self.steps_per_execution)
     for batch in batches:
       # As Keras: once per execution, begin with its first batch's index
       # and end with its last one's.
       steps = getattr(batch, "num_steps", 1)
       index = self.position.batch
+      self._check_whole_group(epoch, index, steps)
       cbs.call("on_train_batch_begin", index, {})
       self._state, self.totals = self._train_function(self._state,
                                                       self.totals, batch)
-      self._step += steps
+      self._step += steps // self.batches_per_step
       if self._skipped is not None:
         self._skipped.record(self._state, index, steps)
       self.last_execution = steps
@@ -225,6 +257,20 @@ class FitLoop:
       if self.stop_training:
         break
     return ran
+
+  def _check_whole_group(self, epoch: int, index: int, batches: int) -> None:
+    """Refuses a trailing partial accumulation group (data whose length was
+    not known before the epoch ended), before it runs."""
+    k = self.batches_per_step
+    if batches % k == 0:
+      return
+    raise ValueError(
+        f"Epoch {epoch + 1} ended after {index + batches} batches, not a "
+        f"multiple of gradient_accumulation_steps={k}: its last {batches % k} "
+        "batch(es) cannot make a whole optimizer step and were not trained "
+        "on (the steps before stay applied). Keras carries their gradients "
+        "into the next epoch; jdist applies whole groups only. Pass "
+        f"steps_per_epoch as a multiple of {k}, with data that lasts.")
 
   def _warn(self, epoch: int, logs: dict) -> None:
     """The epoch's warnings: steps skipped at the loss scale's floor (every

@@ -125,13 +125,16 @@ class SkippedBatches:
 
   Args:
     read: `read(held_state) -> state value` (the strategy's placement).
+    batches_per_step: batches per optimizer step (gradient accumulation): a
+      skipped step skips that many batches.
   """
 
   # Ranges of at most this many calls are read in one transfer.
   _BLOCK = 32
 
-  def __init__(self, read):
+  def __init__(self, read, batches_per_step: int = 1):
     self._read = read
+    self._per_step = batches_per_step
     self._calls: list = []  # (first batch, steps, skip count, loss scale)
     self._before = None
 
@@ -141,7 +144,8 @@ class SkippedBatches:
     self._before = self._read(state).opt_state.skipped_steps
 
   def record(self, state, first_batch: int, steps: int) -> None:
-    """Notes the state after a call that ran batches `first_batch` on."""
+    """Notes the state after a call that ran `steps` batches from
+    `first_batch` on."""
     opt_state = self._read(state).opt_state
     self._calls.append((first_batch, steps, opt_state.skipped_steps,
                         opt_state.loss_scale))
@@ -158,8 +162,9 @@ class SkippedBatches:
         placement.host_local, [self._calls[i][3] for i, _ in skipped]))
     if not any(bool(scale.at_floor) for scale in scales):
       return None
-    spans = [(self._calls[i][0], self._calls[i][1], n) for i, n in skipped]
-    total = sum(n for _, _, n in spans)
+    spans = [(self._calls[i][0], self._calls[i][1], n * self._per_step)
+             for i, n in skipped]
+    total = sum(n for _, _, n in spans) // self._per_step
     return (f"Epoch {epoch + 1}: {total} training step(s) were skipped with "
             "the loss scale at its floor of 1: their gradients were not "
             "finite even unscaled, so these batches (or the loss on them) "

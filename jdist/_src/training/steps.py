@@ -93,38 +93,50 @@ def _loss_scaling(opt_state):
 
 def make_train_step(model, loss: Loss, tx: optax.GradientTransformation,
                     weighted: frozenset = frozenset(), *,
-                    accumulation_steps: int = 1):
+                    micro_batches: int = 1, batches_per_step: int = 1):
   """`(state, totals, batch) -> (state, totals)`, run once per replica.
 
-  With `accumulation_steps` K > 1 each replica's batch runs as K
-  micro-batches with one gradient reduction (`jdist.accumulate_gradients`);
-  the model's state is carried from one micro-batch to the next.
+  Args:
+    micro_batches: M: each batch runs as M micro-batches (less activation
+      memory, the same step).
+    batches_per_step: K: the batch holds K distributed batches joined
+      (`BatchGroup.merged`): gradient accumulation, one optimizer step over
+      all of them. Batch `j` of the group draws its random numbers from
+      `fold_in(key, step * K + j)`: every batch its own, as one step per
+      batch would.
+
+  With M x K above 1 the micro-batches run in a `lax.scan` with one gradient
+  reduction (`jdist.accumulate_gradients`'s engine), the model's state
+  carried from one micro-batch to the next.
   """
+  k = batches_per_step
 
   def train_step(state: TrainState, totals: dict, batch: dict):
-    key = state.step_key()
     scale = _loss_scaling(state.opt_state)
+    # A ShardedOptimizer's gradients are each replica's own: its update
+    # reduce-scatters them instead of the all-reduce autodiff would do.
+    own_grads = hasattr(tx, "value_and_grad")
 
-    def loss_of(params, model_state, micro):
+    def loss_of(params, model_state, micro, index):
       x, y = micro["x"], micro["y"]
       sw = micro.get("sample_weight")
-      y_pred, model_state = model.apply(params, model_state, x, train=True,
-                                        rng=key)
+      y_pred, model_state = model.apply(
+          params, model_state, x, train=True,
+          rng=state.batch_key(index // micro_batches, k))
       per_ex = _per_example_loss(loss, y, y_pred, _batch_size(x))
       scaled = losses.compute_average_loss(
           per_ex if sw is None else per_ex * sw)
       return scale(scaled), (model_state, (y_pred, per_ex))
 
-    if accumulation_steps == 1 and hasattr(tx, "value_and_grad"):
-      # A ShardedOptimizer's gradients are each replica's own: its update
-      # reduce-scatters them instead of the all-reduce autodiff would do.
+    if micro_batches * k == 1 and own_grads:
       (_, (model_state, (y_pred, per_ex))), grads = tx.value_and_grad(
-          lambda p: loss_of(p, state.model_state, batch),
+          lambda p: loss_of(p, state.model_state, batch, 0),
           has_aux=True)(state.params)
     else:
       (_, (model_state, rows)), grads = accumulation.scan_micro_batches(
           loss_of, state.params, state.model_state, batch,
-          num_micro_batches=accumulation_steps)
+          num_micro_batches=micro_batches, num_batches=k,
+          sum_over_replicas=not own_grads)
       y_pred, per_ex = accumulation.merge_micro_batches(rows)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     new_state = state.replace(step=state.step + 1,

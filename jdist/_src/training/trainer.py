@@ -14,12 +14,12 @@ from jdist._src import current
 from jdist._src.core import placement
 from jdist._src.core import state_output as state_output_lib
 from jdist._src.core.function import DistributedFunction
-from jdist._src.core.multi_step import multi_step
+from jdist._src.core.multi_step import MultiStepFunction
 from jdist._src.errors import CheckpointNotFoundError
-from jdist._src.ops import accumulation
 from jdist._src.ops import precision
 from jdist._src.ops.sharded_optimizer import ShardedOptimizer
 from jdist._src.training import data as data_lib
+from jdist._src.training import dataset_creator
 from jdist._src.training import loop
 from jdist._src.training import mixed_precision
 from jdist._src.training import model as model_lib
@@ -81,14 +81,29 @@ class Trainer:
       the optimizer in `jdist.loss_scale_optimizer` (unless it is already);
       fit's logs then carry "loss_scale" and "skipped_steps" (steps whose
       gradients overflowed and were skipped, so far).
-    gradient_accumulation_steps: K: each replica's share of a batch runs as
-      K micro-batches, one after another in the same compiled step, with
-      one gradient reduction and one optimizer update per batch
-      (`jdist.accumulate_gradients`). `batch_size` stays the batch of one
-      optimizer step, so training is the same as with K = 1 (exactly also
-      on a padded last batch) on a fraction of the activation memory; each
-      replica's batch must be a multiple of K. (Keras 3's optimizer option
-      of this name counts `batch_size` as the micro-batch instead.)
+    gradient_accumulation_steps: K, as in Keras 3 (an optimizer argument
+      there) and Hugging Face's Trainer: `batch_size` is the micro-batch, and
+      K consecutive batches make one optimizer step on their K x batch_size
+      examples (the mean gradient over all of them, exactly also when the
+      last batch is short), so an epoch of N batches makes N / K optimizer
+      steps and `global_step` (`optimizer.iterations`) counts those. The K
+      batches run one after another in one compiled call, with one gradient
+      reduction. Batches are what callbacks count, as in Keras:
+      `on_train_batch_end` gets the index of the last batch of each call,
+      `save_freq` counts batches; checkpoints fall between groups, so a
+      resumed run continues exactly. An epoch must hold a multiple of K
+      batches (Keras carries a trailing partial group's gradients into the
+      next epoch; jdist refuses it: `ValueError` before the first step when
+      the epoch's length is known, at the end of the epoch otherwise).
+      `steps_per_execution` above 1 must then be a multiple of K. Under a
+      mixed_float16 policy a non-finite gradient in any batch of a group
+      skips the group's step. Needs a synchronous strategy.
+    micro_batches: M: each replica's share of every batch runs as M
+      micro-batches, one after another in the same compiled step, with one
+      gradient reduction (`jdist.accumulate_gradients`): the same training
+      as M = 1 (exactly also on a padded last batch) with the activations of
+      one micro-batch alive at a time; each replica's batch must be a
+      multiple of M. Combines with `gradient_accumulation_steps`.
 
   Example:
     >>> import jdist, optax, numpy as np
@@ -108,7 +123,7 @@ class Trainer:
                metrics=None, weighted_metrics=None, params=None, strategy=None,
                seed: int = 0, shard_optimizer_state: bool = False,
                steps_per_execution: int = 1, dtype_policy="float32",
-               gradient_accumulation_steps: int = 1):
+               gradient_accumulation_steps: int = 1, micro_batches: int = 1):
     if not isinstance(optimizer, optax.GradientTransformation):
       raise TypeError(
           f"optimizer must be an optax GradientTransformation (for example "
@@ -139,18 +154,19 @@ class Trainer:
     self._seed = int(seed)
     _check_count(steps_per_execution, "steps_per_execution", minimum=1)
     self._steps_per_execution = int(steps_per_execution)
-    self._accumulation = accumulation.check_steps(gradient_accumulation_steps)
+    _check_count(gradient_accumulation_steps, "gradient_accumulation_steps",
+                 minimum=1)
+    _check_count(micro_batches, "micro_batches", minimum=1)
+    self._accumulation = int(gradient_accumulation_steps)
+    self._micro_batches = int(micro_batches)
+    self._batches_per_call = _batches_per_call(self._steps_per_execution,
+                                               self._accumulation)
     if self._shard_optimizer_state and self._policy.needs_loss_scaling:
       raise ValueError(
           f"shard_optimizer_state=True with dtype_policy="
           f"{self._policy.name!r} is not supported yet: the loss scale "
           "would be hidden inside the sharded optimizer's state. Use "
           "\"mixed_bfloat16\" (no loss scaling), or mirrored optimizer state.")
-    if self._shard_optimizer_state and self._accumulation > 1:
-      raise ValueError(
-          "shard_optimizer_state=True with gradient_accumulation_steps="
-          f"{self._accumulation} is not supported yet: the sharded optimizer "
-          "reduce-scatters one batch's gradients. Use one of the two.")
     self._state: TrainState | None = None
     self._stopped = False  # whether the last fit was stopped by a callback
     self.history: History | None = None
@@ -232,8 +248,9 @@ class Trainer:
   @property
   def train_function(self):
     """The compiled train step `fit` calls (Keras' `model.train_function`):
-    a `jdist.DistributedFunction`, or with `steps_per_execution` above 1 a
-    `jdist.MultiStepFunction`; its `num_compilations` counts its compiles.
+    a `jdist.DistributedFunction`, or with `steps_per_execution` or
+    `gradient_accumulation_steps` above 1 a `jdist.MultiStepFunction` (a
+    call takes a `BatchGroup`); its `num_compilations` counts its compiles.
     Made on first use (`make_train_function`)."""
     return self.make_train_function()
 
@@ -360,18 +377,21 @@ class Trainer:
       # the strategy holds them (parameter servers).
       train = s.function(steps_lib.make_train_step(
           self._compute_model, self._loss, self._optimizer(),
-          self._weighted_names(), accumulation_steps=self._accumulation),
+          self._weighted_names(), micro_batches=self._micro_batches,
+          batches_per_step=self._accumulation),
           state_output=(0, 1))
-      if self._steps_per_execution > 1:
+      if self._batches_per_call > 1:
         if not isinstance(train, DistributedFunction):
+          what = (f"steps_per_execution={self._steps_per_execution}"
+                  if self._accumulation == 1 else
+                  f"gradient_accumulation_steps={self._accumulation}")
           raise ValueError(
-              f"steps_per_execution={self._steps_per_execution} runs several "
-              "steps in one compiled call, which needs a synchronous strategy "
-              "(Mirrored, MultiWorkerMirrored, TPU, OneDevice, "
-              f"CentralStorage); under {type(s).__name__} every step is "
-              "scheduled on a worker on its own. Use steps_per_execution=1 "
-              "there.")
-        train = multi_step(train)
+              f"{what} runs several batches in one compiled call, which "
+              "needs a synchronous strategy (Mirrored, MultiWorkerMirrored, "
+              f"TPU, OneDevice, CentralStorage); under {type(s).__name__} "
+              "every step is scheduled on a worker on its own. Leave it at 1 "
+              "there (micro_batches= splits each batch inside its step).")
+        train = MultiStepFunction(train, batches_per_step=self._accumulation)
       self._train_function = train
     return self._train_function
 
@@ -418,9 +438,11 @@ class Trainer:
       self._output_specs[key] = steps_lib.output_spec(
           self._compute_model, abstract, sample, what, self._initialised_for)
     y_pred = self._output_specs[key]
-    static = data_lib.static_batch_size(
-        source, sample, self.strategy.num_replicas_in_sync, what,
-        micro_batches=micro_batches)
+    static = None  # a DatasetCreator's pipelines batch for themselves
+    if not isinstance(source, dataset_creator.CreatorSource):
+      static = data_lib.static_batch_size(
+          source, sample, self.strategy.num_replicas_in_sync, what,
+          micro_batches=micro_batches)
     if not with_loss:
       return sample, static
     if "y" not in sample:
@@ -466,7 +488,9 @@ class Trainer:
       x: inputs as arrays (with `y` and `batch_size`), or the data as an
         iterable of `(x, y)` / `(x, y, sample_weight)` / `{"x", "y"}` global
         batches (a list, a tf.data dataset, a grain dataset or iterator, a
-        generator).
+        generator). Or a `jdist.DatasetCreator(dataset_fn)` (with
+        `steps_per_epoch`, as in TensorFlow): every input pipeline builds
+        its own data (under parameter servers, every worker).
       y: targets, when `x` is arrays.
       batch_size: the global batch size for arrays (default 32). It must be a
         multiple of the number of replicas; the last batch may be shorter
@@ -495,16 +519,16 @@ class Trainer:
     """
     _check_count(epochs, "epochs", minimum=0)
     _check_count(initial_epoch, "initial_epoch", minimum=0)
-    source = data_lib.make_source(x, y, batch_size=batch_size,
-                                  steps_per_epoch=steps_per_epoch,
-                                  shuffle=shuffle, seed=self._seed,
-                                  sample_weight=sample_weight,
-                                  class_weight=class_weight)
+    source = self._training_source(x, y, batch_size=batch_size,
+                                   steps_per_epoch=steps_per_epoch,
+                                   shuffle=shuffle, sample_weight=sample_weight,
+                                   class_weight=class_weight)
     source, val_source = data_lib.validation_source(
         source, validation_data, validation_split=validation_split,
         steps=validation_steps, batch_size=validation_batch_size)
+    _check_whole_groups(source.steps_per_epoch, self._accumulation)
     _, static = self._prepare(source, "training data",
-                              micro_batches=self._accumulation)
+                              micro_batches=self._micro_batches)
     validate = None
     if val_source is not None:
       _, val_static = self._prepare(val_source, "validation data")
@@ -515,7 +539,10 @@ class Trainer:
                        initial_epoch=initial_epoch, validate=validate,
                        make_totals=self._totals,
                        read_logs=self._read_train_logs, batch_size=static,
-                       steps_per_execution=self._steps_per_execution,
+                       steps_per_execution=self._batches_per_call,
+                       batches_per_step=self._accumulation,
+                       batches=(source.distributed if isinstance(
+                           source, dataset_creator.CreatorSource) else None),
                        skipped=self._skipped_batches())
     self.history = fit_loop.history
     cbs = CallbackList(callbacks, trainer=self,
@@ -539,6 +566,27 @@ class Trainer:
       self.export()
     return self.history
 
+  def _training_source(self, x, y, *, batch_size, steps_per_epoch, shuffle,
+                       sample_weight, class_weight) -> data_lib.Source:
+    """fit's data as a `Source`: a `DatasetCreator`'s, built by each input
+    pipeline (each parameter-server worker), or data read on this host."""
+    if not isinstance(x, dataset_creator.DatasetCreator):
+      return data_lib.make_source(x, y, batch_size=batch_size,
+                                  steps_per_epoch=steps_per_epoch,
+                                  shuffle=shuffle, seed=self._seed,
+                                  sample_weight=sample_weight,
+                                  class_weight=class_weight)
+    given = {"y": y, "batch_size": batch_size, "sample_weight": sample_weight}
+    extra = [k for k, v in given.items() if v is not None]
+    if extra:
+      raise ValueError(
+          f"fit(jdist.DatasetCreator(...)) takes no {', '.join(extra)}: "
+          "dataset_fn's batches carry their targets and weights, batched as "
+          "it batches them.")
+    return dataset_creator.CreatorSource(
+        x, strategy=self.strategy, steps_per_epoch=steps_per_epoch,
+        class_weight=class_weight, batches_per_call=self._batches_per_call)
+
   def _skipped_batches(self):
     """What tells fit which batches a loss-scaled optimizer skipped; None
     without loss scaling, and under an asynchronous strategy (reading the
@@ -546,7 +594,8 @@ class Trainer:
     if not mixed_precision.scales_loss(self._tx) or not isinstance(
         self.make_train_function(), DistributedFunction):
       return None
-    return mixed_precision.SkippedBatches(self._read)
+    return mixed_precision.SkippedBatches(
+        self._read, batches_per_step=self._accumulation)
 
   def _read_means(self, totals) -> dict:
     totals = self._read(totals)  # one read from the servers, if held there
@@ -662,6 +711,42 @@ def _check_count(value, name: str, *, minimum: int) -> None:
     raise TypeError(f"{name} must be a whole number, got {value!r}.")
   if value < minimum:
     raise ValueError(f"{name} must be at least {minimum}, got {value}.")
+
+
+def _batches_per_call(steps_per_execution: int, accumulation: int) -> int:
+  """Batches each call of the train function runs: `steps_per_execution`,
+  or one accumulation group when that is 1.
+
+  Raises:
+    ValueError: `steps_per_execution` would split an accumulation group.
+  """
+  if steps_per_execution == 1:
+    return accumulation
+  if steps_per_execution % accumulation:
+    raise ValueError(
+        f"steps_per_execution={steps_per_execution} is not a multiple of "
+        f"gradient_accumulation_steps={accumulation}: a compiled call runs "
+        "whole optimizer steps, each of gradient_accumulation_steps "
+        f"batches. Use steps_per_execution=1 (one optimizer step per call) "
+        f"or a multiple of {accumulation}.")
+  return steps_per_execution
+
+
+def _check_whole_groups(steps_per_epoch: int | None, k: int) -> None:
+  """Refuses, before the first step, an epoch whose known length leaves a
+  trailing partial accumulation group."""
+  if k == 1 or steps_per_epoch is None or steps_per_epoch % k == 0:
+    return
+  whole = steps_per_epoch - steps_per_epoch % k
+  raise ValueError(
+      f"An epoch of this data is {steps_per_epoch} batches, not a multiple of "
+      f"gradient_accumulation_steps={k}: its last {steps_per_epoch % k} "
+      "batch(es) would not make a whole optimizer step. Keras carries their "
+      "gradients into the next epoch; jdist applies whole groups only. Pass "
+      f"steps_per_epoch={whole} (each epoch then leaves out its last "
+      f"{steps_per_epoch % k} batch(es); shuffled arrays leave out other "
+      "examples every epoch), or a batch_size that makes the number of "
+      f"batches a multiple of {k}.")
 
 
 def _weights_only(ckpt: Checkpointer, step: int | None) -> bool:
