@@ -189,7 +189,7 @@ class ParameterServerStrategy(StrategyBase):
                                                  self._ray_options,
                                                  self._timeout)
         else:
-          self._cluster = ThreadCluster(self._spec, self)
+          self._cluster = ThreadCluster(self._spec, self, self._timeout)
       self._coordinator = coordinator  # once its cluster runs
       return self._cluster
 

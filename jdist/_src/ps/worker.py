@@ -73,6 +73,9 @@ class WorkerContext:
     self.snapshots: dict = {}  # set id -> the values its last update returned
     self._resources: dict = {}
     self.incarnation = 0
+    # While a call to the parameter servers is in flight, when it gives up:
+    # a worker waiting on a server is not hung (the server's timeout decides).
+    self.servers_deadline: float | None = None
 
   def input_context(self) -> InputContext:
     """What a dataset function learns about this worker's input pipeline."""
@@ -90,6 +93,24 @@ class WorkerContext:
     self._resources.clear()
     self.snapshots.clear()
     self.incarnation += 1
+
+
+@contextlib.contextmanager
+def waiting_on_servers(ctx: WorkerContext | None, deadline: float):
+  """Marks the worker `ctx` (None on the coordinator: nothing to mark) as
+  waiting for parameter servers until `deadline`, for the block."""
+  if ctx is not None:
+    ctx.servers_deadline = deadline
+  try:
+    yield
+  finally:
+    if ctx is not None:
+      ctx.servers_deadline = None
+
+
+def is_waiting_on_servers(ctx: WorkerContext) -> bool:
+  """Whether the worker `ctx` is in a call to the parameter servers."""
+  return ctx.servers_deadline is not None
 
 
 def current() -> WorkerContext | None:
