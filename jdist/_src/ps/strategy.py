@@ -76,7 +76,10 @@ class ParameterServerStrategy(StrategyBase):
       values; the order of several workers' updates still varies between
       runs); `math.inf` never refuses (TensorFlow's behaviour).
     timeout_seconds: how long a call to a parameter server may take before
-      the server counts as failed (`jdist.ParameterServerError`).
+      the server counts as failed (`jdist.ParameterServerError`), and how
+      long a worker may be silent before it counts as lost (its functions
+      run again on the others): a Ray worker that does not answer a health
+      call, a threads worker whose function runs longer.
     backend: "threads" (workers are threads of this process on its local
       devices, servers objects in it) or "ray" (Ray actors; needs
       `pip install jdist[ray]` and a Ray cluster, `ray.init()`).
