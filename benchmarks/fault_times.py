@@ -8,10 +8,23 @@ the start. Cases that need a tmpfs (a full disk, a read-only directory) run
 in a private mount namespace (`unshare`; root or user namespaces) and are
 left out where that is not possible.
 
-    python benchmarks/fault_times.py           # about 3 minutes
+The parameter-server cases run the TensorFlow tutorial's loop (2 workers,
+1 server, the digits MLP) in a child process, hang a server or a worker
+(threads backend: a server's update blocks, a worker's function sleeps; Ray:
+SIGSTOP of the actor's process) and time it from the hang to `join()`'s
+`ParameterServerError` (server) or to `join()` returning with every function
+run (worker).
+
+    python benchmarks/fault_times.py           # about 5 minutes
+    python benchmarks/fault_times.py --ps      # the hangs only, both backends,
+                                               # timeout_seconds=5: a minute
+    python benchmarks/fault_times.py --quick   # the threads backend's hangs,
+                                               # timeout_seconds=1: seconds
 """
 
+import argparse
 import json
+import logging
 import os
 import shutil
 import signal
@@ -60,6 +73,122 @@ def child(backup: str, mode: str) -> None:
     say(f"error {type(e).__name__}")
     raise
   say(f"done {trainer.global_step}")
+
+
+def ps_child(backend: str, timeout: float) -> None:
+  """Hangs a parameter server, then a worker, of a running tutorial loop;
+  prints `at <time> <event>` lines (and the coordinator's log) for the
+  parent."""
+  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  sys.path.insert(0, ROOT)
+  import jdist
+  from jdist._src.ps import server as server_lib  # the fault goes in there
+
+  def say(event):  # one write: the coordinator's log lines may interleave
+    sys.stdout.write(f"at {time.time():.3f} {event}\n")
+    sys.stdout.flush()
+
+  logging.basicConfig(stream=sys.stdout, format="log %(message)s")
+  if backend == "ray":
+    import ray
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
+  # Threads backend: once `stuck` is set, the server's updates block.
+  stuck, release = threading.Event(), threading.Event()
+  push = server_lib.ParameterServer.push
+
+  def push_or_hang(self, *args):
+    if stuck.is_set():
+      release.wait(3600)
+    return push(self, *args)
+
+  server_lib.ParameterServer.push = push_or_hang
+  for case in ("server", "worker"):
+    coordinator, step_fn, iterator = ps_job(jdist, backend, timeout)
+    say(f"{case} hangs")
+    if case == "server" and backend == "ray":
+      os.kill(ray_actor_pids("ParameterServer")[0], signal.SIGSTOP)
+    elif case == "server":
+      stuck.set()
+    elif backend == "ray":
+      os.kill(ray_actor_pids("TrainingWorker")[0], signal.SIGSTOP)
+    else:
+      step_fn.hang.set()
+    try:
+      coordinator.fetch([coordinator.schedule(step_fn, args=(iterator,))
+                         for _ in range(20)])
+      say(f"{case} joined")
+    except jdist.ParameterServerError:
+      say(f"{case} error ParameterServerError")
+    if case == "server" and backend == "ray":
+      os.kill(ray_actor_pids("ParameterServer")[0], signal.SIGCONT)
+    stuck.clear()
+    release.set()
+    coordinator.shutdown()
+
+
+def ps_job(jdist, backend, timeout):
+  """The tutorial's loop on 2 workers and 1 server, both workers warm."""
+  import jax
+  import numpy as np
+  import optax
+  from jdist.examples.data import load_digits
+  from jdist.examples.models import MLP
+  from jdist.examples.steps import classifier_step
+
+  x, y = load_digits(image=False)
+  model, tx = MLP(hidden=16), optax.sgd(0.1)
+  strategy = jdist.ParameterServerStrategy(
+      jdist.cluster_resolver.LocalClusterResolver(num_workers=2, num_ps=1),
+      timeout_seconds=timeout, backend=backend)
+  train_step = strategy.function(classifier_step(
+      lambda p, x: model.apply({"params": p}, x), tx))
+  coordinator = jdist.ClusterCoordinator(strategy)
+  params = model.init(jax.random.key(0), x[:1])["params"]
+  state = strategy.replicate((params, tx.init(params)))
+
+  def dataset_fn(ctx):
+    rng = np.random.default_rng(ctx.input_pipeline_id)
+    while True:
+      i = rng.choice(len(x), 32, replace=False)
+      yield {"x": x[i], "y": y[i]}
+
+  hang, lock = threading.Event(), threading.Lock()
+
+  def step_fn(iterator):
+    with lock:  # threads backend: the next function to start sleeps
+      mine = hang.is_set()
+      hang.clear()
+    if mine:
+      time.sleep(3600)
+    _, loss = train_step(state, next(iterator))
+    # Which worker ran it: a process (Ray) or a thread (threads backend).
+    return strategy.reduce("sum", loss), (
+        f"{os.getpid()}/{threading.current_thread().name}")
+
+  step_fn.hang = hang
+  iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+  ran = set()
+  while len(ran) < 2:  # both workers have compiled the step
+    ran |= {w for _, w in coordinator.fetch([
+        coordinator.schedule(step_fn, args=(iterator,)) for _ in range(10)])}
+  return coordinator, step_fn, iterator
+
+
+def ray_actor_pids(name: str) -> list:
+  """Processes whose title is `ray::<name>` (Ray names actor processes so)."""
+  pids = []
+  for entry in os.listdir("/proc"):
+    if entry.isdigit():
+      try:
+        with open(f"/proc/{entry}/cmdline", "rb") as f:
+          title = f.read().split(b"\0")[0].decode(errors="replace").strip()
+      except OSError:
+        continue
+      if title == f"ray::{name}" or title.startswith(f"ray::{name}."):
+        pids.append(int(entry))
+  return sorted(pids)
 
 
 def start(backup, mode="plain", env=None):
@@ -234,17 +363,63 @@ CASES = [
 ]
 
 
+def ps_cases(backend: str, timeout: float) -> list:
+  """Rows `(name, seconds, what)` of a hung server and a hung worker."""
+  proc = subprocess.Popen(
+      [sys.executable, __file__, "--ps-child", backend, str(timeout)],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  out, err = proc.communicate(timeout=600)
+  ev = events(out)
+  assert proc.returncode == 0, err[-3000:]
+  assert "server error ParameterServerError" in ev, (ev, err[-3000:])
+  assert "worker joined" in ev, (ev, err[-3000:])
+  assert "\nlog Worker " in out, out  # the lost worker was logged
+  what = f"timeout_seconds={timeout:g}, from the hang"
+  return [
+      (f"parameter server hangs ({backend})",
+       ev["server error ParameterServerError"] - ev["server hangs"],
+       f"{what} to join()'s ParameterServerError"),
+      (f"worker hangs in a function ({backend})",
+       ev["worker joined"] - ev["worker hangs"],
+       f"{what} to join() returning, every function run"),
+  ]
+
+
 def main():
-  print("| fault | seconds | measured |\n|---|---|---|", flush=True)
-  for name, case in CASES:
-    with tempfile.TemporaryDirectory() as tmp:
-      seconds, what = case(tmp)
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true",
+                      help="only the threads backend's hangs, timeout 1 s")
+  parser.add_argument("--ps", action="store_true",
+                      help="only the parameter-server hangs, both backends")
+  parser.add_argument("--json", action="store_true",
+                      help="print one JSON line of the rows at the end")
+  args = parser.parse_args()
+  rows = []
+
+  def row(name, seconds, what):
+    rows.append({"fault": name, "seconds": seconds, "measured": what})
     shown = "-" if seconds is None else f"{seconds:.2f}"
     print(f"| {name} | {shown} | {what} |", flush=True)
+
+  print("| fault | seconds | measured |\n|---|---|---|", flush=True)
+  if args.quick:
+    for r in ps_cases("threads", 1.0):
+      row(*r)
+  else:
+    for name, case in [] if args.ps else CASES:
+      with tempfile.TemporaryDirectory() as tmp:
+        row(name, *case(tmp))
+    for backend in ("threads", "ray"):
+      for r in ps_cases(backend, 5.0):
+        row(*r)
+  if args.json:
+    print(json.dumps(rows))
 
 
 if __name__ == "__main__":
   if sys.argv[1:2] == ["--child"]:
     child(sys.argv[2], sys.argv[3])
+  elif sys.argv[1:2] == ["--ps-child"]:
+    ps_child(sys.argv[2], float(sys.argv[3]))
   else:
     main()

@@ -178,3 +178,11 @@ def test_mixed_precision_runs_and_renders():
   assert "| 256 | mixed_bfloat16 |" in text
   if "error" in res["tpu"]:  # no libtpu here (make bench installs it)
     assert "**TPU**: not measured" in text
+
+
+def test_fault_times_quick_runs():
+  # The threads backend's hung server and worker (timeout_seconds=1).
+  rows = _run([BENCH / "fault_times.py", "--quick", "--json"], timeout=120)
+  assert [r["fault"] for r in rows] == [
+      "parameter server hangs (threads)", "worker hangs in a function (threads)"]
+  assert all(r["seconds"] > 0 for r in rows), rows
