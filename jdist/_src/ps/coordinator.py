@@ -201,7 +201,9 @@ class ClusterCoordinator:
 
     Functions still queued are cancelled; the running ones are waited for up
     to `timeout` seconds. Afterwards no thread, actor or process of the
-    cluster is left.
+    cluster is left, but for a thread stuck in a call that never returns (a
+    hung function or server under the threads backend: a Python thread
+    cannot be stopped; it ends when the call does).
     """
     if self._closed:
       return

@@ -43,6 +43,11 @@ class TaskThread:
     self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
     self._thread.start()
 
+  @property
+  def ident(self) -> int | None:
+    """The thread's identifier (`threading.get_ident()` inside it)."""
+    return self._thread.ident
+
   def submit(self, fn: Callable, *args) -> concurrent.futures.Future:
     future = concurrent.futures.Future()
     self._calls.put((future, fn, args))
@@ -159,7 +164,8 @@ class ThreadWorker:
     started, future = ticket
     wait = max(0.0, started + self._timeout - time.monotonic())
     while not concurrent.futures.wait([future], timeout=wait)[0]:
-      if not worker_lib.is_waiting_on_servers(self.context):
+      if not worker_lib.is_waiting_on_servers(self.context,
+                                              self._thread.ident):
         self._thread.stop(timeout=0.0)  # ends when the hung call returns
         self._thread = None
         raise WorkerFailedError(

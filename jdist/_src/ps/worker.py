@@ -73,9 +73,11 @@ class WorkerContext:
     self.snapshots: dict = {}  # set id -> the values its last update returned
     self._resources: dict = {}
     self.incarnation = 0
-    # While a call to the parameter servers is in flight, when it gives up:
-    # a worker waiting on a server is not hung (the server's timeout decides).
-    self.servers_deadline: float | None = None
+    # The threads (by ident) in a call to the parameter servers, and when
+    # the call gives up: a worker waiting on a server is not hung (the
+    # server's timeout decides). By thread: a hung worker's abandoned thread
+    # shares the context with the thread that replaced it.
+    self.servers_deadlines: dict = {}
 
   def input_context(self) -> InputContext:
     """What a dataset function learns about this worker's input pipeline."""
@@ -97,20 +99,22 @@ class WorkerContext:
 
 @contextlib.contextmanager
 def waiting_on_servers(ctx: WorkerContext | None, deadline: float):
-  """Marks the worker `ctx` (None on the coordinator: nothing to mark) as
-  waiting for parameter servers until `deadline`, for the block."""
+  """Marks this thread of the worker `ctx` (None on the coordinator: nothing
+  to mark) as waiting for parameter servers until `deadline`, for the block."""
+  thread = threading.get_ident()
   if ctx is not None:
-    ctx.servers_deadline = deadline
+    ctx.servers_deadlines[thread] = deadline
   try:
     yield
   finally:
     if ctx is not None:
-      ctx.servers_deadline = None
+      ctx.servers_deadlines.pop(thread, None)
 
 
-def is_waiting_on_servers(ctx: WorkerContext) -> bool:
-  """Whether the worker `ctx` is in a call to the parameter servers."""
-  return ctx.servers_deadline is not None
+def is_waiting_on_servers(ctx: WorkerContext, thread: int | None) -> bool:
+  """Whether the thread `thread` (an ident) of the worker `ctx` is in a call
+  to the parameter servers."""
+  return thread in ctx.servers_deadlines
 
 
 def current() -> WorkerContext | None:
