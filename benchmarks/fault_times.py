@@ -103,7 +103,8 @@ def ps_child(backend: str, timeout: float) -> None:
       release.wait(3600)
     return push(self, *args)
 
-  server_lib.ParameterServer.push = push_or_hang
+  if backend == "threads":  # (Ray pickles the class to its actors)
+    server_lib.ParameterServer.push = push_or_hang
   for case in ("server", "worker"):
     coordinator, step_fn, iterator = ps_job(jdist, backend, timeout)
     say(f"{case} hangs")
@@ -113,11 +114,12 @@ def ps_child(backend: str, timeout: float) -> None:
       stuck.set()
     elif backend == "ray":
       os.kill(ray_actor_pids("TrainingWorker")[0], signal.SIGSTOP)
-    else:
-      step_fn.hang.set()
+    fns = [step_fn] * 20
+    if case == "worker" and backend == "threads":
+      fns[0] = sleeps_once(step_fn)
     try:
-      coordinator.fetch([coordinator.schedule(step_fn, args=(iterator,))
-                         for _ in range(20)])
+      coordinator.fetch([coordinator.schedule(fn, args=(iterator,))
+                         for fn in fns])
       say(f"{case} joined")
     except jdist.ParameterServerError:
       say(f"{case} error ParameterServerError")
@@ -126,6 +128,18 @@ def ps_child(backend: str, timeout: float) -> None:
     stuck.clear()
     release.set()
     coordinator.shutdown()
+
+
+def sleeps_once(fn):
+  """`fn`, but its first call sleeps for an hour first (threads backend)."""
+  first = threading.Lock()
+
+  def sleepy(*args):
+    if first.acquire(blocking=False):
+      time.sleep(3600)
+    return fn(*args)
+
+  return sleepy
 
 
 def ps_job(jdist, backend, timeout):
@@ -154,20 +168,12 @@ def ps_job(jdist, backend, timeout):
       i = rng.choice(len(x), 32, replace=False)
       yield {"x": x[i], "y": y[i]}
 
-  hang, lock = threading.Event(), threading.Lock()
-
   def step_fn(iterator):
-    with lock:  # threads backend: the next function to start sleeps
-      mine = hang.is_set()
-      hang.clear()
-    if mine:
-      time.sleep(3600)
     _, loss = train_step(state, next(iterator))
     # Which worker ran it: a process (Ray) or a thread (threads backend).
     return strategy.reduce("sum", loss), (
         f"{os.getpid()}/{threading.current_thread().name}")
 
-  step_fn.hang = hang
   iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
   ran = set()
   while len(ran) < 2:  # both workers have compiled the step
