@@ -8,7 +8,9 @@ notebooks and tests. Because calls cross threads, a caller can stop waiting:
 a server that does not answer within `timeout_seconds` is a
 `jdist.ParameterServerError`, and a worker whose function runs longer is
 lost (a thread cannot be stopped or asked whether it is alive, so a function
-that runs past the timeout is all there is to see of a hung worker).
+that runs past the timeout is all there is to see of a hung worker). Time a
+function spends compiling (JAX's compile events) or waiting for a parameter
+server (whose own timeout decides) does not count.
 """
 
 from __future__ import annotations
@@ -17,18 +19,91 @@ import concurrent.futures
 import queue
 import threading
 import time
+import weakref
 from typing import Callable
 
 import jax
+import jax.monitoring
 
 from jdist._src.errors import ParameterServerError, WorkerFailedError
 from jdist._src.ps import worker as worker_lib
 from jdist._src.ps.server import ParameterServer, unanswered
 from jdist._src.strategies.mirrored import MirroredStrategy
 
-# How often a worker's thread looks again while its function waits on a
-# parameter server past the worker's timeout (that call ends by its own).
+# How often a worker's thread is looked at again while its function is past
+# the timeout but compiling or waiting on a parameter server.
 _RECHECK_SECONDS = 0.05
+
+# JAX's phases of making an executable: each records its start (a scalar)
+# and its duration, in the thread that runs it.
+_COMPILE_EVENTS = frozenset({
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration"})
+
+
+class ExcusedTime:
+  """Per thread, the time that does not count against a threads worker's
+  timeout: compiling, and waiting for parameter servers. Thread-safe."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._total = weakref.WeakKeyDictionary()  # thread -> seconds, ended
+    self._since = weakref.WeakKeyDictionary()  # thread -> (start, depth)
+
+  def begin(self, thread: threading.Thread) -> None:
+    with self._lock:
+      start, depth = self._since.get(thread, (time.monotonic(), 0))
+      self._since[thread] = (start, depth + 1)
+
+  def end(self, thread: threading.Thread) -> None:
+    with self._lock:
+      if thread not in self._since:
+        return  # its start was not seen
+      start, depth = self._since.pop(thread)
+      if depth > 1:
+        self._since[thread] = (start, depth - 1)
+      else:
+        self._total[thread] = (self._total.get(thread, 0.0) +
+                               time.monotonic() - start)
+
+  def seconds(self, thread: threading.Thread) -> float:
+    """The excused seconds of `thread` so far, the current phase included."""
+    with self._lock:
+      seconds = self._total.get(thread, 0.0)
+      if thread in self._since:
+        seconds += time.monotonic() - self._since[thread][0]
+      return seconds
+
+  def active(self, thread: threading.Thread) -> bool:
+    with self._lock:
+      return thread in self._since
+
+
+EXCUSED = ExcusedTime()
+_listening = threading.Lock()
+_listeners: list = []
+
+
+def _on_scalar(event: str, value, **kwargs) -> None:
+  del value, kwargs
+  if event in _COMPILE_EVENTS:
+    EXCUSED.begin(threading.current_thread())
+
+
+def _on_duration(event: str, duration: float, **kwargs) -> None:
+  del duration, kwargs
+  if event in _COMPILE_EVENTS:
+    EXCUSED.end(threading.current_thread())
+
+
+def listen_to_compiles() -> None:
+  """Counts JAX's compilations as excused time (once per process)."""
+  with _listening:
+    if not _listeners:
+      jax.monitoring.register_scalar_listener(_on_scalar)
+      jax.monitoring.register_event_duration_secs_listener(_on_duration)
+      _listeners.append(True)
 
 
 class TaskThread:
@@ -44,9 +119,8 @@ class TaskThread:
     self._thread.start()
 
   @property
-  def ident(self) -> int | None:
-    """The thread's identifier (`threading.get_ident()` inside it)."""
-    return self._thread.ident
+  def thread(self) -> threading.Thread:
+    return self._thread
 
   def submit(self, fn: Callable, *args) -> concurrent.futures.Future:
     future = concurrent.futures.Future()
@@ -93,15 +167,17 @@ class LocalStore:
     deadline = time.monotonic() + self._timeout
     futures = {s: self._threads[s].submit(getattr(self._servers[s], m), *a)
                for s, (m, a) in calls.items()}
-    ctx = worker_lib.current()
-    with worker_lib.waiting_on_servers(ctx, deadline):
-      out = {}
+    out = {}
+    EXCUSED.begin(threading.current_thread())
+    try:
       for s, future in futures.items():
         done, _ = concurrent.futures.wait(
             [future], timeout=max(0.0, deadline - time.monotonic()))
         if not done:
           raise unanswered(s, self._addresses[s], self._timeout)
         out[s] = future.result()
+    finally:
+      EXCUSED.end(threading.current_thread())
     return out
 
   def create(self, set_id, per_server: dict, kinds: dict) -> None:
@@ -139,8 +215,8 @@ class ThreadWorker:
   """One worker: a context over one local device and a thread that runs its
   closures.
 
-  A closure that runs longer than `timeout` (unless it waits on a parameter
-  server, whose own timeout then decides) makes the worker lost: its thread
+  A closure that runs longer than `timeout`, its time compiling and waiting
+  on parameter servers aside (`EXCUSED`), makes the worker lost: its thread
   is left to finish that call (its result is dropped) and `recover()` gives
   the worker a new thread.
   """
@@ -156,25 +232,32 @@ class ThreadWorker:
   depth = 1  # closures it is given at a time
 
   def submit(self, closure):
-    return time.monotonic(), self._thread.submit(
+    thread = self._thread.thread
+    return (time.monotonic() - EXCUSED.seconds(thread), self._thread.submit(
         worker_lib.run, self.context, closure.fn, closure.args,
-        closure.kwargs)
+        closure.kwargs))
 
   def result(self, ticket):
-    started, future = ticket
-    wait = max(0.0, started + self._timeout - time.monotonic())
-    while not concurrent.futures.wait([future], timeout=wait)[0]:
-      if not worker_lib.is_waiting_on_servers(self.context,
-                                              self._thread.ident):
-        self._thread.stop(timeout=0.0)  # ends when the hung call returns
-        self._thread = None
-        raise WorkerFailedError(
-            f"Worker {self.index} did not finish a scheduled function within "
-            f"timeout_seconds={self._timeout:g}: it counts as hung and is "
-            "restarted, and its function runs again on a worker (the hung "
-            "call keeps its thread until it returns; its result is dropped).")
-      wait = _RECHECK_SECONDS
-    return future.result()
+    started, future = ticket  # started: a time minus the excused seconds
+    thread = self._thread.thread
+    while True:
+      late = (time.monotonic() - EXCUSED.seconds(thread) - started -
+              self._timeout)
+      if late >= 0 and not EXCUSED.active(thread):
+        break
+      wait = _RECHECK_SECONDS if late >= 0 else -late
+      if concurrent.futures.wait([future], timeout=wait)[0]:
+        return future.result()
+    if future.done():
+      return future.result()
+    self._thread.stop(timeout=0.0)  # ends when the hung call returns
+    self._thread = None
+    raise WorkerFailedError(
+        f"Worker {self.index} did not finish a scheduled function within "
+        f"timeout_seconds={self._timeout:g} (compiling and waiting on "
+        "parameter servers aside): it counts as hung and is restarted, and "
+        "its function runs again on a worker (the hung call keeps its thread "
+        "until it returns; its result is dropped).")
 
   def recover(self) -> bool:
     """A failed worker comes back at once, without what it had built."""
@@ -192,6 +275,7 @@ class ThreadCluster:
   """Servers and workers of a `ParameterServerStrategy` in this process."""
 
   def __init__(self, spec, strategy, timeout: float):
+    listen_to_compiles()
     devices = jax.local_devices()
     self.store = LocalStore([ParameterServer(i) for i in range(spec.num_ps)],
                             spec.ps, timeout)

@@ -79,7 +79,8 @@ class ParameterServerStrategy(StrategyBase):
       the server counts as failed (`jdist.ParameterServerError`), and how
       long a worker may be silent before it counts as lost (its functions
       run again on the others): a Ray worker that does not answer a health
-      call, a threads worker whose function runs longer.
+      call, a threads worker whose function runs longer (its time
+      compiling and waiting on servers aside).
     backend: "threads" (workers are threads of this process on its local
       devices, servers objects in it) or "ray" (Ray actors; needs
       `pip install jdist[ray]` and a Ray cluster, `ray.init()`).

@@ -73,11 +73,6 @@ class WorkerContext:
     self.snapshots: dict = {}  # set id -> the values its last update returned
     self._resources: dict = {}
     self.incarnation = 0
-    # The threads (by ident) in a call to the parameter servers, and when
-    # the call gives up: a worker waiting on a server is not hung (the
-    # server's timeout decides). By thread: a hung worker's abandoned thread
-    # shares the context with the thread that replaced it.
-    self.servers_deadlines: dict = {}
 
   def input_context(self) -> InputContext:
     """What a dataset function learns about this worker's input pipeline."""
@@ -95,26 +90,6 @@ class WorkerContext:
     self._resources.clear()
     self.snapshots.clear()
     self.incarnation += 1
-
-
-@contextlib.contextmanager
-def waiting_on_servers(ctx: WorkerContext | None, deadline: float):
-  """Marks this thread of the worker `ctx` (None on the coordinator: nothing
-  to mark) as waiting for parameter servers until `deadline`, for the block."""
-  thread = threading.get_ident()
-  if ctx is not None:
-    ctx.servers_deadlines[thread] = deadline
-  try:
-    yield
-  finally:
-    if ctx is not None:
-      ctx.servers_deadlines.pop(thread, None)
-
-
-def is_waiting_on_servers(ctx: WorkerContext, thread: int | None) -> bool:
-  """Whether the thread `thread` (an ident) of the worker `ctx` is in a call
-  to the parameter servers."""
-  return thread in ctx.servers_deadlines
 
 
 def current() -> WorkerContext | None:
