@@ -183,18 +183,10 @@ def ps_job(jdist, backend, timeout):
 
 
 def ray_actor_pids(name: str) -> list:
-  """Processes whose title is `ray::<name>` (Ray names actor processes so)."""
-  pids = []
-  for entry in os.listdir("/proc"):
-    if entry.isdigit():
-      try:
-        with open(f"/proc/{entry}/cmdline", "rb") as f:
-          title = f.read().split(b"\0")[0].decode(errors="replace").strip()
-      except OSError:
-        continue
-      if title == f"ray::{name}" or title.startswith(f"ray::{name}."):
-        pids.append(int(entry))
-  return sorted(pids)
+  """Processes titled `ray::<name>` (Ray names actor processes so)."""
+  found = subprocess.run(["pgrep", "-f", f"^ray::{name}($|[ .])"],
+                         capture_output=True, text=True)
+  return sorted(int(p) for p in found.stdout.split())
 
 
 def start(backup, mode="plain", env=None):
