@@ -26,8 +26,7 @@ import jax
 from jdist._src.errors import ParameterServerError, WorkerFailedError
 from jdist._src.ps import worker as worker_lib
 from jdist._src.ps.remote import to_numpy
-from jdist._src.ps import server as server_lib
-from jdist._src.ps.server import ParameterServer
+from jdist._src.ps.server import ParameterServer, unanswered
 from jdist._src.strategies.mirrored import MirroredStrategy
 
 
@@ -104,8 +103,7 @@ class RayStore:
       try:
         out[s] = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
       except ray.exceptions.GetTimeoutError:
-        raise server_lib.unanswered(s, self._addresses[s],
-                                    self._timeout) from None
+        raise unanswered(s, self._addresses[s], self._timeout) from None
       except ray.exceptions.RayActorError as e:
         raise ParameterServerError(
             f"Parameter server {s} ({self._addresses[s]}) is unavailable: its "
