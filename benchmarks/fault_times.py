@@ -8,8 +8,19 @@ the start. Cases that need a tmpfs (a full disk, a read-only directory) run
 in a private mount namespace (`unshare`; root or user namespaces) and are
 left out where that is not possible.
 
-    python benchmarks/fault_times.py --trials 2      # about 6 minutes
+The parameter-server cases run the TensorFlow tutorial's loop (2 workers,
+1 server, the digits MLP) in a child process, hang a server or a worker
+(threads backend: a server's update blocks, a worker's function sleeps; Ray:
+SIGSTOP of the actor's process) and time it from the hang to `join()`'s
+`ParameterServerError` (server) or to `join()` returning with every function
+run (worker).
+
+    python benchmarks/fault_times.py --trials 2      # about 8 minutes
     python benchmarks/fault_times.py --case SIGINT   # the cases named so
+    python benchmarks/fault_times.py --ps            # the hangs only, both
+                                                     # backends, timeout 5 s
+    python benchmarks/fault_times.py --quick         # the threads backend's
+                                                     # hangs, timeout 1 s
 
 Each trial runs every case once (the trials follow each other, so a case's
 range spans the machine's load over the run); `--json` adds one JSON line of
@@ -19,6 +30,7 @@ the results, and `section()` renders them for benchmarks/RESULTS.md as
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import signal
@@ -71,6 +83,120 @@ def child(backup: str, mode: str) -> None:
     say(f"error {type(e).__name__}")
     raise
   say(f"done {trainer.global_step}")
+
+
+def ps_child(backend: str, timeout: float) -> None:
+  """Hangs a parameter server, then a worker, of a running tutorial loop;
+  prints `at <time> <event>` lines (and the coordinator's log) for the
+  parent."""
+  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  sys.path.insert(0, ROOT)
+  import jdist
+  from jdist._src.ps import server as server_lib  # the fault goes in there
+
+  def say(event):  # one write: the coordinator's log lines may interleave
+    sys.stdout.write(f"at {time.time():.3f} {event}\n")
+    sys.stdout.flush()
+
+  logging.basicConfig(stream=sys.stdout, format="log %(message)s")
+  if backend == "ray":
+    import ray
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
+  # Threads backend: once `stuck` is set, the server's updates block.
+  stuck, release = threading.Event(), threading.Event()
+  push = server_lib.ParameterServer.push
+
+  def push_or_hang(self, *args):
+    if stuck.is_set():
+      release.wait(3600)
+    return push(self, *args)
+
+  if backend == "threads":  # (Ray pickles the class to its actors)
+    server_lib.ParameterServer.push = push_or_hang
+  for case in ("server", "worker"):
+    coordinator, step_fn, iterator = ps_job(jdist, backend, timeout)
+    say(f"{case} hangs")
+    if case == "server" and backend == "ray":
+      os.kill(ray_actor_pids("ParameterServer")[0], signal.SIGSTOP)
+    elif case == "server":
+      stuck.set()
+    elif backend == "ray":
+      os.kill(ray_actor_pids("TrainingWorker")[0], signal.SIGSTOP)
+    fns = [step_fn] * 20
+    if case == "worker" and backend == "threads":
+      fns[0] = sleeps_once(step_fn)
+    try:
+      coordinator.fetch([coordinator.schedule(fn, args=(iterator,))
+                         for fn in fns])
+      say(f"{case} joined")
+    except jdist.ParameterServerError:
+      say(f"{case} error ParameterServerError")
+    if case == "server" and backend == "ray":
+      os.kill(ray_actor_pids("ParameterServer")[0], signal.SIGCONT)
+    stuck.clear()
+    release.set()
+    coordinator.shutdown()
+
+
+def sleeps_once(fn):
+  """`fn`, but its first call sleeps for an hour first (threads backend)."""
+  first = threading.Lock()
+
+  def sleepy(*args):
+    if first.acquire(blocking=False):
+      time.sleep(3600)
+    return fn(*args)
+
+  return sleepy
+
+
+def ps_job(jdist, backend, timeout):
+  """The tutorial's loop on 2 workers and 1 server, both workers warm."""
+  import jax
+  import numpy as np
+  import optax
+  from jdist.examples.data import load_digits
+  from jdist.examples.models import MLP
+  from jdist.examples.steps import classifier_step
+
+  x, y = load_digits(image=False)
+  model, tx = MLP(hidden=16), optax.sgd(0.1)
+  strategy = jdist.ParameterServerStrategy(
+      jdist.cluster_resolver.LocalClusterResolver(num_workers=2, num_ps=1),
+      timeout_seconds=timeout, backend=backend)
+  train_step = strategy.function(classifier_step(
+      lambda p, x: model.apply({"params": p}, x), tx))
+  coordinator = jdist.ClusterCoordinator(strategy)
+  params = model.init(jax.random.key(0), x[:1])["params"]
+  state = strategy.replicate((params, tx.init(params)))
+
+  def dataset_fn(ctx):
+    rng = np.random.default_rng(ctx.input_pipeline_id)
+    while True:
+      i = rng.choice(len(x), 32, replace=False)
+      yield {"x": x[i], "y": y[i]}
+
+  def step_fn(iterator):
+    _, loss = train_step(state, next(iterator))
+    # Which worker ran it: a process (Ray) or a thread (threads backend).
+    return strategy.reduce("sum", loss), (
+        f"{os.getpid()}/{threading.current_thread().name}")
+
+  iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+  ran = set()
+  while len(ran) < 2:  # both workers have compiled the step
+    ran |= {w for _, w in coordinator.fetch([
+        coordinator.schedule(step_fn, args=(iterator,)) for _ in range(10)])}
+  return coordinator, step_fn, iterator
+
+
+def ray_actor_pids(name: str) -> list:
+  """Processes titled `ray::<name>` (Ray names actor processes so)."""
+  found = subprocess.run(["pgrep", "-f", f"^ray::{name}($|[ .])"],
+                         capture_output=True, text=True)
+  return sorted(int(p) for p in found.stdout.split())
 
 
 def start(backup, mode="plain", env=None):
@@ -246,10 +372,40 @@ CASES = [
 ]
 
 
-def measure(trials: int, names: list | None = None) -> dict:
+PS_FAULTS = {f"{what} ({backend})" for backend in ("threads", "ray")
+             for what in ("parameter server hangs", "worker hangs in a function")}
+
+
+def ps_cases(backend: str, timeout: float) -> list:
+  """Rows `(name, seconds, what)` of a hung server and a hung worker."""
+  proc = subprocess.Popen(
+      [sys.executable, __file__, "--ps-child", backend, str(timeout)],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  out, err = proc.communicate(timeout=600)
+  ev = events(out)
+  assert proc.returncode == 0, err[-3000:]
+  assert "server error ParameterServerError" in ev, (ev, err[-3000:])
+  assert "worker joined" in ev, (ev, err[-3000:])
+  assert "\nlog Worker " in out, out  # the lost worker was logged
+  what = f"timeout_seconds={timeout:g}, from the hang"
+  return [
+      (f"parameter server hangs ({backend})",
+       ev["server error ParameterServerError"] - ev["server hangs"],
+       f"{what} to join()'s ParameterServerError"),
+      (f"worker hangs in a function ({backend})",
+       ev["worker joined"] - ev["worker hangs"],
+       f"{what} to join() returning, every function run"),
+  ]
+
+
+def measure(trials: int, names: list | None = None, *,
+            ps_backends: tuple = ("threads", "ray"), ps_timeout: float = 5.0,
+            checkpoint_cases: bool = True) -> dict:
   """Each case (those in `names`, or all) `trials` times: its seconds per
-  trial, or None where it cannot run here."""
-  chosen = [(n, c) for n, c in CASES if names is None or n in names]
+  trial, or None where it cannot run here. Without `names`, the
+  parameter-server hangs on `ps_backends` too."""
+  chosen = [(n, c) for n, c in CASES if (names is None and checkpoint_cases)
+            or n in (names or ())]
   unknown = set(names or ()) - {n for n, _ in CASES}
   if unknown:
     raise SystemExit(f"no such case: {sorted(unknown)}; the cases: "
@@ -264,6 +420,13 @@ def measure(trials: int, names: list | None = None) -> dict:
       shown = "-" if seconds is None else f"{seconds:.2f}"
       print(f"| {trial + 1} | {name} | {shown} | {what} |", file=sys.stderr,
             flush=True)
+    for backend in ps_backends if names is None else ():
+      for name, seconds, what in ps_cases(backend, ps_timeout):
+        row = rows.setdefault(name, {"fault": name, "seconds": []})
+        row["seconds"].append(seconds)
+        row["measured"] = what
+        print(f"| {trial + 1} | {name} | {seconds:.2f} | {what} |",
+              file=sys.stderr, flush=True)
   return {"trials": trials, "rows": list(rows.values())}
 
 
@@ -277,16 +440,27 @@ def span(seconds: list) -> str:
 
 def section(res: dict) -> list:
   """The RESULTS.md section of these measurements."""
+  ps_rows = [r for r in res["rows"] if r["fault"] in PS_FAULTS]
+  kinds = " and ".join(k for k, there in (
+      ("checkpoint", len(ps_rows) < len(res["rows"])),
+      ("parameter-server", ps_rows)) if there)
   lines = [
-      "## Faults: time to a clean error (checkpoint rows)",
+      f"## Faults: time to a clean error ({kinds} rows)",
       "",
       provenance.line(res["provenance"]),
       "",
-      "A training job (the digits MLP on 4 fake CPU devices, 1,000 examples, "
-      "batch 64, `BackupAndRestore(save_freq=4)`) in a child process; each "
-      "case timed from the fault to the error, or from `fit()` when the "
-      f"fault is there from the start. The range of {res['trials']} "
-      "trial(s); README's \"What jdist guarantees under faults\" quotes it.",
+      " ".join(part for part, there in (
+          ("Checkpoint rows: a training job (the digits MLP on 4 fake CPU "
+           "devices, 1,000 examples, batch 64, "
+           "`BackupAndRestore(save_freq=4)`) in a child process; each case "
+           "timed from the fault to the error, or from `fit()` when the "
+           "fault is there from the start.",
+           len(ps_rows) < len(res["rows"])),
+          ("Parameter-server rows: TensorFlow's tutorial loop (2 workers, 1 "
+           "server, the digits MLP) in a child process, timed from the hang.",
+           bool(ps_rows)),
+          (f"The range of {res['trials']} trial(s); README's \"What jdist "
+           "guarantees under faults\" quotes it.", True)) if there),
       "",
       "| fault | seconds | measured |",
       "|---|---|---|",
@@ -304,14 +478,26 @@ def main(argv=None):
                       help="runs of every case; the section shows their range")
   parser.add_argument("--case", action="append",
                       help="a case to run (by its name; repeatable): only those")
+  parser.add_argument("--ps", action="store_true",
+                      help="only the parameter-server hangs, both backends")
+  parser.add_argument("--quick", action="store_true",
+                      help="only the threads backend's hangs, timeout 1 s")
   parser.add_argument("--json", action="store_true",
                       help="print one JSON line of the results at the end")
   args = parser.parse_args(argv)
-  provenance.report(lambda: measure(args.trials, args.case), section, args.json)
+  options = {}
+  if args.ps or args.quick:
+    options = dict(checkpoint_cases=False)
+  if args.quick:
+    options.update(ps_backends=("threads",), ps_timeout=1.0)
+  provenance.report(lambda: measure(args.trials, args.case, **options),
+                    section, args.json)
 
 
 if __name__ == "__main__":
   if sys.argv[1:2] == ["--child"]:
     child(sys.argv[2], sys.argv[3])
+  elif sys.argv[1:2] == ["--ps-child"]:
+    ps_child(sys.argv[2], float(sys.argv[3]))
   else:
     main()

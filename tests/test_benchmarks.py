@@ -228,3 +228,16 @@ def test_mixed_precision_runs_and_renders():
   assert "| 256 | mixed_bfloat16 |" in text
   if "error" in res["tpu"]:  # no libtpu here (make bench installs it)
     assert "**TPU**: not measured" in text
+
+
+def test_fault_times_quick_runs():
+  # The threads backend's hung server and worker (timeout_seconds=1).
+  res = _run([BENCH / "fault_times.py", "--quick", "--json"], timeout=120)
+  rows = res["rows"]
+  assert [r["fault"] for r in rows] == [
+      "parameter server hangs (threads)", "worker hangs in a function (threads)"]
+  assert all(len(r["seconds"]) == 1 and r["seconds"][0] > 0 for r in rows), rows
+  text = "\n".join(_bench_module("fault_times").section(res))
+  for r in rows:
+    assert f"| {r['fault']} | " \
+        f"{_bench_module('fault_times').span(r['seconds'])} |" in text, text

@@ -6,6 +6,7 @@ are real: a worker's or a server's process is killed with SIGKILL, found the
 way an operator would find it (its process title, `ray::<actor class>`).
 """
 
+import logging
 import os
 import signal
 import threading
@@ -91,6 +92,17 @@ def wait_for(predicate, timeout=60.0):
   return False
 
 
+def warm_up(coordinator, iterator, step_fn) -> int:
+  """Runs steps until both workers have compiled the step; returns how many."""
+  warm, ran = 0, set()
+  while len(ran) < 2:
+    got = coordinator.fetch([coordinator.schedule(step_fn, args=(iterator,))
+                             for _ in range(10)])
+    warm += 10
+    ran |= {r[2] for r in got}
+  return warm
+
+
 @pytest.fixture(scope="module")
 def digits_split(digits_flat):
   x, y = digits_flat
@@ -168,12 +180,7 @@ def test_worker_killed_mid_run(digits_split):
   # a minute measured): the worker must still come back, not be lost.
   strategy, coordinator, state, iterator, step_fn = setup(
       digits_split, timeout_seconds=15)
-  warm, ran = 0, set()
-  while len(ran) < 2:  # both workers have compiled the step
-    got = coordinator.fetch([coordinator.schedule(step_fn, args=(iterator,))
-                             for _ in range(10)])
-    warm += 10
-    ran |= {r[2] for r in got}
+  warm = warm_up(coordinator, iterator, step_fn)
   before = actor_pids("TrainingWorker")
   victim = before[0]
   results = [coordinator.schedule(step_fn, args=(iterator,))
@@ -267,3 +274,74 @@ def test_unpicklable_function_is_a_clear_error(digits_split):
     coordinator.join()
   assert "Raised on a Ray worker" in "".join(getattr(info.value, "__notes__", []))
   coordinator.shutdown()
+
+
+# --- hangs: a process stopped (SIGSTOP), alive but silent ---------------------------
+
+# Slack on top of the timeout for the error to cross from the worker's process
+# to the coordinator on a loaded machine (measured: under 0.2 s); a wait of
+# twice the timeout, the failure being fixed, would exceed it.
+SLACK = 1.5
+
+
+def test_parameter_server_stopped_is_an_error_within_the_timeout(digits_split):
+  strategy, coordinator, state, iterator, step_fn = setup(
+      digits_split, timeout_seconds=3)
+  warm_up(coordinator, iterator, step_fn)
+  server = actor_pids("ParameterServer")[0]
+  os.kill(server, signal.SIGSTOP)
+  try:
+    stopped = time.monotonic()
+    with pytest.raises(jdist.ParameterServerError,
+                       match=r"Parameter server 0 \(localhost:2\) did not "
+                             r"answer within timeout_seconds=3"):
+      for _ in range(10):
+        coordinator.schedule(step_fn, args=(iterator,))
+      coordinator.join()
+    took = time.monotonic() - stopped
+    print(f"join raised {took:.2f} s after the server was stopped")
+    assert took < 3 + SLACK, took
+    with pytest.raises(jdist.ParameterServerError):
+      coordinator.schedule(step_fn, args=(iterator,))
+    started = time.monotonic()
+    with pytest.raises(jdist.ParameterServerError, match="did not answer"):
+      state.read(wait=False)
+    assert time.monotonic() - started < 3 + SLACK
+  finally:
+    os.kill(server, signal.SIGCONT)
+  pids = actors_left()
+  coordinator.shutdown()
+  assert wait_gone(pids) == [] and actors_left() == []
+
+
+def test_worker_stopped_is_lost_and_its_functions_run_elsewhere(digits_split,
+                                                                caplog):
+  strategy, coordinator, state, iterator, step_fn = setup(
+      digits_split, timeout_seconds=3)
+  warm = warm_up(coordinator, iterator, step_fn)
+  victim = actor_pids("TrainingWorker")[0]
+  results = [coordinator.schedule(step_fn, args=(iterator,))
+             for _ in range(40)]
+  os.kill(victim, signal.SIGSTOP)
+  stopped = time.monotonic()
+  with caplog.at_level(logging.WARNING, logger="jdist"):
+    coordinator.join()
+  took = time.monotonic() - stopped
+  print(f"join returned {took:.2f} s after a worker was stopped")
+  # Silent for 3 s: lost (killed for Ray to restart), its functions rerun.
+  assert took < 3 * 1.5 + SLACK, took
+  losses, _, ran_on = zip(*coordinator.fetch(results))  # every one ran
+  assert all(np.isfinite(losses))
+  assert state.version()[0] >= warm + 40  # at least once each
+  assert wait_gone([victim]) == []  # the stopped process was killed
+  lost = [r for r in caplog.records if r.name.startswith("jdist")]
+  assert len(lost) == 1, [r.getMessage() for r in lost]
+  message = lost[0].getMessage()
+  assert message.startswith("Worker "), message
+  assert "did not answer for timeout_seconds=3" in message
+  assert " scheduled function(s) it had run again" in message
+  # Ray restarts it (a new process importing JAX: up to a minute loaded).
+  assert wait_for(lambda: len(actor_pids("TrainingWorker")) == 2, 120)
+  pids = actors_left()
+  coordinator.shutdown()
+  assert wait_gone(pids) == [] and actors_left() == []

@@ -92,7 +92,7 @@ class CheckpointMismatchError(DistributionError):
 
 
 class WorkerFailedError(Error, RuntimeError):
-  """A worker of a parameter-server cluster failed.
+  """A worker of a parameter-server cluster failed (or hung).
 
   The coordinator runs the worker's functions again on the other workers (a
   function may run more than once); raise it from a scheduled function to
@@ -102,7 +102,8 @@ class WorkerFailedError(Error, RuntimeError):
 
 
 class ParameterServerError(Error, RuntimeError):
-  """A parameter server is unavailable: its variables are lost.
+  """A parameter server is unavailable (dead, or silent for the strategy's
+  `timeout_seconds`): its variables are lost.
 
   Raised by `ClusterCoordinator.join()`, `schedule()` and `done()`, and by
   reading variables, within the strategy's `timeout_seconds`. Restart the

@@ -6,14 +6,21 @@ on its worker (in that thread, or as a call to its Ray actor). A function
 whose worker fails goes back to the front of the queue and runs on another
 worker (so a function may run more than once: "at least once"); the failed
 worker is restarted empty (its per-worker datasets are built again when it
-next needs them). An error of a function reaches `join()`, `done()` or the
-next `schedule()` once nothing is running, and cancels the functions still
-queued; a parameter server's failure does so every time from then on.
+next needs them), and the `logging` module says so once (a warning of the
+logger `jdist._src.ps.coordinator`: which worker, how many functions run
+again). A worker that hangs fails the same way once it has been silent for
+the strategy's `timeout_seconds` (a Ray worker that does not answer a health
+call; a threads worker whose function runs longer). An error of a function
+reaches `join()`, `done()` or the next `schedule()` once nothing is running,
+and cancels the functions still queued; a parameter server's failure does so
+at once (without waiting for the functions in flight), every time from then
+on.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from collections.abc import Mapping
@@ -30,6 +37,8 @@ from jdist._src.ps.variables import ServerVariables
 # fails itself: a function that kills every worker it runs on would otherwise
 # be retried forever.
 ATTEMPTS_PER_WORKER = 3
+
+_log = logging.getLogger(__name__)
 
 
 class ClusterCoordinator:
@@ -79,7 +88,6 @@ class ClusterCoordinator:
     # servers and workers of its backend.
     self._cluster = strategy.attach_coordinator(self)
     self._queue = ClosureQueue()
-    self._fatal: BaseException | None = None
     self._closed = False
     self._lock = threading.Lock()
     workers = self._cluster.workers
@@ -138,7 +146,6 @@ class ClusterCoordinator:
           "A RemoteValue cannot be an argument of a scheduled function: fetch() "
           "it first, or compute it inside the function that needs it.")
     self._check_open()
-    self._raise_fatal()
     closure = Closure(fn, tuple(args), kwargs)
     self._cluster.prepare(closure)
     self._queue.put(closure)
@@ -150,15 +157,14 @@ class ClusterCoordinator:
     Raises:
       The first error of a scheduled function since the last `join()` (the
       functions still queued are cancelled), once nothing runs any more.
-      `jdist.ParameterServerError` after a parameter server failed.
+      `jdist.ParameterServerError` after a parameter server failed or hung
+      (within `timeout_seconds` of its first unanswered call; the functions
+      in flight are not waited for).
     """
-    self._raise_fatal()
     self._queue.wait()
-    self._raise_fatal()
 
   def done(self) -> bool:
     """Whether every scheduled function has finished (raises like `join`)."""
-    self._raise_fatal()
     return self._queue.done()
 
   def fetch(self, value: Any) -> Any:
@@ -195,7 +201,9 @@ class ClusterCoordinator:
 
     Functions still queued are cancelled; the running ones are waited for up
     to `timeout` seconds. Afterwards no thread, actor or process of the
-    cluster is left.
+    cluster is left, but for a thread stuck in a call that never returns (a
+    hung function or server under the threads backend: a Python thread
+    cannot be stopped; it ends when the call does).
     """
     if self._closed:
       return
@@ -227,16 +235,20 @@ class ClusterCoordinator:
         pending.append((closure, worker.submit(closure)))
       if not pending:
         return  # stopped: a blocking get() gives None only then
-      failure = self._finish(worker, *pending.popleft())
+      failure, rerun = self._finish(worker, *pending.popleft())
       if failure is not None:
         while pending:  # what the worker still had: done, or back in the queue
-          self._finish(worker, *pending.popleft())
-        if not self._closed and not worker.recover():
-          self._lose(worker, failure)
+          rerun += self._finish(worker, *pending.popleft())[1]
+        if not self._closed and not self._restart(worker, failure, rerun):
           return
 
-  def _finish(self, worker, closure, ticket) -> WorkerFailedError | None:
-    """Waits for one closure on `worker`; returns the worker's failure, if any."""
+  def _finish(self, worker, closure, ticket) -> tuple:
+    """Waits for one closure on `worker`.
+
+    Returns:
+      `(failure, rerun)`: the worker's failure (None if it did not fail),
+      and whether the closure went back to the queue to run again.
+    """
     try:
       value = worker.result(ticket)
     except WorkerFailedError as e:
@@ -245,29 +257,37 @@ class ClusterCoordinator:
             f"The scheduled function {_name(closure.fn)} was started "
             f"{closure.attempts} times and its worker failed each time; "
             f"the last failure: {e}"))
-      else:
-        self._queue.put_back(closure)
-      return e
+        return e, False
+      return e, self._queue.put_back(closure)
     except ParameterServerError as e:
-      self._fatal = e
       self._queue.failed(closure, e)
+      self._queue.abort(e)
     except BaseException as e:  # the function's own error, for join()
       self._queue.failed(closure, e)
     else:
       self._queue.finished(closure, value)
-    return None
+    return None, False
 
-  def _lose(self, worker, error) -> None:
+  def _restart(self, worker, failure, rerun: int) -> bool:
+    """Logs a failed worker and waits for it to come back; False if lost."""
+    _log.warning(
+        "Worker %d failed (%s); %d scheduled function(s) it had run again "
+        "on the workers (at least once), and the worker is restarted.",
+        worker.index, failure, rerun)
+    if worker.recover():
+      _log.info("Worker %d was restarted.", worker.index)
+      return True
     with self._lock:
       self._alive -= 1
-      if self._alive == 0:
-        self._queue.fail_all(WorkerFailedError(
-            f"No worker is left to run scheduled functions: worker "
-            f"{worker.index} was the last, and it did not come back ({error})."))
-
-  def _raise_fatal(self) -> None:
-    if self._fatal is not None:
-      raise self._fatal
+      alive = self._alive
+    _log.warning("Worker %d did not come back: it is lost; %d worker(s) "
+                 "left.", worker.index, alive)
+    if alive == 0:
+      self._queue.fail_all(WorkerFailedError(
+          f"No worker is left to run scheduled functions: worker "
+          f"{worker.index} was the last, and it did not come back "
+          f"({failure})."))
+    return False
 
   def _check_open(self) -> None:
     if self._closed:

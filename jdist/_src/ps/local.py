@@ -1,97 +1,293 @@
 """The threads backend: workers are threads of this process, servers objects.
 
-Worker `i` runs its functions in the coordinator's thread for it, on local
-device `i % D` (a one-device `MirroredStrategy`); the parameter servers are
-`ParameterServer` objects that workers call directly. Nothing crosses a
-process boundary, which makes it the backend for notebooks and tests.
+Worker `i` runs its functions in a thread of its own, on local device
+`i % D` (a one-device `MirroredStrategy`); each parameter server is a
+`ParameterServer` object served by a thread of its own, as a server task
+would be. Nothing crosses a process boundary, which makes it the backend for
+notebooks and tests. Because calls cross threads, a caller can stop waiting:
+a server that does not answer within `timeout_seconds` is a
+`jdist.ParameterServerError`, and a worker whose function runs longer is
+lost (a thread cannot be stopped or asked whether it is alive, so a function
+that runs past the timeout is all there is to see of a hung worker). Time a
+function spends compiling (JAX's compile events) or waiting for a parameter
+server (whose own timeout decides) does not count.
 """
 
 from __future__ import annotations
 
-import jax
+import concurrent.futures
+import queue
+import threading
+import time
+import weakref
+from typing import Callable
 
-from jdist._src.errors import ParameterServerError
+import jax
+import jax.monitoring
+
+from jdist._src.errors import ParameterServerError, WorkerFailedError
 from jdist._src.ps import worker as worker_lib
-from jdist._src.ps.server import ParameterServer
+from jdist._src.ps.server import ParameterServer, unanswered
 from jdist._src.strategies.mirrored import MirroredStrategy
+
+# How often a worker's thread is looked at again while its function is past
+# the timeout but compiling or waiting on a parameter server.
+_RECHECK_SECONDS = 0.05
+
+# JAX's phases of making an executable: each records its start (a scalar)
+# and its duration, in the thread that runs it.
+_COMPILE_EVENTS = frozenset({
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration"})
+
+
+class ExcusedTime:
+  """Per thread, the time that does not count against a threads worker's
+  timeout: compiling, and waiting for parameter servers. Thread-safe."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._total = weakref.WeakKeyDictionary()  # thread -> seconds, ended
+    self._since = weakref.WeakKeyDictionary()  # thread -> (start, depth)
+
+  def begin(self, thread: threading.Thread) -> None:
+    with self._lock:
+      start, depth = self._since.get(thread, (time.monotonic(), 0))
+      self._since[thread] = (start, depth + 1)
+
+  def end(self, thread: threading.Thread) -> None:
+    with self._lock:
+      if thread not in self._since:
+        return  # its start was not seen
+      start, depth = self._since.pop(thread)
+      if depth > 1:
+        self._since[thread] = (start, depth - 1)
+      else:
+        self._total[thread] = (self._total.get(thread, 0.0) +
+                               time.monotonic() - start)
+
+  def seconds(self, thread: threading.Thread) -> float:
+    """The excused seconds of `thread` so far, the current phase included."""
+    with self._lock:
+      seconds = self._total.get(thread, 0.0)
+      if thread in self._since:
+        seconds += time.monotonic() - self._since[thread][0]
+      return seconds
+
+  def active(self, thread: threading.Thread) -> bool:
+    with self._lock:
+      return thread in self._since
+
+
+EXCUSED = ExcusedTime()
+_listening = threading.Lock()
+_listeners: list = []
+
+
+def _on_scalar(event: str, value, **kwargs) -> None:
+  del value, kwargs
+  if event in _COMPILE_EVENTS:
+    EXCUSED.begin(threading.current_thread())
+
+
+def _on_duration(event: str, duration: float, **kwargs) -> None:
+  del duration, kwargs
+  if event in _COMPILE_EVENTS:
+    EXCUSED.end(threading.current_thread())
+
+
+def listen_to_compiles() -> None:
+  """Counts JAX's compilations as excused time (once per process)."""
+  with _listening:
+    if not _listeners:
+      jax.monitoring.register_scalar_listener(_on_scalar)
+      jax.monitoring.register_event_duration_secs_listener(_on_duration)
+      _listeners.append(True)
+
+
+class TaskThread:
+  """A daemon thread that runs the calls given to it one at a time, in order.
+
+  A call that never returns keeps the thread: `stop()` then only ends it
+  once that call returns (a Python thread cannot be ended from outside).
+  """
+
+  def __init__(self, name: str):
+    self._calls: queue.SimpleQueue = queue.SimpleQueue()
+    self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+    self._thread.start()
+
+  @property
+  def thread(self) -> threading.Thread:
+    return self._thread
+
+  def submit(self, fn: Callable, *args) -> concurrent.futures.Future:
+    future = concurrent.futures.Future()
+    self._calls.put((future, fn, args))
+    return future
+
+  def stop(self, timeout: float = 1.0) -> None:
+    """Ends the thread after the calls given so far; waits up to `timeout`."""
+    self._calls.put(None)
+    if threading.current_thread() is not self._thread:
+      self._thread.join(timeout)
+
+  def _loop(self) -> None:
+    while (call := self._calls.get()) is not None:
+      future, fn, args = call
+      if future.set_running_or_notify_cancel():
+        try:
+          future.set_result(fn(*args))
+        except BaseException as e:  # the caller's: it gets it from result()
+          future.set_exception(e)
 
 
 class LocalStore:
-  """The servers' API over `ParameterServer` objects in this process."""
+  """The servers' API over `ParameterServer` objects, each in its thread.
 
-  def __init__(self, servers: list):
+  Every call waits at most `timeout` seconds for all the servers it asks (one
+  deadline for the call); a server that does not answer in time raises
+  `jdist.ParameterServerError`.
+  """
+
+  def __init__(self, servers: list, addresses, timeout: float):
     self._servers = servers
+    self._threads = [TaskThread(f"jdist-ps-{s.index}") for s in servers]
+    self._addresses = tuple(addresses)
+    self._timeout = timeout
     self._closed = False
 
-  def _server(self, index: int) -> ParameterServer:
+  def _call(self, calls: dict) -> dict:
+    """`{server: (method, args)}` -> `{server: result}`, calls in parallel."""
     if self._closed:
       raise ParameterServerError(
-          f"Parameter server {index} is shut down (the coordinator's "
-          "shutdown() stopped the cluster); its variables are gone.")
-    return self._servers[index]
+          "The parameter servers are shut down (the coordinator's shutdown() "
+          "stopped the cluster); their variables are gone.")
+    deadline = time.monotonic() + self._timeout
+    futures = {s: self._threads[s].submit(getattr(self._servers[s], m), *a)
+               for s, (m, a) in calls.items()}
+    out = {}
+    EXCUSED.begin(threading.current_thread())
+    try:
+      for s, future in futures.items():
+        done, _ = concurrent.futures.wait(
+            [future], timeout=max(0.0, deadline - time.monotonic()))
+        if not done:
+          raise unanswered(s, self._addresses[s], self._timeout)
+        out[s] = future.result()
+    finally:
+      EXCUSED.end(threading.current_thread())
+    return out
 
   def create(self, set_id, per_server: dict, kinds: dict) -> None:
-    for s, shards in per_server.items():
-      self._server(s).create(set_id, shards, kinds[s])
+    self._call({s: ("create", (set_id, shards, kinds[s]))
+                for s, shards in per_server.items()})
 
   def read(self, set_id, servers) -> dict:
-    return {s: self._server(s).read(set_id) for s in servers}
+    return self._call({s: ("read", (set_id,)) for s in servers})
 
   def push(self, set_id, pushes: dict, max_staleness) -> dict:
-    return {s: self._server(s).push(set_id, base, changes, max_staleness)
-            for s, (base, changes) in pushes.items()}
+    return self._call({s: ("push", (set_id, base, changes, max_staleness))
+                       for s, (base, changes) in pushes.items()})
 
   def assign(self, set_id, per_server: dict) -> None:
-    for s, shards in per_server.items():
-      self._server(s).assign(set_id, shards)
+    self._call({s: ("assign", (set_id, shards))
+                for s, shards in per_server.items()})
 
   def delete(self, set_id) -> None:
     if not self._closed:
-      for server in self._servers:
-        server.delete(set_id)
+      for server, thread in zip(self._servers, self._threads):
+        thread.submit(server.delete, set_id)  # nobody waits for a set's end
 
   def stats(self) -> list:
-    return [self._server(i).stats() for i in range(len(self._servers))]
+    got = self._call({s: ("stats", ()) for s in range(len(self._servers))})
+    return [got[s] for s in range(len(self._servers))]
 
   def close(self) -> None:
+    """Refuses every later call and ends the servers' threads."""
     self._closed = True
+    for thread in self._threads:
+      thread.stop()
 
 
 class ThreadWorker:
-  """One worker: a context over one local device; runs closures in place."""
+  """One worker: a context over one local device and a thread that runs its
+  closures.
 
-  def __init__(self, index: int, num_workers: int, device, parameter_strategy):
+  A closure that runs longer than `timeout`, its time compiling and waiting
+  on parameter servers aside (`EXCUSED`), makes the worker lost: its thread
+  is left to finish that call (its result is dropped) and `recover()` gives
+  the worker a new thread.
+  """
+
+  def __init__(self, index: int, num_workers: int, device, parameter_strategy,
+               timeout: float):
     self.index = index
     self.context = worker_lib.WorkerContext(
         index, num_workers, MirroredStrategy([device]), parameter_strategy)
+    self._timeout = timeout
+    self._thread = TaskThread(f"jdist-worker-{index}-run")
 
   depth = 1  # closures it is given at a time
 
   def submit(self, closure):
-    return closure  # runs when its result is asked for, in that thread
+    thread = self._thread.thread
+    return (time.monotonic() - EXCUSED.seconds(thread), self._thread.submit(
+        worker_lib.run, self.context, closure.fn, closure.args,
+        closure.kwargs))
 
-  def result(self, closure):
-    return worker_lib.run(self.context, closure.fn, closure.args,
-                          closure.kwargs)
+  def result(self, ticket):
+    started, future = ticket  # started: a time minus the excused seconds
+    thread = self._thread.thread
+    while True:
+      late = (time.monotonic() - EXCUSED.seconds(thread) - started -
+              self._timeout)
+      if late >= 0 and not EXCUSED.active(thread):
+        break
+      wait = _RECHECK_SECONDS if late >= 0 else -late
+      if concurrent.futures.wait([future], timeout=wait)[0]:
+        return future.result()
+    if future.done():
+      return future.result()
+    self._thread.stop(timeout=0.0)  # ends when the hung call returns
+    self._thread = None
+    raise WorkerFailedError(
+        f"Worker {self.index} did not finish a scheduled function within "
+        f"timeout_seconds={self._timeout:g} (compiling and waiting on "
+        "parameter servers aside): it counts as hung and is restarted, and "
+        "its function runs again on a worker (the hung call keeps its thread "
+        "until it returns; its result is dropped).")
 
   def recover(self) -> bool:
     """A failed worker comes back at once, without what it had built."""
     self.context.restart()
+    if self._thread is None:
+      self._thread = TaskThread(f"jdist-worker-{self.index}-run")
     return True
+
+  def close(self) -> None:
+    if self._thread is not None:
+      self._thread.stop()
 
 
 class ThreadCluster:
   """Servers and workers of a `ParameterServerStrategy` in this process."""
 
-  def __init__(self, spec, strategy):
+  def __init__(self, spec, strategy, timeout: float):
+    listen_to_compiles()
     devices = jax.local_devices()
-    self.store = LocalStore([ParameterServer(i) for i in range(spec.num_ps)])
+    self.store = LocalStore([ParameterServer(i) for i in range(spec.num_ps)],
+                            spec.ps, timeout)
     self.workers = [ThreadWorker(i, spec.num_workers, devices[i % len(devices)],
-                                 strategy) for i in range(spec.num_workers)]
+                                 strategy, timeout)
+                    for i in range(spec.num_workers)]
     self.replicas_per_worker = 1
 
   def prepare(self, closure) -> None:
     del closure  # functions run in this process as they are
 
   def close(self) -> None:
+    for worker in self.workers:
+      worker.close()
     self.store.close()

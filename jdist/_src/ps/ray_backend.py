@@ -26,7 +26,7 @@ import jax
 from jdist._src.errors import ParameterServerError, WorkerFailedError
 from jdist._src.ps import worker as worker_lib
 from jdist._src.ps.remote import to_numpy
-from jdist._src.ps.server import ParameterServer
+from jdist._src.ps.server import ParameterServer, unanswered
 from jdist._src.strategies.mirrored import MirroredStrategy
 
 
@@ -103,11 +103,7 @@ class RayStore:
       try:
         out[s] = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
       except ray.exceptions.GetTimeoutError:
-        raise ParameterServerError(
-            f"Parameter server {s} ({self._addresses[s]}) did not answer within "
-            f"timeout_seconds={self._timeout:g}. Its variables cannot be read "
-            "or updated: restart the cluster and restore the variables from a "
-            "checkpoint.") from None
+        raise unanswered(s, self._addresses[s], self._timeout) from None
       except ray.exceptions.RayActorError as e:
         raise ParameterServerError(
             f"Parameter server {s} ({self._addresses[s]}) is unavailable: its "
@@ -153,6 +149,9 @@ class RayStore:
     self._closed = True
 
 
+# A busy worker is asked whether it lives every this fraction of the timeout.
+_PING_EVERY = 0.25
+
 # How long a worker whose process died may take to come back (Ray restarts it)
 # before its functions are left to the other workers for good.
 RESTART_TIMEOUT = 600.0
@@ -166,6 +165,7 @@ class RayWorker:
     self.actor = actor
     self._timeout = timeout
     self._sent: set = set()  # functions this incarnation of the actor has
+    self._hung = False  # this incarnation went silent and was killed
 
   depth = 2  # the next call waits in the actor while it runs one
 
@@ -181,7 +181,23 @@ class RayWorker:
     return self.actor.run.remote(key, send, new, args_bytes)
 
   def result(self, ref) -> Any:
+    """The closure's result; raises `WorkerFailedError` if the actor died, or
+    went silent for `timeout` (then it is killed, for Ray to restart it)."""
     ray = _ray()
+    if self._hung and not ray.wait([ref], timeout=0)[0]:
+      # Sent to the hung process before it was killed: lost with it (its
+      # failure may take Ray a while to report).
+      raise WorkerFailedError(
+          f"Worker {self.index} hung with this function queued.")
+    if not self._hung and not self._wait(ref):
+      ray.kill(self.actor, no_restart=False)
+      self._sent.clear()
+      self._hung = True
+      raise WorkerFailedError(
+          f"Worker {self.index} did not answer for timeout_seconds="
+          f"{self._timeout:g} while it ran a scheduled function: it hangs "
+          "(stopped, or stuck outside Python). Its process was killed for "
+          "Ray to restart it, and its functions run again on a worker.")
     try:
       out = ray.get(ref)
     except ray.exceptions.RayActorError as e:
@@ -191,6 +207,31 @@ class RayWorker:
     except ray.exceptions.RayTaskError as e:
       raise _unwrap(e) from None
     return _pickle().loads(out)
+
+  def _wait(self, ref) -> bool:
+    """Waits for `ref` while the actor answers health calls (answered by a
+    thread of their own while it runs a function); False once it has not
+    answered one for `timeout`."""
+    ray = _ray()
+    heard = time.monotonic()
+    ping, next_ping = self._ping(), None
+    while True:
+      now = time.monotonic()
+      if now - heard > self._timeout:
+        return False
+      wake = heard + self._timeout if next_ping is None else next_ping
+      refs = [ref] if ping is None else [ref, ping]
+      ready, _ = ray.wait(refs, num_returns=1, timeout=max(0.0, wake - now))
+      if ref in ready:
+        return True
+      if ping is not None and ping in ready:
+        heard = time.monotonic()
+        ping, next_ping = None, heard + self._timeout * _PING_EVERY
+      elif ping is None and time.monotonic() >= next_ping:
+        ping, next_ping = self._ping(), None
+
+  def _ping(self):
+    return self.actor.ping.options(concurrency_group="health").remote()
 
   def recover(self) -> bool:
     """Waits for Ray to bring the actor back; False if it will not.
@@ -203,6 +244,7 @@ class RayWorker:
     """
     ray = _ray()
     self._sent.clear()
+    self._hung = False
     deadline = time.monotonic() + max(self._timeout, RESTART_TIMEOUT)
     while time.monotonic() < deadline:
       try:
@@ -269,7 +311,9 @@ class RayCluster:
         max_restarts=0, max_concurrency=spec.num_workers + 2,
         num_cpus=ps_opts.pop("num_cpus", 0), **ps_opts).remote(i)
         for i in range(spec.num_ps)]
-    worker_cls = ray.remote(TrainingWorker)
+    # Health calls run in a thread of their own: a worker answers them while
+    # it runs a function, and a silent one hangs.
+    worker_cls = ray.remote(concurrency_groups={"health": 1})(TrainingWorker)
     strategy_bytes = _pickle().dumps(strategy)
     actors = [worker_cls.options(
         max_restarts=worker_opts.pop("max_restarts", -1), max_task_retries=0,

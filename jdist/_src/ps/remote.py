@@ -4,7 +4,9 @@
 `RemoteValue` its result goes to. `ClosureQueue` is what the coordinator's
 worker threads take closures from; it counts the ones in flight, puts back
 those whose worker failed, and keeps the first error for `join()` (after
-which the closures still queued are cancelled, as in TensorFlow).
+which the closures still queued are cancelled, as in TensorFlow). A failure
+nothing recovers from (a parameter server's) aborts the queue: waiters raise
+it at once, without waiting for the closures in flight.
 """
 
 from __future__ import annotations
@@ -143,6 +145,7 @@ class ClosureQueue:
     self._queue: collections.deque = collections.deque()
     self._in_flight = 0
     self._error: BaseException | None = None
+    self._aborted: BaseException | None = None
     self._stopped = False
 
   def put(self, closure: Closure) -> None:
@@ -180,15 +183,23 @@ class ClosureQueue:
       self._in_flight -= 1
       self._changed.notify_all()
 
-  def put_back(self, closure: Closure) -> None:
-    """The closure's worker failed: it runs again, first, on another worker."""
+  def put_back(self, closure: Closure) -> bool:
+    """The closure's worker failed: it runs again, first, on another worker.
+
+    Returns:
+      Whether it will run again (not when an error or a shutdown cancelled
+      it).
+    """
     with self._lock:
       self._in_flight -= 1
-      if self._error is not None or self._stopped:
-        closure.result.cancel()
-      else:
+      again = (self._error is None and not self._stopped and
+               self._aborted is None)
+      if again:
         self._queue.appendleft(closure)
+      else:
+        closure.result.cancel()
       self._changed.notify_all()
+      return again
 
   def wait(self, timeout: float | None = None) -> bool:
     """Waits until nothing is queued or in flight; raises the first error.
@@ -198,9 +209,9 @@ class ClosureQueue:
     """
     with self._lock:
       ok = self._changed.wait_for(
-          lambda: self._stopped or (self._in_flight == 0 and
-                                    (self._error is not None or
-                                     not self._queue)),
+          lambda: self._stopped or self._aborted is not None or (
+              self._in_flight == 0 and (self._error is not None or
+                                        not self._queue)),
           timeout=timeout)
       if ok:
         self._raise_if_error()
@@ -220,6 +231,17 @@ class ClosureQueue:
         self._queue.popleft().result.set_exception(error)
       self._changed.notify_all()
 
+  def abort(self, error: BaseException) -> None:
+    """A failure nothing recovers from: queued closures are cancelled, and
+    every wait, `done()` and `put()` raises `error` at once, from then on
+    (the closures in flight end when their calls do)."""
+    with self._lock:
+      if self._aborted is None:
+        self._aborted = error
+      while self._queue:
+        self._queue.popleft().result.cancel()
+      self._changed.notify_all()
+
   def stop(self) -> None:
     """Wakes every waiter; queued closures are cancelled."""
     with self._lock:
@@ -236,8 +258,11 @@ class ClosureQueue:
     """Raises (once) the first error, cancelling the closures still queued.
 
     Called with the lock held; waits for the closures in flight to end, so
-    that nothing still runs when join(), done() or schedule() raises.
+    that nothing still runs when join(), done() or schedule() raises (unless
+    the queue was aborted: then its error is raised at once, every time).
     """
+    if self._aborted is not None:
+      raise self._aborted
     if self._error is None:
       return
     self._changed.wait_for(lambda: self._in_flight == 0)

@@ -21,8 +21,20 @@ import threading
 
 import numpy as np
 
+from jdist._src.errors import ParameterServerError
+
 ADD = "add"        # numbers: the server adds the worker's change
 ASSIGN = "assign"  # booleans and keys: the last update wins
+
+
+def unanswered(index: int, address: str, timeout: float) -> ParameterServerError:
+  """The error of a server that did not answer a call within `timeout`:
+  one message for both backends."""
+  return ParameterServerError(
+      f"Parameter server {index} ({address}) did not answer within "
+      f"timeout_seconds={timeout:g}: it hangs (stopped, or stuck in a call). "
+      "Its variables cannot be read or updated: restart the cluster and "
+      "restore the variables from a checkpoint.")
 
 
 class ParameterServer:

@@ -78,7 +78,11 @@ class ParameterServerStrategy(StrategyBase):
       values; the order of several workers' updates still varies between
       runs); `math.inf` never refuses (TensorFlow's behaviour).
     timeout_seconds: how long a call to a parameter server may take before
-      the server counts as failed (`jdist.ParameterServerError`).
+      the server counts as failed (`jdist.ParameterServerError`), and how
+      long a worker may be silent before it counts as lost (its functions
+      run again on the others): a Ray worker that does not answer a health
+      call, a threads worker whose function runs longer (its time
+      compiling and waiting on servers aside).
     backend: "threads" (workers are threads of this process on its local
       devices, servers objects in it) or "ray" (Ray actors; needs
       `pip install jdist[ray]` and a Ray cluster, `ray.init()`).
@@ -191,7 +195,7 @@ class ParameterServerStrategy(StrategyBase):
                                                  self._ray_options,
                                                  self._timeout)
         else:
-          self._cluster = ThreadCluster(self._spec, self)
+          self._cluster = ThreadCluster(self._spec, self, self._timeout)
       self._coordinator = coordinator  # once its cluster runs
       return self._cluster
 
