@@ -1,12 +1,12 @@
 """An elastic job for `jdist launch`: `python elastic_job.py OUT_DIR [FAULT ...]`.
 
-Linear regression trained with SGD over `jdist.MultiWorkerMirroredStrategy`
-(one fake CPU device per process), for STEPS steps. Process 0 saves a
-checkpoint of its own every SAVE_EVERY steps (numpy, written to a temporary
-file and renamed, so a kill never leaves half of one); every attempt resumes
-from the newest. `checkpoint_load`/`checkpoint_save` are where the Trainer's
-`BackupAndRestore` or a `jdist.CheckpointManager` take over for an exact
-continuation.
+elastic_train.py's training (a small MLP, SGD with momentum, a global batch
+of 16 padded and masked where the replicas do not divide it) over
+`jdist.MultiWorkerMirroredStrategy`, one fake CPU device per process, for
+STEPS steps. Every SAVE_EVERY steps all processes save the state (parameters
+and optimizer state) with `jdist.CheckpointManager` into OUT_DIR/checkpoints;
+every attempt resumes from the newest checkpoint, on however many processes
+it has, and reads the data from the step it resumes at.
 
 Each FAULT is `ATTEMPT:RANK:STEP:WHAT`: in attempt ATTEMPT (`JDIST_RESTART_COUNT`),
 process RANK, after step STEP, does WHAT: `kill` (SIGKILL itself), `stop`
@@ -32,48 +32,18 @@ import threading  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+import elastic_train as train  # noqa: E402
 import jdist  # noqa: E402
 
 print(f"imported {time.time():.3f}", flush=True)
 OUT = sys.argv[1]
-STEPS, SAVE_EVERY, BATCH = 100, 10, 12
 strategy = jdist.MultiWorkerMirroredStrategy()
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
 ME, WORLD = jax.process_index(), jax.process_count()
 ATTEMPT = int(os.environ.get("JDIST_RESTART_COUNT", "0"))
 print(f"initialized {time.time():.3f} world={WORLD} attempt={ATTEMPT}", flush=True)
-CHECKPOINT = os.path.join(OUT, "checkpoint.npz")
-
-
-def checkpoint_load():
-  """(next step, weights) from the newest checkpoint, or from scratch."""
-  if not os.path.exists(CHECKPOINT):
-    return 0, np.zeros(4, np.float32)
-  with np.load(CHECKPOINT) as z:
-    return int(z["step"]) + 1, z["w"]
-
-
-def checkpoint_save(step, w):
-  if ME == 0:
-    tmp = CHECKPOINT + ".tmp.npz"
-    np.savez(tmp, step=step, w=np.asarray(w.addressable_data(0)))
-    os.replace(tmp, CHECKPOINT)
-
-
-def batch(step):
-  rng = np.random.default_rng(step)  # the data depend on the step only
-  x = rng.normal(size=(BATCH, 4)).astype(np.float32)
-  return {"x": x, "y": x @ np.array([1.0, -2.0, 3.0, 0.5], np.float32)}
-
-
-def train_step(w, b):
-  def loss(w):
-    return jdist.compute_average_loss((b["x"] @ w - b["y"]) ** 2)
-  value, grad = jax.value_and_grad(loss)(w)
-  return w - 0.05 * grad, value
 
 
 def fault(step):
@@ -96,20 +66,24 @@ def fault(step):
         threading.Event().wait()
 
 
-first, w = checkpoint_load()
-step_fn = strategy.function(train_step)
-w = strategy.replicate(jnp.asarray(w))
-dataset = strategy.experimental_distribute_dataset(
-    [batch(i) for i in range(first, STEPS)])
+manager = jdist.CheckpointManager(os.path.join(OUT, "checkpoints"),
+                                  max_to_keep=2, strategy=strategy)
+state = strategy.replicate(train.initial_state())
+first = manager.latest_step or 0  # steps done: the next step's index
+if first:
+  state = manager.restore(state)
+step_fn = strategy.function(train.train_step)
+dataset = train.batches(strategy, first)
 print(f"resumed {first} {time.time():.3f}", flush=True)
-for i, b in zip(range(first, STEPS), dataset):
-  w, loss = step_fn(w, b)
-  jax.block_until_ready(w)
+for i, b in zip(range(first, train.STEPS), dataset):
+  state, loss = step_fn(state, b)
+  jax.block_until_ready(state)
   print(f"step {i} {time.time():.3f} world={WORLD}", flush=True)
-  if (i + 1) % SAVE_EVERY == 0:
-    checkpoint_save(i, w)
+  if (i + 1) % train.SAVE_EVERY == 0:
+    manager.save(i + 1, state)
   fault(i)
+manager.close()
 if ME == 0:
-  np.savez(os.path.join(OUT, "final.npz"), w=np.asarray(w.addressable_data(0)),
-           world=WORLD, attempt=ATTEMPT)
+  np.savez(os.path.join(OUT, "final.npz"), world=WORLD, attempt=ATTEMPT,
+           **train.host_params(state))
 print("finished", flush=True)
