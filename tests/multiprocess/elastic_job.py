@@ -68,10 +68,11 @@ def fault(step):
 
 manager = jdist.CheckpointManager(os.path.join(OUT, "checkpoints"),
                                   max_to_keep=2, strategy=strategy)
-state = strategy.replicate(train.initial_state())
 first = manager.latest_step or 0  # steps done: the next step's index
-if first:
-  state = manager.restore(state)
+if first:  # restored into the state's shapes: no initial state to compute
+  state = manager.restore(jax.eval_shape(train.initial_state))
+else:
+  state = strategy.replicate(train.initial_state())
 step_fn = strategy.function(train.train_step)
 dataset = train.batches(strategy, first)
 print(f"resumed {first} {time.time():.3f}", flush=True)

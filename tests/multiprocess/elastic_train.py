@@ -14,7 +14,7 @@ import optax
 
 import jdist
 
-STEPS, SAVE_EVERY, BATCH = 100, 10, 16
+STEPS, SAVE_EVERY, BATCH = 60, 10, 16
 OPTIMIZER = optax.sgd(0.05, momentum=0.9)
 
 
