@@ -90,6 +90,8 @@ def test_a_killed_process_costs_one_restart(tmp_path, uninterrupted):
   assert "jdist launch: the job completed after 1 restart" in r.stderr
   resumed = [step for _, step, _ in markers(r.stdout, "resumed")]
   assert sorted(resumed) == [0] * 4 + [30] * 4  # 1 step lost (30)
+  # The checkpoint directory's lock, left by attempt 0, is this job's.
+  assert "in attempt 0 of this job, which has ended; taking it over" in r.stderr
   assert_finished(tmp_path, uninterrupted, world=4, attempt=1)
   assert harness.wait_gone(pids(r.stdout), timeout=5) == []
   print("kill -> first step after it:", {k: round(v, 2) for k, v in
