@@ -1,4 +1,4 @@
-"""An elastic job for `jdist launch`: `python elastic_job.py OUT_DIR [FAULT ...]`.
+"""An elastic job for `jdist launch`: `elastic_job.py OUT_DIR [--fit] [FAULT ...]`.
 
 elastic_train.py's training (a small MLP, SGD with momentum, a global batch
 of 16 padded and masked where the replicas do not divide it) over
@@ -6,7 +6,9 @@ of 16 padded and masked where the replicas do not divide it) over
 STEPS steps. Every SAVE_EVERY steps all processes save the state (parameters
 and optimizer state) with `jdist.CheckpointManager` into OUT_DIR/checkpoints;
 every attempt resumes from the newest checkpoint, on however many processes
-it has, and reads the data from the step it resumes at.
+it has, and reads the data from the step it resumes at. With `--fit`, the
+same model trains with `jdist.Trainer.fit` and `jdist.BackupAndRestore`
+(save_freq=SAVE_EVERY, into OUT_DIR/backup) instead.
 
 Each FAULT is `ATTEMPT:RANK:STEP:WHAT`: in attempt ATTEMPT (`JDIST_RESTART_COUNT`),
 process RANK, after step STEP, does WHAT: `kill` (SIGKILL itself), `stop`
@@ -37,6 +39,8 @@ import jdist  # noqa: E402
 
 print(f"imported {time.time():.3f}", flush=True)
 OUT = sys.argv[1]
+FIT = "--fit" in sys.argv[2:]
+FAULTS = [a for a in sys.argv[2:] if a != "--fit"]
 strategy = jdist.MultiWorkerMirroredStrategy()
 
 import jax  # noqa: E402
@@ -47,7 +51,7 @@ print(f"initialized {time.time():.3f} world={WORLD} attempt={ATTEMPT}", flush=Tr
 
 
 def fault(step):
-  for spec in sys.argv[2:]:
+  for spec in FAULTS:
     attempt, rank, at, what = spec.split(":")
     if (int(attempt), int(rank), int(at)) == (ATTEMPT, ME, step):
       print(f"fault {time.time():.3f} {what}", flush=True)
@@ -66,25 +70,50 @@ def fault(step):
         threading.Event().wait()
 
 
-manager = jdist.CheckpointManager(os.path.join(OUT, "checkpoints"),
-                                  max_to_keep=2, strategy=strategy)
-first = manager.latest_step or 0  # steps done: the next step's index
-if first:  # restored into the state's shapes: no initial state to compute
-  state = manager.restore(jax.eval_shape(train.initial_state))
-else:
-  state = strategy.replicate(train.initial_state())
-step_fn = strategy.function(train.train_step)
-dataset = train.batches(strategy, first)
-print(f"resumed {first} {time.time():.3f}", flush=True)
-for i, b in zip(range(first, train.STEPS), dataset):
-  state, loss = step_fn(state, b)
-  jax.block_until_ready(state)
-  print(f"step {i} {time.time():.3f} world={WORLD}", flush=True)
-  if (i + 1) % train.SAVE_EVERY == 0:
-    manager.save(i + 1, state)
-  fault(i)
-manager.close()
+class Markers(jdist.Callback):
+  """fit's markers and faults, as the loop's (after BackupAndRestore)."""
+
+  def on_train_begin(self, logs=None):
+    print(f"resumed {self.model.global_step} {time.time():.3f}", flush=True)
+
+  def on_train_batch_end(self, batch, logs=None):
+    i = self.model.global_step - 1
+    print(f"step {i} {time.time():.3f} world={WORLD}", flush=True)
+    fault(i)
+
+
+def run_fit() -> dict:
+  """`Trainer.fit` with `BackupAndRestore` every SAVE_EVERY steps."""
+  backup = jdist.BackupAndRestore(os.path.join(OUT, "backup"),
+                                  save_freq=train.SAVE_EVERY)
+  return train.fit(strategy, [backup, Markers()])
+
+
+def run_loop() -> dict:
+  """A custom loop with `jdist.CheckpointManager` every SAVE_EVERY steps."""
+  manager = jdist.CheckpointManager(os.path.join(OUT, "checkpoints"),
+                                    max_to_keep=2, strategy=strategy)
+  first = manager.latest_step or 0  # steps done: the next step's index
+  if first:  # restored into the state's shapes: no initial state to compute
+    state = manager.restore(jax.eval_shape(train.initial_state))
+  else:
+    state = strategy.replicate(train.initial_state())
+  step_fn = strategy.function(train.train_step)
+  dataset = train.batches(strategy, first)
+  print(f"resumed {first} {time.time():.3f}", flush=True)
+  for i, b in zip(range(first, train.STEPS), dataset):
+    state, _ = step_fn(state, b)
+    jax.block_until_ready(state)
+    print(f"step {i} {time.time():.3f} world={WORLD}", flush=True)
+    if (i + 1) % train.SAVE_EVERY == 0:
+      manager.save(i + 1, state)
+    fault(i)
+  manager.close()
+  return train.host_params(state)
+
+
+params = run_fit() if FIT else run_loop()
 if ME == 0:
   np.savez(os.path.join(OUT, "final.npz"), world=WORLD, attempt=ATTEMPT,
-           **train.host_params(state))
+           **params)
 print("finished", flush=True)

@@ -3,8 +3,10 @@ and test_elastic.py (the uninterrupted run it must equal).
 
 A small MLP regressed with SGD with momentum (optax) over a fixed global
 batch of 16: 4 replicas take 4 rows each, 3 replicas take 6 with 2 rows
-padded and masked (`InputOptions(pad_to_replicas=True)`). The batch of step
-i depends on i only, so a run resumed at step k reads the data from step k.
+padded and masked (`pad_to_replicas=True`). Two ways: a custom loop, whose
+batch of step i depends on i only (a run resumed at step k reads the data
+from step k), and `jdist.Trainer.fit` over FIT_EPOCHS shuffled epochs of the
+same examples (`BackupAndRestore` restores its data position).
 """
 
 import jax
@@ -15,6 +17,7 @@ import optax
 import jdist
 
 STEPS, SAVE_EVERY, BATCH = 60, 10, 16
+FIT_EPOCHS = 2  # of STEPS // FIT_EPOCHS batches each
 OPTIMIZER = optax.sgd(0.05, momentum=0.9)
 
 
@@ -32,10 +35,17 @@ def initial_state() -> dict:
   return {"params": params, "opt": OPTIMIZER.init(params)}
 
 
+def predict(p: dict, x):
+  return jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+
+
+def squared_error(y_true, y_pred):
+  return (y_pred - y_true) ** 2
+
+
 def train_step(state: dict, b: dict):
   def loss(p):
-    pred = jnp.tanh(b["x"] @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
-    return jdist.compute_average_loss((pred - b["y"]) ** 2)
+    return jdist.compute_average_loss(squared_error(b["y"], predict(p, b["x"])))
   value, grads = jax.value_and_grad(loss)(state["params"])
   updates, opt = OPTIMIZER.update(grads, state["opt"])
   return {"params": optax.apply_updates(state["params"], updates),
@@ -63,3 +73,25 @@ def uninterrupted(strategy) -> dict:
     state, _ = step(state, b)
     jax.block_until_ready(state)  # CPU collectives: one step in flight
   return host_params(state)
+
+
+def fit_data() -> tuple:
+  """The examples fit trains on: those of the loop's STEPS // FIT_EPOCHS
+  first batches."""
+  parts = [batch(i) for i in range(STEPS // FIT_EPOCHS)]
+  return (np.concatenate([p["x"] for p in parts]),
+          np.concatenate([p["y"] for p in parts]))
+
+
+def trainer(strategy) -> jdist.Trainer:
+  return jdist.Trainer(predict, optimizer=OPTIMIZER, loss=squared_error,
+                       params=initial_state()["params"], strategy=strategy,
+                       pad_to_replicas=True)
+
+
+def fit(strategy, callbacks=()) -> dict:
+  """The parameters after `Trainer.fit` (FIT_EPOCHS epochs), on `strategy`."""
+  t = trainer(strategy)
+  t.fit(*fit_data(), batch_size=BATCH, epochs=FIT_EPOCHS, verbose=0,
+        callbacks=list(callbacks))
+  return {k: np.asarray(v.addressable_data(0)) for k, v in t.state.params.items()}

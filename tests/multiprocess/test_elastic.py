@@ -2,7 +2,8 @@
 
 The job is elastic_job.py (60 steps of a small MLP, SGD with momentum, over
 `jdist.MultiWorkerMirroredStrategy`, one fake CPU device per process, a
-global batch of 16, a `jdist.CheckpointManager` checkpoint every 10 steps). A
+global batch of 16, a `jdist.CheckpointManager` checkpoint every 10 steps; or
+the same with `Trainer.fit` and `BackupAndRestore`). A
 process kills or stops itself at a known step, or its node goes away; the job
 must finish on the processes it still has (3 replicas take the batch as 3 x 6
 with 2 rows masked) with the parameters of an uninterrupted 4-replica run
@@ -12,6 +13,7 @@ end.
 """
 
 import contextlib
+import functools
 import os
 import re
 import signal
@@ -31,20 +33,21 @@ JOB = os.path.join(harness.HERE, "elastic_job.py")
 RUN_TIMEOUT = 240  # two or three attempts of 3-4 JAX processes on 2 cores
 
 
-@pytest.fixture(scope="module")
-def uninterrupted() -> dict:
-  """The job's parameters after its steps without a fault, on 4 replicas
-  (4 fake devices of this process, as the 4 processes x 1 device have)."""
-  return elastic_train.uninterrupted(
-      jdist.MirroredStrategy(jax.local_devices()[:4]))
+@functools.cache
+def uninterrupted(mode: str) -> dict:
+  """The job's parameters without a fault (`mode`: "loop" or "fit"), on 4
+  replicas (4 fake devices of this process, as 4 processes x 1 device)."""
+  strategy = jdist.MirroredStrategy(jax.local_devices()[:4])
+  run = elastic_train.fit if mode == "fit" else elastic_train.uninterrupted
+  return run(strategy)
 
 
-def assert_finished(out_dir, uninterrupted, *, world: int, attempt: int):
+def assert_finished(out_dir, *, world: int, attempt: int, mode="loop"):
   """The job ended in `attempt` on `world` processes, with the parameters of
   the uninterrupted run (float32 reduction order aside)."""
   with np.load(os.path.join(out_dir, "final.npz")) as z:
     assert (int(z["world"]), int(z["attempt"])) == (world, attempt)
-    for name, want in uninterrupted.items():
+    for name, want in uninterrupted(mode).items():
       np.testing.assert_allclose(z[name], want, rtol=0, atol=1e-6,
                                  err_msg=name)
 
@@ -78,7 +81,7 @@ def kill_to_next_step(output: str) -> dict:
           **{k: b - a for k, a, b in zip(parts, times, times[1:])}}
 
 
-def test_a_killed_process_costs_one_restart(tmp_path, uninterrupted):
+def test_a_killed_process_costs_one_restart(tmp_path):
   """SIGKILL of process 2 at step 30: the job restarts on 4 processes from the
   checkpoint of step 29 and ends with every step applied once."""
   r = harness.run_launcher(["--nnodes", "2:4", "--max-restarts", 3,
@@ -92,13 +95,13 @@ def test_a_killed_process_costs_one_restart(tmp_path, uninterrupted):
   assert sorted(resumed) == [0] * 4 + [30] * 4  # 1 step lost (30)
   # The checkpoint directory's lock, left by attempt 0, is this job's.
   assert "in attempt 0 of this job, which has ended; taking it over" in r.stderr
-  assert_finished(tmp_path, uninterrupted, world=4, attempt=1)
+  assert_finished(tmp_path, world=4, attempt=1)
   assert harness.wait_gone(pids(r.stdout), timeout=5) == []
   print("kill -> first step after it:", {k: round(v, 2) for k, v in
                                          kill_to_next_step(r.stdout).items()})
 
 
-def test_a_stuck_process_is_found_within_the_timeout(tmp_path, uninterrupted):
+def test_a_stuck_process_is_found_within_the_timeout(tmp_path):
   """`--stuck-timeout 5`: process 2 stops itself (SIGSTOP) at step 30; in
   the next attempt process 1 hangs, alive, after its step 44: its peers, a
   batch ahead, wait in the input agreement of the window of 8 batches that
@@ -122,7 +125,7 @@ def test_a_stuck_process_is_found_within_the_timeout(tmp_path, uninterrupted):
       r"it; it is alive, busy or blocked elsewhere, last seen after 15 steps\)",
       r.stderr)
   assert hung and 5 <= float(hung.group(1)) < 10, r.stderr
-  assert_finished(tmp_path, uninterrupted, world=3, attempt=2)
+  assert_finished(tmp_path, world=3, attempt=2)
   assert harness.wait_gone(pids(r.stdout), timeout=5) == []
 
 
@@ -136,14 +139,16 @@ def wait_for_file(path: str, launchers: list, timeout: float) -> str:
     return f.read()
 
 
-def test_a_node_that_goes_away_leaves_the_job_to_the_others(tmp_path, uninterrupted):
+@pytest.mark.parametrize("mode", ["loop", "fit"])
+def test_a_node_that_goes_away_leaves_the_job_to_the_others(tmp_path, mode):
   """Four launchers, one per simulated host, on one rendezvous; the host of
   process 2 goes away at step 30 (its launcher is killed, and with it its
-  process): the job finishes on the other three."""
+  process): the job finishes on the other three, as the custom loop with
+  `jdist.CheckpointManager` and as `Trainer.fit` with `BackupAndRestore`."""
   port = harness.free_port()
   args = ["--nnodes", "2:4", "--max-restarts", 3, "--rdzv-endpoint",
           f"127.0.0.1:{port}", "--devices-per-process", 1, JOB, tmp_path,
-          "0:2:30:park"]
+          "0:2:30:park", *(["--fit"] if mode == "fit" else [])]
   cmd, env = harness.launcher_cmd(args), harness.base_env(1)
   with contextlib.ExitStack() as stack:
     host = stack.enter_context(harness.Background(cmd, env))
@@ -165,5 +170,5 @@ def test_a_node_that_goes_away_leaves_the_job_to_the_others(tmp_path, uninterrup
                    r"the job \(restart 1 of at most 3\)", hosted), output[-5000:]
   resumed = [step for _, step, _ in markers(output, "resumed")]
   assert sorted(resumed) == [0] * 4 + [30] * 3  # the checkpoint of step 30
-  assert_finished(tmp_path, uninterrupted, world=3, attempt=1)
+  assert_finished(tmp_path, world=3, attempt=1, mode=mode)
   assert harness.wait_gone(pids(output), timeout=5) == []

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from jdist._src.core import placement
+from jdist._src.input.options import InputOptions
 from jdist._src.training import steps as steps_lib
 from jdist._src.training.callbacks import CallbackList, LazyLogs
 from jdist._src.training.history import History
@@ -70,6 +71,7 @@ class FitLoop:
     skipped: a `mixed_precision.SkippedBatches` for a loss-scaled optimizer
       (fit then warns, once an epoch, about batches skipped at the scale's
       floor), or None.
+    options: the `InputOptions` the batches are distributed with.
 
   Attributes:
     position: the epoch and batch training is at.
@@ -86,7 +88,8 @@ class FitLoop:
                epochs: int, initial_epoch: int = 0,
                validate: Callable | None = None, make_totals: Callable,
                read_logs: Callable, batch_size: int | None = None,
-               steps_per_execution: int = 1, skipped=None):
+               steps_per_execution: int = 1, skipped=None,
+               options: InputOptions | None = None):
     self.source = source
     self.history = History()
     self.position = Position(epoch=initial_epoch)
@@ -101,6 +104,7 @@ class FitLoop:
     self._make_totals = make_totals
     self._read_logs = read_logs
     self._batch_size = batch_size
+    self._options = options
     self._resume_sums = None
     self._warned_nonfinite = False
     self._skipped = skipped
@@ -201,7 +205,8 @@ class FitLoop:
     """Trains on the epoch's batches from `start`; the steps that ran."""
     ran = 0
     batches = self._strategy.experimental_distribute_dataset(
-        self.source.batches(epoch, start), global_batch_size=self._batch_size)
+        self.source.batches(epoch, start), self._options,
+        global_batch_size=self._batch_size)
     if self.steps_per_execution > 1:
       batches = batches.group(self.steps_per_execution)
     for batch in batches:

@@ -15,6 +15,7 @@ from jdist._src.core import placement
 from jdist._src.core.function import DistributedFunction
 from jdist._src.core.multi_step import multi_step
 from jdist._src.errors import CheckpointNotFoundError
+from jdist._src.input.options import InputOptions
 from jdist._src.ops import accumulation
 from jdist._src.ops import precision
 from jdist._src.ops.sharded_optimizer import ShardedOptimizer
@@ -88,6 +89,12 @@ class Trainer:
       on a padded last batch) on a fraction of the activation memory; each
       replica's batch must be a multiple of K. (Keras 3's optimizer option
       of this name counts `batch_size` as the micro-batch instead.)
+    pad_to_replicas: a batch that the replicas (times K micro-batches) do
+      not divide is padded with masked rows to the next multiple, as a short
+      last batch is, instead of refused (`jdist.InputOptions`' option of this
+      name). Losses and metrics leave the padding out, so training is the
+      same on any number of replicas: a job under `jdist launch --nnodes
+      MIN:MAX` restarted on fewer processes keeps its `batch_size`.
 
   Example:
     >>> import jdist, optax, numpy as np
@@ -107,11 +114,13 @@ class Trainer:
                metrics=None, weighted_metrics=None, params=None, strategy=None,
                seed: int = 0, shard_optimizer_state: bool = False,
                steps_per_execution: int = 1, dtype_policy="float32",
-               gradient_accumulation_steps: int = 1):
+               gradient_accumulation_steps: int = 1,
+               pad_to_replicas: bool = False):
     if not isinstance(optimizer, optax.GradientTransformation):
       raise TypeError(
           f"optimizer must be an optax GradientTransformation (for example "
           f"optax.adam(1e-3)), got {type(optimizer).__name__}.")
+    self._input_options = InputOptions(pad_to_replicas=pad_to_replicas)
     self._strategy = strategy or (current.get_strategy()
                                   if current.has_strategy() else None)
     self._policy = precision.policy_of(dtype_policy)
@@ -405,7 +414,8 @@ class Trainer:
         sample, what, self._initialised_for)
     static = data_lib.static_batch_size(
         source, sample, self.strategy.num_replicas_in_sync, what,
-        micro_batches=micro_batches)
+        micro_batches=micro_batches,
+        pad=self._input_options.pad_to_replicas)
     if not with_loss:
       return sample, static
     if "y" not in sample:
@@ -498,6 +508,7 @@ class Trainer:
                        initial_epoch=initial_epoch, validate=validate,
                        make_totals=self._totals,
                        read_logs=self._read_train_logs, batch_size=static,
+                       options=self._input_options,
                        steps_per_execution=self._steps_per_execution,
                        skipped=self._skipped_batches())
     self.history = fit_loop.history
@@ -567,7 +578,7 @@ class Trainer:
   def _evaluate_source(self, source, static: int | None, state,
                        cbs: CallbackList, verbose=0) -> dict:
     batches = self.strategy.experimental_distribute_dataset(
-        source.batches(0), global_batch_size=static)
+        source.batches(0), self._input_options, global_batch_size=static)
     return loop.evaluate(self.make_test_function(), state, batches,
                          self._totals(), self._read_means, cbs,
                          ProgressBar(verbose, 1), source.steps_per_epoch)
@@ -586,7 +597,8 @@ class Trainer:
     cbs = CallbackList(callbacks, trainer=self, params={"steps": steps,
                                                         "verbose": verbose})
     inputs = self.strategy.experimental_distribute_dataset(
-        ({"x": b["x"]} for b in source.batches(0)), global_batch_size=static)
+        ({"x": b["x"]} for b in source.batches(0)), self._input_options,
+        global_batch_size=static)
     return loop.predict(self.make_predict_function(), self.state, inputs,
                         self.strategy, cbs, ProgressBar(verbose, 1),
                         source.steps_per_epoch)
