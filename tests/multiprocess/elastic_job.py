@@ -19,15 +19,20 @@ then waits forever for the test to take its node away).
 It prints timestamped markers the tests read: `started <t> pid=<pid>` first,
 `imported <t>`, `initialized <t> world=<n> attempt=<k>`,
 `resumed <step> <t>` (checkpoint read, data ready), `step <i> <t> world=<n>`
-after each step, and `fault <t> <what>` just before a fault; at the end,
-process 0 writes OUT_DIR/final.npz.
+after each step, and `fault <t> <what>` just before a fault (also written to
+OUT_DIR/fault-ATTEMPT). At its first step after a restart, process 0 prints
+`restart <s> s from the fault to the first step (started +<s>, imported
++<s>, initialized +<s>, resumed +<s>)`: how long the job took to train again,
+and when this process had started, imported jdist, joined the job and read
+its checkpoint. At the end, process 0 writes OUT_DIR/final.npz.
 """
 
 import os
 import sys
 import time
 
-print(f"started {time.time():.3f} pid={os.getpid()}", flush=True)
+MARKS = {"started": time.time()}  # this process's times, for `restart`
+print(f"started {MARKS['started']:.3f} pid={os.getpid()}", flush=True)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import signal  # noqa: E402
 import threading  # noqa: E402
@@ -37,7 +42,8 @@ import numpy as np  # noqa: E402
 import elastic_train as train  # noqa: E402
 import jdist  # noqa: E402
 
-print(f"imported {time.time():.3f}", flush=True)
+MARKS["imported"] = time.time()
+print(f"imported {MARKS['imported']:.3f}", flush=True)
 OUT = sys.argv[1]
 FIT = "--fit" in sys.argv[2:]
 FAULTS = [a for a in sys.argv[2:] if a != "--fit"]
@@ -47,14 +53,48 @@ import jax  # noqa: E402
 
 ME, WORLD = jax.process_index(), jax.process_count()
 ATTEMPT = int(os.environ.get("JDIST_RESTART_COUNT", "0"))
-print(f"initialized {time.time():.3f} world={WORLD} attempt={ATTEMPT}", flush=True)
+MARKS["initialized"] = time.time()
+print(f"initialized {MARKS['initialized']:.3f} world={WORLD} attempt={ATTEMPT}",
+      flush=True)
+
+
+def resumed(step):
+  MARKS["resumed"] = time.time()
+  print(f"resumed {step} {MARKS['resumed']:.3f}", flush=True)
+
+
+def restart_report():
+  """Process 0's first step after a restart: seconds from the fault before
+  it to this step, and from the fault to each of this process's markers."""
+  path = os.path.join(OUT, f"fault-{ATTEMPT - 1}")
+  if ME != 0 or not os.path.exists(path):
+    return
+  with open(path) as f:
+    fault_at = float(f.read())
+  now = time.time()
+  parts = [f"{name} +{t - fault_at:.2f}" for name, t in MARKS.items()]
+  print(f"restart {now - fault_at:.2f} s from the fault to the first step "
+        f"({', '.join(parts)}) world={WORLD}", flush=True)
+
+
+def after_step(i, first: bool):
+  """The markers and faults after step `i` (`first`: of this attempt)."""
+  print(f"step {i} {time.time():.3f} world={WORLD}", flush=True)
+  if first:
+    restart_report()
+  fault(i)
 
 
 def fault(step):
   for spec in FAULTS:
     attempt, rank, at, what = spec.split(":")
     if (int(attempt), int(rank), int(at)) == (ATTEMPT, ME, step):
-      print(f"fault {time.time():.3f} {what}", flush=True)
+      now = time.time()
+      print(f"fault {now:.3f} {what}", flush=True)
+      with open(os.path.join(OUT, f"fault-{ATTEMPT}.tmp"), "w") as f:
+        f.write(f"{now:.3f}")
+      os.replace(os.path.join(OUT, f"fault-{ATTEMPT}.tmp"),
+                 os.path.join(OUT, f"fault-{ATTEMPT}"))
       if what == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
       elif what == "stop":
@@ -74,12 +114,12 @@ class Markers(jdist.Callback):
   """fit's markers and faults, as the loop's (after BackupAndRestore)."""
 
   def on_train_begin(self, logs=None):
-    print(f"resumed {self.model.global_step} {time.time():.3f}", flush=True)
+    self.first = self.model.global_step
+    resumed(self.first)
 
   def on_train_batch_end(self, batch, logs=None):
     i = self.model.global_step - 1
-    print(f"step {i} {time.time():.3f} world={WORLD}", flush=True)
-    fault(i)
+    after_step(i, i == self.first)
 
 
 def run_fit() -> dict:
@@ -100,14 +140,13 @@ def run_loop() -> dict:
     state = strategy.replicate(train.initial_state())
   step_fn = strategy.function(train.train_step)
   dataset = train.batches(strategy, first)
-  print(f"resumed {first} {time.time():.3f}", flush=True)
+  resumed(first)
   for i, b in zip(range(first, train.STEPS), dataset):
     state, _ = step_fn(state, b)
     jax.block_until_ready(state)
-    print(f"step {i} {time.time():.3f} world={WORLD}", flush=True)
     if (i + 1) % train.SAVE_EVERY == 0:
       manager.save(i + 1, state)
-    fault(i)
+    after_step(i, i == first)
   manager.close()
   return train.host_params(state)
 
