@@ -28,6 +28,7 @@ def batch(step: int) -> dict:
   return {"x": x, "y": y}
 
 
+@jax.jit  # one compiled program, not one per operation (a restart's time)
 def initial_state() -> dict:
   k1, k2 = jax.random.split(jax.random.key(0))
   params = {"w1": 0.5 * jax.random.normal(k1, (4, 8)), "b1": jnp.zeros(8),
