@@ -211,6 +211,26 @@ def test_a_fresh_lock_from_another_machine_waits_for_its_lease(
   assert waited >= 2.5 and fit.steps == 4
 
 
+def test_an_earlier_attempt_of_the_job_on_another_host_is_taken_over_at_once(
+    data, tmp_path, short_lease, monkeypatch, capfd):
+  """`jdist launch` restarted the job and process 0 now runs on another
+  host: the lock of attempt 0's process 0 is fresh, from another machine,
+  but of this job's earlier attempt (`JDIST_RUN_ID`): no wait for its lease.
+  Another job's lock, or this attempt's, still waits."""
+  monkeypatch.setenv("JDIST_RUN_ID", "run-7")
+  monkeypatch.setenv("JDIST_RESTART_COUNT", "1")
+  write_lock(tmp_path, run="run-7", attempt=0)
+  fit(data, [jdist.ModelCheckpoint(tmp_path)])
+  err = capfd.readouterr().err
+  assert ("locked by process 4242 on host elsewhere, since earlier "
+          "('train.py'), in attempt 0 of this job, "
+          "which has ended; taking it over") in err
+  assert "waiting" not in err and fit.steps == 4
+  write_lock(tmp_path, run="run-7", attempt=1)
+  fit(data, [jdist.ModelCheckpoint(tmp_path)])
+  assert "waiting up to 3 s" in capfd.readouterr().err
+
+
 def test_a_live_owner_on_another_machine_is_refused(data, tmp_path,
                                                     short_lease):
   path = write_lock(tmp_path)

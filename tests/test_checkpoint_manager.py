@@ -118,3 +118,20 @@ def test_a_save_a_killed_job_left_half_written_is_removed(digits_flat,
     manager.save(12, restored)  # the next save waits for the clean-up too
   assert sorted(os.listdir(tmp_path)) == ["12", "4"]
   assert int(restored.step) == 0
+
+
+def test_a_state_restores_from_its_shapes_alone(digits_flat, tmp_path):
+  """`restore(jax.eval_shape(make_state))`: a restarted job need not compute
+  an initial state to restore into; the state comes back mirrored on the
+  manager's strategy."""
+  batches = _batches(digits_flat)
+  saved = _initial(strategy_on(4), batches)
+  with jdist.CheckpointManager(tmp_path, strategy=strategy_on(4)) as manager:
+    manager.save(1, saved)
+  three = strategy_on(3)
+  with jdist.CheckpointManager(tmp_path, strategy=three) as manager:
+    restored = manager.restore(jax.eval_shape(lambda: saved))
+  assert restored.params["Dense_0"]["kernel"].sharding.mesh == three.mesh
+  problems = jdist.testing.compare_trees(jax.device_get(saved),
+                                         jax.device_get(restored), rtol=0, atol=0)
+  assert not problems, "\n".join(problems)

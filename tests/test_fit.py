@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 import jdist
+import jdist.testing
 from jdist.examples.models import MLP
 
 from conftest import strategy_on
@@ -334,6 +335,30 @@ def test_batch_size_that_cannot_split_over_replicas(split):
   (x, y), _ = split
   with pytest.raises(ValueError, match="cannot split evenly over 4 replicas"):
     trainer_on(4).fit(x, y, batch_size=30, verbose=0)
+
+
+def test_pad_to_replicas_trains_3_replicas_as_4(split):
+  """`Trainer(pad_to_replicas=True)`: batches of 64 on 3 replicas (3 x 22,
+  2 rows masked) train as on 4 (SGD with momentum, with validation), and
+  evaluate and predict with batches neither count divides read each example
+  once."""
+  (x, y), (vx, vy) = split
+  got = {}
+  for n in (3, 4):
+    trainer = trainer_on(n, optimizer=optax.sgd(0.1, momentum=0.9),
+                         pad_to_replicas=True)
+    history = trainer.fit(x[:256], y[:256], batch_size=64, epochs=2,
+                          validation_data=(vx, vy), verbose=0)
+    got[n] = (jax.device_get(trainer.state.params), history,
+              trainer.evaluate(vx, vy, batch_size=50),
+              trainer.predict(vx[:10], batch_size=5))
+  problems = jdist.testing.compare_trees(got[3][0], got[4][0], rtol=0,
+                                         atol=1e-6, names=("3", "4"))
+  assert not problems, "\n".join(problems)
+  assert_history_close(got[3][1], got[4][1], rtol=1e-5)
+  assert got[3][2] == pytest.approx(got[4][2], rel=1e-5)
+  assert got[3][3].shape == (10, 10)
+  np.testing.assert_allclose(got[3][3], got[4][3], rtol=1e-5, atol=1e-6)
 
 
 def test_train_state_round_trips_through_jit(split):

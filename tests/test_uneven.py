@@ -202,3 +202,42 @@ def test_donated_batches_keep_working():
   for batch in strategy.experimental_distribute_dataset([np.ones(4, np.float32)] * 3):
     w, _ = step(w, batch)
   assert float(w) == 12.0
+
+
+def test_pad_to_replicas_trains_the_same_on_3_replicas_as_on_4():
+  """A global batch of 16 on 3 replicas (3 x 6, 2 rows masked) with
+  `InputOptions(pad_to_replicas=True)`: SGD with momentum follows the same
+  trajectory as on 4 replicas and on 1; without the option it is an error
+  that names it."""
+  rng = np.random.default_rng(0)
+  batches = [{"x": rng.normal(size=(16, 5)).astype(np.float32),
+              "y": rng.normal(size=16).astype(np.float32)} for _ in range(8)]
+  batches.append({k: v[:7] for k, v in batches[0].items()})  # a short last one
+  opt = optax.sgd(0.1, momentum=0.9)
+
+  def train_step(state, b):
+    def loss(w):
+      return jdist.compute_average_loss((jnp.tanh(b["x"] @ w) - b["y"]) ** 2)
+    grads = jax.grad(loss)(state["w"])
+    updates, opt_state = opt.update(grads, state["opt"])
+    return {"w": optax.apply_updates(state["w"], updates), "opt": opt_state}
+
+  def train(n):
+    strategy = strategy_on(n)
+    w = jnp.full(5, 0.1, jnp.float32)
+    state = strategy.replicate({"w": w, "opt": opt.init(w)})
+    step = strategy.function(train_step)
+    options = jdist.InputOptions(pad_to_replicas=True)
+    for batch in strategy.experimental_distribute_dataset(batches, options):
+      state = step(state, batch)
+    return np.asarray(state["w"])
+
+  first = next(iter(strategy_on(3).experimental_distribute_dataset(
+      batches, jdist.InputOptions(pad_to_replicas=True))))
+  assert first.values["x"].shape == (3, 6, 5) and int(first.num_valid) == 16
+  three = train(3)
+  np.testing.assert_allclose(three, train(4), rtol=0, atol=1e-6)
+  np.testing.assert_allclose(three, train(1), rtol=0, atol=1e-6)
+  with pytest.raises(ValueError, match=r"16 examples cannot split evenly over "
+                     r"3 replicas.*InputOptions\(pad_to_replicas=True\)"):
+    next(iter(strategy_on(3).experimental_distribute_dataset(batches)))

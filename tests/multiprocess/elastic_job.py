@@ -1,12 +1,14 @@
-"""An elastic job for `jdist launch`: `python elastic_job.py OUT_DIR [FAULT ...]`.
+"""An elastic job for `jdist launch`: `elastic_job.py OUT_DIR [--fit] [FAULT ...]`.
 
-Linear regression trained with SGD over `jdist.MultiWorkerMirroredStrategy`
-(one fake CPU device per process), for STEPS steps. Process 0 saves a
-checkpoint of its own every SAVE_EVERY steps (numpy, written to a temporary
-file and renamed, so a kill never leaves half of one); every attempt resumes
-from the newest. `checkpoint_load`/`checkpoint_save` are where the Trainer's
-`BackupAndRestore` or a `jdist.CheckpointManager` take over for an exact
-continuation.
+elastic_train.py's training (a small MLP, SGD with momentum, a global batch
+of 16 padded and masked where the replicas do not divide it) over
+`jdist.MultiWorkerMirroredStrategy`, one fake CPU device per process, for
+STEPS steps. Every SAVE_EVERY steps all processes save the state (parameters
+and optimizer state) with `jdist.CheckpointManager` into OUT_DIR/checkpoints;
+every attempt resumes from the newest checkpoint, on however many processes
+it has, and reads the data from the step it resumes at. With `--fit`, the
+same model trains with `jdist.Trainer.fit` and `jdist.BackupAndRestore`
+(save_freq=SAVE_EVERY, into OUT_DIR/backup) instead.
 
 Each FAULT is `ATTEMPT:RANK:STEP:WHAT`: in attempt ATTEMPT (`JDIST_RESTART_COUNT`),
 process RANK, after step STEP, does WHAT: `kill` (SIGKILL itself), `stop`
@@ -17,70 +19,82 @@ then waits forever for the test to take its node away).
 It prints timestamped markers the tests read: `started <t> pid=<pid>` first,
 `imported <t>`, `initialized <t> world=<n> attempt=<k>`,
 `resumed <step> <t>` (checkpoint read, data ready), `step <i> <t> world=<n>`
-after each step, and `fault <t> <what>` just before a fault; at the end,
-process 0 writes OUT_DIR/final.npz.
+after each step, and `fault <t> <what>` just before a fault (also written to
+OUT_DIR/fault-ATTEMPT). At its first step after a restart, process 0 prints
+`restart <s> s from the fault to the first step (started +<s>, imported
++<s>, initialized +<s>, resumed +<s>)`: how long the job took to train again,
+and when this process had started, imported jdist, joined the job and read
+its checkpoint. At the end, process 0 writes OUT_DIR/final.npz.
 """
 
 import os
 import sys
 import time
 
-print(f"started {time.time():.3f} pid={os.getpid()}", flush=True)
+MARKS = {"started": time.time()}  # this process's times, for `restart`
+print(f"started {MARKS['started']:.3f} pid={os.getpid()}", flush=True)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import signal  # noqa: E402
 import threading  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+import elastic_train as train  # noqa: E402
 import jdist  # noqa: E402
 
-print(f"imported {time.time():.3f}", flush=True)
+MARKS["imported"] = time.time()
+print(f"imported {MARKS['imported']:.3f}", flush=True)
 OUT = sys.argv[1]
-STEPS, SAVE_EVERY, BATCH = 100, 10, 12
+FIT = "--fit" in sys.argv[2:]
+FAULTS = [a for a in sys.argv[2:] if a != "--fit"]
 strategy = jdist.MultiWorkerMirroredStrategy()
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
 ME, WORLD = jax.process_index(), jax.process_count()
 ATTEMPT = int(os.environ.get("JDIST_RESTART_COUNT", "0"))
-print(f"initialized {time.time():.3f} world={WORLD} attempt={ATTEMPT}", flush=True)
-CHECKPOINT = os.path.join(OUT, "checkpoint.npz")
+MARKS["initialized"] = time.time()
+print(f"initialized {MARKS['initialized']:.3f} world={WORLD} attempt={ATTEMPT}",
+      flush=True)
 
 
-def checkpoint_load():
-  """(next step, weights) from the newest checkpoint, or from scratch."""
-  if not os.path.exists(CHECKPOINT):
-    return 0, np.zeros(4, np.float32)
-  with np.load(CHECKPOINT) as z:
-    return int(z["step"]) + 1, z["w"]
+def resumed(step):
+  MARKS["resumed"] = time.time()
+  print(f"resumed {step} {MARKS['resumed']:.3f}", flush=True)
 
 
-def checkpoint_save(step, w):
-  if ME == 0:
-    tmp = CHECKPOINT + ".tmp.npz"
-    np.savez(tmp, step=step, w=np.asarray(w.addressable_data(0)))
-    os.replace(tmp, CHECKPOINT)
+def restart_report():
+  """Process 0's first step after a restart: seconds from the fault before
+  it to this step, and from the fault to each of this process's markers."""
+  path = os.path.join(OUT, f"fault-{ATTEMPT - 1}")
+  if ME != 0 or not os.path.exists(path):
+    return
+  with open(path) as f:
+    fault_at = float(f.read())
+  now = time.time()
+  parts = [f"{name} +{t - fault_at:.2f}" for name, t in MARKS.items()]
+  print(f"restart {now - fault_at:.2f} s from the fault to the first step "
+        f"({', '.join(parts)}) world={WORLD}", flush=True)
 
 
-def batch(step):
-  rng = np.random.default_rng(step)  # the data depend on the step only
-  x = rng.normal(size=(BATCH, 4)).astype(np.float32)
-  return {"x": x, "y": x @ np.array([1.0, -2.0, 3.0, 0.5], np.float32)}
-
-
-def train_step(w, b):
-  def loss(w):
-    return jdist.compute_average_loss((b["x"] @ w - b["y"]) ** 2)
-  value, grad = jax.value_and_grad(loss)(w)
-  return w - 0.05 * grad, value
+def after_step(i, first: bool):
+  """The markers and faults after step `i` (`first`: of this attempt)."""
+  print(f"step {i} {time.time():.3f} world={WORLD}", flush=True)
+  if first:
+    restart_report()
+  fault(i)
 
 
 def fault(step):
-  for spec in sys.argv[2:]:
+  for spec in FAULTS:
     attempt, rank, at, what = spec.split(":")
     if (int(attempt), int(rank), int(at)) == (ATTEMPT, ME, step):
-      print(f"fault {time.time():.3f} {what}", flush=True)
+      now = time.time()
+      print(f"fault {now:.3f} {what}", flush=True)
+      with open(os.path.join(OUT, f"fault-{ATTEMPT}.tmp"), "w") as f:
+        f.write(f"{now:.3f}")
+      os.replace(os.path.join(OUT, f"fault-{ATTEMPT}.tmp"),
+                 os.path.join(OUT, f"fault-{ATTEMPT}"))
       if what == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
       elif what == "stop":
@@ -96,20 +110,49 @@ def fault(step):
         threading.Event().wait()
 
 
-first, w = checkpoint_load()
-step_fn = strategy.function(train_step)
-w = strategy.replicate(jnp.asarray(w))
-dataset = strategy.experimental_distribute_dataset(
-    [batch(i) for i in range(first, STEPS)])
-print(f"resumed {first} {time.time():.3f}", flush=True)
-for i, b in zip(range(first, STEPS), dataset):
-  w, loss = step_fn(w, b)
-  jax.block_until_ready(w)
-  print(f"step {i} {time.time():.3f} world={WORLD}", flush=True)
-  if (i + 1) % SAVE_EVERY == 0:
-    checkpoint_save(i, w)
-  fault(i)
+class Markers(jdist.Callback):
+  """fit's markers and faults, as the loop's (after BackupAndRestore)."""
+
+  def on_train_begin(self, logs=None):
+    self.first = self.model.global_step
+    resumed(self.first)
+
+  def on_train_batch_end(self, batch, logs=None):
+    i = self.model.global_step - 1
+    after_step(i, i == self.first)
+
+
+def run_fit() -> dict:
+  """`Trainer.fit` with `BackupAndRestore` every SAVE_EVERY steps."""
+  backup = jdist.BackupAndRestore(os.path.join(OUT, "backup"),
+                                  save_freq=train.SAVE_EVERY)
+  return train.fit(strategy, [backup, Markers()])
+
+
+def run_loop() -> dict:
+  """A custom loop with `jdist.CheckpointManager` every SAVE_EVERY steps."""
+  manager = jdist.CheckpointManager(os.path.join(OUT, "checkpoints"),
+                                    max_to_keep=2, strategy=strategy)
+  first = manager.latest_step or 0  # steps done: the next step's index
+  if first:  # restored into the state's shapes: no initial state to compute
+    state = manager.restore(jax.eval_shape(train.initial_state))
+  else:
+    state = strategy.replicate(train.initial_state())
+  step_fn = strategy.function(train.train_step)
+  dataset = train.batches(strategy, first)
+  resumed(first)
+  for i, b in zip(range(first, train.STEPS), dataset):
+    state, _ = step_fn(state, b)
+    jax.block_until_ready(state)
+    if (i + 1) % train.SAVE_EVERY == 0:
+      manager.save(i + 1, state)
+    after_step(i, i == first)
+  manager.close()
+  return train.host_params(state)
+
+
+params = run_fit() if FIT else run_loop()
 if ME == 0:
-  np.savez(os.path.join(OUT, "final.npz"), w=np.asarray(w.addressable_data(0)),
-           world=WORLD, attempt=ATTEMPT)
+  np.savez(os.path.join(OUT, "final.npz"), world=WORLD, attempt=ATTEMPT,
+           **params)
 print("finished", flush=True)

@@ -18,7 +18,11 @@ A lock whose owner is gone is taken over:
   every `HEARTBEAT_SECONDS`. Ages are read off the file system's own clock
   (the mtime of a file just written), so the hosts' clocks do not matter. A
   lock from another machine younger than the lease is watched until it moves
-  (its owner is alive: refused) or expires (taken over).
+  (its owner is alive: refused) or expires (taken over);
+* at once, when it was taken by an earlier attempt of the same `jdist
+  launch` job (`JDIST_RUN_ID`, with a smaller `JDIST_RESTART_COUNT`): the
+  launcher stops every process of an attempt before the next one starts, on
+  whichever host the new process 0 runs.
 
 In a run of several processes, the job as a whole owns the directory: process
 0 holds the lock, and the others learn the outcome through the runtime's
@@ -38,6 +42,7 @@ import time
 import uuid
 
 from jdist._src.errors import CheckpointDirectoryError, CheckpointInUseError
+from jdist._src.multiprocess import ranks
 from jdist._src.multiprocess import runtime as runtime_lib
 
 LOCK_NAME = "jdist.lock"
@@ -93,6 +98,8 @@ def _owner_record(runtime) -> dict:
           "coordinator": (runtime.config.coordinator_address
                           if runtime.config else None),
           "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+          "run": os.environ.get(ranks.ENV_RUN_ID),
+          "attempt": int(os.environ.get(ranks.ENV_RESTART_COUNT, "0")),
           "command": " ".join(sys.argv)[:200]}
 
 
@@ -177,6 +184,13 @@ def _note(message: str) -> None:
   print(f"jdist: {message}", file=sys.stderr, flush=True)
 
 
+def _earlier_attempt(owner: dict, me: dict) -> bool:
+  """Whether `owner` is a process of an earlier attempt of `me`'s job."""
+  attempt = owner.get("attempt")
+  return (me["run"] is not None and owner.get("run") == me["run"] and
+          isinstance(attempt, int) and attempt < me["attempt"])
+
+
 def _in_use(directory: str, owner: dict, me: dict, evidence: str):
   if owner.get("pid") == me["pid"] and owner.get("machine") == me["machine"]:
     who = ("this process, which already writes checkpoints there (another "
@@ -207,6 +221,11 @@ def _take(directory: str, me: dict) -> str:
         continue
       _note(f"{path} is unreadable and {age:.0f} s old; replacing it.")
       _break(path, None)
+      continue
+    if _earlier_attempt(owner, me):
+      _note(f"{directory} was locked by {_describe(owner)}, in attempt "
+            f"{owner['attempt']} of this job, which has ended; taking it over.")
+      _break(path, owner)
       continue
     if owner.get("machine") == me["machine"]:
       if _alive(owner.get("pid"), owner.get("pid_start")):

@@ -103,8 +103,11 @@ class CheckpointManager:
     `like` is the state as this run holds it (freshly initialised, on this
     run's devices): leaves split over the replicas (a `jdist.Sharded`
     optimizer state) are restored split the same way, the others whole on
-    every device. A checkpoint saved on another number of devices or
-    processes restores all the same.
+    every device. It may also be the state's shapes only (`jax.eval_shape`
+    of the function that makes it), which a restarted job gets without
+    computing an initial state: every leaf is then restored whole on every
+    device. A checkpoint saved on another number of devices or processes
+    restores all the same.
 
     Raises:
       jdist.CheckpointNotFoundError: the directory holds no checkpoint.

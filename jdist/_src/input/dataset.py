@@ -184,7 +184,11 @@ class DistributedIterator:
     self._drained = False  # the background thread's items are all handed out
     self._placer = host.Placer(strategy)
     self._buffer = collections.deque()
-    self._size = batch_size
+    self._pad = options.pad_to_replicas
+    # The static (padded) batch, and the most real rows a batch may have.
+    self._size = self._full = batch_size
+    if batch_size is not None and self._pad:
+      self._size = host.padded_size(batch_size, strategy.num_replicas_in_sync)
     self._done = False
     self._steps = steps
     self.position = 0  # items handed out so far
@@ -370,18 +374,14 @@ class DistributedIterator:
     leaves = [np.asarray(x) for x in leaves]
     size = host.batch_size_of(leaves if leaves else batch, "batch")
     if self._size is None:
-      if size % n:
-        # Only a batch that is all of the data may be short: then it is a
-        # short last batch, padded like one.
-        if next(self._source, _END) is not _END:
-          raise host.split_error(size, n)
-        size_to = host.padded_size(size, n)
-      else:
-        size_to = size
-      self._size = size_to
-    elif size > self._size:
+      # Only a batch that is all of the data may be short, unless asked:
+      # then it is a short last batch, padded like one.
+      if size % n and not self._pad and next(self._source, _END) is not _END:
+        raise indivisible_error(size, n)
+      self._size, self._full = host.padded_size(size, n), size
+    elif size > self._full:
       raise ValueError(
-          f"A batch of {size} examples follows batches of {self._size}. Batches "
+          f"A batch of {size} examples follows batches of {self._full}. Batches "
           "may shrink at the end of the data but not grow: keep the global "
           "batch size fixed.")
     b = self._size // n
@@ -450,14 +450,26 @@ def from_values(strategy, value_fn: Callable) -> PerReplica:
   return PerReplica(host.Placer(strategy).put(stacked))
 
 
+def indivisible_error(size: int, n: int) -> ValueError:
+  """The error for a global batch that `n` replicas cannot share, with
+  the option that pads it."""
+  return ValueError(
+      f"{host.split_error(size, n)} Or pass options=jdist.InputOptions("
+      "pad_to_replicas=True) to pad every such batch with masked rows (an "
+      "elastic job restarted on another number of processes keeps its "
+      "global batch so).")
+
+
 def global_batches(strategy, dataset: Iterable, *,
                    options: InputOptions | None = None,
                    global_batch_size: int | None = None) -> DistributedDataset:
   """See `Strategy.experimental_distribute_dataset`."""
   n = strategy.num_replicas_in_sync
-  if global_batch_size is not None and (global_batch_size <= 0 or
-                                        global_batch_size % n):
+  if global_batch_size is not None and global_batch_size <= 0:
     raise host.split_error(global_batch_size, n)
+  if (global_batch_size is not None and global_batch_size % n and
+      not InputOptions.of(options).pad_to_replicas):
+    raise indivisible_error(global_batch_size, n)
   return DistributedDataset(
       strategy, dataset, Mode.GLOBAL, options=options,
       batch_size=global_batch_size,

@@ -32,6 +32,14 @@ class InputOptions:
       gains nothing, and on one CPU device it costs (the thread contends
       for Python's lock: 0.23 ms a step against 0.14 ms). One process only:
       with several, batches are read in the loop's thread.
+    pad_to_replicas: pad a global batch that the replicas do not divide
+      evenly with zero rows up to the next multiple of the replicas, and mask
+      them, as a short last batch is (jdist's own option: without it, such a
+      batch is an error). Losses from `jdist.compute_average_loss`, jdist's
+      metrics and `reduce(MEAN)` leave the padding out, so the training is
+      the same on any number of replicas: an elastic job (`jdist launch
+      --nnodes MIN:MAX`) restarted on fewer processes keeps its global
+      batch. Metrics written by hand must use the mask.
 
   Example:
     >>> import jdist, numpy as np
@@ -46,6 +54,7 @@ class InputOptions:
   experimental_fetch_to_device: bool = True
   experimental_per_replica_buffer_size: int = 1
   experimental_prefetch_in_thread: bool = False
+  pad_to_replicas: bool = False
 
   def __post_init__(self):
     size = self.experimental_per_replica_buffer_size
@@ -74,6 +83,10 @@ class InputOptions:
       raise TypeError(
           f"experimental_prefetch_in_thread must be True or False, got "
           f"{thread!r} ({type(thread).__name__}).")
+    if not isinstance(self.pad_to_replicas, bool):
+      raise TypeError(
+          f"pad_to_replicas must be True or False, got "
+          f"{self.pad_to_replicas!r} ({type(self.pad_to_replicas).__name__}).")
 
   @classmethod
   def of(cls, options) -> "InputOptions":

@@ -168,7 +168,7 @@ class Agent:
           os.environ, rank, run["world"], run["coordinator"],
           node.devices_per_process, local_index=node.local_index + i,
           restart_count=attempt, max_restarts=node.max_restarts,
-          health_file=path)
+          health_file=path, run_id=run.get("run_id"))
       self._procs.append(ranks.RankProcess(rank, list(node.cmd), env,
                                            self._lock, self._preexec))
       watches.append(health.Watch(rank, path))

@@ -1,7 +1,8 @@
 """The processes a `jdist launch` agent starts on its host, one per rank.
 
 Each gets jdist's cluster variables (so `jdist.initialize()` joins with no
-arguments) and the attempt's (`JDIST_RESTART_COUNT`, `JDIST_MAX_RESTARTS`);
+arguments) and the attempt's (`JDIST_RESTART_COUNT`, `JDIST_MAX_RESTARTS`,
+`JDIST_RUN_ID`: the same in every attempt of a job);
 its output is copied line by line under a `[rank]` prefix, and the end of its
 error output is kept for the launcher's message. On Linux it dies with the
 thread that started it (a parent-death SIGKILL), so nothing outlives a
@@ -23,6 +24,7 @@ from jdist._src.multiprocess import health
 
 ENV_RESTART_COUNT = "JDIST_RESTART_COUNT"
 ENV_MAX_RESTARTS = "JDIST_MAX_RESTARTS"
+ENV_RUN_ID = "JDIST_RUN_ID"
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 TAIL_LINES = 20
 
@@ -30,7 +32,8 @@ TAIL_LINES = 20
 def child_env(base: dict, rank: int, n: int, coordinator: str,
               devices_per_process: int | None, *, local_index: int | None = None,
               restart_count: int = 0, max_restarts: int = 0,
-              health_file: str | None = None) -> dict:
+              health_file: str | None = None,
+              run_id: str | None = None) -> dict:
   """The environment of process `rank` of `n`.
 
   Args:
@@ -45,6 +48,7 @@ def child_env(base: dict, rank: int, n: int, coordinator: str,
     restart_count: restarts before this attempt.
     max_restarts: `--max-restarts`.
     health_file: where it reports its health to its agent (`health.py`).
+    run_id: the job's name, the same in each of its attempts.
   """
   env = dict(base)
   env.update({cluster.ENV_COORDINATOR: coordinator,
@@ -55,6 +59,8 @@ def child_env(base: dict, rank: int, n: int, coordinator: str,
               "PYTHONUNBUFFERED": "1"})
   if health_file:
     env[health.ENV_HEALTH_FILE] = health_file
+  if run_id:
+    env[ENV_RUN_ID] = run_id
   k = devices_per_process
   if k:
     i = rank if local_index is None else local_index

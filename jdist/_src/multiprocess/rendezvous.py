@@ -31,12 +31,12 @@ Example:
   >>> from jdist._src.multiprocess import rendezvous
   >>> spec = rendezvous.JobSpec(min_nodes=1, max_nodes=2, max_restarts=0,
   ...                           command=("train.py",))
-  >>> r = rendezvous.Rendezvous(spec)
+  >>> r = rendezvous.Rendezvous(spec, run_id="7f3a")
   >>> a = r.hello(spec.asdict(), "10.0.0.1", nproc=1)["member"]
   >>> b = r.hello(spec.asdict(), "10.0.0.2", nproc=1)["member"]
   >>> _ = r.join(a, port=1234); view = r.join(b, port=4321)
   >>> view["phase"], view["run"]
-  ('running', {'first_rank': 1, 'nproc': 1, 'world': 2, 'coordinator': '10.0.0.1:1234', 'nodes': 2})
+  ('running', {'first_rank': 1, 'nproc': 1, 'world': 2, 'coordinator': '10.0.0.1:1234', 'nodes': 2, 'run_id': '7f3a'})
   >>> r.version  # one change of phase: gathering -> running
   1
 """
@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import uuid
 from typing import Callable
 
 from jdist._src.multiprocess import failures
@@ -93,13 +94,19 @@ class Rendezvous:
     join_timeout: seconds a round waits for the minimum of nodes.
     stuck_timeout: `health.judge`'s timeout.
     clock: monotonic seconds.
+    run_id: the job's name in every attempt's assignment (default: a
+      random one).
   """
 
   def __init__(self, spec: JobSpec, *, last_call: float = LAST_CALL_SECONDS,
                join_timeout: float = JOIN_TIMEOUT_SECONDS,
                stuck_timeout: float = STUCK_TIMEOUT_SECONDS,
-               clock: Callable[[], float] = time.monotonic):
+               clock: Callable[[], float] = time.monotonic,
+               run_id: str | None = None):
     self.spec = spec
+    # One name for every attempt of the job (torchrun's run id): what an
+    # earlier attempt left (a checkpoint directory's lock) is known as ours.
+    self.run_id = run_id or uuid.uuid4().hex[:16]
     self._last_call = last_call
     self._join_timeout = join_timeout
     self._stuck_timeout = stuck_timeout
@@ -312,7 +319,7 @@ class Rendezvous:
             "nproc": self._members[member].nproc,
             "world": sum(self._members[i].nproc for i in self._round),
             "coordinator": f"{first.address}:{first.port}",
-            "nodes": len(self._round)}
+            "nodes": len(self._round), "run_id": self.run_id}
 
 
 def _describe(spec: dict) -> str:

@@ -436,7 +436,8 @@ def make_source(x, y=None, *, batch_size=None, steps_per_epoch=None,
 
 
 def static_batch_size(source: Source, sample: dict, num_replicas: int,
-                      what: str, *, micro_batches: int = 1) -> int | None:
+                      what: str, *, micro_batches: int = 1,
+                      pad: bool = False) -> int | None:
   """The global batch size steps compile for: the first batch's.
 
   Data that fits in one batch (fewer examples than `batch_size`, fewer
@@ -449,6 +450,8 @@ def static_batch_size(source: Source, sample: dict, num_replicas: int,
     micro_batches: M: each replica's share of a batch is split into M
       micro-batches (the Trainer's `micro_batches`), so batches must split
       into `num_replicas * M` equal parts.
+    pad: pad every batch to a multiple of `num_replicas * M` instead
+      (`InputOptions.pad_to_replicas`).
 
   Raises:
     ValueError: the batches cannot split evenly over the replicas (and
@@ -458,7 +461,7 @@ def static_batch_size(source: Source, sample: dict, num_replicas: int,
   parts = num_replicas * micro_batches
   if rows % parts == 0:
     return rows
-  if source.steps_per_epoch == 1:
+  if pad or source.steps_per_epoch == 1:
     return host.padded_size(rows, parts)
   if rows % num_replicas:
     if source.one_shot and source.steps_per_epoch is None:

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from jdist._src.core import placement
+from jdist._src.input.options import InputOptions
 from jdist._src.training import steps as steps_lib
 from jdist._src.training.callbacks import CallbackList, LazyLogs
 from jdist._src.training.history import History
@@ -77,6 +78,7 @@ class FitLoop:
     skipped: a `mixed_precision.SkippedBatches` for a loss-scaled optimizer
       (fit then warns, once an epoch, about batches skipped at the scale's
       floor), or None.
+    options: the `InputOptions` the batches are distributed with.
 
   Attributes:
     position: the epoch and batch training is at.
@@ -96,7 +98,8 @@ class FitLoop:
                validate: Callable | None = None, make_totals: Callable,
                read_logs: Callable, batch_size: int | None = None,
                steps_per_execution: int = 1, batches_per_step: int = 1,
-               batches: Callable | None = None, skipped=None):
+               batches: Callable | None = None, skipped=None,
+               options: InputOptions | None = None):
     self.source = source
     self.history = History()
     self.position = Position(epoch=initial_epoch)
@@ -112,6 +115,7 @@ class FitLoop:
     self._make_totals = make_totals
     self._read_logs = read_logs
     self._batch_size = batch_size
+    self._options = options
     self._resume_sums = None
     self._warned_nonfinite = False
     self._skipped = skipped
@@ -231,7 +235,7 @@ class FitLoop:
       batches = self._batches(epoch, start)
     else:
       batches = self._strategy.experimental_distribute_dataset(
-          self.source.batches(epoch, start),
+          self.source.batches(epoch, start), self._options,
           global_batch_size=self._batch_size)
       if self.steps_per_execution > 1:
         batches = batches.group(self.steps_per_execution)

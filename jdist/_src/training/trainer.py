@@ -16,6 +16,7 @@ from jdist._src.core import state_output as state_output_lib
 from jdist._src.core.function import DistributedFunction
 from jdist._src.core.multi_step import MultiStepFunction
 from jdist._src.errors import CheckpointNotFoundError
+from jdist._src.input.options import InputOptions
 from jdist._src.ops import precision
 from jdist._src.ops.sharded_optimizer import ShardedOptimizer
 from jdist._src.training import data as data_lib
@@ -104,6 +105,12 @@ class Trainer:
       as M = 1 (exactly also on a padded last batch) with the activations of
       one micro-batch alive at a time; each replica's batch must be a
       multiple of M. Combines with `gradient_accumulation_steps`.
+    pad_to_replicas: a batch that the replicas (times M micro-batches) do
+      not divide is padded with masked rows to the next multiple, as a short
+      last batch is, instead of refused (`jdist.InputOptions`' option of this
+      name). Losses and metrics leave the padding out, so training is the
+      same on any number of replicas: a job under `jdist launch --nnodes
+      MIN:MAX` restarted on fewer processes keeps its `batch_size`.
 
   Example:
     >>> import jdist, optax, numpy as np
@@ -123,11 +130,13 @@ class Trainer:
                metrics=None, weighted_metrics=None, params=None, strategy=None,
                seed: int = 0, shard_optimizer_state: bool = False,
                steps_per_execution: int = 1, dtype_policy="float32",
-               gradient_accumulation_steps: int = 1, micro_batches: int = 1):
+               gradient_accumulation_steps: int = 1, micro_batches: int = 1,
+               pad_to_replicas: bool = False):
     if not isinstance(optimizer, optax.GradientTransformation):
       raise TypeError(
           f"optimizer must be an optax GradientTransformation (for example "
           f"optax.adam(1e-3)), got {type(optimizer).__name__}.")
+    self._input_options = InputOptions(pad_to_replicas=pad_to_replicas)
     self._strategy = strategy or (current.get_strategy()
                                   if current.has_strategy() else None)
     self._policy = precision.policy_of(dtype_policy)
@@ -442,7 +451,8 @@ class Trainer:
     if not isinstance(source, dataset_creator.CreatorSource):
       static = data_lib.static_batch_size(
           source, sample, self.strategy.num_replicas_in_sync, what,
-          micro_batches=micro_batches)
+          micro_batches=micro_batches,
+          pad=self._input_options.pad_to_replicas)
     if not with_loss:
       return sample, static
     if "y" not in sample:
@@ -539,6 +549,7 @@ class Trainer:
                        initial_epoch=initial_epoch, validate=validate,
                        make_totals=self._totals,
                        read_logs=self._read_train_logs, batch_size=static,
+                       options=self._input_options,
                        steps_per_execution=self._batches_per_call,
                        batches_per_step=self._accumulation,
                        batches=(source.distributed if isinstance(
@@ -633,7 +644,7 @@ class Trainer:
   def _evaluate_source(self, source, static: int | None, state,
                        cbs: CallbackList, verbose=0) -> dict:
     batches = self.strategy.experimental_distribute_dataset(
-        source.batches(0), global_batch_size=static)
+        source.batches(0), self._input_options, global_batch_size=static)
     return loop.evaluate(self.make_test_function(), state, batches,
                          self._totals(), self._read_means, cbs,
                          ProgressBar(verbose, 1), source.steps_per_epoch)
@@ -652,7 +663,8 @@ class Trainer:
     cbs = CallbackList(callbacks, trainer=self, params={"steps": steps,
                                                         "verbose": verbose})
     inputs = self.strategy.experimental_distribute_dataset(
-        ({"x": b["x"]} for b in source.batches(0)), global_batch_size=static)
+        ({"x": b["x"]} for b in source.batches(0)), self._input_options,
+        global_batch_size=static)
     return loop.predict(self.make_predict_function(), self.state, inputs,
                         self.strategy, cbs, ProgressBar(verbose, 1),
                         source.steps_per_epoch)
