@@ -322,7 +322,7 @@ class DistributedFunction:
         mesh=strategy.mesh, in_specs=plan.specs,
         out_specs=outputs.out_specs(axis), axis_names={axis},
         check_vma=True)(*plan.leaves)
-    return outputs.wrap(results, plan.validity)
+    return strategy.keep_layouts(outputs.wrap(results, plan.validity))
 
 
 def _flat(out: Any, args: tuple, donated) -> _Flat:

@@ -116,11 +116,20 @@ class LayoutMap(collections.abc.MutableMapping):
       ValueError: the layout's rank is not the parameter's, or an axis's
         size does not divide the dimension it splits.
     """
+    problem = self.problem(path, shape)
+    if problem is not None:
+      raise ValueError(problem)
+    return self[path] or P()
+
+  def problem(self, path: str, shape: tuple) -> str | None:
+    """Why the layout of `path` cannot lay out an array of `shape` (its rank
+    differs, or an axis does not divide the dimension it splits), or None.
+    """
     spec = self[path]
     if spec is None:
-      return P()
+      return None
     if len(spec) != len(shape):
-      raise ValueError(
+      return (
           f"LayoutMap gives parameter {path!r} of shape {tuple(shape)} the "
           f"layout {tuple(spec)} of {len(spec)} dimensions; give one axis (or "
           f"None) for each of its {len(shape)} dimensions.")
@@ -128,12 +137,12 @@ class LayoutMap(collections.abc.MutableMapping):
       axes = axes if isinstance(axes, tuple) else (axes,)
       split = int(np.prod([self._mesh.axis_size(a) for a in axes if a]))
       if size % split:
-        raise ValueError(
+        return (
             f"Parameter {path!r} of shape {tuple(shape)}: dimension {dim} "
             f"({size}) cannot be split over mesh axis {'x'.join(map(str, axes))}"
             f" of size {split}. Choose an axis whose size divides {size}, or "
             "None for that dimension in its LayoutMap key.")
-    return spec
+    return None
 
   def partition_specs(self, tree: Any) -> Any:
     """A `PartitionSpec` for every leaf of the parameter tree `tree`.

@@ -9,7 +9,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jdist._src.strategies.layout_map import LayoutMap
+from jdist._src.core import kinds
+from jdist._src.strategies.layout_map import LayoutMap, path_name
 from jdist._src.strategies.spmd import Strategy
 
 
@@ -148,18 +149,50 @@ class ModelParallelStrategy(Strategy):
     """The `PartitionSpec` of every leaf of `tree`: the layout map's, split
     over `fsdp_axis` as well when there is one."""
     specs = self._layout_map.partition_specs(tree)
-    if self._fsdp_axis is None:
-      return specs
-    size = self.device_mesh.axis_size(self._fsdp_axis)
-    return jax.tree.map(
-        lambda s, x: fsdp_spec(s, np.shape(x), self._fsdp_axis, size),
-        specs, tree, is_leaf=lambda x: isinstance(x, P))
+    return jax.tree.map(self._with_fsdp, specs, tree,
+                        is_leaf=lambda x: isinstance(x, P))
 
   def shardings(self, tree: Any) -> Any:
     """The `NamedSharding` of every leaf of `tree` (see `partition_specs`)."""
     return jax.tree.map(lambda s: NamedSharding(self.mesh, s),
                         self.partition_specs(tree),
                         is_leaf=lambda x: isinstance(x, P))
+
+  def _with_fsdp(self, spec: P, leaf: Any) -> P:
+    if self._fsdp_axis is None:
+      return spec
+    size = self.device_mesh.axis_size(self._fsdp_axis)
+    return fsdp_spec(spec, np.shape(leaf), self._fsdp_axis, size)
+
+  def keep_layouts(self, outputs: Any) -> Any:
+    """Inside a traced step: its outputs held in the layouts `init` gives.
+
+    Without it XLA chooses the layout of a returned array: a bias no rule
+    splits came back split like the kernel it is added to, so the next call
+    (its argument laid out anew) compiled the step a second time. Each
+    element of a returned tuple is matched on its own paths, as the tree
+    `init` made was (`return params, opt_state, loss`). A distributed value
+    (`PerReplica`, ...) keeps its own layout; an array its rule cannot lay
+    out (another rank, an indivisible dimension) is not state the map
+    describes and is left as XLA places it.
+    """
+    if type(outputs) is tuple:
+      return tuple(self._constrained(o) for o in outputs)
+    return self._constrained(outputs)
+
+  def _constrained(self, tree: Any) -> Any:
+    layout_map = self._layout_map
+
+    def one(path, node):
+      if kinds.is_node(node) or not isinstance(node, jax.Array):
+        return node
+      name, shape = path_name(path), np.shape(node)
+      if layout_map.problem(name, shape) is not None:
+        return node
+      spec = self._with_fsdp(layout_map.spec_for(name, shape), node)
+      return jax.lax.with_sharding_constraint(
+          node, NamedSharding(self.mesh, spec))
+    return jax.tree_util.tree_map_with_path(one, tree, is_leaf=kinds.is_node)
 
   def init(self, fn: Callable, *args, **kwargs) -> Any:
     """Runs `fn(*args, **kwargs)` compiled so that its result is created laid
