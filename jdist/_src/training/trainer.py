@@ -306,7 +306,7 @@ class Trainer:
       sample = jax.tree.map(lambda a: np.asarray(a)[:1], x)
       self._initialised_for = steps_lib.input_spec(sample)
       try:
-        params, model_state = self._model.init(init_key, sample)
+        params, _ = jax.eval_shape(self._model.init, init_key, sample)
       except Exception as e:
         raise ValueError(
             f"The model cannot be initialised with inputs of shapes "
@@ -319,10 +319,16 @@ class Trainer:
             "Check that its layers are created (flax linen: in setup or "
             "@nn.compact __call__; nnx: as attributes in __init__).")
       mixed_precision.check_scaled_once(self._given_tx, self._tx, params)
-      state = TrainState(jnp.int32(0), params, self._optimizer().init(params),
-                         model_state, jax.random.key_data(rng_key))
-      self._state = self.strategy.replicate(state)
+      # Made by the strategy: under ModelParallelStrategy each array is born
+      # in its layout (compiled with output shardings), never whole.
+      self._state = self.strategy.init(self._new_state, init_key, rng_key,
+                                       sample)
     return self._state
+
+  def _new_state(self, init_key, rng_key, sample) -> TrainState:
+    params, model_state = self._model.init(init_key, sample)
+    return TrainState(jnp.int32(0), params, self._optimizer().init(params),
+                      model_state, jax.random.key_data(rng_key))
 
   def _read(self, held):
     """The value of held state (read from the servers under parameter servers)."""
