@@ -106,6 +106,7 @@ class GPT(nn.Module):
 
   Example:
     >>> import jax, jax.numpy as jnp
+    >>> from jdist.examples.models import GPT
     >>> model = GPT(vocab_size=32, max_len=8, embed_dim=16, num_heads=4,
     ...             num_layers=1, mlp_dim=32)
     >>> tokens = jnp.zeros((2, 8), jnp.int32)
@@ -156,6 +157,7 @@ def gpt_layout_map(mesh: jdist.DeviceMesh,
 
   Example:
     >>> import jax, jdist
+    >>> from jdist.examples.models import gpt_layout_map
     >>> mesh = jdist.DeviceMesh((1, len(jax.devices())), ("data", "model"))
     >>> layout_map = gpt_layout_map(mesh)
     >>> layout_map["block_0/attn/query/kernel"]
@@ -189,6 +191,7 @@ def gpt_fsdp_strategy(mesh: jdist.DeviceMesh, batch_dim_name: str = "data",
 
   Example:
     >>> import jax, jdist
+    >>> from jdist.examples.models import gpt_fsdp_strategy
     >>> mesh = jdist.DeviceMesh((1, len(jax.devices())), ("data", "fsdp"))
     >>> gpt_fsdp_strategy(mesh).fsdp_axis
     'fsdp'
