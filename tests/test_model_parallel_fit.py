@@ -9,6 +9,8 @@ import pytest
 import jdist
 from jdist.examples.models import MLP
 
+from conftest import Interrupt
+
 # float32 on both sides; the sums run in another order over split kernels.
 _TOL = 1e-5
 
@@ -156,3 +158,25 @@ def test_a_checkpoint_from_2x2_restores_onto_another_mesh(
     assert _shard_shape(kernel) == (8, 4)
     assert _shard_shape(trainer.state.opt_state[0].trace["Dense_0"]
                         ["kernel"]) == (8, 4)
+
+
+def test_a_fit_interrupted_on_2x2_resumes_on_1x4_as_one_device_ran(
+    devices, one_device_run, tmp_path):
+  # BackupAndRestore: the 2x2 run dies at step 6 of 8; its backup (step 4)
+  # restores into the 1x4 trainer's layout, which ends where one device did.
+  x, y = _data()
+  kwargs = dict(batch_size=16, epochs=2, verbose=0,
+                validation_data=(x[:32], y[:32]))
+  crashed = _trainer(_strategy(devices, "tensor_2x2"))
+  with pytest.raises(KeyboardInterrupt):
+    crashed.fit(x, y, callbacks=[Interrupt(6), jdist.BackupAndRestore(
+        tmp_path, save_freq=2)], **kwargs)
+  backup = jdist.BackupAndRestore(tmp_path, save_freq=2)
+  resumed = _trainer(_strategy(devices, "tensor_1x4"))
+  history = resumed.fit(x, y, callbacks=[backup], **kwargs)
+  assert backup.restored_step == 4 and resumed.global_step == 8
+  kernel = resumed.state.params["Dense_0"]["kernel"]
+  assert _shard_shape(kernel) == (8, 4)
+  _assert_same_params(resumed.params, one_device_run["params"])
+  np.testing.assert_allclose(history.history["loss"][-1],
+                             one_device_run["history"]["loss"][-1], atol=_TOL)
