@@ -180,3 +180,12 @@ def test_a_fit_interrupted_on_2x2_resumes_on_1x4_as_one_device_ran(
   _assert_same_params(resumed.params, one_device_run["params"])
   np.testing.assert_allclose(history.history["loss"][-1],
                              one_device_run["history"]["loss"][-1], atol=_TOL)
+
+
+def test_sharded_optimizer_state_is_refused_clearly(devices):
+  trainer = jdist.Trainer(
+      MLP(hidden=16, classes=4), optimizer=optax.sgd(0.1), loss="mse",
+      strategy=_strategy(devices, "tensor_2x2"), shard_optimizer_state=True)
+  with pytest.raises(ValueError, match=r"shard_optimizer_state=True is not "
+                     r"supported under ModelParallelStrategy.*fsdp_axis"):
+    trainer.build(_data()[0])
