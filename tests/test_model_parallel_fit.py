@@ -22,12 +22,12 @@ def _data():
   return x, y
 
 
-def _trainer(strategy, optimizer=None, callbacks=None):
+def _trainer(strategy, optimizer=None, **options):
   return jdist.Trainer(
       MLP(hidden=16, classes=4),
       optimizer=optimizer or optax.sgd(0.1, momentum=0.9),
       loss=jdist.losses.SparseCategoricalCrossentropy(from_logits=True),
-      metrics=["accuracy"], strategy=strategy)
+      metrics=["accuracy"], strategy=strategy, **options)
 
 
 def _tensor_parallel(mesh):
@@ -53,9 +53,9 @@ def _strategy(devices, case):
                                      batch_dim_name="data")
 
 
-def _fit(strategy, callbacks=()):
+def _fit(strategy, callbacks=(), **options):
   x, y = _data()
-  trainer = _trainer(strategy)
+  trainer = _trainer(strategy, **options)
   history = trainer.fit(x, y, batch_size=16, epochs=2, verbose=0,
                         validation_data=(x[:32], y[:32]), callbacks=callbacks)
   return trainer, {
@@ -128,6 +128,16 @@ def test_fit_on_4_fsdp_equals_one_device(devices, one_device_run):
   assert _shard_shape(params["Dense_1"]["kernel"]) == (4, 4)
   trace = trainer.state.opt_state[0].trace
   assert _shard_shape(trace["Dense_1"]["kernel"]) == (4, 4)
+
+
+@pytest.mark.parametrize("options", [{"steps_per_execution": 2},
+                                     {"gradient_accumulation_steps": 2}],
+                         ids=["steps_per_execution", "accumulation"])
+def test_fsdp_4_composes_with_grouped_steps_and_accumulation(
+    devices, one_device_run, options):
+  # A group of steps is (replicas, steps, b, ...): FSDP splits axis 2.
+  _, run = _fit(_strategy(devices, "fsdp_4"), **options)
+  _assert_equal(run, one_device_run)
 
 
 def test_state_is_born_in_its_layout_and_adam_moments_follow_it(devices):
