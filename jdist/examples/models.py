@@ -7,6 +7,8 @@ dropout. Both compute in the dtype of their inputs and parameters unless
 them (`jdist.Trainer(..., dtype_policy="mixed_bfloat16")`) runs them in
 bfloat16. Dropout uses `jdist.dropout`, keyed by global example position, so
 the model trains the same on any number of replicas.
+`GPT`: a small decoder-only transformer for model parallelism, with
+`gpt_layout_map` (Megatron-style tensor parallelism) and `gpt_fsdp_strategy`.
 """
 
 from __future__ import annotations
@@ -71,3 +73,129 @@ class CNN(nn.Module):
       x = jdist.dropout(self.make_rng("dropout"), self.dropout_rate, x)
     return nn.Dense(self.classes, **kw)(x)
 
+
+
+class GPTBlock(nn.Module):
+  """Pre-norm decoder block: causal multi-head attention, then an MLP."""
+
+  num_heads: int
+  mlp_dim: int
+
+  @nn.compact
+  def __call__(self, x):
+    mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
+    h = nn.LayerNorm(name="attn_norm")(x)
+    x = x + nn.MultiHeadDotProductAttention(
+        num_heads=self.num_heads, name="attn")(h, h, mask=mask)
+    h = nn.LayerNorm(name="mlp_norm")(x)
+    h = nn.gelu(nn.Dense(self.mlp_dim, name="mlp_in")(h))
+    return x + nn.Dense(x.shape[-1], name="mlp_out")(h)
+
+
+class GPT(nn.Module):
+  """A small GPT: token and position embeddings, `num_layers` decoder blocks
+  (causal multi-head attention, MLP, layer norms), a final layer norm and a
+  language-model head. Maps int tokens `(batch, length)` to logits
+  `(batch, length, vocab_size)`; `length` is at most `max_len`.
+
+  Parameter paths (what a `LayoutMap` key names): `token_embed/embedding`,
+  `position_embed/embedding`, `block_{i}/attn/{query,key,value}/kernel`
+  (embed, heads, head_dim), `block_{i}/attn/out/kernel` (heads, head_dim,
+  embed), `block_{i}/mlp_in/kernel`, `block_{i}/mlp_out/kernel`, their
+  biases, `block_{i}/{attn,mlp}_norm/{scale,bias}`, `final_norm`, `head`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jdist.examples.models import GPT
+    >>> model = GPT(vocab_size=32, max_len=8, embed_dim=16, num_heads=4,
+    ...             num_layers=1, mlp_dim=32)
+    >>> tokens = jnp.zeros((2, 8), jnp.int32)
+    >>> variables = model.init(jax.random.key(0), tokens)
+    >>> model.apply(variables, tokens).shape
+    (2, 8, 32)
+  """
+
+  vocab_size: int = 64
+  max_len: int = 16
+  embed_dim: int = 32
+  num_heads: int = 4
+  num_layers: int = 2
+  mlp_dim: int = 128
+
+  @nn.compact
+  def __call__(self, tokens, train: bool = False):
+    del train  # no dropout
+    length = tokens.shape[-1]
+    x = nn.Embed(self.vocab_size, self.embed_dim, name="token_embed")(tokens)
+    x = x + nn.Embed(self.max_len, self.embed_dim,
+                     name="position_embed")(jnp.arange(length))
+    for i in range(self.num_layers):
+      x = GPTBlock(self.num_heads, self.mlp_dim, name=f"block_{i}")(x)
+    x = nn.LayerNorm(name="final_norm")(x)
+    return nn.Dense(self.vocab_size, name="head")(x)
+
+
+def gpt_layout_map(mesh: jdist.DeviceMesh,
+                   model_axis: str = "model") -> jdist.LayoutMap:
+  """Megatron-style tensor parallelism for `GPT` over `model_axis`.
+
+  Attention's query, key and value kernels are split by heads (a column
+  split: each device computes its heads whole), its output kernel by heads
+  too (a row split: one all-reduce of the block's output); the MLP's input
+  kernel is column-split, its output kernel row-split. The token embedding
+  and the head are split over the vocabulary, the position embedding over
+  the features; layer norms and row-split layers' biases stay whole. The
+  number of heads, `mlp_dim`, `vocab_size` and `embed_dim` must be
+  multiples of the axis's size (the strategy says which is not).
+
+  Args:
+    mesh: the `jdist.DeviceMesh` with `model_axis`.
+    model_axis: the mesh axis the parameters are split over.
+
+  Returns:
+    A `jdist.LayoutMap` for `jdist.ModelParallelStrategy`.
+
+  Example:
+    >>> import jax, jdist
+    >>> from jdist.examples.models import gpt_layout_map
+    >>> mesh = jdist.DeviceMesh((1, len(jax.devices())), ("data", "model"))
+    >>> layout_map = gpt_layout_map(mesh)
+    >>> layout_map["block_0/attn/query/kernel"]
+    P(None, 'model', None)
+  """
+  m = model_axis
+  layout_map = jdist.LayoutMap(mesh)
+  layout_map["token_embed/embedding"] = (m, None)
+  layout_map["position_embed/embedding"] = (None, m)
+  layout_map[r"block_\d+/attn/(query|key|value)/kernel"] = (None, m, None)
+  layout_map[r"block_\d+/attn/(query|key|value)/bias"] = (m, None)
+  layout_map[r"block_\d+/attn/out/kernel"] = (m, None, None)
+  layout_map[r"block_\d+/mlp_in/kernel"] = (None, m)
+  layout_map[r"block_\d+/mlp_in/bias"] = (m,)
+  layout_map[r"block_\d+/mlp_out/kernel"] = (m, None)
+  layout_map["head/kernel"] = (None, m)
+  layout_map["head/bias"] = (m,)
+  return layout_map
+
+
+def gpt_fsdp_strategy(mesh: jdist.DeviceMesh, batch_dim_name: str = "data",
+                      fsdp_axis: str = "fsdp") -> jdist.ModelParallelStrategy:
+  """FSDP (ZeRO-3) for `GPT`: every parameter, its gradient and optimizer
+  state split over `fsdp_axis` (its largest dimension the axis divides),
+  each replica's batch too; no layout rules.
+
+  Args:
+    mesh: a `jdist.DeviceMesh` with the two axes.
+    batch_dim_name: the replicas' axis (size 1 for FSDP alone).
+    fsdp_axis: the axis that splits the parameters and each replica's batch.
+
+  Example:
+    >>> import jax, jdist
+    >>> from jdist.examples.models import gpt_fsdp_strategy
+    >>> mesh = jdist.DeviceMesh((1, len(jax.devices())), ("data", "fsdp"))
+    >>> gpt_fsdp_strategy(mesh).fsdp_axis
+    'fsdp'
+  """
+  return jdist.ModelParallelStrategy(layout_map=jdist.LayoutMap(mesh),
+                                     batch_dim_name=batch_dim_name,
+                                     fsdp_axis=fsdp_axis)

@@ -23,6 +23,7 @@ class _Stacks(threading.local):
     super().__init__()
     self.scopes: list = []
     self.replicas: list = []
+    self.untyped = 0
 
 
 _stacks = _Stacks()
@@ -88,3 +89,21 @@ def may_call_step(strategy) -> bool:
     return False
   scopes = stacks.scopes
   return not scopes or scopes[-1] is strategy or scopes[-1] == strategy
+
+
+@contextlib.contextmanager
+def untyped_replica() -> Iterator[None]:
+  """Marks the block as a trace whose varying-axis types are not tracked
+  (a step of one replica spanning several devices, mapped with
+  `check_vma=False`): every value counts as the replica's own
+  (`in_step.is_varying`), which over one replica is what it is."""
+  _stacks.untyped += 1
+  try:
+    yield
+  finally:
+    _stacks.untyped -= 1
+
+
+def varying_types_untracked() -> bool:
+  """Whether the trace runs inside `untyped_replica`."""
+  return _stacks.untyped > 0

@@ -13,6 +13,7 @@ program returns (`_Flat`).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import warnings
@@ -317,12 +318,32 @@ class DistributedFunction:
                           check_state=self._options.check_state,
                           name=self._name, program_check=program_check,
                           batch_rows=rows)
+    typed = _types_tracked(strategy)
+
+    def local_results(*local):
+      with contextlib.ExitStack() as stack:
+        if not typed:
+          stack.enter_context(context.untyped_replica())
+        return outputs.local_results(run_replica(*local)[0], axis)
+
     results = jax.shard_map(
-        lambda *local: outputs.local_results(run_replica(*local)[0], axis),
-        mesh=strategy.mesh, in_specs=plan.specs,
+        local_results, mesh=strategy.mesh, in_specs=plan.specs,
         out_specs=outputs.out_specs(axis), axis_names={axis},
-        check_vma=True)(*plan.leaves)
-    return outputs.wrap(results, plan.validity)
+        check_vma=typed)(*plan.leaves)
+    return strategy.keep_layouts(outputs.wrap(results, plan.validity))
+
+
+def _types_tracked(strategy) -> bool:
+  """Whether the step's map tracks varying-axis types (`check_vma`).
+
+  Not for one replica spanning several devices (a `ModelParallelStrategy`
+  whose batch axis has size 1): jax 0.10.2's partitioner rejects the
+  gradient's all-reduce over a size-1 manual axis while other axes are
+  automatic ("Cross-partition allreduce must be in (partial) manual
+  partitioning mode"). One replica needs no gradient sum, and the probe has
+  read every output's type and run the guards with types tracked.
+  """
+  return strategy.num_replicas_in_sync > 1 or strategy.mesh.size == 1
 
 
 def _flat(out: Any, args: tuple, donated) -> _Flat:

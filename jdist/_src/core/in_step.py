@@ -18,12 +18,19 @@ import jax.numpy as jnp
 from jax import lax
 
 from jdist._src import jax_compat
+from jdist._src.core import context
 from jdist._src.core.reduce_op import ReduceOp
 from jdist._src.errors import DoubleReductionError
 
 
 def is_varying(x: Any, axis_name: str) -> bool:
-  """Whether `x` (traced inside a step) may differ between replicas."""
+  """Whether `x` (traced inside a step) may differ between replicas.
+
+  In a trace whose types are not tracked (`context.untyped_replica`: one
+  replica, checked already by the typed probe) every value may.
+  """
+  if context.varying_types_untracked():
+    return True
   return axis_name in jax_compat.varying_axes(x)
 
 

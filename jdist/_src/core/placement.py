@@ -21,11 +21,14 @@ def replicated_sharding(mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
-def per_replica_sharding(mesh, axis_name: str,
-                         inner_axis: str | None = None) -> NamedSharding:
-  """Rows split over `axis_name`; each row's batch over `inner_axis` (FSDP)."""
-  return NamedSharding(mesh, P(axis_name, inner_axis) if inner_axis
-                       else P(axis_name))
+def per_replica_sharding(mesh, axis_name: str, inner_axis: str | None = None,
+                         batch_axis: int = 1) -> NamedSharding:
+  """Rows split over `axis_name`; each row's batch (its axis `batch_axis`:
+  2 for a group of steps `(R, steps, b, ...)`) over `inner_axis` (FSDP)."""
+  if inner_axis is None:
+    return NamedSharding(mesh, P(axis_name))
+  return NamedSharding(mesh, P(axis_name, *[None] * (batch_axis - 1),
+                               inner_axis))
 
 
 def spans_processes(mesh) -> bool:
@@ -56,13 +59,15 @@ def put_replicated(x: Any, mesh) -> jax.Array:
 
 
 def put_per_replica(local_rows: Any, mesh, axis_name: str,
-                    num_replicas: int, inner_axis: str | None = None) -> Any:
+                    num_replicas: int, inner_axis: str | None = None,
+                    batch_axis: int = 1) -> Any:
   """Places this process's rows `(local_replicas, ...)` as `(R, ...)` arrays.
 
   `local_rows` may be a pytree; every leaf goes in one transfer. With
-  `inner_axis`, each replica's batch (axis 1) is split over that mesh axis.
+  `inner_axis`, each replica's batch (axis `batch_axis`) is split over that
+  mesh axis.
   """
-  sharding = per_replica_sharding(mesh, axis_name, inner_axis)
+  sharding = per_replica_sharding(mesh, axis_name, inner_axis, batch_axis)
   if not spans_processes(mesh):
     leaves, treedef = jax.tree.flatten(local_rows)
     return jax.tree.unflatten(treedef,

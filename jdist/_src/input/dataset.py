@@ -347,7 +347,8 @@ class DistributedIterator:
       items.append(item)
     if not items:
       return None
-    return BatchGroup(*self._placer.put(self._placer.host_group(items)))
+    return BatchGroup(*self._placer.put(self._placer.host_group(items),
+                                        batch_axis=2))
 
   # --- reading and padding on the host --------------------------------------
 

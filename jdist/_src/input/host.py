@@ -88,11 +88,13 @@ def padded_size(rows: int, multiple: int) -> int:
   return rows + (-rows) % multiple
 
 
-def _check_inner_split(local_rows, n: int, axis: str, k: int) -> None:
-  """Raises unless each replica's batch splits over the `k` devices of the
-  within-replica mesh `axis` (FSDP splits the replica's batch too)."""
+def _check_inner_split(local_rows, n: int, axis: str, k: int,
+                       batch_axis: int) -> None:
+  """Raises unless each replica's batch (axis `batch_axis` of its rows)
+  splits over the `k` devices of the within-replica mesh `axis` (FSDP splits
+  the replica's batch too)."""
   for leaf in jax.tree.leaves(local_rows):
-    b = np.shape(leaf)[1] if np.ndim(leaf) > 1 else None
+    b = np.shape(leaf)[batch_axis] if np.ndim(leaf) > batch_axis else None
     if b is not None and b % k:
       raise split_error(n * b, n * k,
                         f"parts ({n} replicas x {k} devices of {axis!r})")
@@ -130,8 +132,14 @@ class Placer:
       mask = self._full_masks[(rows, b)] = np.ones((rows, b), bool)
     return mask
 
-  def put(self, local_rows):
-    """Places a pytree of local rows, all leaves in one transfer."""
+  def put(self, local_rows, batch_axis: int = 1):
+    """Places a pytree of local rows, all leaves in one transfer.
+
+    Args:
+      local_rows: `(local replicas, b, ...)` leaves, or `(local replicas,
+        steps, b, ...)` for a group of steps (`batch_axis=2`).
+      batch_axis: the examples' axis, which FSDP splits.
+    """
     s = self.strategy
     inner = s.replica_batch_axis
     if inner is None:
@@ -142,10 +150,10 @@ class Placer:
         local_rows, is_leaf=lambda x: isinstance(x, Validity))
     data = [i for i, x in enumerate(flat) if not isinstance(x, Validity)]
     _check_inner_split([flat[i] for i in data], s.num_replicas_in_sync, inner,
-                       s.mesh.shape[inner])
+                       s.mesh.shape[inner], batch_axis)
     placed = placement.put_per_replica(
         [x if i in data else None for i, x in enumerate(flat)], s.mesh,
-        s.axis_name, s.num_replicas_in_sync, inner)
+        s.axis_name, s.num_replicas_in_sync, inner, batch_axis)
     whole = placement.put_per_replica(
         [None if i in data else x for i, x in enumerate(flat)], s.mesh,
         s.axis_name, s.num_replicas_in_sync)
@@ -184,8 +192,8 @@ class Placer:
 
     Returns:
       Values `(local replicas, steps, b, ...)` and a `Validity`
-      `(local replicas, steps, b + 1)`, on the host (`put` places them in
-      one transfer).
+      `(local replicas, steps, b + 1)`, on the host (`put(...,
+      batch_axis=2)` places them in one transfer).
     """
     rows = jax.tree.map(lambda *xs: np.stack(xs, axis=1),
                         *[item.rows for item in items])

@@ -130,6 +130,22 @@ class StrategyBase(abc.ABC):
   def replicate(self, tree: Any) -> Any:
     """Places `tree` where this strategy holds state (mirrored placement)."""
 
+  def init(self, fn: Callable, *args, **kwargs) -> Any:
+    """New state: `fn(*args, **kwargs)` placed as `replicate` places it.
+
+    A strategy whose replicas span devices (`ModelParallelStrategy`)
+    computes it directly in its layout instead, so that no device holds the
+    whole state.
+
+    Example:
+      >>> import jdist, jax.numpy as jnp
+      >>> strategy = jdist.MirroredStrategy()
+      >>> w = strategy.init(jnp.zeros, 3)
+      >>> w.sharding.is_fully_replicated
+      True
+    """
+    return self.replicate(fn(*args, **kwargs))
+
   @abc.abstractmethod
   def reduce(self, reduce_op, value: Any, axis: int | None = None) -> Any:
     """Combines a step's per-replica outputs into one value."""

@@ -5,6 +5,11 @@ expression matched whole (`re.fullmatch`) against a parameter's path, its
 keys in the parameter tree joined by "/" (flax: `Dense_0/kernel`); the value
 names one mesh axis (or None) per dimension of the parameter. A parameter no
 key matches is replicated; one that two keys match is an error.
+
+Laying out a tree (`partition_specs`), a key also matches a path's tail
+after any "/": the parameter's rule then lays out its copies deeper in a
+state tree (`params/Dense_0/kernel` in a train state, the momentum's
+`0/trace/Dense_0/kernel`) with no key naming their prefixes.
 """
 
 from __future__ import annotations
@@ -109,18 +114,46 @@ class LayoutMap(collections.abc.MutableMapping):
   def __len__(self) -> int:
     return len(self._rules)
 
-  def spec_for(self, path: str, shape: tuple) -> P:
-    """The checked `PartitionSpec` of a parameter of `shape` at `path`.
+  def layout_of(self, path: str) -> P | None:
+    """The layout of the array at `path` in a tree: the key that matches
+    `path` or one of its tails after a "/", or None (replicated).
 
     Raises:
-      ValueError: the layout's rank is not the parameter's, or an axis's
-        size does not divide the dimension it splits.
+      ValueError: more than one key matches.
     """
-    spec = self[path]
-    if spec is None:
-      return P()
-    if len(spec) != len(shape):
+    parts = path.split("/")
+    tails = ["/".join(parts[i:]) for i in range(len(parts))]
+    matches = [k for k in self._rules
+               if any(re.fullmatch(k, tail) for tail in tails)]
+    if len(matches) > 1:
       raise ValueError(
+          f"Path {path!r} matches more than one LayoutMap key: {matches} (a "
+          "key matches a path or its tail after a '/'). Make the keys "
+          "exclusive so that each path matches at most one.")
+    return self._rules[matches[0]] if matches else None
+
+  def spec_for(self, path: str, shape: tuple) -> P:
+    """The checked `PartitionSpec` of an array of `shape` at `path` (see
+    `layout_of`).
+
+    Raises:
+      ValueError: the layout's rank is not the array's, or an axis's size
+        does not divide the dimension it splits.
+    """
+    problem = self.problem(path, shape)
+    if problem is not None:
+      raise ValueError(problem)
+    return self.layout_of(path) or P()
+
+  def problem(self, path: str, shape: tuple) -> str | None:
+    """Why the layout of `path` cannot lay out an array of `shape` (its rank
+    differs, or an axis does not divide the dimension it splits), or None.
+    """
+    spec = self.layout_of(path)
+    if spec is None:
+      return None
+    if len(spec) != len(shape):
+      return (
           f"LayoutMap gives parameter {path!r} of shape {tuple(shape)} the "
           f"layout {tuple(spec)} of {len(spec)} dimensions; give one axis (or "
           f"None) for each of its {len(shape)} dimensions.")
@@ -128,12 +161,12 @@ class LayoutMap(collections.abc.MutableMapping):
       axes = axes if isinstance(axes, tuple) else (axes,)
       split = int(np.prod([self._mesh.axis_size(a) for a in axes if a]))
       if size % split:
-        raise ValueError(
+        return (
             f"Parameter {path!r} of shape {tuple(shape)}: dimension {dim} "
             f"({size}) cannot be split over mesh axis {'x'.join(map(str, axes))}"
             f" of size {split}. Choose an axis whose size divides {size}, or "
             "None for that dimension in its LayoutMap key.")
-    return spec
+    return None
 
   def partition_specs(self, tree: Any) -> Any:
     """A `PartitionSpec` for every leaf of the parameter tree `tree`.
@@ -144,12 +177,14 @@ class LayoutMap(collections.abc.MutableMapping):
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
     names = [path_name(p) for p, _ in flat]
     specs = [self.spec_for(n, np.shape(x)) for n, (_, x) in zip(names, flat)]
+    tails = {"/".join(n.split("/")[i:]) for n in names
+             for i in range(n.count("/") + 1)}
     for key in self._rules:
-      if not any(re.fullmatch(key, n) for n in names):
+      if not any(re.fullmatch(key, t) for t in tails):
         warnings.warn(
             f"LayoutMap key {key!r} matches no parameter; the paths are "
             f"{names[:20]}{' ...' if len(names) > 20 else ''}. Keys match a "
-            "whole path (re.fullmatch): add '.*' where the path has a prefix.",
+            "whole path or a tail after a '/' (re.fullmatch).",
             stacklevel=2)
     return jax.tree_util.tree_unflatten(treedef, specs)
 

@@ -9,7 +9,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jdist._src.strategies.layout_map import LayoutMap
+from jdist._src.core import kinds
+from jdist._src.strategies.layout_map import LayoutMap, path_name
 from jdist._src.strategies.spmd import Strategy
 
 
@@ -30,23 +31,6 @@ def fsdp_spec(spec: P, shape: tuple, axis: str, size: int) -> P:
     return spec
   dims[max(free, key=lambda d: (shape[d], -d))] = axis
   return P(*dims)
-
-
-def _check_replica_axis(device_mesh, batch_dim_name: str) -> None:
-  """Refuses a batch axis of size 1 on a mesh of several devices.
-
-  jax 0.10.2's XLA fails to compile the gradient of a step whose manual
-  (replica) axis has size 1 while other axes split the parameters ("RET_CHECK
-  ... Cross-partition allreduce must be in (partial) manual partitioning
-  mode"); the size-1 axis's transposed `pvary` is the all-reduce it rejects.
-  """
-  if device_mesh.axis_size(batch_dim_name) == 1 and device_mesh.devices.size > 1:
-    raise NotImplementedError(
-        f"The batch axis {batch_dim_name!r} has size 1 on a mesh of "
-        f"{device_mesh.devices.size} devices ({device_mesh!r}): one replica "
-        "spanning every device. This JAX version's compiler cannot "
-        "differentiate such a step. Give the batch axis at least 2 devices "
-        "(for example DeviceMesh((2, 2), ...)).")
 
 
 def _replica_devices(mesh, batch_dim_name: str) -> tuple:
@@ -109,7 +93,6 @@ class ModelParallelStrategy(Strategy):
             f"fsdp_axis and batch_dim_name are both {fsdp_axis!r}: FSDP splits "
             "each replica over another mesh axis. Give the mesh a second "
             "axis, for example DeviceMesh((2, 2), ('data', 'fsdp')).")
-    _check_replica_axis(device_mesh, batch_dim_name)
     self._fsdp_axis = fsdp_axis
     mesh = device_mesh.jax_mesh
     self._layout_map = layout_map
@@ -148,12 +131,8 @@ class ModelParallelStrategy(Strategy):
     """The `PartitionSpec` of every leaf of `tree`: the layout map's, split
     over `fsdp_axis` as well when there is one."""
     specs = self._layout_map.partition_specs(tree)
-    if self._fsdp_axis is None:
-      return specs
-    size = self.device_mesh.axis_size(self._fsdp_axis)
-    return jax.tree.map(
-        lambda s, x: fsdp_spec(s, np.shape(x), self._fsdp_axis, size),
-        specs, tree, is_leaf=lambda x: isinstance(x, P))
+    return jax.tree.map(self._with_fsdp, specs, tree,
+                        is_leaf=lambda x: isinstance(x, P))
 
   def shardings(self, tree: Any) -> Any:
     """The `NamedSharding` of every leaf of `tree` (see `partition_specs`)."""
@@ -161,14 +140,46 @@ class ModelParallelStrategy(Strategy):
                         self.partition_specs(tree),
                         is_leaf=lambda x: isinstance(x, P))
 
+  def _with_fsdp(self, spec: P, leaf: Any) -> P:
+    if self._fsdp_axis is None:
+      return spec
+    size = self.device_mesh.axis_size(self._fsdp_axis)
+    return fsdp_spec(spec, np.shape(leaf), self._fsdp_axis, size)
+
+  def keep_layouts(self, outputs: Any) -> Any:
+    """Inside a traced step: its outputs held in the layouts `init` gives.
+
+    Without it XLA chooses the layout of a returned array: a bias no rule
+    splits came back split like the kernel it is added to, so the next call
+    (its argument laid out anew) compiled the step a second time. Keys match
+    a path's tail (`LayoutMap.layout_of`), so `return params, opt_state,
+    loss` finds each array's rule under its position. A distributed value
+    (`PerReplica`, ...) keeps its own layout; an array its rule cannot lay
+    out (another rank, an indivisible dimension) is not state the map
+    describes and is left as XLA places it.
+    """
+    layout_map = self._layout_map
+
+    def one(path, node):
+      if kinds.is_node(node) or not isinstance(node, jax.Array):
+        return node
+      name, shape = path_name(path), np.shape(node)
+      if layout_map.problem(name, shape) is not None:
+        return node
+      spec = self._with_fsdp(layout_map.spec_for(name, shape), node)
+      return jax.lax.with_sharding_constraint(
+          node, NamedSharding(self.mesh, spec))
+    return jax.tree_util.tree_map_with_path(one, outputs, is_leaf=kinds.is_node)
+
   def init(self, fn: Callable, *args, **kwargs) -> Any:
     """Runs `fn(*args, **kwargs)` compiled so that its result is created laid
     out: each leaf directly in its layout, never whole on one device.
 
     Use it for the parameters and the optimizer state
-    (`strategy.init(optimizer.init, params)`): a LayoutMap key matches the
-    optimizer state's paths as it matches the parameters' (write `.*kernel`
-    rather than `dense/kernel` to lay out both).
+    (`strategy.init(optimizer.init, params)`): a LayoutMap key that matches
+    a parameter's path also matches the optimizer state's copies of it (a
+    path's tail after a "/", `0/trace/dense/kernel`), so the momentum is
+    split as its parameter is.
     """
     shapes = jax.eval_shape(fn, *args, **kwargs)
     return jax.jit(fn, out_shardings=self.shardings(shapes))(*args, **kwargs)

@@ -120,6 +120,16 @@ class Strategy(StrategyBase):
     (FSDP: `ModelParallelStrategy(fsdp_axis=...)`), or None."""
     return None
 
+  def keep_layouts(self, outputs: Any) -> Any:
+    """Inside a traced step: its outputs, held in this strategy's layouts.
+
+    A mirrored array is whole on every device, where XLA leaves it; a
+    strategy whose replicas span devices (`ModelParallelStrategy`)
+    constrains each to its layout so that a step returns state laid out as
+    it came in.
+    """
+    return outputs
+
   @property
   def communication_options(self):
     """The `jdist.CommunicationOptions` of this strategy's collectives."""

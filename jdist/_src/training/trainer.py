@@ -19,6 +19,7 @@ from jdist._src.errors import CheckpointNotFoundError
 from jdist._src.input.options import InputOptions
 from jdist._src.ops import precision
 from jdist._src.ops.sharded_optimizer import ShardedOptimizer
+from jdist._src.strategies.model_parallel import ModelParallelStrategy
 from jdist._src.training import data as data_lib
 from jdist._src.training import dataset_creator
 from jdist._src.training import loop
@@ -65,7 +66,9 @@ class Trainer:
     seed: seeds initialisation, shuffling and the training random stream.
     shard_optimizer_state: keep the optimizer state split over the replicas
       instead of whole on each (ZeRO: `jdist.ShardedOptimizer`); the same
-      updates, a fraction of the memory.
+      updates, a fraction of the memory. Refused under
+      `ModelParallelStrategy`, whose layouts split the optimizer state with
+      the parameters (`fsdp_axis`).
     steps_per_execution: training batches run per compiled call (Keras'
       argument): the host dispatches once per group of this many steps,
       which speeds up small models (and is what TPUs want). The results are
@@ -337,7 +340,7 @@ class Trainer:
       sample = jax.tree.map(lambda a: np.asarray(a)[:1], x)
       self._initialised_for = steps_lib.input_spec(sample)
       try:
-        params, model_state = self._model.init(init_key, sample)
+        params, _ = jax.eval_shape(self._model.init, init_key, sample)
       except Exception as e:
         raise ValueError(
             f"The model cannot be initialised with inputs of shapes "
@@ -350,10 +353,16 @@ class Trainer:
             "Check that its layers are created (flax linen: in setup or "
             "@nn.compact __call__; nnx: as attributes in __init__).")
       mixed_precision.check_scaled_once(self._given_tx, self._tx, params)
-      state = TrainState(jnp.int32(0), params, self._optimizer().init(params),
-                         model_state, jax.random.key_data(rng_key))
-      self._state = self.strategy.replicate(state)
+      # Made by the strategy: under ModelParallelStrategy each array is born
+      # in its layout (compiled with output shardings), never whole.
+      self._state = self.strategy.init(self._new_state, init_key, rng_key,
+                                       sample)
     return self._state
+
+  def _new_state(self, init_key, rng_key, sample) -> TrainState:
+    params, model_state = self._model.init(init_key, sample)
+    return TrainState(jnp.int32(0), params, self._optimizer().init(params),
+                      model_state, jax.random.key_data(rng_key))
 
   def _read(self, held):
     """The value of held state (read from the servers under parameter servers)."""
@@ -372,6 +381,15 @@ class Trainer:
     """What the train step calls: the optimizer, or its sharded form (made
     once: it holds the strategy, fixed from the first use on)."""
     if self._step_optimizer is None:
+      if (self._shard_optimizer_state and
+          isinstance(self.strategy, ModelParallelStrategy)):
+        raise ValueError(
+            "shard_optimizer_state=True is not supported under "
+            "ModelParallelStrategy yet: its state is created in the "
+            "strategy's layout, which the sharded optimizer's split over the "
+            "replicas does not know. Split the optimizer state with the "
+            "parameters instead: ModelParallelStrategy(..., fsdp_axis=...) or "
+            "LayoutMap rules (the moments follow their parameter's layout).")
       self._step_optimizer = (ShardedOptimizer(self._tx, self.strategy)
                               if self._shard_optimizer_state else self._tx)
     return self._step_optimizer
