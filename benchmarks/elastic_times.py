@@ -1,9 +1,9 @@
 """How long an elastic job takes to train again after a fault (README:
 "Elastic training").
 
-Each case runs `jdist launch` on tests/multiprocess/elastic_job.py (100 SGD
-steps of a linear regression, one CPU device per process, a numpy checkpoint
-every 10 steps), with one process killing, stopping or hanging itself at a
+Each case runs `jdist launch` on tests/multiprocess/elastic_job.py (60 steps
+of a small MLP with SGD and momentum, one CPU device per process, a
+`jdist.CheckpointManager` save every 10 steps), with one process killing, stopping or hanging itself at a
 known step, and reads the processes' timestamped markers: from the fault to
 the first step after it, split into the launcher's part (the fault to the
 new processes' start), starting Python and importing jdist and JAX,
@@ -106,8 +106,9 @@ def section(res: dict) -> list:
       "",
       provenance.line(res["provenance"]),
       "",
-      "`jdist launch` on tests/multiprocess/elastic_job.py (100 SGD steps, one "
-      "CPU device per process, a checkpoint every 10 steps); from the fault to "
+      "`jdist launch` on tests/multiprocess/elastic_job.py (60 steps of a small "
+      "MLP, one CPU device per process, a `jdist.CheckpointManager` save every "
+      "10 steps); from the fault to "
       "the first step after it, and its parts (each up to the slowest "
       f"process's marker). The range of {res['trials']} trial(s); README's "
       "\"Elastic training\" quotes it.",
