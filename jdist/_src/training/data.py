@@ -10,9 +10,14 @@ reads all of them the same way. Three kinds:
 * `IterableSource`: a re-iterable of batches (a list, a tf.data `Dataset`, a
   grain dataset): every epoch is a new pass; resuming skips batches.
 * `IteratorSource`: a one-shot iterator (a generator, a grain
-  `DatasetIterator`): epochs continue it. Resuming restores its
-  `get_state()`/`set_state()` state if it has them, and otherwise skips the
-  batches already trained on from the start of a fresh iterator.
+  `DatasetIterator`, a tf.data `Dataset` that repeats forever): epochs
+  continue it. Resuming restores its `get_state()`/`set_state()` state if it
+  has them, and otherwise skips the batches already trained on from the start
+  of a fresh iterator.
+
+A tf.data `Dataset` is recognised by its methods (jdist never imports
+TensorFlow) and read through `as_numpy_iterator()`, one call per pass, so a
+`shuffle(..., reshuffle_each_iteration=True)` gives every epoch its order.
 
 Batches are `(x, y)` or `(x, y, sample_weight)` tuples, `{"x": x, "y": y}`
 dicts (with an optional "sample_weight"), or `x` alone (predict). Keras'
@@ -250,6 +255,9 @@ class IterableSource(_Batches):
     self._need_y = need_y
     self._class_weight = class_weight
     self._first = None  # the first batch, once peeked
+    # The pass peek started: the first epoch continues it, so a dataset that
+    # reshuffles on each pass is not asked for a pass nobody trains on.
+    self._pending = None
     if steps_per_epoch is None and hasattr(iterable, "__len__"):
       steps_per_epoch = len(iterable)
     self.steps_per_epoch = steps_per_epoch
@@ -260,8 +268,10 @@ class IterableSource(_Batches):
 
   def peek(self) -> dict:
     if self._first is None:
-      for batch in self._iterable:
+      it = iter(self._iterable)
+      for batch in it:
         self._first = self._xy(batch, 0)
+        self._pending = it
         break
       else:
         raise ValueError("The data is empty: it gave no batches.")
@@ -269,9 +279,16 @@ class IterableSource(_Batches):
 
   def batches(self, epoch: int, start: int = 0) -> Iterator[dict]:
     del epoch
+    it, self._pending = self._pending, None
+    read = 0 if it is None else 1  # batches of this pass already read
+    if it is None:
+      it = iter(self._iterable)
+    elif start == 0:
+      yield self._first
     stop = self.steps_per_epoch
-    for i, batch in enumerate(
-        itertools.islice(iter(self._iterable), start, stop), start):
+    rest = itertools.islice(it, max(start - read, 0),
+                            None if stop is None else stop - read)
+    for i, batch in enumerate(rest, max(start, read)):
       yield self._xy(batch, i)
 
   def state(self, consumed: int) -> dict:
@@ -395,6 +412,49 @@ def _sample_weights(sample_weight, class_weight, y, n: int):
   return weights
 
 
+_INFINITE = -1  # tf.data.INFINITE_CARDINALITY (UNKNOWN is -2)
+
+
+def _is_tf_dataset(x) -> bool:
+  """Whether `x` is a tf.data `Dataset`, told by its methods (jdist never
+  imports TensorFlow)."""
+  return (callable(getattr(x, "as_numpy_iterator", None)) and
+          callable(getattr(x, "cardinality", None)) and
+          hasattr(x, "element_spec"))
+
+
+class _NumpyPasses:
+  """A tf.data `Dataset` read as numpy: each pass a new `as_numpy_iterator()`
+  (tf.data's tensors are not arrays jax or numpy can take as they are)."""
+
+  def __init__(self, dataset):
+    self._dataset = dataset
+
+  def __iter__(self):
+    return self._dataset.as_numpy_iterator()
+
+
+def _tf_dataset_source(dataset, *, steps_per_epoch: int | None, need_y: bool,
+                       class_weight) -> IterableSource | IteratorSource:
+  """A tf.data `Dataset` as Keras reads it: a finite one anew each epoch
+  (its cardinality, when known, is the epoch's length); one that repeats
+  forever continued from epoch to epoch, `steps_per_epoch` batches each."""
+  cardinality = int(dataset.cardinality())
+  if cardinality == _INFINITE:
+    if steps_per_epoch is None:
+      raise ValueError(
+          "The tf.data.Dataset repeats forever (dataset.repeat()), so an "
+          "epoch would never end: pass steps_per_epoch= to fit (steps= to "
+          "evaluate and predict), as Keras requires.")
+    return IteratorSource(dataset.as_numpy_iterator(),
+                          steps_per_epoch=steps_per_epoch, need_y=need_y,
+                          class_weight=class_weight)
+  if steps_per_epoch is None and cardinality >= 0:
+    steps_per_epoch = cardinality
+  return IterableSource(_NumpyPasses(dataset), steps_per_epoch=steps_per_epoch,
+                        need_y=need_y, class_weight=class_weight)
+
+
 def make_source(x, y=None, *, batch_size=None, steps_per_epoch=None,
                 shuffle=False, seed=0, need_y=True, sample_weight=None,
                 class_weight=None):
@@ -412,6 +472,12 @@ def make_source(x, y=None, *, batch_size=None, steps_per_epoch=None,
     if steps_per_epoch is not None:
       source.steps_per_epoch = min(source.steps_per_epoch, int(steps_per_epoch))
     return source
+  if batch_size is not None and _is_tf_dataset(x):
+    raise ValueError(
+        f"batch_size={batch_size} was given with a tf.data.Dataset, which "
+        "makes its own batches: leave batch_size=None (as Keras requires) and "
+        "batch the dataset with the global batch size, dataset.batch(N), N a "
+        "multiple of the number of replicas.")
   if batch_size is not None:
     raise ValueError(
         "batch_size= applies to arrays; the data is already in batches. Batch "
@@ -421,6 +487,9 @@ def make_source(x, y=None, *, batch_size=None, steps_per_epoch=None,
         "sample_weight= applies to arrays; batches carry their own weights: "
         "(x, y, sample_weight) or {'x', 'y', 'sample_weight'}.")
   _check_class_weight(class_weight)
+  if _is_tf_dataset(x):
+    return _tf_dataset_source(x, steps_per_epoch=steps_per_epoch,
+                              need_y=need_y, class_weight=class_weight)
   try:
     it = iter(x)
   except TypeError:
