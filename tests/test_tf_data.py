@@ -141,3 +141,20 @@ def test_batch_size_with_a_dataset_is_a_clear_error(data):
     trainer.evaluate(dataset, batch_size=64)
   with pytest.raises(ValueError, match=message):
     trainer.predict(dataset, batch_size=64)
+
+
+def test_experimental_distribute_dataset_reads_each_pass_again(data):
+  """A custom loop's distributed dataset: every pass is a new pass over the
+  pipeline (so it reshuffles), each replica gets its rows of the batch."""
+  strategy = strategy_on(2)
+  dist = strategy.experimental_distribute_dataset(
+      pipeline(*data, reshuffle=True))
+  twin = pipeline(*data, reshuffle=True)
+  orders = []
+  for _ in range(2):
+    got = [np.asarray(strategy.gather(labels, axis=0))
+           for _, labels in dist]
+    want = [labels for _, labels in twin.as_numpy_iterator()]
+    np.testing.assert_array_equal(np.concatenate(got), np.concatenate(want))
+    orders.append(np.concatenate(got))
+  assert not np.array_equal(*orders)
