@@ -13,7 +13,7 @@ import tensorflow as tf
 import jdist
 from jdist.examples.models import MLP
 
-from conftest import strategy_on
+from conftest import Interrupt, strategy_on
 
 LOSS = jdist.losses.SparseCategoricalCrossentropy(from_logits=True)
 N = 320  # 5 batches of 64
@@ -100,6 +100,24 @@ def test_a_reshuffling_dataset_gives_every_epoch_its_order(data):
   trainer = trainer_on(2)
   h2 = trainer.fit(pipeline(*data, reshuffle=True), epochs=2, verbose=0)
   assert_same(h1, h2, expected, trainer, rtol=1e-6)
+
+
+def test_a_resumed_fit_reads_the_pass_the_interrupted_one_read(data,
+                                                               tmp_path):
+  """BackupAndRestore in a new process's fit (a new dataset object):
+  epoch 1 resumes in the reshuffled order it had, not the first pass's."""
+  reference = trainer_on(2)
+  h_ref = reference.fit(pipeline(*data, reshuffle=True), epochs=2, verbose=0)
+  with pytest.raises(KeyboardInterrupt):
+    trainer_on(2).fit(pipeline(*data, reshuffle=True), epochs=2, verbose=0,
+                      callbacks=[Interrupt(8),
+                                 jdist.BackupAndRestore(tmp_path, save_freq=3)])
+  backup = jdist.BackupAndRestore(tmp_path, save_freq=3)
+  trainer = trainer_on(2)
+  history = trainer.fit(pipeline(*data, reshuffle=True), epochs=2, verbose=0,
+                        callbacks=[backup])
+  assert backup.restored_step == 6  # epoch 1, after its first batch
+  assert_same(h_ref, history, reference, trainer, rtol=1e-6)
 
 
 def test_weights_and_dict_batches(data):

@@ -8,7 +8,9 @@ reads all of them the same way. Three kinds:
   shuffled by a permutation drawn from `(seed, e)`, so any position can be
   recomputed exactly on resume.
 * `IterableSource`: a re-iterable of batches (a list, a tf.data `Dataset`, a
-  grain dataset): every epoch is a new pass; resuming skips batches.
+  grain dataset): every epoch is a new pass; resuming starts the pass the
+  saving run read for that epoch (its order, if the passes are seeded) and
+  skips the batches already trained on.
 * `IteratorSource`: a one-shot iterator (a generator, a grain
   `DatasetIterator`, a tf.data `Dataset` that repeats forever): epochs
   continue it. Resuming restores its `get_state()`/`set_state()` state if it
@@ -258,6 +260,12 @@ class IterableSource(_Batches):
     # The pass peek started: the first epoch continues it, so a dataset that
     # reshuffles on each pass is not asked for a pass nobody trains on.
     self._pending = None
+    self._passes = 0  # passes started, peek's included
+    # Epoch e reads pass `_epoch_0_pass + e`; a checkpoint stores it, so a
+    # resumed run reads the pass the saving run read (the same order, for a
+    # dataset that reshuffles on each pass from a seed).
+    self._epoch_0_pass = None
+    self._resume_epoch_0_pass = None
     if steps_per_epoch is None and hasattr(iterable, "__len__"):
       steps_per_epoch = len(iterable)
     self.steps_per_epoch = steps_per_epoch
@@ -268,7 +276,7 @@ class IterableSource(_Batches):
 
   def peek(self) -> dict:
     if self._first is None:
-      it = iter(self._iterable)
+      it = self._new_pass()
       for batch in it:
         self._first = self._xy(batch, 0)
         self._pending = it
@@ -277,13 +285,28 @@ class IterableSource(_Batches):
         raise ValueError("The data is empty: it gave no batches.")
     return self._first
 
-  def batches(self, epoch: int, start: int = 0) -> Iterator[dict]:
-    del epoch
+  def _new_pass(self) -> Iterator:
+    self._passes += 1
+    return iter(self._iterable)
+
+  def _pass_for(self, epoch: int) -> tuple[Iterator, int]:
+    """Epoch `epoch`'s pass, and how many of its batches were read."""
+    want = self._resume_epoch_0_pass
+    want = None if want is None else want + epoch
+    self._resume_epoch_0_pass = None
     it, self._pending = self._pending, None
-    read = 0 if it is None else 1  # batches of this pass already read
-    if it is None:
-      it = iter(self._iterable)
-    elif start == 0:
+    if it is not None and want in (None, self._passes - 1):
+      read = 1
+    else:
+      while want is not None and self._passes < want:
+        self._new_pass()  # passes the saving run read before this epoch's
+      it, read = self._new_pass(), 0
+    self._epoch_0_pass = self._passes - 1 - epoch
+    return it, read
+
+  def batches(self, epoch: int, start: int = 0) -> Iterator[dict]:
+    it, read = self._pass_for(epoch)
+    if read and start == 0:
       yield self._first
     stop = self.steps_per_epoch
     rest = itertools.islice(it, max(start - read, 0),
@@ -293,10 +316,13 @@ class IterableSource(_Batches):
 
   def state(self, consumed: int) -> dict:
     del consumed
-    return {}
+    if self._epoch_0_pass is None:
+      return {}
+    return {"epoch_0_pass": self._epoch_0_pass}
 
   def resume(self, state: dict, consumed: int) -> None:
-    del state, consumed
+    del consumed  # batches() skips them
+    self._resume_epoch_0_pass = state.get("epoch_0_pass")
 
 
 class IteratorSource(_Batches):
