@@ -140,13 +140,20 @@ def test_a_dataset_that_repeats_forever_needs_steps_and_continues(data):
   dataset = pipeline(*data).repeat()
   with pytest.raises(ValueError, match="repeats forever.*steps_per_epoch="):
     trainer_on(2).fit(dataset, verbose=0)
+  with pytest.raises(ValueError, match="repeats forever.*validation_steps="):
+    trainer_on(2).fit(pipeline(*data), validation_data=dataset, verbose=0)
   batches = list(pipeline(*data).as_numpy_iterator())
   order = batches[:5] + batches[:1]  # epoch 1 is batches 3, 4, 0
   expected = trainer_on(2).fit(iter(order), epochs=2, steps_per_epoch=3,
                                verbose=0)
-  got = trainer_on(2).fit(dataset, epochs=2, steps_per_epoch=3, verbose=0)
+  trainer = trainer_on(2)
+  got = trainer.fit(dataset, epochs=2, steps_per_epoch=3, verbose=0)
   np.testing.assert_allclose(got.history["loss"], expected.history["loss"],
                              rtol=1e-6)
+  evaluated = trainer.evaluate(dataset, steps=2)  # its first 2 batches
+  want = trainer.evaluate(batches[:2])
+  np.testing.assert_allclose(evaluated["loss"], want["loss"], rtol=1e-6)
+  assert trainer.predict(dataset, steps=2).shape == (128, 10)
 
 
 def test_batch_size_with_a_dataset_is_a_clear_error(data):

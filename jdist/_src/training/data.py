@@ -470,8 +470,9 @@ def _tf_dataset_source(dataset, *, steps_per_epoch: int | None, need_y: bool,
     if steps_per_epoch is None:
       raise ValueError(
           "The tf.data.Dataset repeats forever (dataset.repeat()), so an "
-          "epoch would never end: pass steps_per_epoch= to fit (steps= to "
-          "evaluate and predict), as Keras requires.")
+          "epoch would never end: pass steps_per_epoch= to fit "
+          "(validation_steps= for validation_data, steps= to evaluate and "
+          "predict), as Keras requires.")
     return IteratorSource(dataset.as_numpy_iterator(),
                           steps_per_epoch=steps_per_epoch, need_y=need_y,
                           class_weight=class_weight)
