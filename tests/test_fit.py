@@ -101,7 +101,8 @@ def test_trainer_made_in_a_scope_runs_on_that_strategy(split):
 
 
 def test_batches_from_lists_generators_and_dicts(split):
-  """Arrays, a list of (x, y), dict batches, a generator and grain agree."""
+  """Arrays, a list of (x, y), dict batches, a generator and grain's
+  MapDataset, IterDataset and DataLoader agree."""
   (x, y), _ = split
   x, y = x[:320], y[:320]
   as_arrays = trainer_on(2).fit(x, y, batch_size=64, epochs=2, shuffle=False,
@@ -120,7 +121,16 @@ def test_batches_from_lists_generators_and_dicts(split):
   records = [{"x": a, "y": b} for a, b in zip(x, y)]
   as_grain = trainer_on(2).fit(grain.MapDataset.source(records).batch(64),
                                epochs=2, verbose=0)  # re-iterable: a pass per epoch
-  for h in (as_list, as_dicts, as_generator, as_grain):
+  as_grain_iter = trainer_on(2).fit(
+      grain.MapDataset.source(records).to_iter_dataset().batch(64), epochs=2,
+      verbose=0)
+  loader = grain.DataLoader(
+      data_source=records, worker_count=0,
+      sampler=grain.samplers.IndexSampler(320, shuffle=False, num_epochs=1),
+      operations=[grain.transforms.Batch(64)])
+  as_grain_loader = trainer_on(2).fit(loader, epochs=2, verbose=0)
+  for h in (as_list, as_dicts, as_generator, as_grain, as_grain_iter,
+            as_grain_loader):
     assert_history_close(as_arrays, h, rtol=1e-6)
 
 

@@ -8,11 +8,18 @@ reads all of them the same way. Three kinds:
   shuffled by a permutation drawn from `(seed, e)`, so any position can be
   recomputed exactly on resume.
 * `IterableSource`: a re-iterable of batches (a list, a tf.data `Dataset`, a
-  grain dataset): every epoch is a new pass; resuming skips batches.
+  grain dataset): every epoch is a new pass; resuming starts the pass the
+  saving run read for that epoch (its order, if the passes are seeded) and
+  skips the batches already trained on.
 * `IteratorSource`: a one-shot iterator (a generator, a grain
-  `DatasetIterator`): epochs continue it. Resuming restores its
-  `get_state()`/`set_state()` state if it has them, and otherwise skips the
-  batches already trained on from the start of a fresh iterator.
+  `DatasetIterator`, a tf.data `Dataset` that repeats forever): epochs
+  continue it. Resuming restores its `get_state()`/`set_state()` state if it
+  has them, and otherwise skips the batches already trained on from the start
+  of a fresh iterator.
+
+A tf.data `Dataset` is recognised by its methods (jdist never imports
+TensorFlow) and read through `as_numpy_iterator()`, one call per pass, so a
+`shuffle(..., reshuffle_each_iteration=True)` gives every epoch its order.
 
 Batches are `(x, y)` or `(x, y, sample_weight)` tuples, `{"x": x, "y": y}`
 dicts (with an optional "sample_weight"), or `x` alone (predict). Keras'
@@ -250,6 +257,15 @@ class IterableSource(_Batches):
     self._need_y = need_y
     self._class_weight = class_weight
     self._first = None  # the first batch, once peeked
+    # The pass peek started: the first epoch continues it, so a dataset that
+    # reshuffles on each pass is not asked for a pass nobody trains on.
+    self._pending = None
+    self._passes = 0  # passes started, peek's included
+    # Epoch e reads pass `_epoch_0_pass + e`; a checkpoint stores it, so a
+    # resumed run reads the pass the saving run read (the same order, for a
+    # dataset that reshuffles on each pass from a seed).
+    self._epoch_0_pass = None
+    self._resume_epoch_0_pass = None
     if steps_per_epoch is None and hasattr(iterable, "__len__"):
       steps_per_epoch = len(iterable)
     self.steps_per_epoch = steps_per_epoch
@@ -260,26 +276,53 @@ class IterableSource(_Batches):
 
   def peek(self) -> dict:
     if self._first is None:
-      for batch in self._iterable:
+      it = self._new_pass()
+      for batch in it:
         self._first = self._xy(batch, 0)
+        self._pending = it
         break
       else:
         raise ValueError("The data is empty: it gave no batches.")
     return self._first
 
+  def _new_pass(self) -> Iterator:
+    self._passes += 1
+    return iter(self._iterable)
+
+  def _pass_for(self, epoch: int) -> tuple[Iterator, int]:
+    """Epoch `epoch`'s pass, and how many of its batches were read."""
+    want = self._resume_epoch_0_pass
+    want = None if want is None else want + epoch
+    self._resume_epoch_0_pass = None
+    it, self._pending = self._pending, None
+    if it is not None and want in (None, self._passes - 1):
+      read = 1
+    else:
+      while want is not None and self._passes < want:
+        self._new_pass()  # passes the saving run read before this epoch's
+      it, read = self._new_pass(), 0
+    self._epoch_0_pass = self._passes - 1 - epoch
+    return it, read
+
   def batches(self, epoch: int, start: int = 0) -> Iterator[dict]:
-    del epoch
+    it, read = self._pass_for(epoch)
+    if read and start == 0:
+      yield self._first
     stop = self.steps_per_epoch
-    for i, batch in enumerate(
-        itertools.islice(iter(self._iterable), start, stop), start):
+    rest = itertools.islice(it, max(start - read, 0),
+                            None if stop is None else stop - read)
+    for i, batch in enumerate(rest, max(start, read)):
       yield self._xy(batch, i)
 
   def state(self, consumed: int) -> dict:
     del consumed
-    return {}
+    if self._epoch_0_pass is None:
+      return {}
+    return {"epoch_0_pass": self._epoch_0_pass}
 
   def resume(self, state: dict, consumed: int) -> None:
-    del state, consumed
+    del consumed  # batches() skips them
+    self._resume_epoch_0_pass = state.get("epoch_0_pass")
 
 
 class IteratorSource(_Batches):
@@ -395,6 +438,50 @@ def _sample_weights(sample_weight, class_weight, y, n: int):
   return weights
 
 
+_INFINITE = -1  # tf.data.INFINITE_CARDINALITY (UNKNOWN is -2)
+
+
+def _is_tf_dataset(x) -> bool:
+  """Whether `x` is a tf.data `Dataset`, told by its methods (jdist never
+  imports TensorFlow)."""
+  return (callable(getattr(x, "as_numpy_iterator", None)) and
+          callable(getattr(x, "cardinality", None)) and
+          hasattr(x, "element_spec"))
+
+
+class _NumpyPasses:
+  """A tf.data `Dataset` read as numpy: each pass a new `as_numpy_iterator()`
+  (tf.data's tensors are not arrays jax or numpy can take as they are)."""
+
+  def __init__(self, dataset):
+    self._dataset = dataset
+
+  def __iter__(self):
+    return self._dataset.as_numpy_iterator()
+
+
+def _tf_dataset_source(dataset, *, steps_per_epoch: int | None, need_y: bool,
+                       class_weight) -> IterableSource | IteratorSource:
+  """A tf.data `Dataset` as Keras reads it: a finite one anew each epoch
+  (its cardinality, when known, is the epoch's length); one that repeats
+  forever continued from epoch to epoch, `steps_per_epoch` batches each."""
+  cardinality = int(dataset.cardinality())
+  if cardinality == _INFINITE:
+    if steps_per_epoch is None:
+      raise ValueError(
+          "The tf.data.Dataset repeats forever (dataset.repeat()), so an "
+          "epoch would never end: pass steps_per_epoch= to fit "
+          "(validation_steps= for validation_data, steps= to evaluate and "
+          "predict), as Keras requires.")
+    return IteratorSource(dataset.as_numpy_iterator(),
+                          steps_per_epoch=steps_per_epoch, need_y=need_y,
+                          class_weight=class_weight)
+  if steps_per_epoch is None and cardinality >= 0:
+    steps_per_epoch = cardinality
+  return IterableSource(_NumpyPasses(dataset), steps_per_epoch=steps_per_epoch,
+                        need_y=need_y, class_weight=class_weight)
+
+
 def make_source(x, y=None, *, batch_size=None, steps_per_epoch=None,
                 shuffle=False, seed=0, need_y=True, sample_weight=None,
                 class_weight=None):
@@ -412,6 +499,12 @@ def make_source(x, y=None, *, batch_size=None, steps_per_epoch=None,
     if steps_per_epoch is not None:
       source.steps_per_epoch = min(source.steps_per_epoch, int(steps_per_epoch))
     return source
+  if batch_size is not None and _is_tf_dataset(x):
+    raise ValueError(
+        f"batch_size={batch_size} was given with a tf.data.Dataset, which "
+        "makes its own batches: leave batch_size=None (as Keras requires) and "
+        "batch the dataset with the global batch size, dataset.batch(N), N a "
+        "multiple of the number of replicas.")
   if batch_size is not None:
     raise ValueError(
         "batch_size= applies to arrays; the data is already in batches. Batch "
@@ -421,6 +514,9 @@ def make_source(x, y=None, *, batch_size=None, steps_per_epoch=None,
         "sample_weight= applies to arrays; batches carry their own weights: "
         "(x, y, sample_weight) or {'x', 'y', 'sample_weight'}.")
   _check_class_weight(class_weight)
+  if _is_tf_dataset(x):
+    return _tf_dataset_source(x, steps_per_epoch=steps_per_epoch,
+                              need_y=need_y, class_weight=class_weight)
   try:
     it = iter(x)
   except TypeError:

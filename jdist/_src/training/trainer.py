@@ -516,13 +516,16 @@ class Trainer:
       x: inputs as arrays (with `y` and `batch_size`), or the data as an
         iterable of `(x, y)` / `(x, y, sample_weight)` / `{"x", "y"}` global
         batches (a list, a tf.data dataset, a grain dataset or iterator, a
-        generator). Or a `jdist.DatasetCreator(dataset_fn)` (with
-        `steps_per_epoch`, as in TensorFlow): every input pipeline builds
+        generator). A tf.data dataset is read anew each epoch (so it may
+        reshuffle); one that repeats forever needs `steps_per_epoch`. Or
+        a `jdist.DatasetCreator(dataset_fn)` (with `steps_per_epoch`, as in
+        TensorFlow): every input pipeline builds
         its own data (under parameter servers, every worker).
       y: targets, when `x` is arrays.
       batch_size: the global batch size for arrays (default 32). It must be a
         multiple of the number of replicas; the last batch may be shorter
-        (and data shorter than one batch is one short batch).
+        (and data shorter than one batch is one short batch). None for
+        batches and datasets, which are batched already (as in Keras).
       epochs: epochs to train (counting those before `initial_epoch`).
       steps_per_epoch: batches per epoch (default: all of the data).
       validation_data: `(x_val, y_val)` or `(x_val, y_val, sample_weight)`
@@ -649,6 +652,8 @@ class Trainer:
     Every example counts once, whatever the batch size and the number of
     replicas (a short last batch, or data shorter than one batch, is padded
     and masked). With `sample_weight` the loss is Keras' weighted loss.
+    The data is what `fit` takes (arrays with `y` and `batch_size`, or
+    batches: a tf.data dataset that repeats forever needs `steps`).
     """
     source = data_lib.make_source(x, y, batch_size=batch_size,
                                   steps_per_epoch=steps,
@@ -670,6 +675,9 @@ class Trainer:
   def predict(self, x, *, batch_size: int | None = None,
               steps: int | None = None, callbacks: Sequence = (), verbose=0):
     """The model's outputs for every example of `x`, in order, on the host.
+
+    `x` is arrays (with `batch_size`) or batches as `fit` takes them (a
+    batch's targets, if any, are ignored, as in Keras).
 
     Returns:
       A numpy array (or a pytree of them) with one row per example: the
