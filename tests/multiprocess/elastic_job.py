@@ -20,6 +20,7 @@ step after which it is saved: see `kill_mid_save`).
 
 It prints timestamped markers the tests read: `started <t> pid=<pid>` first,
 `imported <t>`, `initialized <t> world=<n> attempt=<k>`,
+`writing <tmp dir> <its entries>` (a `savekill`, just before the kill),
 `resumed <step> <t>` (checkpoint read, data ready), `step <i> <t> world=<n>`
 after each step, and `fault <t> <what>` just before a fault (also written to
 OUT_DIR/fault-ATTEMPT). At its first step after a restart, process 0 prints
@@ -145,15 +146,20 @@ def kill_mid_save(step, directory):
     return
   prefix = f"{step}.orbax-checkpoint-tmp"
 
-  def writing() -> bool:
+  def writing() -> list:
+    """The temporary directory's entries, once it has some."""
     for entry in os.scandir(directory):
-      if entry.name.startswith(prefix) and any(os.scandir(entry.path)):
-        return True
-    return False
+      inside = sorted(e.name for e in os.scandir(entry.path)) \
+          if entry.name.startswith(prefix) else []
+      if inside:
+        return [entry.name, *inside]
+    return []
 
   def look(frame, event, arg):
-    if writing():
+    seen = writing()
+    if seen:
       sys.setprofile(None)
+      print(f"writing {' '.join(seen)}", flush=True)
       announce("savekill")
       os.kill(os.getpid(), signal.SIGKILL)
 

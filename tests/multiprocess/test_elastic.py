@@ -178,8 +178,14 @@ def test_a_kill_mid_save_resumes_from_the_checkpoint_before(tmp_path):
   for attempt, rank in ((0, 0), (1, 2)):
     assert (f"attempt {attempt}: process {rank} of 4 failed (killed by "
             "SIGKILL)") in r.stderr, r.stderr
+    # Killed with orbax's temporary directory of the step there, not empty.
+    assert re.search(rf"^\[{rank}\] writing {30 + 20 * attempt}\.orbax-"
+                     r"checkpoint-tmp\S* \S", r.stdout, re.M), r.stdout[-3000:]
   resumed = [step for _, step, _ in markers(r.stdout, "resumed")]
   assert sorted(resumed) == [0] * 4 + [20] * 4 + [40] * 4, r.output[-5000:]
+  assert "is corrupt" not in r.output  # no half-written save was read
   assert_finished(tmp_path, world=4, attempt=2)
-  print(sorted(os.listdir(os.path.join(tmp_path, "checkpoints"))))
+  # The two newest (max_to_keep=2), and nothing else.
+  assert sorted(os.listdir(os.path.join(tmp_path, "checkpoints"))) == \
+      ["50", "60"]
   assert harness.wait_gone(pids(r.stdout), timeout=5) == []
