@@ -133,7 +133,7 @@ def fault(step):
 def kill_mid_save(step, directory):
   """With a `savekill` fault at `step`: SIGKILLs this process inside the
   save it wraps, once orbax's temporary directory for the step is there
-  and holds something (orbax is writing it).
+  and holds an item that orbax is still writing.
 
   The test hook: a profile function (`sys.setprofile`, on this thread only,
   for this save only) looks at the directory at each Python call or return
@@ -147,11 +147,13 @@ def kill_mid_save(step, directory):
   prefix = f"{step}.orbax-checkpoint-tmp"
 
   def writing() -> list:
-    """The temporary directory's entries, once it has some."""
+    """The step's temporary directory and what it holds, while an item
+    (the state's arrays, or the metadata) is still being written in its
+    own temporary directory there."""
     for entry in os.scandir(directory):
-      inside = sorted(e.name for e in os.scandir(entry.path)) \
+      inside = sorted(os.listdir(entry.path)) \
           if entry.name.startswith(prefix) else []
-      if inside:
+      if any(".orbax-checkpoint-tmp" in name for name in inside):
         return [entry.name, *inside]
     return []
 

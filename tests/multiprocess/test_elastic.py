@@ -178,9 +178,10 @@ def test_a_kill_mid_save_resumes_from_the_checkpoint_before(tmp_path):
   for attempt, rank in ((0, 0), (1, 2)):
     assert (f"attempt {attempt}: process {rank} of 4 failed (killed by "
             "SIGKILL)") in r.stderr, r.stderr
-    # Killed with orbax's temporary directory of the step there, not empty.
+    # Killed while orbax wrote the step's state in its temporary directory.
     assert re.search(rf"^\[{rank}\] writing {30 + 20 * attempt}\.orbax-"
-                     r"checkpoint-tmp\S* \S", r.stdout, re.M), r.stdout[-3000:]
+                     r"checkpoint-tmp\S* .*\bstate\.orbax-checkpoint-tmp",
+                     r.stdout, re.M), r.stdout[-3000:]
   resumed = [step for _, step, _ in markers(r.stdout, "resumed")]
   assert sorted(resumed) == [0] * 4 + [20] * 4 + [40] * 4, r.output[-5000:]
   assert "is corrupt" not in r.output  # no half-written save was read
