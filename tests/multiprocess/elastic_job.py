@@ -14,10 +14,13 @@ Each FAULT is `ATTEMPT:RANK:STEP:WHAT`: in attempt ATTEMPT (`JDIST_RESTART_COUNT
 process RANK, after step STEP, does WHAT: `kill` (SIGKILL itself), `stop`
 (SIGSTOP itself), `hang` (waits forever outside any step, alive), `exit3`
 (exits with code 3), `park` (writes OUT_DIR/parked-RANK with its agent's pid,
-then waits forever for the test to take its node away).
+then waits forever for the test to take its node away), `savekill` (SIGKILLs
+itself in the middle of `CheckpointManager.save` of checkpoint STEP, the
+step after which it is saved: see `kill_mid_save`).
 
 It prints timestamped markers the tests read: `started <t> pid=<pid>` first,
 `imported <t>`, `initialized <t> world=<n> attempt=<k>`,
+`writing <tmp dir> <its entries>` (a `savekill`, just before the kill),
 `resumed <step> <t>` (checkpoint read, data ready), `step <i> <t> world=<n>`
 after each step, and `fault <t> <what>` just before a fault (also written to
 OUT_DIR/fault-ATTEMPT). At its first step after a restart, process 0 prints
@@ -34,6 +37,7 @@ import time
 MARKS = {"started": time.time()}  # this process's times, for `restart`
 print(f"started {MARKS['started']:.3f} pid={os.getpid()}", flush=True)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import contextlib  # noqa: E402
 import signal  # noqa: E402
 import threading  # noqa: E402
 
@@ -85,29 +89,87 @@ def after_step(i, first: bool):
   fault(i)
 
 
-def fault(step):
+def my_fault(step, kinds) -> str | None:
+  """This process's fault of a kind in `kinds` at `step` in this attempt."""
   for spec in FAULTS:
     attempt, rank, at, what = spec.split(":")
-    if (int(attempt), int(rank), int(at)) == (ATTEMPT, ME, step):
-      now = time.time()
-      print(f"fault {now:.3f} {what}", flush=True)
-      with open(os.path.join(OUT, f"fault-{ATTEMPT}.tmp"), "w") as f:
-        f.write(f"{now:.3f}")
-      os.replace(os.path.join(OUT, f"fault-{ATTEMPT}.tmp"),
-                 os.path.join(OUT, f"fault-{ATTEMPT}"))
-      if what == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-      elif what == "stop":
-        os.kill(os.getpid(), signal.SIGSTOP)
-      elif what == "exit3":
-        os._exit(3)
-      elif what == "park":
-        with open(os.path.join(OUT, f"parked-{ME}.tmp"), "w") as f:
-          f.write(str(os.getppid()))
-        os.replace(os.path.join(OUT, f"parked-{ME}.tmp"),
-                   os.path.join(OUT, f"parked-{ME}"))
-      if what in ("hang", "park"):
-        threading.Event().wait()
+    if (int(attempt), int(rank), int(at)) == (ATTEMPT, ME, step) and \
+        what in kinds:
+      return what
+  return None
+
+
+def announce(what):
+  """Prints the fault's marker and writes OUT_DIR/fault-ATTEMPT."""
+  now = time.time()
+  print(f"fault {now:.3f} {what}", flush=True)
+  with open(os.path.join(OUT, f"fault-{ATTEMPT}.tmp"), "w") as f:
+    f.write(f"{now:.3f}")
+  os.replace(os.path.join(OUT, f"fault-{ATTEMPT}.tmp"),
+             os.path.join(OUT, f"fault-{ATTEMPT}"))
+
+
+def fault(step):
+  what = my_fault(step, ("kill", "stop", "exit3", "hang", "park"))
+  if what is None:
+    return
+  announce(what)
+  if what == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+  elif what == "stop":
+    os.kill(os.getpid(), signal.SIGSTOP)
+  elif what == "exit3":
+    os._exit(3)
+  elif what == "park":
+    with open(os.path.join(OUT, f"parked-{ME}.tmp"), "w") as f:
+      f.write(str(os.getppid()))
+    os.replace(os.path.join(OUT, f"parked-{ME}.tmp"),
+               os.path.join(OUT, f"parked-{ME}"))
+  if what in ("hang", "park"):
+    threading.Event().wait()
+
+
+@contextlib.contextmanager
+def kill_mid_save(step, directory):
+  """With a `savekill` fault at `step`: SIGKILLs this process inside the
+  save it wraps, once orbax's temporary directory for the step is there
+  and holds an item that orbax is still writing.
+
+  The test hook: a profile function (`sys.setprofile`, on this thread only,
+  for this save only) looks at the directory at each Python call or return
+  inside the save. Deterministic: process 0 creates the temporary directory
+  and renames it only after every process has written its part, so the
+  killed process, whichever it is, dies before the rename.
+  """
+  if my_fault(step, ("savekill",)) is None:
+    yield
+    return
+  prefix = f"{step}.orbax-checkpoint-tmp"
+
+  def writing() -> list:
+    """The step's temporary directory and what it holds, while an item
+    (the state's arrays, or the metadata) is still being written in its
+    own temporary directory there."""
+    for entry in os.scandir(directory):
+      inside = sorted(os.listdir(entry.path)) \
+          if entry.name.startswith(prefix) else []
+      if any(".orbax-checkpoint-tmp" in name for name in inside):
+        return [entry.name, *inside]
+    return []
+
+  def look(frame, event, arg):
+    seen = writing()
+    if seen:
+      sys.setprofile(None)
+      print(f"writing {' '.join(seen)}", flush=True)
+      announce("savekill")
+      os.kill(os.getpid(), signal.SIGKILL)
+
+  sys.setprofile(look)
+  try:
+    yield
+  finally:
+    sys.setprofile(None)
 
 
 class Markers(jdist.Callback):
@@ -145,7 +207,8 @@ def run_loop() -> dict:
     state, _ = step_fn(state, b)
     jax.block_until_ready(state)
     if (i + 1) % train.SAVE_EVERY == 0:
-      manager.save(i + 1, state)
+      with kill_mid_save(i + 1, manager.directory):
+        manager.save(i + 1, state)
     after_step(i, i == first)
   manager.close()
   return train.host_params(state)

@@ -295,9 +295,13 @@ class Checkpointer:
 
   def _save_failed(self, step: int, e: Exception) -> CheckpointError:
     newest = self._manager.latest_step()
+    # In a job of several processes, a save also fails when another process
+    # dies during it: its own error (or its exit) is the cause to look at.
+    peers = (" (or, in this job of several processes, see why another "
+             "process failed)" if jax.process_count() > 1 else "")
     kept = (f"The checkpoints written before it are intact (the newest is "
-            f"step {newest}); free space or fix the directory, and relaunch "
-            "to resume from it." if newest is not None else
+            f"step {newest}); free space or fix the directory{peers}, and "
+            "relaunch to resume from it." if newest is not None else
             "No checkpoint was written before it.")
     return CheckpointError(f"Could not save checkpoint step {step} to "
                            f"{self.directory}: {orbax_errors.reason(e)}. {kept}")

@@ -83,13 +83,26 @@ class RankRecord:
 def culprit(records: list) -> RankRecord | None:
   """The process whose failure ended the others.
 
-  Those that ended on their own, in the order they ended: the first whose
-  error is not a `jdist.PeerFailureError` (peers that only learned of the
-  failure may end first); else the failed process such an error names; else
-  the first to fail.
+  Those that ended on their own, in the order they ended, those killed by
+  SIGKILL first: the first whose error is not a `jdist.PeerFailureError`
+  (peers that only learned of the failure may end first); else the failed
+  process such an error names; else the first to fail.
+
+  Nothing in a job sends SIGKILL (the launcher's own kills are not "on their
+  own"): it comes from outside (the OOM killer, an operator, a host's end),
+  and a peer whose collective it broke (one in orbax's save, which jdist
+  does not watch) can exit with its own error before an agent, looking
+  every POLL_SECONDS or later under load, sees the killed process gone.
+
+  Example:
+    >>> killed = RankRecord(rank=2, code=-9, own=True, ended=2.0)
+    >>> broken = RankRecord(rank=3, code=1, own=True, ended=1.0)
+    >>> culprit([broken, killed]).rank
+    2
   """
   failed = [r for r in records if r.failed]
-  own = sorted((r for r in failed if r.own), key=lambda r: r.ended)
+  own = sorted((r for r in failed if r.own),
+               key=lambda r: (r.code != -signal.SIGKILL, r.ended))
   for r in own:
     if r.blames() is None:
       return r
