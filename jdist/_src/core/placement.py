@@ -165,9 +165,15 @@ def local_replica_ids(mesh, axis_name: str) -> tuple:
   `jax.make_array_from_process_local_data` expects.
   """
   me = jax.process_index()
-  grid = np.moveaxis(mesh.devices, mesh.axis_names.index(axis_name), 0)
-  return tuple(i for i, replica in enumerate(grid.reshape(len(grid), -1))
+  return tuple(i for i, replica in enumerate(replica_groups(mesh, axis_name))
                if any(d.process_index == me for d in replica))
+
+
+def replica_groups(mesh, axis_name: str) -> np.ndarray:
+  """The devices of each replica: `(replicas, devices per replica)`, in
+  replica order along `axis_name`, each row in the mesh's order."""
+  grid = np.moveaxis(mesh.devices, mesh.axis_names.index(axis_name), 0)
+  return grid.reshape(len(grid), -1)
 
 
 def host_local(x: Any) -> Any:
