@@ -1,7 +1,7 @@
 """One process of the many-hosts model-parallel test:
 `jdist launch -n 2 --devices-per-process 2 model_parallel_job.py OUT`.
 
-Trains the tiny GPT of model_parallel_train.py on a 2x2 data x model mesh
+Trains the MLP of model_parallel_train.py on a 2x2 data x model mesh
 twice: laid out by jdist (`DeviceMesh` without devices: the data axis across
 the processes, the model axis inside each) and laid out by hand the other
 way round (the model axis across the processes). Each process writes what
