@@ -216,7 +216,7 @@ def gather(strategy, value: Any, axis: int = 0) -> Any:
 
 def local_results(strategy, value: Any) -> tuple:
   """See `Strategy.experimental_local_results`."""
-  ids = placement.local_replica_ids(strategy.devices)
+  ids = placement.local_replica_ids(strategy.mesh, strategy.axis_name)
   for node in jax.tree.leaves(value, is_leaf=kinds.is_node):
     _owned_rows(strategy, node, "experimental_local_results")
 

@@ -156,10 +156,24 @@ class StatePlacement:
 MESH_PLACEMENT = StatePlacement()
 
 
-def local_replica_ids(devices) -> tuple:
-  """Positions in the mesh of the replicas whose devices this process drives."""
+def local_replica_ids(mesh, axis_name: str) -> tuple:
+  """Positions along `axis_name` of the replicas with a device in this process.
+
+  A replica that spans devices (a model-parallel mesh) counts for every
+  process that drives one of them: when a mesh's within-replica axes cross
+  processes, each of those processes feeds the replica's rows, as
+  `jax.make_array_from_process_local_data` expects.
+  """
   me = jax.process_index()
-  return tuple(i for i, d in enumerate(devices) if d.process_index == me)
+  return tuple(i for i, replica in enumerate(replica_groups(mesh, axis_name))
+               if any(d.process_index == me for d in replica))
+
+
+def replica_groups(mesh, axis_name: str) -> np.ndarray:
+  """The devices of each replica: `(replicas, devices per replica)`, in
+  replica order along `axis_name`, each row in the mesh's order."""
+  grid = np.moveaxis(mesh.devices, mesh.axis_names.index(axis_name), 0)
+  return grid.reshape(len(grid), -1)
 
 
 def host_local(x: Any) -> Any:

@@ -444,7 +444,7 @@ def _name(obj: Any) -> str:
 def from_values(strategy, value_fn: Callable) -> PerReplica:
   """See `Strategy.experimental_distribute_values_from_function`."""
   n = strategy.num_replicas_in_sync
-  ids = placement.local_replica_ids(strategy.devices)
+  ids = placement.local_replica_ids(strategy.mesh, strategy.axis_name)
   values = [value_fn(ValueContext(i, n)) for i in ids]
   stacked = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]),
                          *values)

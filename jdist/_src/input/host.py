@@ -117,7 +117,8 @@ class Placer:
 
   def __init__(self, strategy):
     self.strategy = strategy
-    self.local_ids = placement.local_replica_ids(strategy.devices)
+    self.local_ids = placement.local_replica_ids(strategy.mesh,
+                                                 strategy.axis_name)
     ids = self.local_ids
     # This process's replicas: a slice (a view of the batch) when contiguous.
     contiguous = ids == tuple(range(ids[0], ids[-1] + 1))

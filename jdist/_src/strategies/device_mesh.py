@@ -7,7 +7,32 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
+
+from jdist._src.multiprocess import runtime as runtime_lib
+
+
+def default_devices(shape: tuple) -> np.ndarray:
+  """Every device of the run, laid out on `shape` by the hybrid mesh rule.
+
+  One process: `jax.devices()` in order. Several: the first axis is split
+  over the processes (each takes `shape[0] / processes` of its rows) and
+  each process lays its own devices out on the rest (its interconnect).
+  When the processes do not divide the first axis, or the devices do not
+  fill `shape`, the devices are returned in `jax.devices()` order and the
+  caller's size check names the mismatch.
+  """
+  runtime_lib.initialize()  # a process of a run sees every device only after
+  processes = jax.process_count()
+  devices = jax.devices()
+  if (processes == 1 or shape[0] % processes
+      or math.prod(shape) != len(devices)):
+    return np.array(devices, dtype=object)
+  per_process = (shape[0] // processes,) + tuple(shape[1:])
+  across = (processes,) + (1,) * (len(shape) - 1)
+  return mesh_utils.create_hybrid_device_mesh(
+      per_process, across, devices, process_is_granule=True)
 
 
 class DeviceMesh:
@@ -21,7 +46,14 @@ class DeviceMesh:
     shape: the size of each axis; their product is the number of devices.
     axis_names: one name per axis.
     devices: the devices, in row-major order over `shape`: jax Devices.
-      Defaults to every device (`jax.devices()`).
+      Defaults to every device of every process, laid out as JAX's hybrid
+      mesh rule does (`mesh_utils.create_hybrid_device_mesh`): in a run of
+      several processes the first axis (the replicas', as Keras's default
+      `batch_dim_name`) is split over the processes and the other axes stay
+      inside each process, so that only the replicas' gradient sum crosses
+      the slow network between hosts. Creating such a mesh joins the run
+      (`jdist.initialize`) if that has not happened yet. Pass devices to
+      lay the mesh out otherwise.
 
   Raises:
     ValueError: the shape and the names differ in length, a name repeats,
@@ -44,8 +76,8 @@ class DeviceMesh:
           f"{axis_names} has {len(axis_names)}: give one name per axis.")
     if len(set(axis_names)) != len(axis_names):
       raise ValueError(f"DeviceMesh axis_names {axis_names} repeat a name.")
-    devices = list(jax.devices() if devices is None
-                   else np.asarray(devices, dtype=object).ravel())
+    devices = list(np.asarray(default_devices(shape) if devices is None
+                              else devices, dtype=object).ravel())
     if math.prod(shape) != len(devices):
       raise ValueError(
           f"DeviceMesh shape {shape} holds {math.prod(shape)} devices but "

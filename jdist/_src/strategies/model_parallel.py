@@ -9,7 +9,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jdist._src.core import kinds
+from jdist._src.core import kinds, placement
 from jdist._src.strategies.layout_map import LayoutMap, path_name
 from jdist._src.strategies.spmd import Strategy
 
@@ -31,13 +31,6 @@ def fsdp_spec(spec: P, shape: tuple, axis: str, size: int) -> P:
     return spec
   dims[max(free, key=lambda d: (shape[d], -d))] = axis
   return P(*dims)
-
-
-def _replica_devices(mesh, batch_dim_name: str) -> tuple:
-  """One device per replica (its first), in replica order."""
-  axis = mesh.axis_names.index(batch_dim_name)
-  grid = np.moveaxis(mesh.devices, axis, 0)
-  return tuple(grid.reshape(grid.shape[0], -1)[:, 0])
 
 
 class ModelParallelStrategy(Strategy):
@@ -96,8 +89,9 @@ class ModelParallelStrategy(Strategy):
     self._fsdp_axis = fsdp_axis
     mesh = device_mesh.jax_mesh
     self._layout_map = layout_map
-    super().__init__(_replica_devices(mesh, batch_dim_name),
-                     axis_name=batch_dim_name, mesh=mesh)
+    first_devices = placement.replica_groups(mesh, batch_dim_name)[:, 0]
+    super().__init__(tuple(first_devices), axis_name=batch_dim_name,
+                     mesh=mesh)
 
   @property
   def layout_map(self) -> LayoutMap:

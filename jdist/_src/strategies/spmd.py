@@ -245,7 +245,7 @@ class Strategy(StrategyBase):
         if node.per_replica:
           return node
         rows = node.replica_rows(n, np)
-        ids = list(placement.local_replica_ids(self._devices))
+        ids = list(placement.local_replica_ids(self._mesh, self._axis_name))
         return SyncOnRead(placement.put_per_replica(
             jax.tree.map(lambda x: x[ids], rows.value), self._mesh,
             self._axis_name, n), node.aggregation, True)

@@ -1,0 +1,115 @@
+"""Model parallelism over many hosts (issue 21): 2 real processes x 2 fake
+CPU devices train a small MLP (Megatron's column then row split) on a 2x2 data x model mesh as one process
+with 4 devices does, and as one device does.
+
+`jdist launch -n 2 --devices-per-process 2 model_parallel_job.py` trains in a
+custom loop (`strategy.init`, `strategy.function`,
+`experimental_distribute_dataset`) with the mesh jdist lays out (the data
+axis across the processes, the model axis inside each), then with the mesh
+laid out the other way by hand. Each process writes the shards it holds;
+this test checks that they are its own devices' shards only, split as the
+layout says, and rebuilds the arrays from both processes' shards.
+"""
+
+import functools
+import os
+import pickle
+
+import jax
+import numpy as np
+import pytest
+
+import harness
+import jdist
+import model_parallel_train as train_lib
+
+pytestmark = pytest.mark.multiprocess
+
+JOB = os.path.join(harness.HERE, "model_parallel_job.py")
+RUN_TIMEOUT = 240  # two JAX processes on 2 busy cores; nothing waits on it
+TOL = 1e-6  # float32: the split matmuls and the gradient sums run in another order
+
+
+@functools.cache
+def in_one_process(case: str):
+  """(params, momentum, losses) on 4 devices of this process, or on one."""
+  devices = jax.local_devices()
+  strategy = (jdist.OneDeviceStrategy(devices[0]) if case == "one_device"
+              else train_lib.strategy_2x2(devices[:4]))
+  params, opt_state, losses = train_lib.train(strategy)
+  return jax.device_get(params), jax.device_get(opt_state), losses
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+  out = tmp_path_factory.mktemp("model_parallel")
+  r = harness.run_launcher(["-n", 2, "--devices-per-process", 2, JOB, out],
+                           timeout=RUN_TIMEOUT)
+  assert r.returncode == 0, r.output[-5000:]
+  records = {}
+  for layout in ("auto", "by_hand"):
+    for rank in (0, 1):
+      with open(out / f"{layout}-{rank}.pkl", "rb") as f:
+        records[layout, rank] = pickle.load(f)
+  return records
+
+
+def rebuild(parts, like):
+  """The whole array from the (device, index, data) shards of both processes,
+  checking that shards of the same block agree."""
+  whole = np.full(np.shape(like), np.nan, np.float32)
+  for _, index, data in parts:
+    block = tuple(slice(*i) for i in index)
+    seen = whole[block]
+    assert np.all(np.isnan(seen) | (seen == data))
+    whole[block] = data
+  assert not np.isnan(whole).any()
+  return whole
+
+
+def check_held(records, layout, tree, key):
+  """Every process holds its own devices' shards only, of the sizes the
+  layout gives; rebuilt, the arrays are the one-process run's."""
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  for rank in (0, 1):
+    held = records[layout, rank][key]
+    assert set(held) == {jax.tree_util.keystr(p) for p, _ in flat}
+    for name, parts in held.items():
+      assert sorted(d for d, _, _ in parts) == records[layout, rank]["local"]
+  for path, want in flat:
+    name = jax.tree_util.keystr(path)
+    parts = records[layout, 0][key][name] + records[layout, 1][key][name]
+    np.testing.assert_allclose(rebuild(parts, want), want, rtol=0, atol=TOL,
+                               err_msg=f"{layout} {key} {name}")
+
+
+@pytest.mark.parametrize("layout", ["auto", "by_hand"])
+def test_two_processes_train_as_one_process_and_one_device(launched, layout):
+  params, momentum, losses = in_one_process("four_devices")
+  one_params, _, one_losses = in_one_process("one_device")
+  for rank in (0, 1):
+    np.testing.assert_allclose(launched[layout, rank]["losses"], losses,
+                               rtol=0, atol=TOL)
+  np.testing.assert_allclose(losses, one_losses, rtol=0, atol=TOL)
+  check_held(launched, layout, params, "params")
+  check_held(launched, layout, momentum, "momentum")
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=TOL),
+               params, one_params)
+
+
+def test_the_data_axis_crosses_the_processes_unless_laid_out_by_hand(launched):
+  for rank in (0, 1):
+    local = launched["auto", rank]["local"]
+    mesh = launched["auto", rank]["mesh"]
+    assert sorted(mesh[rank]) == local  # a replica inside one process
+    by_hand = launched["by_hand", rank]["mesh"]
+    assert sorted(row[rank] for row in by_hand) == local
+  # The model axis splits a kernel in two: each device holds half of it,
+  # each process both halves (auto) or the half of both replicas (by hand).
+  name = "['Dense_0']['kernel']"
+  for layout in ("auto", "by_hand"):
+    for rank in (0, 1):
+      parts = launched[layout, rank]["params"][name]
+      assert [d.shape for _, _, d in parts] == [(8, 8)] * 2
+      halves = {index[1] for _, index, _ in parts}
+      assert len(halves) == (2 if layout == "auto" else 1)
