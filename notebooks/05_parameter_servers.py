@@ -97,12 +97,13 @@ def dataset_fn(ctx):
     mine = np.arange(ctx.input_pipeline_id, len(x_train), ctx.num_input_pipelines)
     while True:                                   # repeat forever; schedule N steps
         i = rng.choice(mine, 32, replace=False)
-        yield {"x": x_train[i], "y": y_train[i]}
+        yield x_train[i], y_train[i]              # (features, labels), as tf.data's
 
 per_worker_iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
 
-def step_fn(iterator):
-    _, loss = train_step(state, next(iterator))   # runs on a worker
+def step_fn(iterator):                            # runs on a worker
+    batch_data, labels = next(iterator)           # the tutorial's unpacking
+    _, loss = train_step(state, {"x": batch_data, "y": labels})
     return strategy.reduce("sum", loss)
 
 start = time.perf_counter()
@@ -128,7 +129,9 @@ assert set(state.version().values()) == {400} and np.mean(curve[-20:]) < np.mean
 # updated more than `max_staleness` times since (default: twice the number of
 # workers); the worker then reads again and recomputes the step on the same batch.
 # With `max_staleness=0` every update is applied to exactly the values it was computed
-# from: training is sequential, the same as one device.
+# from: training is sequential, the same as one device trained on the same batches in
+# the order the servers applied them (an order that depends on timing with several
+# workers).
 #
 # Does asynchrony cost accuracy? Compare with synchronous training that sees the same
 # number of examples.
@@ -164,10 +167,10 @@ for name, acc in results.items():
 # %%
 calls = iter(range(10**6))
 def flaky_step_fn(iterator):
-    batch = next(iterator)
+    batch_data, labels = next(iterator)
     if next(calls) in (50, 120):
         raise jdist.WorkerFailedError("preempted")    # this worker is lost mid-step
-    _, loss = train_step(state, batch)
+    _, loss = train_step(state, {"x": batch_data, "y": labels})
     return strategy.reduce("sum", loss)
 
 before = state.version()
@@ -246,7 +249,8 @@ if ray is not None:
     ray_iterator = iter(ray_coordinator.create_per_worker_dataset(dataset_fn))
 
     def ray_step_fn(iterator):
-        _, loss = ray_step(ray_state, next(iterator))
+        batch_data, labels = next(iterator)
+        _, loss = ray_step(ray_state, {"x": batch_data, "y": labels})
         return ray_strategy.reduce("sum", loss), os.getpid()   # runs in a worker's process
 
     warm = ray_coordinator.fetch([ray_coordinator.schedule(ray_step_fn, args=(ray_iterator,))
