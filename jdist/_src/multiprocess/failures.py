@@ -95,6 +95,7 @@ def culprit(records: list) -> RankRecord | None:
   every POLL_SECONDS or later under load, sees the killed process gone.
 
   Example:
+    >>> from jdist._src.multiprocess.failures import RankRecord, culprit
     >>> killed = RankRecord(rank=2, code=-9, own=True, ended=2.0)
     >>> broken = RankRecord(rank=3, code=1, own=True, ended=1.0)
     >>> culprit([broken, killed]).rank
