@@ -162,31 +162,3 @@ def test_a_node_that_goes_away_leaves_the_job_to_the_others(tmp_path, mode):
   assert_finished(tmp_path, world=3, attempt=1, mode=mode)
   print(mode, restart_report(output))
   assert harness.wait_gone(pids(output), timeout=5) == []
-
-
-def test_a_kill_mid_save_resumes_from_the_checkpoint_before(tmp_path):
-  """Process 0 is killed in the middle of saving checkpoint 30 (orbax's
-  temporary directory half-written), then, in the restart, process 2 in the
-  middle of saving checkpoint 50: each restart resumes from the complete
-  checkpoint before (20, then 40), reads nothing half-written, and the run
-  ends with the uninterrupted parameters and no temporary directory left."""
-  r = harness.run_launcher(["--nnodes", "2:4", "--max-restarts", 3,
-                            "--devices-per-process", 1, JOB, tmp_path,
-                            "0:0:30:savekill", "1:2:50:savekill"],
-                           timeout=RUN_TIMEOUT)
-  assert r.returncode == 0, r.output[-5000:]
-  for attempt, rank in ((0, 0), (1, 2)):
-    assert (f"attempt {attempt}: process {rank} of 4 failed (killed by "
-            "SIGKILL)") in r.stderr, r.stderr
-    # Killed while orbax wrote the step's state in its temporary directory.
-    assert re.search(rf"^\[{rank}\] writing {30 + 20 * attempt}\.orbax-"
-                     r"checkpoint-tmp\S* .*\bstate\.orbax-checkpoint-tmp",
-                     r.stdout, re.M), r.stdout[-3000:]
-  resumed = [step for _, step, _ in markers(r.stdout, "resumed")]
-  assert sorted(resumed) == [0] * 4 + [20] * 4 + [40] * 4, r.output[-5000:]
-  assert "is corrupt" not in r.output  # no half-written save was read
-  assert_finished(tmp_path, world=4, attempt=2)
-  # The two newest (max_to_keep=2), and nothing else.
-  assert sorted(os.listdir(os.path.join(tmp_path, "checkpoints"))) == \
-      ["50", "60"]
-  assert harness.wait_gone(pids(r.stdout), timeout=5) == []
