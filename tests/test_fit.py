@@ -416,3 +416,13 @@ def test_a_second_fit_on_data_of_the_same_shape_traces_nothing(split):
   assert np.isfinite(history.history["loss"][0])
   with pytest.raises(ValueError, match=r"model fails on the training data's "):
     trainer.fit(x[:256, :63], y[:256], batch_size=64, verbose=0)
+
+
+def test_callbacks_none_is_no_callbacks_as_in_keras(split):
+  (x, y), _ = split
+  trainer = trainer_on(2)
+  history = trainer.fit(x[:128], y[:128], batch_size=64, callbacks=None,
+                        verbose=0)
+  assert trainer.global_step == 2 and len(history.history["loss"]) == 1
+  assert set(trainer.evaluate(x[:64], y[:64], callbacks=None)) >= {"loss"}
+  assert trainer.predict(x[:64], callbacks=None).shape == (64, 10)

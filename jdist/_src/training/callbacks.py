@@ -109,7 +109,7 @@ class CallbackList:
 
   def __init__(self, callbacks: Iterable[Callback], *, trainer, params: dict,
                fit_loop=None):
-    self.callbacks = list(callbacks)
+    self.callbacks = list(callbacks or ())  # None, as Keras takes it
     for cb in self.callbacks:
       if not isinstance(cb, Callback):
         raise TypeError(
