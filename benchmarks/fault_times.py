@@ -372,8 +372,9 @@ CASES = [
 ]
 
 
+PS_HANGS = ("parameter server hangs", "worker hangs in a function")
 PS_FAULTS = {f"{what} ({backend})" for backend in ("threads", "ray")
-             for what in ("parameter server hangs", "worker hangs in a function")}
+             for what in PS_HANGS}
 
 
 def ps_cases(backend: str, timeout: float) -> list:
@@ -389,10 +390,10 @@ def ps_cases(backend: str, timeout: float) -> list:
   assert "\nlog Worker " in out, out  # the lost worker was logged
   what = f"timeout_seconds={timeout:g}, from the hang"
   return [
-      (f"parameter server hangs ({backend})",
+      (f"{PS_HANGS[0]} ({backend})",
        ev["server error ParameterServerError"] - ev["server hangs"],
        f"{what} to join()'s ParameterServerError"),
-      (f"worker hangs in a function ({backend})",
+      (f"{PS_HANGS[1]} ({backend})",
        ev["worker joined"] - ev["worker hangs"],
        f"{what} to join() returning, every function run"),
   ]
