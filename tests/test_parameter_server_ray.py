@@ -166,9 +166,19 @@ def test_tutorial_program_and_fit_on_ray(digits_split):
                             loss=jdist.losses.SparseCategoricalCrossentropy(
                                 from_logits=True),
                             metrics=["accuracy"])
-  history = trainer.fit(x, y, batch_size=32, epochs=2,
+  history = trainer.fit(x, y, batch_size=32, epochs=5,
                         validation_data=(vx, vy), verbose=0).history
-  assert history["val_accuracy"][-1] > 0.8
+  with jdist.OneDeviceStrategy().scope():
+    sync = jdist.Trainer(MLP(hidden=32), optimizer=optax.adam(3e-3),
+                         loss=jdist.losses.SparseCategoricalCrossentropy(
+                             from_logits=True),
+                         metrics=["accuracy"])
+  want = sync.fit(x, y, batch_size=32, epochs=5, validation_data=(vx, vy),
+                  verbose=0).history["val_accuracy"][-1]
+  got = history["val_accuracy"][-1]
+  # Asynchronous updates are a little stale: as good as one device, within
+  # 0.03 (a one-sided "> 0.8" after 2 epochs fell to 0.78 once in CI).
+  assert want > 0.85 and abs(got - want) <= 0.03, (got, want)
   pids = actors_left()
   coordinator.shutdown()
   assert wait_gone(pids) == [] and actors_left() == []
