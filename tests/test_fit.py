@@ -426,3 +426,46 @@ def test_callbacks_none_is_no_callbacks_as_in_keras(split):
   assert trainer.global_step == 2 and len(history.history["loss"]) == 1
   assert set(trainer.evaluate(x[:64], y[:64], callbacks=None)) >= {"loss"}
   assert trainer.predict(x[:64], callbacks=None).shape == (64, 10)
+
+
+class KeepsEveryEpochsParams(jdist.Callback):
+  """Keeps the parameters of every epoch, copied as the Trainer says to."""
+
+  def on_train_begin(self, logs=None):
+    self.kept, self.read_at_batch = [], None
+
+  def on_train_batch_end(self, batch, logs=None):
+    if batch == 0:
+      self.read_at_batch = self.model.params  # valid until the next step
+
+  def on_epoch_end(self, epoch, logs=None):
+    self.kept.append(jax.tree.map(jnp.copy, self.model.params))
+
+
+def test_fit_donates_the_state_and_keeps_what_the_user_holds(split):
+  """The train step reuses the state's buffers (one copy of the state in
+  memory, as Keras 3 does); arrays read before fit stay valid, and a copy
+  taken in a callback outlives the steps."""
+  (x, y), _ = split
+  module = CountedMLP(nnx.Rngs(0))
+  trainer = trainer_on(2, module, optimizer=optax.sgd(0.1, 0.9))
+  trainer.build(x[:1])
+  before = trainer.params
+  first = np.asarray(jax.tree.leaves(before)[0]).copy()
+  keep = KeepsEveryEpochsParams()
+  trainer.fit(x[:256], y[:256], batch_size=64, epochs=2, verbose=0,
+              callbacks=[keep])
+  # Read before fit: still there, still the initial values.
+  np.testing.assert_array_equal(jax.tree.leaves(before)[0], first)
+  # The first batch's arrays were donated to the next step.
+  assert jax.tree.leaves(keep.read_at_batch)[0].is_deleted()
+  # Copies live on: epoch 1's differ from epoch 2's, which are the last.
+  one, two = (jax.tree.leaves(p)[0] for p in keep.kept)
+  assert not np.allclose(one, two)
+  np.testing.assert_array_equal(two, jax.tree.leaves(trainer.params)[0])
+  # fit updated the user's nnx module; a second fit leaves those arrays be.
+  kernel = module.hidden.kernel[...]
+  held = np.asarray(kernel).copy()
+  trainer.fit(x[:256], y[:256], batch_size=64, verbose=0)
+  np.testing.assert_array_equal(kernel, held)
+  assert not np.allclose(module.hidden.kernel[...], held)

@@ -188,6 +188,13 @@ def host_local(x: Any) -> Any:
   return x
 
 
+def copy_arrays(tree: Any) -> Any:
+  """A pytree with its device arrays copied (same placement), other leaves
+  as they are: what a caller keeps when a step donates the originals."""
+  return jax.tree.map(lambda a: a.copy() if isinstance(a, jax.Array) else a,
+                      tree)
+
+
 def to_host(tree: Any) -> Any:
   """A pytree of replicated arrays as numpy arrays on the host (typed PRNG
   keys as their key data)."""

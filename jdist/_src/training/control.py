@@ -8,6 +8,7 @@ from typing import Callable
 
 import numpy as np
 
+from jdist._src.core import placement
 from jdist._src.training.callbacks import Callback, is_chief, resolve_mode
 
 
@@ -111,15 +112,13 @@ class EarlyStopping(Callback):
       return
     if epoch < self.start_from_epoch:
       return
-    placement = self.model.strategy.state_placement
     if self.restore_best_weights and self.best_state is None:
-      self.best_state = placement.read(self.model.state)
+      self.best_state = self._copy_state()
     self.wait += 1
     if self._improved(value, self.best):
       self.best, self.best_epoch = value, epoch
       if self.restore_best_weights:
-        # Arrays are immutable: no copy (variables on servers are read).
-        self.best_state = placement.read(self.model.state)
+        self.best_state = self._copy_state()
       if self.baseline is None or self._improved(value, self.baseline):
         self.wait = 0
       return
@@ -127,6 +126,7 @@ class EarlyStopping(Callback):
       self.stopped_epoch = epoch
       self.model.stop_training = True
       if self.restore_best_weights and self.best_state is not None:
+        placement = self.model.strategy.state_placement
         self.model.state = placement.write(
             self.model.state, placement.read(self.model.state).replace(
                 params=self.best_state.params,
@@ -134,6 +134,11 @@ class EarlyStopping(Callback):
             self.model.strategy.mesh)
         if self.verbose and is_chief():
           print(f"Restoring the parameters of epoch {self.best_epoch + 1}.")
+
+  def _copy_state(self):
+    """The trainer's state, copied: fit's next step donates its arrays."""
+    return placement.copy_arrays(
+        self.model.strategy.state_placement.read(self.model.state))
 
   def on_train_end(self, logs=None):
     if self.stopped_epoch > 0 and self.verbose and is_chief():

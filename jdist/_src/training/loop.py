@@ -64,7 +64,9 @@ class FitLoop:
       validation data.
     make_totals: `make_totals(sums or None) -> totals`: fresh (or restored)
       running sums of the loss and metrics, placed on the devices.
-    read_logs: `read_logs(state, totals) -> logs`: their means, on the host.
+    read_logs: `read_logs(state) -> read`, called after each step with the
+      state it returned: `read(totals) -> logs` (their means, on the host)
+      keeps what the logs need of that state (the next step may donate it).
     batch_size: the static global batch size (the first batch's, or a short
       only batch's padded size; None: the distributed dataset decides).
     steps_per_execution: batches per call of `train_function` (Keras' name;
@@ -158,7 +160,7 @@ class FitLoop:
 
   def logs(self) -> dict:
     """The epoch's logs so far, read from the devices."""
-    return self._read_logs(self._state, self.totals)
+    return self._read_logs(self._state)(self.totals)
 
   # --- checkpoints ----------------------------------------------------------
 
@@ -253,7 +255,7 @@ class FitLoop:
         self._skipped.record(self._state, index, steps)
       self.last_execution = steps
       self.position = self.position.next_batch(steps)
-      batch_logs = LazyLogs(functools.partial(self._read_logs, self._state,
+      batch_logs = LazyLogs(functools.partial(self._read_logs(self._state),
                                               self.totals))
       cbs.call("on_train_batch_end", index + steps - 1, batch_logs)
       bar.step(batch_logs, steps)

@@ -113,8 +113,9 @@ def train_logs(opt_state) -> dict:
 class SkippedBatches:
   """Which batches of an epoch a loss-scaled `fit` skipped, and when to say so.
 
-  After each call of the train step it keeps references to the state's skip
-  count and loss scale (no computation, nothing waits for the devices). At
+  After each call of the train step it keeps a copy of the state's skip
+  count and loss scale (the next step donates the state; the copies wait
+  for nothing). At
   the end of the epoch one read of the last count tells whether any step was
   skipped; only then does it look for which, by halving the epoch's calls
   (a run of skipped calls costs a few reads, not one per call). Steps
@@ -141,14 +142,16 @@ class SkippedBatches:
   def start_epoch(self, state) -> None:
     """Starts an epoch's record from the state it starts with."""
     self._calls = []
-    self._before = self._read(state).opt_state.skipped_steps
+    self._before = placement.copy_arrays(
+        self._read(state).opt_state.skipped_steps)
 
   def record(self, state, first_batch: int, steps: int) -> None:
     """Notes the state after a call that ran `steps` batches from
     `first_batch` on."""
     opt_state = self._read(state).opt_state
-    self._calls.append((first_batch, steps, opt_state.skipped_steps,
-                        opt_state.loss_scale))
+    # Copies: the next step donates the state's arrays.
+    self._calls.append((first_batch, steps) + placement.copy_arrays(
+        (opt_state.skipped_steps, opt_state.loss_scale)))
 
   def end_epoch(self, epoch: int) -> str | None:
     """A warning naming the epoch's skipped batches if a step was skipped at

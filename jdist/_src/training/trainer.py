@@ -263,7 +263,8 @@ class Trainer:
     a `jdist.DistributedFunction`, or with `steps_per_execution` or
     `gradient_accumulation_steps` above 1 a `jdist.MultiStepFunction` (a
     call takes a `BatchGroup`); its `num_compilations` counts its compiles.
-    Made on first use (`make_train_function`)."""
+    It donates the state it is given (the returned state reuses its
+    buffers), as Keras 3's does. Made on first use (`make_train_function`)."""
     return self.make_train_function()
 
   @property
@@ -401,12 +402,17 @@ class Trainer:
     if self._train_function is None or force:
       s = self.strategy
       # (state, totals, batch) -> (state, totals): both written back where
-      # the strategy holds them (parameter servers).
+      # the strategy holds them (parameter servers). The state is donated,
+      # as Keras 3 and flax's examples do: the step's new state reuses the
+      # old one's buffers (one copy of the state in memory, not two); fit
+      # copies the state once first (`_own_state`). Totals are not donated:
+      # logs read them after the next step, and the CPU throttle waits on
+      # them.
       train = s.function(steps_lib.make_train_step(
           self._compute_model, self._loss, self._optimizer(),
           self._weighted_names(), micro_batches=self._micro_batches,
           batches_per_step=self._accumulation),
-          state_output=(0, 1))
+          state_output=(0, 1), donate_argnums=(0,))
       if self._batches_per_call > 1:
         if not isinstance(train, DistributedFunction):
           what = (f"steps_per_execution={self._steps_per_execution}"
@@ -565,11 +571,11 @@ class Trainer:
       _, val_static = self._prepare(val_source, "validation data")
       validate = lambda state, cbs: self._evaluate_source(
           val_source, val_static, state, cbs)
-    fit_loop = FitLoop(self.make_train_function(), source, self._state,
+    fit_loop = FitLoop(self.make_train_function(), source, self._own_state(),
                        strategy=self.strategy, epochs=epochs,
                        initial_epoch=initial_epoch, validate=validate,
                        make_totals=self._totals,
-                       read_logs=self._read_train_logs, batch_size=static,
+                       read_logs=self._train_logs_reader, batch_size=static,
                        options=self._input_options,
                        steps_per_execution=self._batches_per_call,
                        batches_per_step=self._accumulation,
@@ -597,6 +603,24 @@ class Trainer:
     if isinstance(self._model, model_lib.NnxModel):
       self.export()
     return self.history
+
+  def _own_state(self):
+    """The state fit trains from: a copy, when the train step donates it.
+
+    Arrays read before fit (`trainer.params`, an nnx module updated by
+    `export`) stay valid; the arrays of `trainer.state` read during fit are
+    valid until the next step (copy them to keep them longer, as
+    `EarlyStopping` does).
+    """
+    if not self._donates_state():
+      return self._state  # held on the parameter servers: nothing donated
+    return placement.copy_arrays(self._state)
+
+  def _donates_state(self) -> bool:
+    """Whether the train function donates the state it is given (it does
+    unless the state is held on parameter servers)."""
+    return isinstance(self.make_train_function(),
+                      (DistributedFunction, MultiStepFunction))
 
   def _training_source(self, x, y, *, batch_size, steps_per_epoch, shuffle,
                        sample_weight, class_weight) -> data_lib.Source:
@@ -633,14 +657,28 @@ class Trainer:
     totals = self._read(totals)  # one read from the servers, if held there
     return steps_lib.means(totals, steps_lib.read_sums(self.strategy, totals))
 
-  def _read_train_logs(self, state, totals) -> dict:
-    """The training logs: the means, and the loss scale's state if any."""
-    logs = self._read_means(totals)
+  def _train_logs_reader(self, state):
+    """`read(totals) -> logs` for the step that returned `state`: the means,
+    and the loss scale's state if any. Called after each step: the logs are
+    read later (lazily), after the next step has donated `state`, so it
+    keeps a copy of the loss scale's scalars (parameter servers donate
+    nothing: their state is read when the logs are)."""
+    kept = None
     if mixed_precision.scales_loss(self._tx):
-      extra = mixed_precision.train_logs(self._read(state).opt_state)
-      logs.update({k: float(v) for k, v in
-                   placement.to_host(extra).items()})
-    return logs
+      if self._donates_state():
+        copied = placement.copy_arrays(
+            mixed_precision.train_logs(self._read(state).opt_state))
+        kept = lambda: copied
+      else:
+        kept = lambda: mixed_precision.train_logs(self._read(state).opt_state)
+
+    def read(totals) -> dict:
+      logs = self._read_means(totals)
+      if kept is not None:
+        logs.update({k: float(v) for k, v in
+                     placement.to_host(kept()).items()})
+      return logs
+    return read
 
   # --- evaluate and predict ------------------------------------------------
 
