@@ -127,6 +127,14 @@ def open_boxes(tree: Any) -> Any:
   return jax.tree.map(open_, tree, is_leaf=meta.is_axis_metadata)
 
 
+def _rebox(old: Any, new: Any) -> Any:
+  """`new` (a collection linen returned unboxed) in `old`'s boxes, if any."""
+  if not any(map(meta.is_axis_metadata,
+                 jax.tree.leaves(old, is_leaf=meta.is_axis_metadata))):
+    return new
+  return meta.replace_boxed(old, new)
+
+
 class LinenModel:
   """A flax linen module: variables are `params` plus other collections.
 
@@ -175,7 +183,7 @@ class LinenModel:
                                        mutable=list(model_state),
                                        **self._mode(True))
       # Boxed again as they came in: the state keeps its structure.
-      return y, {**model_state, **{k: meta.replace_boxed(model_state[k], v)
+      return y, {**model_state, **{k: _rebox(model_state[k], v)
                                    for k, v in updates.items()}}
     with _global_linen_batch_norm(_replica_axis() if train else None):
       y = self.module.apply(variables, x, rngs=rngs, **self._mode(train))
