@@ -16,7 +16,7 @@ from jdist._src.core import kinds, placement
 from jdist._src.strategies.device_mesh import DeviceMesh
 from jdist._src.strategies.layout_map import LayoutMap
 from jdist._src.strategies.partition_metadata import (
-    PartitionMetadata, is_box, named_leaves, named_nodes)
+    PartitionMetadata, is_box, named_leaves, named_nodes, warn_unruled)
 from jdist._src.strategies.spmd import Strategy
 
 
@@ -190,14 +190,15 @@ class ModelParallelStrategy(Strategy):
     return (f"ModelParallelStrategy({self.device_mesh!r}, "
             f"batch_dim_name={self.axis_name!r}{fsdp})")
 
-  def _spec(self, path: str, shape: tuple, box: Any, *, warn: bool) -> P:
+  def _spec(self, path: str, shape: tuple, box: Any, *,
+            unruled: list | None = None) -> P:
     """The layout of one array: its LayoutMap key's, else its box's
     metadata's, else replicated; split over `fsdp_axis` as well."""
     layout_map = self._layout_map
     if layout_map is not None and layout_map.layout_of(path) is not None:
       spec = layout_map.spec_for(path, shape)
     elif box is not None:
-      spec = self._metadata.spec(path, shape, box, warn=warn) or P()
+      spec = self._metadata.spec(path, shape, box, unruled=unruled) or P()
     else:
       spec = P()
     return self._with_fsdp(spec, shape)
@@ -212,8 +213,10 @@ class ModelParallelStrategy(Strategy):
         dimension that the axis's size does not divide.
     """
     entries = named_leaves(tree)
-    specs = [self._spec(name, np.shape(leaf), box, warn=True)
+    unruled = []
+    specs = [self._spec(name, np.shape(leaf), box, unruled=unruled)
              for name, leaf, box in entries]
+    warn_unruled(unruled)
     if self._layout_map is not None:
       self._layout_map.warn_unmatched([name for name, _, _ in entries])
     return jax.tree_util.tree_unflatten(jax.tree.structure(tree), specs)
@@ -249,7 +252,7 @@ class ModelParallelStrategy(Strategy):
       if not isinstance(x, jax.Array):
         return x
       try:
-        spec = self._spec(name, np.shape(x), box, warn=False)
+        spec = self._spec(name, np.shape(x), box)
       except ValueError:
         return x
       return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))

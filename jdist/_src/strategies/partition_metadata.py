@@ -122,7 +122,7 @@ class PartitionMetadata:
     >>> mesh = jdist.DeviceMesh((1, len(jax.devices())), ("data", "model"))
     >>> reader = PartitionMetadata(mesh, (("mlp", "model"),))
     >>> box = nn.LogicallyPartitioned(jnp.zeros((3, 8)), ("embed", "mlp"))
-    >>> reader.spec("Dense_0/kernel", (3, 8), box, warn=False)
+    >>> reader.spec("Dense_0/kernel", (3, 8), box)
     P(None, 'model')
   """
 
@@ -136,7 +136,7 @@ class PartitionMetadata:
     return self._rules
 
   def spec(self, path: str, shape: Sequence[int], box: Any, *,
-           warn: bool = True) -> P | None:
+           unruled: list | None = None) -> P | None:
     """The checked `PartitionSpec` that `box`'s metadata gives the array of
     `shape` at `path`, or None when the box carries no layout.
 
@@ -144,8 +144,8 @@ class PartitionMetadata:
       path: the array's path (for messages).
       shape: the array's shape.
       box: a flax box (see `is_box`).
-      warn: warn for logical names that no rule maps (replicated, as flax
-        does).
+      unruled: a list to which each `(path, logical name)` that no rule
+        maps (replicated, as flax does) is appended; see `warn_unruled`.
 
     Raises:
       ValueError: the metadata names an axis the mesh does not have, has more
@@ -154,7 +154,8 @@ class PartitionMetadata:
     """
     shape = tuple(shape)
     if isinstance(box, linen_spmd.LogicallyPartitioned):
-      spec, what = self._logical(path, box, warn), "nn.with_logical_partitioning"
+      spec = self._logical(path, box, unruled)
+      what = "nn.with_logical_partitioning"
     elif isinstance(box, meta.Partitioned):
       spec, what = P(*box.names), "nn.with_partitioning"
       self._check_axes(path, shape, spec, what, lambda axis: (
@@ -193,20 +194,13 @@ class PartitionMetadata:
               f"flax metadata ({what}) as {tuple(spec)}, but {axis!r} is not "
               f"an axis of the mesh {self._mesh.axis_names}. {remedy(axis)}")
 
-  def _logical(self, path: str, box, warn: bool) -> P:
+  def _logical(self, path: str, box, unruled: list | None) -> P:
     rules = self._rules if box.rules is None else normalize_rules(box.rules)
     names = tuple(box.names)
     ruled = {name for name, _ in rules}
-    missing = [n for n in names if isinstance(n, str) and n not in ruled]
-    if missing and warn:
-      warnings.warn(
-          f"Parameter {path!r} is partitioned by logical axis names {names} "
-          f"(nn.with_logical_partitioning), but no logical axis rule maps "
-          f"{', '.join(map(repr, missing))}: that dimension is replicated "
-          "(as flax does). Add a rule such as "
-          f"({missing[0]!r}, 'model') to ModelParallelStrategy("
-          f"logical_axis_rules=...), or ({missing[0]!r}, None) to keep it "
-          "replicated without this warning.", stacklevel=4)
+    if unruled is not None:
+      unruled.extend((path, n) for n in names
+                     if isinstance(n, str) and n not in ruled)
     spec = linen_spmd.logical_to_mesh_axes(names, rules)
     for name, entry in zip(names, spec):
       for axis in _axes(entry):
@@ -247,9 +241,22 @@ class PartitionMetadata:
               "<mesh axis>) to ModelParallelStrategy(logical_axis_rules=...).")
     return spec
 
-  def leaf_specs(self, tree: Any, *, warn: bool = True) -> list:
-    """One entry per leaf of `tree` (leaf order): its `PartitionSpec` from
-    its box's metadata, or None when it has none."""
-    return [None if box is None else
-            self.spec(name, np.shape(leaf), box, warn=warn)
-            for name, leaf, box in named_leaves(tree)]
+
+def warn_unruled(unruled: list, stacklevel: int = 3) -> None:
+  """One warning for every logical name that no rule maps, with the paths
+  of (up to three of) the arrays it leaves replicated."""
+  if not unruled:
+    return
+  paths: dict[str, list[str]] = {}
+  for path, name in unruled:
+    paths.setdefault(name, []).append(path)
+  names = "; ".join(
+      f"{name!r} ({', '.join(map(repr, p[:3]))}{', ...' if len(p) > 3 else ''})"
+      for name, p in paths.items())
+  first = next(iter(paths))
+  warnings.warn(
+      f"No logical axis rule maps {names} (nn.with_logical_partitioning): "
+      "those dimensions are replicated, as flax does. Add a rule such as "
+      f"({first!r}, 'model') to ModelParallelStrategy(logical_axis_rules="
+      f"...), or ({first!r}, None) to keep it replicated without this "
+      "warning.", stacklevel=stacklevel)
