@@ -320,7 +320,8 @@ def test_an_axis_the_mesh_has_not_is_an_error(devices):
   with pytest.raises(ValueError, match=r"'params/Dense_0/bias' of shape "
                      r"\(16,\) is partitioned by its flax metadata "
                      r"\(nn.with_partitioning\) as \('tensor',\), but "
-                     r"'tensor' is not an axis of the mesh \('data', 'model'\)"):
+                     r"'tensor' is not an axis of the mesh "
+                     r"\('data', 'model'\)"):
     _init_linen(strategy, PartitionedMLP("tensor"))
   with pytest.raises(ValueError, match=r"'l0/bias' of shape \(16,\) is "
                      r"partitioned by its nnx out_sharding \('tensor',\), "

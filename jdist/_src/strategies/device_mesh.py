@@ -138,9 +138,9 @@ class DeviceMesh:
       if size % split:
         return (
             f"Parameter {path!r} of shape {shape}: dimension {dim} "
-            f"({size}) cannot be split over mesh axis {'x'.join(map(str, axes))}"
-            f" of size {split}. Choose an axis whose size divides {size}, "
-            f"{remedy}")
+            f"({size}) cannot be split over mesh axis "
+            f"{'x'.join(map(str, axes))} of size {split}. Choose an axis "
+            f"whose size divides {size}, {remedy}")
     return None
 
   @property

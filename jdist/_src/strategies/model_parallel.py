@@ -7,8 +7,8 @@ from typing import Any, Callable
 
 import flax.linen as nn
 import jax
-from flax import nnx
 import numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -104,7 +104,8 @@ class ModelParallelStrategy(Strategy):
     >>> strategy = jdist.ModelParallelStrategy(device_mesh=mesh)
     >>> dense = nn.Dense(4, kernel_init=nn.with_partitioning(
     ...     nn.initializers.lecun_normal(), (None, "model")))
-    >>> variables = strategy.init(dense.init, jax.random.key(0), jnp.ones((1, 2)))
+    >>> x = jnp.ones((1, 2))
+    >>> variables = strategy.init(dense.init, jax.random.key(0), x)
     >>> variables["params"]["kernel"].value.sharding.spec
     P(None, 'model')
   """
