@@ -364,6 +364,22 @@ def test_rules_from_flax_context_and_a_rule_to_a_missing_axis(devices):
     _init_linen(strategy, LogicalMLP())
 
 
+class NnxLogical(nnx.Module):
+  def __init__(self, *, rngs):
+    self.l0 = nnx.Linear(8, 16, rngs=rngs, kernel_init=nnx.with_partitioning(
+        _INIT, ("embed", "mlp")))
+
+
+def test_nnx_logical_names_are_mapped_by_the_rules(devices):
+  # As nnx.get_partition_spec: a name a rule maps is replaced; the model is
+  # built inside init, where flax's eager sharding sees the same rules.
+  strategy = _strategy(devices, "data_by_model", logical_axis_rules=_RULES)
+  model = strategy.init(lambda: NnxLogical(rngs=nnx.Rngs(0)))
+  kernel = model.l0.kernel[...]
+  assert kernel.sharding.spec == P(None, "model")
+  assert _shard_shape(kernel) == (8, 8)
+
+
 def test_an_indivisible_dimension_names_path_shape_axis_and_size(devices):
   strategy = _strategy(devices, "data_by_model", logical_axis_rules=_RULES)
   with pytest.raises(ValueError, match=r"'params/Dense_0/bias' of shape "

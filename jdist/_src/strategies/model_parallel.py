@@ -3,6 +3,7 @@ or by flax's partition metadata."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -278,9 +279,10 @@ class ModelParallelStrategy(Strategy):
     a parameter's path also matches the optimizer state's copies of it (a
     path's tail after a "/", `0/trace/dense/kernel`), and optax boxes a
     boxed parameter's moments as the parameter, so the momentum is split as
-    its parameter is. `fn` runs under the strategy's mesh (`jax.set_mesh`),
-    so an nnx model whose variables shard as they are made (flax's eager
-    sharding) can be built inside it.
+    its parameter is. `fn` runs under the strategy's mesh (`jax.set_mesh`)
+    and its `logical_axis_rules` (`nn.logical_axis_rules`), so an nnx model
+    whose variables shard as they are made (flax's eager sharding) can be
+    built inside it.
 
     Raises:
       ValueError: a layout names an axis the mesh does not have, or splits a
@@ -301,6 +303,9 @@ class ModelParallelStrategy(Strategy):
       treedefs.append(treedef)
       return leaves
 
-    with jax.set_mesh(self.mesh):
+    with contextlib.ExitStack() as stack:
+      stack.enter_context(jax.set_mesh(self.mesh))
+      if self.logical_axis_rules:  # for flax's eager sharding of nnx names
+        stack.enter_context(nn.logical_axis_rules(self.logical_axis_rules))
       leaves = jax.jit(flat, out_shardings=shardings)(*args, **kwargs)
     return jax.tree.unflatten(treedefs[-1], leaves)
