@@ -29,7 +29,6 @@ import warnings
 from typing import Any, Callable, Sequence
 
 import jax
-import numpy as np
 from flax import nnx
 from flax.core import meta
 from flax.core import spmd as core_spmd
