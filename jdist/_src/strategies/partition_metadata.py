@@ -28,11 +28,11 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable, Sequence
 
+import flax.linen as nn
 import jax
 from flax import nnx
 from flax.core import meta
 from flax.core import spmd as core_spmd
-from flax.linen import spmd as linen_spmd
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -152,7 +152,7 @@ class PartitionMetadata:
         axes whose size does not divide it.
     """
     shape = tuple(shape)
-    if isinstance(box, linen_spmd.LogicallyPartitioned):
+    if isinstance(box, nn.LogicallyPartitioned):
       spec = self._logical(path, box, unruled)
       what = "nn.with_logical_partitioning"
     elif isinstance(box, meta.Partitioned):
@@ -200,7 +200,7 @@ class PartitionMetadata:
     if unruled is not None:
       unruled.extend((path, n) for n in names
                      if isinstance(n, str) and n not in ruled)
-    spec = linen_spmd.logical_to_mesh_axes(names, rules)
+    spec = nn.logical_to_mesh_axes(names, rules)
     for name, entry in zip(names, spec):
       for axis in _axes(entry):
         if axis not in self._mesh.axis_names:
