@@ -55,3 +55,13 @@ def test_the_sharded_optimizer_example_keeps_a_quarter_of_adams_state(tmp_path):
   out = _run(example, tmp_path)
   state_bytes = int(out.split("adam state on one device:")[1])
   assert state_bytes == 602_196  # README: 0.250x of mirrored's 2,408,532
+
+
+def test_the_partition_metadata_example_trains_split_without_a_layout_map(
+    tmp_path):
+  example, = [b for b in _blocks()
+              if "ModelParallelStrategy(device_mesh=mesh)" in b]
+  spec, losses = _run(example, tmp_path).splitlines()
+  assert spec == "P(None, 'model') (32, 32)"  # README: what it prints
+  losses = [float(v) for v in losses.split()[1:]]
+  assert len(losses) == 3 and losses[-1] < losses[0]

@@ -119,6 +119,30 @@ class DeviceMesh:
           f"{self._axis_names}. Use one of those names (or None to replicate "
           "that dimension).")
 
+  def split_problem(self, path: str, shape: Sequence[int], spec,
+                    remedy: str) -> str | None:
+    """Why `spec` cannot split the array of `shape` at `path` on this mesh (an
+    axis's size does not divide the dimension it splits), or None.
+
+    Args:
+      path: the array's path, for the message.
+      shape: the array's shape.
+      spec: one entry per leading dimension: None, an axis name or a tuple of
+        names.
+      remedy: the end of the message: where to put None instead.
+    """
+    shape = tuple(shape)
+    for dim, (size, axes) in enumerate(zip(shape, spec)):
+      axes = axes if isinstance(axes, tuple) else (axes,)
+      split = int(np.prod([self.axis_size(a) for a in axes if a]))
+      if size % split:
+        return (
+            f"Parameter {path!r} of shape {shape}: dimension {dim} "
+            f"({size}) cannot be split over mesh axis "
+            f"{'x'.join(map(str, axes))} of size {split}. Choose an axis "
+            f"whose size divides {size}, {remedy}")
+    return None
+
   @property
   def jax_mesh(self) -> Mesh:
     """The `jax.sharding.Mesh` (axes of type Auto: XLA partitions them)."""

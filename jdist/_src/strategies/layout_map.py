@@ -25,19 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdist._src.strategies.device_mesh import DeviceMesh
-
-
-def path_name(path: tuple) -> str:
-  """A pytree key path as the "/"-joined string the keys match."""
-  parts = []
-  for key in path:
-    for attr in ("key", "name", "idx"):
-      if hasattr(key, attr):
-        parts.append(str(getattr(key, attr)))
-        break
-    else:
-      parts.append(str(key))
-  return "/".join(parts)
+from jdist._src.strategies.partition_metadata import named_leaves, path_name
 
 
 class LayoutMap(collections.abc.MutableMapping):
@@ -157,26 +145,24 @@ class LayoutMap(collections.abc.MutableMapping):
           f"LayoutMap gives parameter {path!r} of shape {tuple(shape)} the "
           f"layout {tuple(spec)} of {len(spec)} dimensions; give one axis (or "
           f"None) for each of its {len(shape)} dimensions.")
-    for dim, (size, axes) in enumerate(zip(shape, spec)):
-      axes = axes if isinstance(axes, tuple) else (axes,)
-      split = int(np.prod([self._mesh.axis_size(a) for a in axes if a]))
-      if size % split:
-        return (
-            f"Parameter {path!r} of shape {tuple(shape)}: dimension {dim} "
-            f"({size}) cannot be split over mesh axis {'x'.join(map(str, axes))}"
-            f" of size {split}. Choose an axis whose size divides {size}, or "
-            "None for that dimension in its LayoutMap key.")
-    return None
+    return self._mesh.split_problem(
+        path, shape, spec, "or None for that dimension in its LayoutMap key.")
 
   def partition_specs(self, tree: Any) -> Any:
     """A `PartitionSpec` for every leaf of the parameter tree `tree`.
 
+    A leaf inside a flax metadata box (`nn.Partitioned`, an `nnx.Variable`)
+    is named by the box's path (`Dense_0/kernel`, not `Dense_0/kernel/value`).
     Warns for each key that matched no leaf (a misspelt path would otherwise
     leave its parameters replicated, silently).
     """
-    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    names = [path_name(p) for p, _ in flat]
-    specs = [self.spec_for(n, np.shape(x)) for n, (_, x) in zip(names, flat)]
+    entries = named_leaves(tree)
+    specs = [self.spec_for(n, np.shape(x)) for n, x, _ in entries]
+    self.warn_unmatched([n for n, _, _ in entries])
+    return jax.tree_util.tree_unflatten(jax.tree.structure(tree), specs)
+
+  def warn_unmatched(self, names: list[str]) -> None:
+    """Warns for each key that matches none of the paths `names`."""
     tails = {"/".join(n.split("/")[i:]) for n in names
              for i in range(n.count("/") + 1)}
     for key in self._rules:
@@ -185,8 +171,7 @@ class LayoutMap(collections.abc.MutableMapping):
             f"LayoutMap key {key!r} matches no parameter; the paths are "
             f"{names[:20]}{' ...' if len(names) > 20 else ''}. Keys match a "
             "whole path or a tail after a '/' (re.fullmatch).",
-            stacklevel=2)
-    return jax.tree_util.tree_unflatten(treedef, specs)
+            stacklevel=3)
 
   def shardings(self, tree: Any) -> Any:
     """A `NamedSharding` on the mesh for every leaf of `tree`."""

@@ -1,16 +1,23 @@
-"""ModelParallelStrategy: replicas that span devices, laid out by a LayoutMap."""
+"""ModelParallelStrategy: replicas that span devices, laid out by a LayoutMap
+or by flax's partition metadata."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
+import flax.linen as nn
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdist._src.core import kinds, placement
-from jdist._src.strategies.layout_map import LayoutMap, path_name
+from jdist._src.strategies.device_mesh import DeviceMesh
+from jdist._src.strategies.layout_map import LayoutMap
+from jdist._src.strategies.partition_metadata import (
+    PartitionMetadata, is_box, named_leaves, named_nodes, warn_unruled)
 from jdist._src.strategies.spmd import Strategy
 
 
@@ -39,22 +46,46 @@ class ModelParallelStrategy(Strategy):
   As Keras 3's `keras.distribution.ModelParallel`: the mesh axis
   `batch_dim_name` splits the global batch over replicas; each replica is
   the group of devices along the other axes, over which the parameters are
-  split as `layout_map` says (XLA partitions the replica's computation from
-  those layouts). The per-replica step, `compute_average_loss`, metrics and
+  split (XLA partitions the replica's computation from those layouts). The
+  per-replica step, `compute_average_loss`, metrics and
   `num_replicas_in_sync` (the size of the batch axis) mean what they mean
   for `MirroredStrategy`; gradients are summed over the replicas.
 
+  The layouts come from a `layout_map` (regexes over parameter paths) or
+  from flax's own partition metadata in the state (so a model annotated for
+  MaxText-style sharding runs as it is): linen `nn.with_partitioning` (mesh
+  axes), linen `nn.with_logical_partitioning` (logical names, mapped by
+  `logical_axis_rules` as `nn.logical_to_mesh_axes` maps them; a name with
+  no rule is replicated, with a warning), and nnx variables'
+  `out_sharding` (`nnx.with_partitioning`). Given both, a LayoutMap key
+  wins for every array it matches and the metadata lays out the rest; an
+  array with neither is replicated. Keep the boxes in the state (linen's
+  `apply` takes them): an array unboxed before `init` has lost its layout.
+
   FSDP (ZeRO-3) is one argument: `fsdp_axis` names a within-replica axis
   that splits both each replica's batch and every parameter (its largest
-  dimension that the axis divides, unless the LayoutMap already uses that
-  axis for it), so that each device holds 1/k of the parameters, gradients
-  and optimizer state; XLA gathers them for the computation.
+  dimension that the axis divides, unless its layout already uses that
+  axis), so that each device holds 1/k of the parameters, gradients and
+  optimizer state; XLA gathers them for the computation.
 
   Args:
-    layout_map: a `jdist.LayoutMap` over a `jdist.DeviceMesh`.
+    layout_map: a `jdist.LayoutMap` over a `jdist.DeviceMesh`, or None to
+      lay out from the state's flax metadata alone.
+    device_mesh: the `jdist.DeviceMesh`; needed without `layout_map`, and
+      must be the layout map's when both are given.
     batch_dim_name: the mesh axis of the replicas; defaults to the mesh's
       first axis (as Keras).
     fsdp_axis: a mesh axis (not the batch one) for FSDP, or None.
+    logical_axis_rules: pairs `(logical name, mesh axes or None)` for
+      `nn.with_logical_partitioning` names (and nnx `out_sharding` names
+      that are not mesh axes), as flax's `nn.logical_axis_rules` takes.
+      Default: the rules of the `nn.logical_axis_rules` context open when
+      the strategy is made (none outside one). A box's own rules
+      (`with_logical_partitioning(..., rules=...)`) replace them, as in flax.
+
+  Raises:
+    ValueError: no mesh (neither `layout_map` nor `device_mesh`), two
+      different meshes, or an axis name the mesh does not have.
 
   Example:
     >>> import jax, jax.numpy as jnp, jdist
@@ -67,16 +98,46 @@ class ModelParallelStrategy(Strategy):
     >>> params = strategy.init(lambda: {"w": jnp.ones((2, 4))})
     >>> params["w"].sharding.spec
     P(None, 'model')
+
+    From flax's metadata, with no LayoutMap:
+
+    >>> import flax.linen as nn
+    >>> strategy = jdist.ModelParallelStrategy(device_mesh=mesh)
+    >>> dense = nn.Dense(4, kernel_init=nn.with_partitioning(
+    ...     nn.initializers.lecun_normal(), (None, "model")))
+    >>> x = jnp.ones((1, 2))
+    >>> variables = strategy.init(dense.init, jax.random.key(0), x)
+    >>> variables["params"]["kernel"].value.sharding.spec
+    P(None, 'model')
   """
 
-  def __init__(self, *, layout_map: LayoutMap,
+  def __init__(self, *, layout_map: LayoutMap | None = None,
+               device_mesh: DeviceMesh | None = None,
                batch_dim_name: str | None = None,
-               fsdp_axis: str | None = None):
-    if not isinstance(layout_map, LayoutMap):
+               fsdp_axis: str | None = None,
+               logical_axis_rules=None):
+    if layout_map is not None and not isinstance(layout_map, LayoutMap):
       raise TypeError(
-          "ModelParallelStrategy needs layout_map=jdist.LayoutMap(mesh), got "
-          f"{type(layout_map).__name__}.")
-    device_mesh = layout_map.device_mesh
+          "ModelParallelStrategy's layout_map must be a jdist.LayoutMap(mesh)"
+          f", got {type(layout_map).__name__}.")
+    if device_mesh is not None and not isinstance(device_mesh, DeviceMesh):
+      raise TypeError(
+          "ModelParallelStrategy's device_mesh must be a jdist.DeviceMesh, got "
+          f"{type(device_mesh).__name__}.")
+    if layout_map is None and device_mesh is None:
+      raise ValueError(
+          "ModelParallelStrategy needs a mesh: device_mesh=jdist.DeviceMesh("
+          "...) to lay the parameters out from flax's partition metadata "
+          "(nn.with_partitioning, nn.with_logical_partitioning, nnx "
+          "out_sharding), or layout_map=jdist.LayoutMap(mesh) for rules over "
+          "parameter paths.")
+    if layout_map is not None:
+      if device_mesh is not None and device_mesh != layout_map.device_mesh:
+        raise ValueError(
+            f"device_mesh {device_mesh!r} is not the layout map's mesh "
+            f"{layout_map.device_mesh!r}: give one mesh (the layout map's "
+            "alone is enough).")
+      device_mesh = layout_map.device_mesh
     batch_dim_name = batch_dim_name or device_mesh.axis_names[0]
     device_mesh.check_axis(batch_dim_name, "batch_dim_name")
     if fsdp_axis is not None:
@@ -86,22 +147,32 @@ class ModelParallelStrategy(Strategy):
             f"fsdp_axis and batch_dim_name are both {fsdp_axis!r}: FSDP splits "
             "each replica over another mesh axis. Give the mesh a second "
             "axis, for example DeviceMesh((2, 2), ('data', 'fsdp')).")
+    if logical_axis_rules is None:
+      logical_axis_rules = nn.get_logical_axis_rules()
     self._fsdp_axis = fsdp_axis
-    mesh = device_mesh.jax_mesh
+    self._device_mesh = device_mesh
     self._layout_map = layout_map
+    self._metadata = PartitionMetadata(device_mesh, logical_axis_rules)
+    mesh = device_mesh.jax_mesh
     first_devices = placement.replica_groups(mesh, batch_dim_name)[:, 0]
     super().__init__(tuple(first_devices), axis_name=batch_dim_name,
                      mesh=mesh)
 
   @property
-  def layout_map(self) -> LayoutMap:
-    """The rules that lay the parameters out."""
+  def layout_map(self) -> LayoutMap | None:
+    """The rules that lay the parameters out by path, or None (flax's
+    metadata alone)."""
     return self._layout_map
 
   @property
-  def device_mesh(self):
+  def device_mesh(self) -> DeviceMesh:
     """The `jdist.DeviceMesh` (Keras's name for the mesh)."""
-    return self._layout_map.device_mesh
+    return self._device_mesh
+
+  @property
+  def logical_axis_rules(self) -> tuple:
+    """The rules that map logical axis names in flax metadata to mesh axes."""
+    return self._metadata.logical_axis_rules
 
   @property
   def fsdp_axis(self) -> str | None:
@@ -121,12 +192,36 @@ class ModelParallelStrategy(Strategy):
     return (f"ModelParallelStrategy({self.device_mesh!r}, "
             f"batch_dim_name={self.axis_name!r}{fsdp})")
 
+  def _spec(self, path: str, shape: tuple, box: Any, *,
+            unruled: list | None = None) -> P:
+    """The layout of one array: its LayoutMap key's, else its box's
+    metadata's, else replicated; split over `fsdp_axis` as well."""
+    layout_map = self._layout_map
+    if layout_map is not None and layout_map.layout_of(path) is not None:
+      spec = layout_map.spec_for(path, shape)
+    elif box is not None:
+      spec = self._metadata.spec(path, shape, box, unruled=unruled) or P()
+    else:
+      spec = P()
+    return self._with_fsdp(spec, shape)
+
   def partition_specs(self, tree: Any) -> Any:
-    """The `PartitionSpec` of every leaf of `tree`: the layout map's, split
-    over `fsdp_axis` as well when there is one."""
-    specs = self._layout_map.partition_specs(tree)
-    return jax.tree.map(self._with_fsdp, specs, tree,
-                        is_leaf=lambda x: isinstance(x, P))
+    """The `PartitionSpec` of every leaf of `tree`: its LayoutMap key's, else
+    its flax metadata's, else replicated; split over `fsdp_axis` as well
+    when there is one.
+
+    Raises:
+      ValueError: a layout names an axis the mesh does not have, or splits a
+        dimension that the axis's size does not divide.
+    """
+    entries = named_leaves(tree)
+    unruled = []
+    specs = [self._spec(name, np.shape(leaf), box, unruled=unruled)
+             for name, leaf, box in entries]
+    warn_unruled(unruled)
+    if self._layout_map is not None:
+      self._layout_map.warn_unmatched([name for name, _, _ in entries])
+    return jax.tree_util.tree_unflatten(jax.tree.structure(tree), specs)
 
   def shardings(self, tree: Any) -> Any:
     """The `NamedSharding` of every leaf of `tree` (see `partition_specs`)."""
@@ -134,11 +229,11 @@ class ModelParallelStrategy(Strategy):
                         self.partition_specs(tree),
                         is_leaf=lambda x: isinstance(x, P))
 
-  def _with_fsdp(self, spec: P, leaf: Any) -> P:
+  def _with_fsdp(self, spec: P, shape: tuple) -> P:
     if self._fsdp_axis is None:
       return spec
     size = self.device_mesh.axis_size(self._fsdp_axis)
-    return fsdp_spec(spec, np.shape(leaf), self._fsdp_axis, size)
+    return fsdp_spec(spec, shape, self._fsdp_axis, size)
 
   def keep_layouts(self, outputs: Any) -> Any:
     """Inside a traced step: its outputs held in the layouts `init` gives.
@@ -147,23 +242,33 @@ class ModelParallelStrategy(Strategy):
     splits came back split like the kernel it is added to, so the next call
     (its argument laid out anew) compiled the step a second time. Keys match
     a path's tail (`LayoutMap.layout_of`), so `return params, opt_state,
-    loss` finds each array's rule under its position. A distributed value
-    (`PerReplica`, ...) keeps its own layout; an array its rule cannot lay
-    out (another rank, an indivisible dimension) is not state the map
-    describes and is left as XLA places it.
+    loss` finds each array's rule under its position; an array in a flax
+    box takes its box's layout. A distributed value (`PerReplica`, ...)
+    keeps its own layout; an array its layout cannot lay out (another rank,
+    an indivisible dimension) is not state the layouts describe and is left
+    as XLA places it.
     """
-    layout_map = self._layout_map
+    names, nodes, treedef = named_nodes(outputs, stop=kinds.is_node)
 
-    def one(path, node):
-      if kinds.is_node(node) or not isinstance(node, jax.Array):
-        return node
-      name, shape = path_name(path), np.shape(node)
-      if layout_map.problem(name, shape) is not None:
-        return node
-      spec = self._with_fsdp(layout_map.spec_for(name, shape), node)
-      return jax.lax.with_sharding_constraint(
-          node, NamedSharding(self.mesh, spec))
-    return jax.tree_util.tree_map_with_path(one, outputs, is_leaf=kinds.is_node)
+    def constrain(name, box, x):
+      if not isinstance(x, jax.Array):
+        return x
+      try:
+        spec = self._spec(name, np.shape(x), box)
+      except ValueError:
+        return x
+      return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+    kept = []
+    for name, node in zip(names, nodes):
+      if kinds.is_node(node):
+        kept.append(node)
+      elif is_box(node):
+        kept.append(jax.tree.map(lambda x, n=name, b=node: constrain(n, b, x),
+                                 node))
+      else:
+        kept.append(constrain(name, None, node))
+    return jax.tree_util.tree_unflatten(treedef, kept)
 
   def init(self, fn: Callable, *args, **kwargs) -> Any:
     """Runs `fn(*args, **kwargs)` compiled so that its result is created laid
@@ -172,8 +277,35 @@ class ModelParallelStrategy(Strategy):
     Use it for the parameters and the optimizer state
     (`strategy.init(optimizer.init, params)`): a LayoutMap key that matches
     a parameter's path also matches the optimizer state's copies of it (a
-    path's tail after a "/", `0/trace/dense/kernel`), so the momentum is
-    split as its parameter is.
+    path's tail after a "/", `0/trace/dense/kernel`), and optax boxes a
+    boxed parameter's moments as the parameter, so the momentum is split as
+    its parameter is. `fn` runs under the strategy's mesh (`jax.set_mesh`)
+    and its `logical_axis_rules` (`nn.logical_axis_rules`), so an nnx model
+    whose variables shard as they are made (flax's eager sharding) can be
+    built inside it.
+
+    Raises:
+      ValueError: a layout names an axis the mesh does not have, or splits a
+        dimension that the axis's size does not divide (before anything
+        runs).
     """
-    shapes = jax.eval_shape(fn, *args, **kwargs)
-    return jax.jit(fn, out_shardings=self.shardings(shapes))(*args, **kwargs)
+    # The layouts are read (and checked) before flax's eager sharding could
+    # fail on a bad axis with a message that names no parameter.
+    with nnx.use_eager_sharding(False):
+      shapes = jax.eval_shape(fn, *args, **kwargs)
+    shardings = jax.tree.leaves(self.shardings(shapes))
+    # Flat: nnx records the eager-sharding flag in each variable's metadata,
+    # so the result's tree is not the one above.
+    treedefs = []
+
+    def flat(*args, **kwargs):
+      leaves, treedef = jax.tree.flatten(fn(*args, **kwargs))
+      treedefs.append(treedef)
+      return leaves
+
+    with contextlib.ExitStack() as stack:
+      stack.enter_context(jax.set_mesh(self.mesh))
+      if self.logical_axis_rules:  # for flax's eager sharding of nnx names
+        stack.enter_context(nn.logical_axis_rules(self.logical_axis_rules))
+      leaves = jax.jit(flat, out_shardings=shardings)(*args, **kwargs)
+    return jax.tree.unflatten(treedefs[-1], leaves)

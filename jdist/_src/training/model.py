@@ -21,6 +21,7 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 from flax import nnx
+from flax.core import meta
 
 from jdist._src.core import context
 
@@ -115,6 +116,25 @@ def _mode_kwargs(fn: Callable, train: bool) -> dict:
   return kwargs
 
 
+def open_boxes(tree: Any) -> Any:
+  """`tree` with flax linen's metadata boxes (`nn.Partitioned`,
+  `nn.LogicallyPartitioned`) replaced by their values, without the sharding
+  constraint that `unbox` applies under a mesh."""
+  def open_(x):
+    if isinstance(x, meta.Partitioned):
+      return x.unbox(apply_constraint=False)
+    return x.unbox() if isinstance(x, meta.AxisMetadata) else x
+  return jax.tree.map(open_, tree, is_leaf=meta.is_axis_metadata)
+
+
+def _rebox(old: Any, new: Any) -> Any:
+  """`new` (a collection linen returned unboxed) in `old`'s boxes, if any."""
+  if not any(map(meta.is_axis_metadata,
+                 jax.tree.leaves(old, is_leaf=meta.is_axis_metadata))):
+    return new
+  return meta.replace_boxed(old, new)
+
+
 class LinenModel:
   """A flax linen module: variables are `params` plus other collections.
 
@@ -151,14 +171,20 @@ class LinenModel:
     return params, variables
 
   def apply(self, params, model_state, x, *, train: bool, rng=None):
-    variables = {"params": params, **model_state}
+    # Opened here, so that linen applies no sharding constraint of its own:
+    # the strategy has laid the state out already (from these boxes, under
+    # ModelParallelStrategy), and under another strategy the boxes' mesh
+    # axes are not the mesh's.
+    variables = open_boxes({"params": params, **model_state})
     rngs = {"dropout": rng} if rng is not None else None
     if train and model_state:
       with _global_linen_batch_norm(_replica_axis()):
         y, updates = self.module.apply(variables, x, rngs=rngs,
                                        mutable=list(model_state),
                                        **self._mode(True))
-      return y, {**model_state, **updates}
+      # Boxed again as they came in: the state keeps its structure.
+      return y, {**model_state, **{k: _rebox(model_state[k], v)
+                                   for k, v in updates.items()}}
     with _global_linen_batch_norm(_replica_axis() if train else None):
       y = self.module.apply(variables, x, rngs=rngs, **self._mode(train))
     return y, model_state
