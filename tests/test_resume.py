@@ -424,7 +424,7 @@ def test_a_full_disk_is_one_clear_error_and_the_relaunch_finishes_exactly(
   """Once about 500 lines of orbax's threads; backups every 4 steps."""
   out = str(tmp_path / "params.npz")
   (code, stdout, stderr), resumed = on_tmpfs(
-      tmp_path, [("size=200k", [out]), ("size=64m", [out])])
+      tmp_path, [("size=300k", [out]), ("size=64m", [out])])
   assert code == 1
   last = assert_one_clear_error(stderr, "jdist.CheckpointError: Could not save "
                                 "checkpoint step ")
