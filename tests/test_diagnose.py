@@ -112,7 +112,7 @@ def test_bad_arguments_say_what_to_pass(devices):
   with pytest.raises(ValueError, match="strategy or num_replicas, not both"):
     jdist.diagnose(linear_step, w, data, num_replicas=2,
                    strategy=jdist.MirroredStrategy())
-  with pytest.raises(ValueError, match="has one replica.*device_count"):
+  with pytest.raises(ValueError, match="runs on one.*device_count"):
     jdist.diagnose(linear_step, w, data,
                    strategy=jdist.OneDeviceStrategy(devices[0]))
   with pytest.raises(ValueError, match="Only 4 local devices; 8 are needed"):

@@ -7,6 +7,7 @@ only the rows of its own replicas and jax assembles the global array.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -21,10 +22,15 @@ def replicated_sharding(mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
+@functools.lru_cache(maxsize=256)
 def per_replica_sharding(mesh, axis_name: str, inner_axis: str | None = None,
                          batch_axis: int = 1) -> NamedSharding:
   """Rows split over `axis_name`; each row's batch (its axis `batch_axis`:
-  2 for a group of steps `(R, steps, b, ...)`) over `inner_axis` (FSDP)."""
+  2 for a group of steps `(R, steps, b, ...)`) over `inner_axis` (FSDP).
+
+  Asked for every batch: one object per mesh and axes (making and hashing
+  a new `NamedSharding` costs more than the rest of placing a small
+  batch)."""
   if inner_axis is None:
     return NamedSharding(mesh, P(axis_name))
   return NamedSharding(mesh, P(axis_name, *[None] * (batch_axis - 1),

@@ -45,8 +45,11 @@ def diagnose(step: Callable, state: Any, batches: Iterable, *,
   - `compute + collectives` (the device time): the step run K times inside
     one compiled program (`lax.fori_loop` under `jax.jit`, one dispatch);
   - `collectives`: the compiled step's all-reduces (all-gathers, ...), read
-    from its HLO with their sizes, run alone K times in one program on the
-    same devices;
+    from its HLO with their sizes and the mesh axes they run over, run alone
+    (as all-reduces over the same axes) K times in one program on the same
+    devices; under `ModelParallelStrategy`, where a replica spans devices,
+    the table also splits their bytes by axis (`over data`, `over model`),
+    from `StepTimes.collectives_by_axes`;
   - `dispatch`: the placed loop's step minus the device time: the host's
     time to launch each step (Python, arguments, jit dispatch, waiting
     between steps) that the devices do not hide;
@@ -77,7 +80,7 @@ def diagnose(step: Callable, state: Any, batches: Iterable, *,
   Raises:
     TypeError: `step` is not callable or does not return `(state,
       outputs)`; `batches` is a one-shot iterator.
-    ValueError: no batches, `steps` < 1, a strategy with one replica or one
+    ValueError: no batches, `steps` < 1, a strategy on one device or one
       that spans processes, or more replicas than local devices.
 
   Example:
@@ -125,10 +128,10 @@ def _multi_strategy(step, strategy, num_replicas):
     if n > len(jax.local_devices()):
       raise ValueError(devices_hint(n))
     strategy = MirroredStrategy(jax.local_devices()[:n])
-  if strategy.num_replicas_in_sync < 2:
+  if strategy.mesh.devices.size < 2:
     raise ValueError(
-        f"diagnose compares one device with several, but {strategy!r} has one "
-        "replica. " + devices_hint(2))
+        f"diagnose compares one device with several, but {strategy!r} runs on "
+        "one. " + devices_hint(2))
   if placement.spans_processes(strategy.mesh):
     raise ValueError(
         "diagnose measures this process's devices; its strategy spans "

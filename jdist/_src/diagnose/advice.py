@@ -28,7 +28,8 @@ class Facts:
 
   @property
   def n(self) -> int:
-    return self.many.num_replicas
+    """Devices of the N-device run (a replica may span several)."""
+    return self.many.num_devices or self.many.num_replicas
 
   @property
   def largest(self) -> str:
@@ -59,7 +60,7 @@ class Facts:
         "compute_speedup": f"{self.compute_speedup:.1f}",
         "collective_bytes": f"{many.collective_bytes:,}",
         "global_batch": self.global_batch,
-        "per_replica": self.global_batch // self.n,
+        "per_replica": self.global_batch // self.many.num_replicas,
         "samples_one": f"{one.samples_per_second:,.0f}",
         "samples_many": f"{many.samples_per_second:,.0f}",
         "host_cores": self.host_cores, "host_callbacks": many.host_callbacks,

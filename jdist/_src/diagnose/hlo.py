@@ -1,20 +1,36 @@
-"""What a compiled step's HLO text says: its collectives' sizes, its callbacks.
+"""What a compiled step's HLO text says: its collectives' sizes and the mesh
+axes they run over, its callbacks.
 
 An HLO element type names its width in bits (`f32`, `bf16`, `s8`, `u64`,
 `c128`, `f8e4m3fn`), so a shape's bytes follow from its name; `pred` is one
 byte, and a type without a width (`token`) carries no data.
+
+A collective's devices are partition ids, positions in the program's device
+assignment (a mesh's devices in row-major order), written three ways:
+listed (`replica_groups={{0,2},{1,3}}`, `source_target_pairs={{0,1}}`), as
+an iota (`replica_groups=[2,2]<=[4]`, `[2,2]<=[2,2]T(1,0)`), or over a mesh
+of XLA's own (`replica_groups=mesh['axis_0'=2,'axis_1'=2] {'axis_0'}`). The
+mesh axes along which a group's ids vary are the axes it runs over.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
+
+import numpy as np
 
 _COLLECTIVE = re.compile(
     r"=\s*(.+?)\s+(all-reduce|all-gather|reduce-scatter|all-to-all|"
     r"collective-permute)(?:-start)?\(")
 _ARRAY = re.compile(r"\b(pred|[a-z]+?(\d+)[a-z0-9]*)\[([\d,]*)\]")
 _CALLBACK = re.compile(r'custom_call_target="[^"]*callback[^"]*"')
+_LISTED = re.compile(
+    r"(?:replica_groups|source_target_pairs)=\{((?:\{[\d,]*\},?)*)\}")
+_IOTA = re.compile(
+    r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_XLA_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 
 
 def _bytes(result_shape: str) -> int:
@@ -41,3 +57,111 @@ def collective_sizes(hlo: str) -> list[int]:
 def host_callbacks(hlo: str) -> int:
   """How many calls back to Python a compiled program makes."""
   return len(_CALLBACK.findall(hlo))
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """One collective of a compiled program.
+
+  Attributes:
+    kind: "all-reduce", "all-gather", "reduce-scatter", "all-to-all" or
+      "collective-permute".
+    bytes: its result's bytes per device.
+    groups: the partition ids of each group (a permute's source-target
+      pairs), or None where the program does not say them in a known form.
+  """
+
+  kind: str
+  bytes: int
+  groups: tuple[tuple[int, ...], ...] | None
+
+
+def collectives(hlo: str) -> list[Collective]:
+  """Each collective of a compiled program, in program order.
+
+  Example:
+    >>> from jdist._src.diagnose.hlo import collectives
+    >>> collectives("%ar = f32[2]{0} all-reduce(%x), replica_groups=[2,2]<=[4]")
+    [Collective(kind='all-reduce', bytes=8, groups=((0, 1), (2, 3)))]
+  """
+  found = []
+  for line in hlo.splitlines():
+    m = _COLLECTIVE.search(line)
+    if m:
+      found.append(Collective(m.group(2), _bytes(m.group(1)), _groups(line)))
+  return found
+
+
+def _ints(text: str) -> list[int]:
+  return [int(t) for t in text.split(",") if t]
+
+
+def _groups(line: str) -> tuple[tuple[int, ...], ...] | None:
+  """The partition ids of a collective's groups, from its HLO line."""
+  m = _IOTA.search(line)
+  if m:
+    shape, dims = _ints(m.group(1)), _ints(m.group(2))
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if m.group(3):
+      ids = ids.transpose(_ints(m.group(3)))
+    return tuple(map(tuple, ids.reshape(shape).tolist()))
+  m = _XLA_MESH.search(line)
+  if m:
+    axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+    names = [name for name, _ in axes]
+    over = re.findall(r"'([^']+)'", m.group(2))
+    if not set(over) <= set(names):
+      return None
+    ids = np.arange(math.prod(int(n) for _, n in axes)).reshape(
+        [int(n) for _, n in axes])
+    kept = [i for i, name in enumerate(names) if name not in over]
+    moved = [names.index(name) for name in over]
+    ids = ids.transpose(kept + moved)
+    group = math.prod(int(axes[i][1]) for i in moved)
+    return tuple(map(tuple, ids.reshape(-1, group).tolist()))
+  m = _LISTED.search(line)
+  if m:
+    return tuple(tuple(_ints(g)) for g in re.findall(r"\{([\d,]*)\}",
+                                                     m.group(1)))
+  return None
+
+
+def mesh_axes(groups, axis_names, mesh_shape) -> tuple[str, ...] | None:
+  """The mesh axes a collective's groups run over: those along which the
+  ids of a group vary (partition id i is the mesh's i-th device in
+  row-major order). None for groups not known.
+
+  Example:
+    >>> from jdist._src.diagnose.hlo import mesh_axes
+    >>> mesh_axes(((0, 2), (1, 3)), ("data", "model"), (2, 2))
+    ('data',)
+  """
+  if not groups:
+    return None
+  size = math.prod(mesh_shape)
+  varying = set()
+  for group in groups:
+    if any(i >= size for i in group):
+      return None
+    coords = np.array(np.unravel_index(list(group), mesh_shape))
+    varying |= {a for a in range(len(mesh_shape))
+                if len(set(coords[a].tolist())) > 1}
+  return tuple(axis_names[a] for a in sorted(varying))
+
+
+def by_mesh_axes(hlo: str, axis_names, mesh_shape) -> dict:
+  """`{axes: (count, bytes)}` of a program's collectives, by the mesh axes
+  they run over (`()`: groups of one device; None: groups not known).
+
+  Example:
+    >>> from jdist._src.diagnose.hlo import by_mesh_axes
+    >>> by_mesh_axes("%a = f32[4]{0} all-reduce(%x), replica_groups={{0,2},{1,3}}"
+    ...              , ("data", "model"), (2, 2))
+    {('data',): (1, 16)}
+  """
+  out: dict = {}
+  for c in collectives(hlo):
+    axes = mesh_axes(c.groups, tuple(axis_names), tuple(mesh_shape))
+    count, size = out.get(axes, (0, 0))
+    out[axes] = (count + 1, size + c.bytes)
+  return out

@@ -16,7 +16,6 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jdist._src.core import placement
 from jdist._src.diagnose import hlo
 
 # The parts of a step's time, in the order a table shows them.
@@ -41,8 +40,13 @@ class StepTimes:
     compile_seconds: compiling the step (its first call, less one step).
     recompilations: compilations after the first, while the loops ran.
     host_callbacks: callbacks to Python compiled into the step.
-    collective_bytes: bytes the step's collectives carry, per replica.
+    collective_bytes: bytes the step's collectives carry, per device.
     samples_per_second: global batch / `step`.
+    num_devices: devices the strategy runs on (more than `num_replicas`
+      where a replica spans devices; None: one per replica).
+    collectives_by_axes: `((axes, count, bytes), ...)`: the step's
+      collectives by the mesh axes they run over (`"data"`, `"model"`,
+      `"data+model"`; `"?"` where the program does not say), largest first.
   """
 
   num_replicas: int
@@ -56,6 +60,8 @@ class StepTimes:
   host_callbacks: int
   collective_bytes: int
   samples_per_second: float
+  num_devices: int | None = None
+  collectives_by_axes: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,9 +125,11 @@ def measure(strategy, fn, state, batches, steps: int) -> Measured:
   # Never more than the loop's step: the loop contains the same work.
   device = on_devices if device is None else min(device, on_devices)
   program = step.lower(initial, placed[0]).compile().as_text()
-  sizes = (hlo.collective_sizes(program)
-           if strategy.num_replicas_in_sync > 1 else [])
-  collectives = min(_collective_time(strategy, sizes, k), device)
+  mesh = strategy.mesh
+  by_axes = (hlo.by_mesh_axes(program, mesh.axis_names, mesh.devices.shape)
+             if mesh.devices.size > 1 else {})
+  by_axes.pop((), None)  # groups of one device: no communication
+  collectives = min(_collective_time(mesh, by_axes, k), device)
   leaf = jax.tree.leaves(placed[0].values)[0]  # (replicas, per replica, ...)
   global_batch = leaf.shape[0] * leaf.shape[1]
   times = StepTimes(
@@ -131,8 +139,13 @@ def measure(strategy, fn, state, batches, steps: int) -> Measured:
       compile_seconds=max(first_call - on_devices, 0.0),
       recompilations=recompilations,
       host_callbacks=hlo.host_callbacks(program),
-      collective_bytes=sum(sizes),
-      samples_per_second=global_batch / as_fed)
+      collective_bytes=sum(size for _, size in by_axes.values()),
+      samples_per_second=global_batch / as_fed,
+      num_devices=int(mesh.devices.size),
+      collectives_by_axes=tuple(sorted(
+          (("+".join(axes) if axes is not None else "?", count, size)
+           for axes, (count, size) in by_axes.items()),
+          key=lambda row: -row[2])))
   return Measured(times, global_batch, k, notes)
 
 
@@ -157,22 +170,30 @@ def _device_time(strategy, fn, state, batch, k: int) -> float:
   return (time.perf_counter() - start) / k
 
 
-def _collective_time(strategy, sizes: list, k: int) -> float:
-  """Seconds per step for all-reduces of `sizes` bytes, K rounds in one
-  program on the strategy's devices."""
-  if not sizes:
+def _collective_time(mesh, by_axes: dict, k: int) -> float:
+  """Seconds per step for all-reduces of the step's collective bytes over
+  the mesh axes each ran over (all axes where not known), K rounds in one
+  program on the mesh's devices."""
+  if not by_axes:
     return 0.0
-  axis, n = strategy.axis_name, strategy.num_replicas_in_sync
+  names = tuple(mesh.axis_names)
+  jobs = [(names if axes is None else axes, size)
+          for axes, (_, size) in by_axes.items()]
 
   def rounds(*xs):
-    return jax.lax.fori_loop(
-        0, k, lambda i, xs: tuple(jax.lax.psum(x, axis) for x in xs), xs)
+    return jax.lax.fori_loop(0, k, lambda i, xs: tuple(
+        jax.lax.psum(x, axes) for x, (axes, _) in zip(xs, jobs)), xs)
 
-  run = jax.jit(jax.shard_map(rounds, mesh=strategy.mesh, in_specs=P(axis),
-                              out_specs=P(axis), check_vma=False))
-  buffers = placement.put_per_replica(
-      tuple(np.zeros((n, max(size // 4, 1)), np.float32) for size in sizes),
-      strategy.mesh, axis, n)
+  spec = P(names)
+  run = jax.jit(jax.shard_map(rounds, mesh=mesh, in_specs=spec,
+                              out_specs=spec, check_vma=False))
+  n, sharding = mesh.devices.size, jax.sharding.NamedSharding(mesh, spec)
+  # Made by each process for its own devices (a mesh may span processes).
+  buffers = [jax.make_array_from_callback(
+      (n, max(size // 4, 1)), sharding,
+      lambda index, size=size: np.zeros((n, max(size // 4, 1)),
+                                        np.float32)[index])
+             for _, size in jobs]
   _block(run(*buffers))
   start = time.perf_counter()
   _block(run(*buffers))

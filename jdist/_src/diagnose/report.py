@@ -103,7 +103,7 @@ class Diagnosis:
 
     rows = [f"jdist.diagnose: global batch {self.global_batch}, "
             f"{self.steps} steps per loop",
-            row("ms per step", "1 device", f"{many.num_replicas} devices"),
+            row("ms per step", "1 device", _devices(many)),
             row("step (as fed)", ms(one, "step"), ms(many, "step"))]
     rows += [row("  " + p.replace("_", " "), ms(one, p), ms(many, p))
              for p in PARTS]
@@ -115,7 +115,14 @@ class Diagnosis:
         row("recompilations", one.recompilations, many.recompilations),
         row("host callbacks", one.host_callbacks, many.host_callbacks),
         row("collective bytes", "-", f"{many.collective_bytes:,}"),
-        f"Bottleneck on {many.num_replicas} devices: {found.bottleneck}",
+    ]
+    if len(many.collectives_by_axes) > 1 or (
+        many.num_devices or many.num_replicas) > many.num_replicas:
+      rows += [row(f"  over {axes}", "-", f"{size:,}", f"  ({count} ops)")
+               for axes, count, size in many.collectives_by_axes]
+    rows += [
+        f"Bottleneck on {many.num_devices or many.num_replicas} devices: "
+        f"{found.bottleneck}",
         f"  Cause: {found.cause}",
         f"  Fix:   {found.fix}",
     ]
@@ -125,3 +132,12 @@ class Diagnosis:
 
   def __str__(self) -> str:
     return self.table()
+
+
+def _devices(times: StepTimes) -> str:
+  """The N-device column's heading: devices, and replicas where a replica
+  spans several."""
+  n = times.num_devices or times.num_replicas
+  if n == times.num_replicas:
+    return f"{n} devices"
+  return f"{n} dev/{times.num_replicas} rep"
