@@ -142,3 +142,28 @@ def test_read_value_reads_server_variables(strategy):
   with pytest.raises(AttributeError, match=r"has no attribute 'w'.*"
                                            r"\.read\(\)"):
     w.w
+
+
+def test_input_options_reach_the_worker_that_distributes_the_batch(strategy):
+  """The options travel with each batch to the worker that runs its step,
+  which distributes it over its devices with them (they were dropped)."""
+  coordinator = jdist.ClusterCoordinator(strategy)
+  w = strategy.replicate(jnp.zeros(2))
+
+  @strategy.function
+  def step(w, batch):
+    x, y = batch
+    loss, g = jax.value_and_grad(lambda w: jdist.compute_average_loss(
+        (x @ w - y) ** 2))(w)
+    return w - 0.1 * g, loss
+
+  options = jdist.InputOptions(pad_to_replicas=True)
+  batches = list(strategy.experimental_distribute_dataset([(X, Y)] * 3,
+                                                          options))
+  assert [b.options for b in batches] == [options] * 3
+  for batch in batches:
+    coordinator.schedule(step, args=(w, batch))
+  coordinator.join()
+  np.testing.assert_allclose(w.read(), numpy_sgd(3), rtol=1e-5, atol=1e-6)
+  with pytest.raises(TypeError, match="jdist.InputOptions or None"):
+    strategy.experimental_distribute_dataset([(X, Y)], {"pad": True})

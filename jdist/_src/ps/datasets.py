@@ -106,31 +106,38 @@ class WorkerBatch:
   Attributes:
     batch: the global batch of this step (numpy arrays).
     global_batch_size: its static size (a short last batch is padded to it).
+    options: the `jdist.InputOptions` the worker distributes it with (as
+      given to `experimental_distribute_dataset`; None: the defaults).
   """
 
-  def __init__(self, batch: Any, global_batch_size: int | None):
+  def __init__(self, batch: Any, global_batch_size: int | None,
+               options=None):
     self.batch = batch
     self.global_batch_size = global_batch_size
+    self.options = options
 
   def distribute(self, strategy):
     """The batch as a `PerReplica` over `strategy`'s devices."""
     return next(iter(strategy.experimental_distribute_dataset(
-        [self.batch], global_batch_size=self.global_batch_size)))
+        [self.batch], self.options,
+        global_batch_size=self.global_batch_size)))
 
 
 class WorkerBatches:
   """What `experimental_distribute_dataset` returns under parameter servers."""
 
-  def __init__(self, dataset: Iterable, global_batch_size: int | None):
+  def __init__(self, dataset: Iterable, global_batch_size: int | None,
+               options=None):
     self._dataset = dataset
     self._size = global_batch_size
+    self._options = options
 
   def __iter__(self):
     size = self._size
     for batch in self._dataset:
       if size is None:
         size = _batch_size(batch)
-      yield WorkerBatch(batch, size)
+      yield WorkerBatch(batch, size, self._options)
 
 
 class PerWorkerBatch(WorkerBatch):
@@ -142,7 +149,7 @@ class PerWorkerBatch(WorkerBatch):
   """
 
   def __init__(self, iterator: PerWorkerIterator):
-    super().__init__(None, None)
+    super().__init__(None, None, None)
     self.iterator = iterator
 
   def distribute(self, strategy):

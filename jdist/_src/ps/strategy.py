@@ -21,6 +21,7 @@ from jdist._src.core import cross_replica
 from jdist._src.core import state_output as state_output_lib
 from jdist._src.core.reduce_op import ReduceOp
 from jdist._src.core.values import PerReplica, SyncOnRead, is_distributed
+from jdist._src.input.options import InputOptions
 from jdist._src.ps import cluster as cluster_lib
 from jdist._src.ps import worker as worker_lib
 from jdist._src.ps.coordinator import ClusterCoordinator
@@ -314,11 +315,15 @@ class ParameterServerStrategy(StrategyBase):
     """Global batches iterated here, each shipped with the step that takes it.
 
     The worker that runs the step splits the batch over its devices (padding
-    a short last batch, as the synchronous strategies do). To read data on
-    the workers instead, use `coordinator.create_per_worker_dataset`.
+    a short last batch, as the synchronous strategies do) with `options`
+    (`jdist.InputOptions`: `pad_to_replicas=True` pads and masks a batch
+    that the worker's replicas do not divide). To read data on the workers
+    instead, use `coordinator.create_per_worker_dataset`.
     """
-    del options
-    return WorkerBatches(dataset, global_batch_size)
+    if options is not None and not isinstance(options, InputOptions):
+      raise TypeError(f"options must be a jdist.InputOptions or None, got "
+                      f"{type(options).__name__}.")
+    return WorkerBatches(dataset, global_batch_size, options)
 
   def distribute_datasets_from_function(self, dataset_fn, options=None):
     """Each worker's own input, seen from the coordinator.
