@@ -9,12 +9,31 @@ from __future__ import annotations
 
 import math
 import re
+from typing import NamedTuple
 
 _COLLECTIVE = re.compile(
     r"=\s*(.+?)\s+(all-reduce|all-gather|reduce-scatter|all-to-all|"
     r"collective-permute)(?:-start)?\(")
 _ARRAY = re.compile(r"\b(pred|[a-z]+?(\d+)[a-z0-9]*)\[([\d,]*)\]")
 _CALLBACK = re.compile(r'custom_call_target="[^"]*callback[^"]*"')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+class Collective(NamedTuple):
+  """One collective of a compiled program.
+
+  Attributes:
+    kind: "all-reduce", "all-gather", "reduce-scatter", "all-to-all" or
+      "collective-permute".
+    bytes: its result's bytes per device (a reduce-scatter's result is one
+      device's block; an all-gather's, the gathered whole).
+    op_name: the JAX operation it comes from (`jit(step)/jvp(GPT)/...`; a
+      backward pass's operations are under `transpose(...)`), or "".
+  """
+
+  kind: str
+  bytes: int
+  op_name: str
 
 
 def _bytes(result_shape: str) -> int:
@@ -26,6 +45,25 @@ def _bytes(result_shape: str) -> int:
   return total
 
 
+def collectives(hlo: str) -> list[Collective]:
+  """Every collective of a compiled program, in the program's order.
+
+  Example:
+    >>> from jdist._src.diagnose.hlo import collectives
+    >>> collectives('%ag = f32[8,4]{1,0} all-gather(%w), dimensions={0}, '
+    ...             'metadata={op_name="jit(f)/jvp(dense)/dot_general"}')
+    [Collective(kind='all-gather', bytes=128, op_name='jit(f)/jvp(dense)/dot_general')]
+  """
+  found = []
+  for line in hlo.splitlines():
+    m = _COLLECTIVE.search(line)
+    if m:
+      name = _OP_NAME.search(line)
+      found.append(Collective(m.group(2), _bytes(m.group(1)),
+                              name.group(1) if name else ""))
+  return found
+
+
 def collective_sizes(hlo: str) -> list[int]:
   """Bytes of each collective of a compiled program (per device).
 
@@ -34,8 +72,7 @@ def collective_sizes(hlo: str) -> list[int]:
     >>> collective_sizes("%ar = bf16[4,8]{1,0} all-reduce(%x), to_apply=%add")
     [64]
   """
-  return [_bytes(m.group(1)) for m in map(_COLLECTIVE.search, hlo.splitlines())
-          if m]
+  return [c.bytes for c in collectives(hlo)]
 
 
 def host_callbacks(hlo: str) -> int:
