@@ -58,13 +58,15 @@ from jdist._src.diagnose import hlo
 from jdist.examples.models import GPT, gpt_fsdp_strategy, gpt_layout_map
 
 HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import provenance  # noqa: E402  (RESULTS.md's "from which run")
 
 # The GPT and the global batch (sequences of max_len + 1 tokens: inputs and
 # next-token targets). "tiny" is for tests; "quick" for `--quick`.
 CONFIGS = {
     "full": {"model": dict(vocab_size=256, max_len=64, embed_dim=128,
                            num_heads=4, num_layers=2, mlp_dim=512),
-             "batch": 16, "rounds": 5, "block": 8},
+             "batch": 16, "rounds": 9, "block": 8},
     "quick": {"model": dict(vocab_size=256, max_len=64, embed_dim=128,
                             num_heads=4, num_layers=2, mlp_dim=512),
               "batch": 16, "rounds": 1, "block": 2},
@@ -430,8 +432,9 @@ def measure_matmul_peak(devices, n: int = 768, reps: int = 5) -> float:
 def eval_loss(cfg: dict, params) -> float:
   """Mean next-token cross-entropy on the first batch, float64 on the host."""
   seqs = _tokens(cfg)[0]
-  logits = np.asarray(GPT(**cfg["model"]).apply(
-      {"params": jax.device_get(params)}, seqs[:, :-1]), np.float64)
+  apply = jax.jit(GPT(**cfg["model"]).apply)  # on the default device
+  logits = np.asarray(apply({"params": jax.device_get(params)}, seqs[:, :-1]),
+                      np.float64)
   logits -= logits.max(-1, keepdims=True)
   logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
   return float(-np.take_along_axis(logp, seqs[:, 1:, None], -1).mean())
@@ -444,12 +447,12 @@ def max_param_diff(a, b) -> float:
 
 
 def speed(cfg: dict, setups: dict, *, rounds: int, block: int,
-          peak_per_device: float) -> dict:
-  """jdist against the hand-written `jax.jit`, FSDP and tensor parallel
+          peak_per_device: float, kinds=("fsdp", "tensor")) -> dict:
+  """jdist against the hand-written `jax.jit` for each of `kinds`
   (`setups`: jdist's, by kind, untrained; they are left untrained)."""
   out = {}
   tokens = cfg["batch"] * cfg["model"]["max_len"]
-  for kind in ("fsdp", "tensor"):
+  for kind in kinds:
     ours = setups[kind].restarted()
     hand = hand_setup(kind, cfg, ours)
     for s in (ours, hand):  # compile and warm up, the same steps each
@@ -551,6 +554,11 @@ def main(argv=None) -> dict:
   parser.add_argument("--no-peers", action="store_true",
                       help="leave out the comparison with Keras")
   args = parser.parse_args(argv)
+  return provenance.report(lambda: measure(args), section, args.json)
+
+
+def measure(args) -> dict:
+  """Everything the section shows, for `main`'s arguments."""
   cfg = CONFIGS["quick" if args.quick else "full"]
   devices = jax.devices()[:4]
   if len(devices) < 4:
@@ -603,10 +611,6 @@ def main(argv=None) -> dict:
       if worker is not None and not isinstance(worker, str):
         worker.close()
   res["seconds"] = time.perf_counter() - started
-  if args.json:
-    print(json.dumps(res))
-  else:
-    print("\n".join(section(res)))
   return res
 
 
@@ -625,8 +629,10 @@ def section(res: dict) -> list:
   lines = [
       "## Model parallelism (issue 21)",
       "",
-      f"`python benchmarks/model_parallel.py` on {res['devices']} fake CPU "
-      f"devices ({res['device_kind']}), as `make bench` runs it. The GPT of "
+      provenance.line(res["provenance"]),
+      "",
+      f"{res['devices']} fake CPU devices ({res['device_kind']}) share the "
+      "cores. The GPT of "
       f"`jdist.examples.models` ({m['num_layers']} blocks, embed "
       f"{m['embed_dim']}, {m['num_heads']} heads, MLP {m['mlp_dim']}, "
       f"vocabulary {m['vocab_size']}, {m['max_len']} tokens; {n_params:,} "
@@ -661,9 +667,10 @@ def section(res: dict) -> list:
       "parameter bytes (goal <= 0.30): layer norms, the position embedding "
       "and the row-split layers' biases stay whole on every device. The "
       "compiled step's memory shrinks less: the activations of one replica "
-      "(tensor parallel: all 16 sequences on every device, against 4 per "
-      "mirrored replica) and, under FSDP, the parameters gathered for the "
-      "forward pass stay live until the backward pass uses them.",
+      f"(tensor parallel: all {cfg['batch']} sequences on every device, "
+      f"against {cfg['batch'] // res['devices']} per mirrored replica) and, "
+      "under FSDP, the parameters gathered for the forward pass stay live "
+      "until the backward pass uses them.",
       "",
   ]
   lines += _communication_lines(res)
@@ -711,10 +718,13 @@ def _communication_lines(res: dict) -> list:
       "(2) the gradients' reduce-scatter is an all-reduce of the whole "
       "gradients (the all-reduce combiner merges them into one) after which "
       "each device keeps its block: the SPMD partitioner writes a "
-      "reduce-scatter as all-reduce + dynamic-slice, and only the GPU and "
-      "TPU compilers rewrite that pattern into a reduce-scatter, so on CPU "
-      "the gradient sum moves the full bytes. The small rest are the batch's "
-      "tokens and an activation gathered for the embeddings' gradients.",
+      "reduce-scatter as all-reduce + dynamic-slice, and the pass that turns "
+      "that pattern into a reduce-scatter belongs to XLA's GPU pipeline, not "
+      "to its CPU one, so on CPU the gradient sum moves the full bytes. The "
+      "rest: the token "
+      "embedding's gradient, a scatter-add into a table split over the "
+      "vocabulary, gathers every sequence's tokens and their activations' "
+      "gradients onto each device; a few bytes move token positions.",
       "",
       f"Tensor parallel, Megatron's count: 2 all-reduces per block forward "
       f"(after attention's output projection and after the MLP's second "
@@ -735,19 +745,19 @@ def _communication_lines(res: dict) -> list:
 
 
 def _speed_lines(res: dict) -> list:
-  peak = res["peak"]
+  peak, first = res["peak"], next(iter(res["speed"].values()))
   lines = [
       "**Speed**, jdist against the same training hand-written as MaxText "
       "does it: `jax.jit` with `in_shardings`/`out_shardings` of "
       "`NamedSharding`s from rules written out in the script (checked equal "
       "to jdist's layouts), on the same mesh, from the same weights, the "
-      "same batches; no donation on either side. Interleaved rounds of "
-      f"{next(iter(res['speed'].values()))['block']} steps; the ratio is "
+      f"same batches; no donation on either side. {len(first['seconds']['jdist'])} "
+      f"interleaved rounds of {first['block']} steps; the ratio is "
       "jdist's steps/s over the hand-written's in the same round, the median "
       "[min, max]. MFU: XLA's cost analysis of the compiled step (FLOPs per "
       "device) over the step's time and one device's peak "
       f"({peak['flops_per_device'] / 1e9:.1f} GFLOP/s, {peak['source']}: "
-      "4 fake devices share the 2 cores).",
+      "the fake devices share the cores).",
       "",
       "| layout | jdist tokens/s | hand-written tokens/s | jdist / hand "
       "| spread | GFLOP per device-step | MFU | loss after the steps, jdist "
@@ -767,9 +777,9 @@ def _speed_lines(res: dict) -> list:
       "",
       f"Both sides ran the same {r['steps']} steps. The parameters differ "
       "by rounding only: adam divides each gradient by its running scale, "
-      "so a parameter whose gradient is rounding noise (a token the batches "
-      "never use) moves by up to the learning rate (1e-3) either way; the "
-      "losses agree.",
+      "so a parameter whose gradient is at the level of rounding noise moves "
+      "by up to the learning rate (1e-3) a step, either way; the losses "
+      "agree.",
       "",
   ]
   return lines
