@@ -299,3 +299,30 @@ def test_model_parallel_reports_what_it_measured(devices):
   assert f"**{ratios['fsdp']['state']:.3f}**" in text
   assert f"**{res['tensor']['ratio']:.3f}**" in text
   assert "**2 forward, 2 backward** per block" in text
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not PEERS_PYTHON.exists(),
+                    reason=f"no peers' venv at {PEERS_PYTHON} (`make bench` builds it)")
+def test_model_parallel_against_keras_trains_the_same_gpt(devices, tmp_path):
+  mp = _bench_module("model_parallel")
+  cfg = mp.CONFIGS["tiny"]
+  tensor = mp.jdist_setup("tensor", cfg, devices[:4])
+  worker = mp.start_keras(cfg, tensor, str(PEERS_PYTHON), tmp_path)
+  try:
+    res = mp.keras_compare(cfg, tensor, worker, rounds=1, block=2)
+  finally:
+    worker.close()
+  assert "error" not in res, res
+  # Keras's GPT, loaded with jdist's weights, is the same function, and the
+  # same adam steps on the same batches train it to the same loss.
+  assert res["loss0"]["keras"] == pytest.approx(res["loss0"]["jdist"], rel=1e-5)
+  assert res["loss"]["keras"] == pytest.approx(res["loss"]["jdist"], rel=1e-3)
+  assert res["loss"]["jdist"] < res["loss0"]["jdist"]
+  # Its LayoutMap splits the variables gpt_layout_map splits.
+  leaves = jax.tree.leaves(tensor.params)
+  split = sum(any(a is not None for a in x.sharding.spec) for x in leaves)
+  assert res["keras_layout"] == f"{split} of {len(leaves)} variables split over 'model'"
+  (ours,), (keras,) = res["seconds"]["jdist"], res["seconds"]["keras"]
+  assert res["ratio"] == pytest.approx(keras / ours, rel=1e-9)
