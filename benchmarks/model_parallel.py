@@ -62,17 +62,22 @@ sys.path.insert(0, str(HERE))
 import provenance  # noqa: E402  (RESULTS.md's "from which run")
 
 # The GPT and the global batch (sequences of max_len + 1 tokens: inputs and
-# next-token targets). "tiny" is for tests; "quick" for `--quick`.
+# next-token targets); rounds and steps per block against the hand-written
+# step and against Keras (whose blocks are `fit` calls: longer blocks spread
+# the cost of starting one). "tiny" is for tests; "quick" for `--quick`.
 CONFIGS = {
     "full": {"model": dict(vocab_size=256, max_len=64, embed_dim=128,
                            num_heads=4, num_layers=2, mlp_dim=512),
-             "batch": 16, "rounds": 9, "block": 8},
+             "batch": 16, "rounds": 9, "block": 8, "keras_rounds": 7,
+             "keras_block": 16},
     "quick": {"model": dict(vocab_size=256, max_len=64, embed_dim=128,
                             num_heads=4, num_layers=2, mlp_dim=512),
-              "batch": 16, "rounds": 1, "block": 2},
+              "batch": 16, "rounds": 1, "block": 2, "keras_rounds": 1,
+              "keras_block": 2},
     "tiny": {"model": dict(vocab_size=64, max_len=16, embed_dim=32,
                            num_heads=4, num_layers=1, mlp_dim=64),
-             "batch": 8, "rounds": 1, "block": 2},
+             "batch": 8, "rounds": 1, "block": 2, "keras_rounds": 1,
+             "keras_block": 2},
 }
 KINDS = ("mirrored", "fsdp", "tensor")
 LABELS = {"mirrored": "mirrored (4 replicas)", "fsdp": "FSDP 4 (1x4)",
@@ -120,6 +125,8 @@ class Setup:
   batches: list
   grad_fn: Any = None   # the step's gradients alone (memory)
   position: int = 0     # steps run: the next batch is batches[position % 4]
+  host_batches: list | None = None  # if set: placed every step, as a user's
+                                    # loop over experimental_distribute_dataset
   _compiled: Any = None
 
   def compiled(self):
@@ -356,9 +363,16 @@ def _run_block(setup: Setup, steps: int) -> float:
   """Seconds for `steps` steps; waits for step k-1 after dispatching k (the
   CPU collectives' rendezvous deadlocks with too many steps in flight)."""
   params, opt, last = setup.params, setup.opt_state, None
+  order = [i % NUM_BATCHES for i in range(setup.position,
+                                          setup.position + steps)]
   start = time.perf_counter()
-  for i in range(setup.position, setup.position + steps):
-    params, opt, loss = setup.step(params, opt, setup.batches[i % NUM_BATCHES])
+  if setup.host_batches is None:
+    batches = (setup.batches[i] for i in order)
+  else:
+    batches = iter(setup.strategy.experimental_distribute_dataset(
+        [setup.host_batches[i] for i in order]))
+  for batch in batches:
+    params, opt, loss = setup.step(params, opt, batch)
     if last is not None:
       jax.block_until_ready(last)
     last = loss
@@ -515,7 +529,7 @@ def keras_compare(cfg: dict, tensor: Setup, worker, *, rounds: int,
   if isinstance(worker, str):
     return {"error": worker}
   peers = sys.modules["peers"]
-  ours = tensor.restarted()
+  ours = dataclasses.replace(tensor, host_batches=_tokens(cfg))
   try:
     info = worker.recv(peers.READY_TIMEOUT)
     log(f"  keras ready: {info.get('version')}")
@@ -605,8 +619,8 @@ def measure(args) -> dict:
       if worker is not None:
         log("keras")
         res["keras"] = keras_compare(cfg, setups["tensor"], worker,
-                                     rounds=cfg["rounds"], block=cfg["block"],
-                                     log=log)
+                                     rounds=cfg["keras_rounds"],
+                                     block=cfg["keras_block"], log=log)
     finally:
       if worker is not None and not isinstance(worker, str):
         worker.close()
@@ -798,7 +812,10 @@ def _keras_lines(res: dict) -> list:
       f"({k['keras_layout']}), the same GPT built from Keras layers, loaded "
       "with the same initial weights, adam, `model.fit` on the same batches "
       "(numpy, one epoch per block), against jdist's tensor parallel custom "
-      "loop. Interleaved rounds; the ratio is jdist's speed over Keras's.",
+      "loop over `experimental_distribute_dataset` of the same numpy batches "
+      f"(placed as it goes). {len(k['seconds']['jdist'])} interleaved rounds of "
+      f"{k['block']} steps; the ratio is jdist's speed over Keras's in the "
+      "same round, the median [min, max].",
       "",
       "| | jdist tokens/s | Keras tokens/s | jdist / Keras | spread | loss "
       f"after {k['steps']} steps, jdist / Keras |",
