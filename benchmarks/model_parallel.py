@@ -657,8 +657,9 @@ def section(res: dict) -> list:
       "(`gpt_layout_map` on `DeviceMesh((1, 4), ('data', 'model'))`).",
       "",
       "**Memory per device** (device 0). Parameters, adam's state and the "
-      "gradients (`value_and_grad` under the strategy): bytes of the arrays' "
-      "shards on the device. Step: the compiled train step's memory "
+      "gradients (`jax.grad` of the loss under the strategy, which returns "
+      "them in their parameters' layouts): bytes of the arrays' shards on "
+      "the device. Step: the compiled train step's memory "
       "analysis, arguments (parameters, adam state, the batch) + "
       "temporaries (gradients, activations, gathered parameters).",
       "",
