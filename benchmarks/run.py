@@ -32,6 +32,7 @@ sys.path.insert(0, str(HERE))
 import elastic_times  # noqa: E402  (its RESULTS.md section)
 import fault_times  # noqa: E402  (its RESULTS.md section)
 import fit_overhead  # noqa: E402  (its RESULTS.md section)
+import model_parallel  # noqa: E402  (its RESULTS.md section)
 import ps  # noqa: E402  (its RESULTS.md section)
 import step_model  # noqa: E402  (issue 12's sections)
 
@@ -118,6 +119,10 @@ def main(argv=None) -> int:
       *overhead_section(overhead, per_call),
   ]
   lines += [""] + zero_section(_run("zero_memory.py", 4, *extra))
+  lines += [""] + model_parallel.section(_run(
+      "model_parallel.py", 4, *extra,
+      *(("--no-peers",) if args.no_peers else
+        ("--peers-python", args.peers_python) if args.peers_python else ())))
   plugin = pathlib.Path(args.tpu_plugin)
   lines += [""] + mixed_precision_section(_run(
       "mixed_precision.py", 2, *extra,

@@ -88,7 +88,7 @@ data = [((starts + np.arange(9) * 3) % 32).astype(np.int32)] * 5
 #
 # `gpt_layout_map(mesh)` is Megatron's split: attention's query, key and value
 # kernels by heads and the MLP's first kernel by columns, attention's output and
-# the MLP's second kernel by rows, the embeddings and the head over the
+# the MLP's second kernel by rows, the token embedding and the head over the
 # vocabulary. FSDP needs no rules: `gpt_fsdp_strategy(mesh)` splits every
 # parameter along its largest dimension the axis divides. `strategy.init` creates
 # the parameters already split (compiled with output shardings): no device ever

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -241,3 +242,87 @@ def test_fault_times_quick_runs():
   for r in rows:
     assert f"| {r['fault']} | " \
         f"{_bench_module('fault_times').span(r['seconds'])} |" in text, text
+
+
+def test_model_parallel_reports_what_it_measured(devices):
+  """benchmarks/model_parallel.py's measurements on a tiny GPT: the memory
+  figures are the arrays' bytes, the collectives are in the compiled step
+  where the theory puts them, the speed ratio and MFU are the times'."""
+  mp = _bench_module("model_parallel")
+  cfg = mp.CONFIGS["tiny"]
+  devices = devices[:4]
+  setups = {k: mp.jdist_setup(k, cfg, devices) for k in mp.KINDS}
+  mem = {k: mp.memory(s) for k, s in setups.items()}
+  ratios = mp.memory_ratios(mem)
+  total = sum(x.nbytes for x in jax.tree.leaves(setups["mirrored"].params))
+  # Mirrored: every device holds the whole model, its gradients and adam's
+  # two moments (and the step count).
+  assert mem["mirrored"]["params_bytes"] == mem["mirrored"]["grads_bytes"] == total
+  assert 2 * total <= mem["mirrored"]["opt_state_bytes"] <= 2 * total + 16
+  for k in mp.KINDS:
+    m = mem[k]
+    assert m["state_bytes"] == (m["params_bytes"] + m["grads_bytes"]
+                                + m["opt_state_bytes"])
+    assert ratios[k]["state"] == m["state_bytes"] / mem["mirrored"]["state_bytes"]
+    assert m["argument_bytes"] > 0 and m["temp_bytes"] > 0
+  assert ratios["fsdp"]["state"] <= 0.30, ratios
+  assert ratios["tensor"]["params"] <= 0.30, ratios
+  # FSDP gathers the parameters in the forward pass and sums the gradients
+  # in the backward pass (a reduce-scatter, or on CPU an all-reduce).
+  comm = mp.communication(setups["fsdp"])["collectives"]
+  gathered = comm["all-gather forward"]["bytes"]
+  assert 0.5 * total < gathered <= total, comm
+  assert (comm.get("reduce-scatter backward", {"bytes": 0})["bytes"]
+          + comm.get("all-reduce backward", {"bytes": 0})["bytes"]) > 0, comm
+  # Tensor parallel: Megatron's 2 all-reduces per block forward, 2 backward.
+  per_block = mp.all_reduces_per_block(cfg, devices, setups["tensor"])
+  assert per_block["per_block"] == {"forward": 2, "backward": 2, "update": 0}
+  res = mp.speed(cfg, setups, rounds=1, block=2, peak_per_device=1e9,
+                 kinds=("tensor",))
+  for r in res.values():
+    (jd,), (hand,) = r["seconds"]["jdist"], r["seconds"]["hand"]
+    assert r["ratio"] == pytest.approx(hand / jd, rel=1e-9)
+    tokens = cfg["batch"] * cfg["model"]["max_len"]
+    assert r["tokens_per_s"]["jdist"] == pytest.approx(2 * tokens / jd)
+    assert r["mfu"] == pytest.approx(
+        r["flops_per_device_step"] / (jd / 2) / 1e9, rel=1e-9)
+    # The same training: the same loss after the same steps.
+    assert r["loss"]["jdist"] == pytest.approx(r["loss"]["hand"], abs=1e-5)
+  text = "\n".join(mp.section({
+      "config": cfg, "devices": 4, "device_kind": "cpu", "memory": mem,
+      "memory_ratios": ratios, "communication": {
+          k: mp.communication(setups[k]) for k in ("fsdp", "tensor")},
+      "tensor_all_reduces": per_block, "speed": res, "seconds": 1.0,
+      "provenance": {"command": "python benchmarks/model_parallel.py",
+                     "date": "today", "machine": "here", "load_before": "0"},
+      "peak": {"flops_per_device": 1e9, "source": "given"}}))
+  assert f"**{ratios['fsdp']['state']:.3f}**" in text
+  assert f"**{res['tensor']['ratio']:.3f}**" in text
+  assert "**2 forward, 2 backward** per block" in text
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not PEERS_PYTHON.exists(),
+                    reason=f"no peers' venv at {PEERS_PYTHON} (`make bench` builds it)")
+def test_model_parallel_against_keras_trains_the_same_gpt(devices, tmp_path):
+  mp = _bench_module("model_parallel")
+  cfg = mp.CONFIGS["tiny"]
+  tensor = mp.jdist_setup("tensor", cfg, devices[:4])
+  worker = mp.start_keras(cfg, tensor, str(PEERS_PYTHON), tmp_path)
+  try:
+    res = mp.keras_compare(cfg, tensor, worker, rounds=1, block=2)
+  finally:
+    worker.close()
+  assert "error" not in res, res
+  # Keras's GPT, loaded with jdist's weights, is the same function, and the
+  # same adam steps on the same batches train it to the same loss.
+  assert res["loss0"]["keras"] == pytest.approx(res["loss0"]["jdist"], rel=1e-5)
+  assert res["loss"]["keras"] == pytest.approx(res["loss"]["jdist"], rel=1e-3)
+  assert res["loss"]["jdist"] < res["loss0"]["jdist"]
+  # Its LayoutMap splits the variables gpt_layout_map splits.
+  leaves = jax.tree.leaves(tensor.params)
+  split = sum(any(a is not None for a in x.sharding.spec) for x in leaves)
+  assert res["keras_layout"] == f"{split} of {len(leaves)} variables split over 'model'"
+  (ours,), (keras,) = res["seconds"]["jdist"], res["seconds"]["keras"]
+  assert res["ratio"] == pytest.approx(keras / ours, rel=1e-9)

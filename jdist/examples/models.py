@@ -143,10 +143,15 @@ def gpt_layout_map(mesh: jdist.DeviceMesh,
   split: each device computes its heads whole), its output kernel by heads
   too (a row split: one all-reduce of the block's output); the MLP's input
   kernel is column-split, its output kernel row-split. The token embedding
-  and the head are split over the vocabulary, the position embedding over
-  the features; layer norms and row-split layers' biases stay whole. The
-  number of heads, `mlp_dim`, `vocab_size` and `embed_dim` must be
-  multiples of the axis's size (the strategy says which is not).
+  and the head are split over the vocabulary; the position embedding, layer
+  norms and row-split layers' biases stay whole. That is Megatron's count of
+  all-reduces, two per block forward and two backward (benchmarks/
+  model_parallel.py reads them in the compiled step): a position embedding
+  split over the features would split the residual stream with it, and
+  every layer norm would then all-reduce its statistics and every split
+  matmul all-gather its input. The number of heads, `mlp_dim` and
+  `vocab_size` must be multiples of the axis's size (the strategy says
+  which is not).
 
   Args:
     mesh: the `jdist.DeviceMesh` with `model_axis`.
@@ -166,7 +171,6 @@ def gpt_layout_map(mesh: jdist.DeviceMesh,
   m = model_axis
   layout_map = jdist.LayoutMap(mesh)
   layout_map["token_embed/embedding"] = (m, None)
-  layout_map["position_embed/embedding"] = (None, m)
   layout_map[r"block_\d+/attn/(query|key|value)/kernel"] = (None, m, None)
   layout_map[r"block_\d+/attn/(query|key|value)/bias"] = (m, None)
   layout_map[r"block_\d+/attn/out/kernel"] = (m, None, None)

@@ -31,6 +31,7 @@ _LISTED = re.compile(
 _IOTA = re.compile(
     r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _XLA_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
 def _bytes(result_shape: str) -> int:
@@ -40,18 +41,6 @@ def _bytes(result_shape: str) -> int:
     elements = math.prod(int(d) for d in dims.split(",") if d)
     total += math.ceil(int(bits or 8) * elements / 8)
   return total
-
-
-def collective_sizes(hlo: str) -> list[int]:
-  """Bytes of each collective of a compiled program (per device).
-
-  Example:
-    >>> from jdist._src.diagnose.hlo import collective_sizes
-    >>> collective_sizes("%ar = bf16[4,8]{1,0} all-reduce(%x), to_apply=%add")
-    [64]
-  """
-  return [_bytes(m.group(1)) for m in map(_COLLECTIVE.search, hlo.splitlines())
-          if m]
 
 
 def host_callbacks(hlo: str) -> int:
@@ -66,14 +55,18 @@ class Collective:
   Attributes:
     kind: "all-reduce", "all-gather", "reduce-scatter", "all-to-all" or
       "collective-permute".
-    bytes: its result's bytes per device.
+    bytes: its result's bytes per device (a reduce-scatter's result is one
+      device's block; an all-gather's, the gathered whole).
     groups: the partition ids of each group (a permute's source-target
       pairs), or None where the program does not say them in a known form.
+    op_name: the JAX operation it comes from (`jit(step)/jvp(GPT)/...`; a
+      backward pass's operations are under `transpose(...)`), or "".
   """
 
   kind: str
   bytes: int
-  groups: tuple[tuple[int, ...], ...] | None
+  groups: tuple[tuple[int, ...], ...] | None = None
+  op_name: str = ""
 
 
 def collectives(hlo: str) -> list[Collective]:
@@ -81,14 +74,19 @@ def collectives(hlo: str) -> list[Collective]:
 
   Example:
     >>> from jdist._src.diagnose.hlo import collectives
-    >>> collectives("%ar = f32[2]{0} all-reduce(%x), replica_groups=[2,2]<=[4]")
-    [Collective(kind='all-reduce', bytes=8, groups=((0, 1), (2, 3)))]
+    >>> [c] = collectives('%ag = f32[8,4]{1,0} all-gather(%w), '
+    ...                   'replica_groups=[2,2]<=[4], dimensions={0}, '
+    ...                   'metadata={op_name="jit(f)/jvp(dense)/dot_general"}')
+    >>> c.kind, c.bytes, c.groups, c.op_name
+    ('all-gather', 128, ((0, 1), (2, 3)), 'jit(f)/jvp(dense)/dot_general')
   """
   found = []
   for line in hlo.splitlines():
     m = _COLLECTIVE.search(line)
     if m:
-      found.append(Collective(m.group(2), _bytes(m.group(1)), _groups(line)))
+      name = _OP_NAME.search(line)
+      found.append(Collective(m.group(2), _bytes(m.group(1)), _groups(line),
+                              name.group(1) if name else ""))
   return found
 
 
