@@ -329,7 +329,8 @@ def communication(setup: Setup) -> dict:
     row["bytes"] += c.bytes
   return {"param_bytes": sum(x.nbytes for x in jax.tree.leaves(setup.params)),
           "collectives": dict(sorted(table.items())),
-          "ops": [c._asdict() for c in found]}
+          "ops": [{"kind": c.kind, "bytes": c.bytes, "op_name": c.op_name}
+                  for c in found]}
 
 
 def all_reduces_per_block(cfg: dict, devices, tensor: Setup | None = None
