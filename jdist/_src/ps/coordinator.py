@@ -15,6 +15,13 @@ reaches `join()`, `done()` or the next `schedule()` once nothing is running,
 and cancels the functions still queued; a parameter server's failure does so
 at once (without waiting for the functions in flight), every time from then
 on.
+
+Under Ray the workers come and go (`ray_options` "max_workers" and
+"min_workers"): a worker that joins gets a thread of its own and takes
+functions from the queue like the others (an INFO line names it); a worker
+that does not come back is dropped once its functions are back in the queue
+(a warning says why), and with fewer than `min_workers` left every wait and
+`schedule()` raises `jdist.WorkerFailedError` from then on.
 """
 
 from __future__ import annotations
@@ -194,7 +201,8 @@ class ClusterCoordinator:
 
   @property
   def num_workers(self) -> int:
-    """Workers able to run functions now."""
+    """Workers able to run functions now: those that joined count, those
+    that left do not."""
     return self._alive
 
   def shutdown(self, timeout: float = 60.0) -> None:
