@@ -47,23 +47,34 @@ def cluster():
         "num_cpus": 2, "include_dashboard": False})
     ray.init(address=nodes.address, log_to_driver=False,
              configure_logging=False)
+  _NODES.append(nodes)
   yield nodes
+  _NODES.clear()
   ray.shutdown()
   nodes.shutdown()
 
 
+_NODES = []  # the module's Ray cluster
+
+
 def worker_pids() -> list:
-  """Processes titled `ray::TrainingWorker` (Ray names actor processes so)."""
+  """This cluster's worker processes: titled `ray::TrainingWorker` (Ray names
+  actor processes so), children of one of its nodes' raylets (other Ray
+  clusters may run on the machine)."""
+  raylets = {info.process.pid for node in _NODES[0].list_all_nodes()
+             for info in node.all_processes.get("raylet", [])}
   pids = []
   for entry in os.listdir("/proc"):
     if entry.isdigit():
       try:
         with open(f"/proc/{entry}/cmdline", "rb") as f:
           title = f.read().split(b"\0")[0].decode(errors="replace").strip()
-      except OSError:
+        with open(f"/proc/{entry}/stat") as f:
+          parent = int(f.read().rsplit(")", 1)[1].split()[1])
+      except (OSError, ValueError, IndexError):
         continue
-      if title == "ray::TrainingWorker" or title.startswith(
-          "ray::TrainingWorker."):
+      if parent in raylets and (title == "ray::TrainingWorker" or
+                                title.startswith("ray::TrainingWorker.")):
         pids.append(int(entry))
   return sorted(pids)
 
@@ -199,6 +210,7 @@ def test_a_node_joins_then_leaves_mid_run(cluster, caplog):
   after = run_until(coordinator, step_fn, iterator, lambda rs: len(rs) >= 8)
   assert {r[-1] for r in after} <= old
   pids = worker_pids()
+  assert set(pids) == old
   coordinator.shutdown()
   assert wait_gone(pids) == [] and worker_pids() == []
   assert not [t for t in threading.enumerate() if t.name.startswith("jdist-")]
@@ -216,7 +228,7 @@ def test_below_min_workers_is_an_error(cluster, caplog):
       coordinator.join()
   message = str(info.value)
   assert re.match(r"Too few workers are left to go on: worker [01] left the "
-                  r"cluster \(Worker [01]'s actor died", message), message
+                  r"cluster \(its actor died for good", message), message
   assert "leaving 1, fewer than min_workers=2" in message
   # From then on, the error every time.
   with pytest.raises(jdist.WorkerFailedError, match="fewer than min_workers"):

@@ -314,13 +314,13 @@ class ClusterCoordinator:
       self._alive -= 1
       alive = self._alive
     minimum = self._cluster.min_workers
-    _log.warning("Worker %d left the cluster: it did not come back (%s); it "
-                 "is dropped from scheduling, %d worker(s) left.",
-                 worker.index, failure, alive)
+    why = getattr(worker, "death", "") or f"it did not come back: {failure}"
+    _log.warning("Worker %d left the cluster (%s); it is dropped from "
+                 "scheduling, %d worker(s) left.", worker.index, why, alive)
     if alive < minimum and not self._closed:
       error = WorkerFailedError(
           f"Too few workers are left to go on: worker {worker.index} left the "
-          f"cluster ({failure}), leaving {alive}, fewer than min_workers="
+          f"cluster ({why}), leaving {alive}, fewer than min_workers="
           f"{minimum}. Every scheduled function ran or was put back before; "
           "the queued ones are failed, and nothing more is scheduled. Add "
           "capacity to the Ray cluster and start a new strategy (restoring "

@@ -186,6 +186,7 @@ class RayWorker:
     self._sent: set = set()  # functions this incarnation of the actor has
     self._hung = False  # this incarnation went silent and was killed
     self.recovering = False  # Ray is restarting it: its resources are its
+    self.death = ""  # why it is gone for good, once it is
 
   depth = 2  # the next call waits in the actor while it runs one
 
@@ -275,8 +276,10 @@ class RayWorker:
                   timeout=max(0.0, min(self._timeout,
                                        deadline - time.monotonic())))
           return True
-        except ray.exceptions.ActorDiedError:
-          return False  # out of restarts, or its constructor failed
+        except ray.exceptions.ActorDiedError as e:
+          # Out of restarts, its node gone, or its constructor failed.
+          self.death = f"its actor died for good{_death_reason(e)}"
+          return False
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
           time.sleep(0.1)  # restarting
       return False
