@@ -320,6 +320,13 @@ def scaling_bounds(options: dict, num_workers: int) -> tuple:
   Raises:
     ValueError: a bound that is not a positive integer, or
       `min_workers <= num_workers <= max_workers` does not hold.
+
+  Example:
+    >>> from jdist._src.ps.ray_backend import scaling_bounds
+    >>> scaling_bounds({"max_workers": 4}, num_workers=2)
+    (1, 4)
+    >>> scaling_bounds({}, num_workers=2)  # fixed, but for replacements
+    (1, 2)
   """
   low = options.get("min_workers", 1)
   high = options.get("max_workers", num_workers)
