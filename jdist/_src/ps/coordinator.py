@@ -321,11 +321,10 @@ class ClusterCoordinator:
       error = WorkerFailedError(
           f"Too few workers are left to go on: worker {worker.index} left the "
           f"cluster ({why}), leaving {alive}, fewer than min_workers="
-          f"{minimum}. Every scheduled function ran or was put back before; "
-          "the queued ones are failed, and nothing more is scheduled. Add "
-          "capacity to the Ray cluster and start a new strategy (restoring "
-          "the variables from a checkpoint), or lower ray_options"
-          "['min_workers'].")
+          f"{minimum}. The functions still queued fail with this error and "
+          "nothing more runs on this cluster: add capacity to the Ray "
+          "cluster and start a new strategy (restoring the variables from a "
+          "checkpoint), or lower ray_options['min_workers'].")
       self._queue.fail_all(error)
       self._queue.abort(error)
     return False

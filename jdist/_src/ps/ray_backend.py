@@ -185,7 +185,7 @@ class RayWorker:
     self._timeout = timeout
     self._sent: set = set()  # functions this incarnation of the actor has
     self._hung = False  # this incarnation went silent and was killed
-    self.recovering = False  # Ray is restarting it: its resources are its
+    self.recovering = False  # Ray restarts it: free resources wait for it
     self.death = ""  # why it is gone for good, once it is
 
   depth = 2  # the next call waits in the actor while it runs one
