@@ -208,9 +208,41 @@ def test_a_node_joins_then_leaves_mid_run(cluster, caplog):
   assert scheduled <= total <= scheduled + reran(caplog.records), (
       scheduled, total, lines)
   after = run_until(coordinator, step_fn, iterator, lambda rs: len(rs) >= 8)
+  scheduled += len(after)
   assert {r[-1] for r in after} <= old
+  assert set(worker_pids()) == old
+  # A worker's process is killed mid-run (no restarts left): its steps run on
+  # the other worker, the run finishes, and a new worker joins in its place
+  # (its CPU on the head node is free again), in its slot.
+  rerun = reran(caplog.records)
+  victim = min(old)
+  (slot,) = {r[2] for r in first if r[-1] == victim}
+  caplog.clear()
+  with caplog.at_level(logging.INFO, logger="jdist"):
+    results = [coordinator.schedule(step_fn, args=(iterator,))
+               for _ in range(300)]
+    scheduled += 300
+    os.kill(victim, signal.SIGKILL)
+    coordinator.join()
+    assert len(coordinator.fetch(results)) == 300  # every one ran
+    replaced = run_until(coordinator, step_fn, iterator,
+                         lambda rs: {r[-1] for r in rs} - old)
+    scheduled += len(replaced)
+  (newcomer,) = {r[-1] for r in replaced} - old
+  lines = [r.getMessage() for r in caplog.records if r.name.startswith("jdist")]
+  assert [m for m in lines if "left" in m] == [
+      f"Worker {slot} left the cluster (its actor died for good: its worker "
+      "process has died); it is dropped from scheduling, 1 worker(s) left."
+  ], lines
+  joins = [m for m in lines if "joined" in m]
+  assert len(joins) == 1 and re.fullmatch(
+      rf"Worker {slot} joined the cluster \(pid {newcomer} on node \w+\); "
+      r"scheduled functions run on it, 2 worker\(s\) now\.", joins[0]), lines
+  (total,) = np.asarray(counter.read())
+  assert scheduled <= total <= scheduled + rerun + reran(caplog.records), (
+      scheduled, total, lines)
   pids = worker_pids()
-  assert set(pids) == old
+  assert set(pids) == old - {victim} | {newcomer}
   coordinator.shutdown()
   assert wait_gone(pids) == [] and worker_pids() == []
   assert not [t for t in threading.enumerate() if t.name.startswith("jdist-")]
