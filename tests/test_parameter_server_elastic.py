@@ -148,7 +148,7 @@ def reran(records) -> int:
       r"; (\d+) scheduled function\(s\) it had run again", r.getMessage())))
 
 
-def test_a_node_joins_then_leaves_mid_run(cluster, caplog):
+def test_workers_join_and_leave_mid_run(cluster, caplog):
   strategy, coordinator, counter, iterator, step_fn = setup(
       max_workers=3, worker={"max_restarts": 0})
   scheduled = 0
