@@ -25,6 +25,7 @@ import pytest
 import jdist
 
 ray = pytest.importorskip("ray")
+from ray_processes import actor_pids  # noqa: E402 (needs Ray)
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -47,36 +48,13 @@ def cluster():
         "num_cpus": 2, "include_dashboard": False})
     ray.init(address=nodes.address, log_to_driver=False,
              configure_logging=False)
-  _NODES.append(nodes)
   yield nodes
-  _NODES.clear()
   ray.shutdown()
   nodes.shutdown()
 
 
-_NODES = []  # the module's Ray cluster
-
-
 def worker_pids() -> list:
-  """This cluster's worker processes: titled `ray::TrainingWorker` (Ray names
-  actor processes so), children of one of its nodes' raylets (other Ray
-  clusters may run on the machine)."""
-  raylets = {info.process.pid for node in _NODES[0].list_all_nodes()
-             for info in node.all_processes.get("raylet", [])}
-  pids = []
-  for entry in os.listdir("/proc"):
-    if entry.isdigit():
-      try:
-        with open(f"/proc/{entry}/cmdline", "rb") as f:
-          title = f.read().split(b"\0")[0].decode(errors="replace").strip()
-        with open(f"/proc/{entry}/stat") as f:
-          parent = int(f.read().rsplit(")", 1)[1].split()[1])
-      except (OSError, ValueError, IndexError):
-        continue
-      if parent in raylets and (title == "ray::TrainingWorker" or
-                                title.startswith("ray::TrainingWorker.")):
-        pids.append(int(entry))
-  return sorted(pids)
+  return actor_pids("TrainingWorker")
 
 
 def wait_gone(pids, timeout=15.0) -> list:
