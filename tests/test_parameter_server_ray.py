@@ -3,7 +3,8 @@
 A local Ray cluster (`ray.init(num_cpus=4)` on this 2-core machine) runs the
 parameter servers and workers as actors, each a process of its own; failures
 are real: a worker's or a server's process is killed with SIGKILL, found the
-way an operator would find it (its process title, `ray::<actor class>`).
+way an operator would find it (its process title, `ray::<actor class>`, among
+this Ray cluster's processes: `ray_processes.py`).
 """
 
 import logging
@@ -23,6 +24,7 @@ from jdist.examples.models import MLP
 from jdist.examples.steps import classifier_step
 
 ray = pytest.importorskip("ray")
+from ray_processes import actor_pids  # noqa: E402 (needs Ray)
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -41,21 +43,6 @@ def ray_cluster():
              configure_logging=False)
   yield
   ray.shutdown()
-
-
-def actor_pids(name: str) -> list:
-  """Processes whose title is `ray::<name>` (Ray names actor processes so)."""
-  pids = []
-  for entry in os.listdir("/proc"):
-    if entry.isdigit():
-      try:
-        with open(f"/proc/{entry}/cmdline", "rb") as f:
-          title = f.read().split(b"\0")[0].decode(errors="replace").strip()
-      except OSError:
-        continue
-      if title == f"ray::{name}" or title.startswith(f"ray::{name}."):
-        pids.append(int(entry))
-  return sorted(pids)
 
 
 def actors_left():

@@ -97,7 +97,8 @@ class WorkerFailedError(Error, RuntimeError):
   The coordinator runs the worker's functions again on the other workers (a
   function may run more than once); raise it from a scheduled function to
   say that its worker is unusable (the threads backend's stand-in for a
-  dead worker). It reaches `join()` only when no worker is left.
+  dead worker). It reaches `join()` only when fewer workers are left than
+  the strategy's `ray_options["min_workers"]` (default 1).
   """
 
 

@@ -15,6 +15,13 @@ reaches `join()`, `done()` or the next `schedule()` once nothing is running,
 and cancels the functions still queued; a parameter server's failure does so
 at once (without waiting for the functions in flight), every time from then
 on.
+
+Under Ray the workers come and go (`ray_options` "max_workers" and
+"min_workers"): a worker that joins gets a thread of its own and takes
+functions from the queue like the others (an INFO line names it); a worker
+that does not come back is dropped once its functions are back in the queue
+(a warning says why), and with fewer than `min_workers` left every wait and
+`schedule()` raises `jdist.WorkerFailedError` from then on.
 """
 
 from __future__ import annotations
@@ -90,7 +97,7 @@ class ClusterCoordinator:
     self._queue = ClosureQueue()
     self._closed = False
     self._lock = threading.Lock()
-    workers = self._cluster.workers
+    workers = list(self._cluster.workers)
     self._alive = len(workers)
     self._max_attempts = ATTEMPTS_PER_WORKER * max(len(workers), 1)
     self._threads = [threading.Thread(target=self._serve, args=(w,),
@@ -98,6 +105,7 @@ class ClusterCoordinator:
                                       daemon=True) for w in workers]
     for t in self._threads:
       t.start()
+    self._cluster.watch(self._join)  # workers that join later
 
   # --- TensorFlow's API --------------------------------------------------------
 
@@ -193,7 +201,8 @@ class ClusterCoordinator:
 
   @property
   def num_workers(self) -> int:
-    """Workers able to run functions now."""
+    """Workers able to run functions now: those that joined count, those
+    that left do not."""
     return self._alive
 
   def shutdown(self, timeout: float = 60.0) -> None:
@@ -207,10 +216,12 @@ class ClusterCoordinator:
     """
     if self._closed:
       return
-    self._closed = True
+    with self._lock:
+      self._closed = True  # no worker joins from now on
+      threads = list(self._threads)
     self._queue.stop()
     deadline = time.monotonic() + timeout
-    for t in self._threads:
+    for t in threads:
       t.join(max(0.0, deadline - time.monotonic()))
     self._cluster.close()
 
@@ -268,8 +279,29 @@ class ClusterCoordinator:
       self._queue.finished(closure, value)
     return None, False
 
+  def _join(self, worker, where: str) -> bool:
+    """A worker joined the cluster (Ray): it runs functions from now on.
+
+    Returns:
+      False if the coordinator is shut down (the worker is not used).
+    """
+    with self._lock:
+      if self._closed:
+        return False
+      self._alive += 1
+      alive = self._alive
+      self._max_attempts = max(self._max_attempts, ATTEMPTS_PER_WORKER * alive)
+      thread = threading.Thread(target=self._serve, args=(worker,),
+                                name=f"jdist-worker-{worker.index}",
+                                daemon=True)
+      self._threads.append(thread)
+      thread.start()
+    _log.info("Worker %d joined the cluster (%s); scheduled functions run on "
+              "it, %d worker(s) now.", worker.index, where, alive)
+    return True
+
   def _restart(self, worker, failure, rerun: int) -> bool:
-    """Logs a failed worker and waits for it to come back; False if lost."""
+    """Logs a failed worker and waits for it to come back; False if it left."""
     _log.warning(
         "Worker %d failed (%s); %d scheduled function(s) it had run again "
         "on the workers (at least once), and the worker is restarted.",
@@ -277,16 +309,24 @@ class ClusterCoordinator:
     if worker.recover():
       _log.info("Worker %d was restarted.", worker.index)
       return True
+    self._cluster.left(worker)
     with self._lock:
       self._alive -= 1
       alive = self._alive
-    _log.warning("Worker %d did not come back: it is lost; %d worker(s) "
-                 "left.", worker.index, alive)
-    if alive == 0:
-      self._queue.fail_all(WorkerFailedError(
-          f"No worker is left to run scheduled functions: worker "
-          f"{worker.index} was the last, and it did not come back "
-          f"({failure})."))
+    minimum = self._cluster.min_workers
+    why = getattr(worker, "death", "") or f"it did not come back: {failure}"
+    _log.warning("Worker %d left the cluster (%s); it is dropped from "
+                 "scheduling, %d worker(s) left.", worker.index, why, alive)
+    if alive < minimum and not self._closed:
+      error = WorkerFailedError(
+          f"Too few workers are left to go on: worker {worker.index} left the "
+          f"cluster ({why}), leaving {alive}, fewer than min_workers="
+          f"{minimum}. The functions still queued fail with this error and "
+          "nothing more runs on this cluster: add capacity to the Ray "
+          "cluster and start a new strategy (restoring the variables from a "
+          "checkpoint), or lower ray_options['min_workers'].")
+      self._queue.fail_all(error)
+      self._queue.abort(error)
     return False
 
   def _check_open(self) -> None:

@@ -284,6 +284,15 @@ class ThreadCluster:
                     for i in range(spec.num_workers)]
     self.replicas_per_worker = 1
 
+  # Its workers never leave (a failed one comes back at once) nor join.
+  min_workers = 1
+
+  def watch(self, on_join) -> None:
+    del on_join  # the threads are this process's: none joins later
+
+  def left(self, worker) -> None:
+    del worker  # unreachable: `ThreadWorker.recover` always succeeds
+
   def prepare(self, closure) -> None:
     del closure  # functions run in this process as they are
 

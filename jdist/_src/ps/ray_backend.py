@@ -10,12 +10,21 @@ coordinator then sends it its functions again and it rebuilds its per-worker
 datasets. Functions and arguments travel pickled (cloudpickle); a function
 is sent to each worker once.
 
+The set of workers is elastic between `ray_options["min_workers"]` and
+`["max_workers"]`: a thread of the cluster (`RayCluster.watch`) starts
+another worker actor whenever Ray's free resources fit one (a node joined,
+another job ended, a worker left for good), and hands it to the coordinator
+once its process answers; a worker whose actor dies for good (no restarts
+left, its node removed) leaves, and its slot is free for a newcomer.
+
 Ray is imported when the backend starts, so jdist imports without it.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
 import uuid
 import weakref
@@ -58,6 +67,11 @@ class TrainingWorker:
 
   def ping(self) -> int:
     return os.getpid()
+
+  def where(self) -> str:
+    """The worker's process and Ray node, for the coordinator's log."""
+    node = _ray().get_runtime_context().get_node_id()
+    return f"pid {os.getpid()} on node {node[:12]}"
 
   def run(self, key: str, fn_bytes: bytes | None, definitions: list,
           args_bytes: bytes) -> bytes:
@@ -149,6 +163,11 @@ class RayStore:
     self._closed = True
 
 
+_log = logging.getLogger(__name__)
+
+# How often the cluster's free resources are looked at for a worker to add.
+_WATCH_EVERY = 0.5
+
 # A busy worker is asked whether it lives every this fraction of the timeout.
 _PING_EVERY = 0.25
 
@@ -166,6 +185,8 @@ class RayWorker:
     self._timeout = timeout
     self._sent: set = set()  # functions this incarnation of the actor has
     self._hung = False  # this incarnation went silent and was killed
+    self.recovering = False  # Ray restarts it: free resources wait for it
+    self.death = ""  # why it is gone for good, once it is
 
   depth = 2  # the next call waits in the actor while it runs one
 
@@ -203,7 +224,8 @@ class RayWorker:
     except ray.exceptions.RayActorError as e:
       self._sent.clear()
       raise WorkerFailedError(
-          f"Worker {self.index}'s actor died ({type(e).__name__}).") from None
+          f"Worker {self.index}'s actor died ({type(e).__name__}"
+          f"{_death_reason(e)}).") from None
     except ray.exceptions.RayTaskError as e:
       raise _unwrap(e) from None
     return _pickle().loads(out)
@@ -245,21 +267,81 @@ class RayWorker:
     ray = _ray()
     self._sent.clear()
     self._hung = False
-    deadline = time.monotonic() + max(self._timeout, RESTART_TIMEOUT)
-    while time.monotonic() < deadline:
-      try:
-        ray.get(self.actor.restart.remote(),
-                timeout=max(0.0, min(self._timeout,
-                                     deadline - time.monotonic())))
-        return True
-      except ray.exceptions.ActorDiedError:
-        return False  # out of restarts, or its constructor failed
-      except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-        time.sleep(0.1)  # restarting
-    return False
+    self.recovering = True
+    try:
+      deadline = time.monotonic() + max(self._timeout, RESTART_TIMEOUT)
+      while time.monotonic() < deadline:
+        try:
+          ray.get(self.actor.restart.remote(),
+                  timeout=max(0.0, min(self._timeout,
+                                       deadline - time.monotonic())))
+          return True
+        except ray.exceptions.ActorDiedError as e:
+          # Out of restarts, its node gone, or its constructor failed.
+          self.death = f"its actor died for good{_death_reason(e)}"
+          return False
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+          time.sleep(0.1)  # restarting
+      return False
+    finally:
+      self.recovering = False
 
   def pid(self) -> int:
     return _ray().get(self.actor.ping.remote(), timeout=self._timeout)
+
+
+def _demand(worker_opts: dict) -> dict:
+  """The Ray resources one worker actor takes, by resource name."""
+  demand = {"CPU": float(worker_opts.get("num_cpus") or 0),
+            "GPU": float(worker_opts.get("num_gpus") or 0),
+            "memory": float(worker_opts.get("memory") or 0)}
+  demand.update({k: float(v) for k, v in
+                 (worker_opts.get("resources") or {}).items()})
+  return {k: v for k, v in demand.items() if v > 0}
+
+
+def _death_reason(error) -> str:
+  """Ray's reason for an actor's death ("...: its node has died"), or ""."""
+  for line in str(error).splitlines():
+    line = line.strip()
+    for lead in ("The actor died because ", "The actor is dead because "):
+      if line.startswith(lead):
+        return ": " + line[len(lead):].split(". ")[0].rstrip(".")
+  return ""
+
+
+def scaling_bounds(options: dict, num_workers: int) -> tuple:
+  """`(min_workers, max_workers)` of `ray_options`, checked.
+
+  Args:
+    options: the strategy's `ray_options`.
+    num_workers: the workers the cluster starts with.
+
+  Raises:
+    ValueError: a bound that is not a positive integer, or
+      `min_workers <= num_workers <= max_workers` does not hold.
+
+  Example:
+    >>> from jdist._src.ps.ray_backend import scaling_bounds
+    >>> scaling_bounds({"max_workers": 4}, num_workers=2)
+    (1, 4)
+    >>> scaling_bounds({}, num_workers=2)  # fixed, but for replacements
+    (1, 2)
+  """
+  low = options.get("min_workers", 1)
+  high = options.get("max_workers", num_workers)
+  for name, n in (("min_workers", low), ("max_workers", high)):
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+      raise ValueError(f"ray_options[{name!r}] must be a positive integer, "
+                       f"got {n!r}.")
+  if not low <= num_workers <= high:
+    raise ValueError(
+        f"ray_options must have min_workers <= num_workers <= max_workers: "
+        f"the cluster starts with its {num_workers} worker(s) (its "
+        f"'worker' tasks), got min_workers={low}, max_workers={high}. Raise "
+        "max_workers (workers that join later) or lower min_workers (the "
+        "fewest the job goes on with).")
+  return low, high
 
 
 def _unwrap(error) -> BaseException:
@@ -283,8 +365,9 @@ class RayCluster:
   Args:
     spec: the `ClusterSpec`.
     strategy: the strategy (pickled to the workers without its cluster).
-    options: `{"worker": {...}, "ps": {...}}` actor options, and
-      "devices_per_worker" (fake CPU devices per worker process, default 1).
+    options: `{"worker": {...}, "ps": {...}}` actor options,
+      "devices_per_worker" (fake CPU devices per worker process, default 1),
+      "min_workers" and "max_workers" (see `scaling_bounds`).
     timeout: the strategy's `timeout_seconds`.
   """
 
@@ -293,12 +376,17 @@ class RayCluster:
     if not ray.is_initialized():
       ray.init()
     options = dict(options)
+    self.min_workers, self.max_workers = scaling_bounds(options,
+                                                        spec.num_workers)
+    options.pop("min_workers", None)
+    options.pop("max_workers", None)
     per_worker = int(options.pop("devices_per_worker", 1))
     worker_opts = dict(options.pop("worker", {}))
     ps_opts = dict(options.pop("ps", {}))
     if options:
       raise ValueError(f"Unknown ray_options {sorted(options)}; use 'worker', "
-                       "'ps' and 'devices_per_worker'.")
+                       "'ps', 'devices_per_worker', 'min_workers' and "
+                       "'max_workers'.")
     env = dict(worker_opts.pop("runtime_env", {}) or {})
     env_vars = dict(env.get("env_vars", {}))
     # A worker process sees its own devices, not the driver's fake ones.
@@ -306,27 +394,112 @@ class RayCluster:
         "XLA_FLAGS", f"--xla_force_host_platform_device_count={per_worker}")
     env["env_vars"] = env_vars
     self._tag = uuid.uuid4().hex[:8]
+    self._timeout = timeout
     server_cls = ray.remote(ParameterServer)
     self._servers = [server_cls.options(
-        max_restarts=0, max_concurrency=spec.num_workers + 2,
+        max_restarts=0, max_concurrency=self.max_workers + 2,
         num_cpus=ps_opts.pop("num_cpus", 0), **ps_opts).remote(i)
         for i in range(spec.num_ps)]
     # Health calls run in a thread of their own: a worker answers them while
     # it runs a function, and a silent one hangs.
     worker_cls = ray.remote(concurrency_groups={"health": 1})(TrainingWorker)
     strategy_bytes = _pickle().dumps(strategy)
-    actors = [worker_cls.options(
-        max_restarts=worker_opts.pop("max_restarts", -1), max_task_retries=0,
-        num_cpus=worker_opts.pop("num_cpus", 1), runtime_env=env,
-        **worker_opts).remote(i, spec.num_workers, strategy_bytes)
-        for i in range(spec.num_workers)]
+    worker_opts.setdefault("max_restarts", -1)
+    worker_opts.setdefault("num_cpus", 1)
+    self._demand = _demand(worker_opts)
+    # Every worker's input context counts max_workers pipelines: a worker's
+    # index (its slot) is below it, whenever it joined.
+    self._new_actor = lambda index: worker_cls.options(
+        max_task_retries=0, runtime_env=env, **worker_opts).remote(
+            index, self.max_workers, strategy_bytes)
+    actors = [self._new_actor(i) for i in range(spec.num_workers)]
     self.store = RayStore(self._servers, spec.ps, timeout)
     self.workers = [RayWorker(i, a, timeout) for i, a in enumerate(actors)]
     self.replicas_per_worker = per_worker
     self._payloads = weakref.WeakKeyDictionary()
+    self._lock = threading.Lock()
+    self._stop = threading.Event()
+    self._watcher = None
+    self._candidate = None  # (index, actor, its first call) while it starts
     # Fail now, with Ray's message, if an actor cannot start.
     ray.get([s.ping.remote() for s in self._servers] +
             [a.ping.remote() for a in actors], timeout=max(timeout, 120))
+
+  # --- workers that join and leave ---------------------------------------------
+
+  def watch(self, on_join) -> None:
+    """Starts the thread that adds workers while fewer than `max_workers`
+    run and Ray's free resources fit one more.
+
+    Args:
+      on_join: called with each new `RayWorker` once its process answers,
+        and a description of where it runs; returns False to refuse it
+        (the coordinator shut down), and the actor is then killed.
+    """
+    self._watcher = threading.Thread(target=self._watch, args=(on_join,),
+                                     name="jdist-ray-workers", daemon=True)
+    self._watcher.start()
+
+  def left(self, worker) -> None:
+    """`worker` died for good: its slot is free for a worker that joins."""
+    with self._lock:
+      if worker in self.workers:
+        self.workers.remove(worker)
+    try:
+      _ray().kill(worker.actor, no_restart=True)
+    except Exception:  # already gone
+      pass
+
+  def _watch(self, on_join) -> None:
+    ray = _ray()
+    while not self._stop.wait(_WATCH_EVERY):
+      try:
+        if self._candidate is None:
+          self._start_candidate(ray)
+        else:
+          self._admit_candidate(ray, on_join)
+      except Exception:  # Ray shutting down under us: stop watching
+        if self._stop.is_set():
+          return
+        _log.exception("Watching the Ray cluster for new workers failed; "
+                       "no more workers join.")
+        return
+
+  def _start_candidate(self, ray) -> None:
+    with self._lock:
+      used = {w.index for w in self.workers}
+      if (len(used) >= self.max_workers or
+          any(w.recovering for w in self.workers)):
+        return  # full, or a restarting worker needs the free resources
+    free = ray.available_resources()
+    if any(free.get(k, 0.0) + 1e-9 < v for k, v in self._demand.items()):
+      return
+    index = min(set(range(self.max_workers)) - used)
+    actor = self._new_actor(index)
+    self._candidate = (index, actor, actor.where.remote())
+
+  def _admit_candidate(self, ray, on_join) -> None:
+    index, actor, first = self._candidate
+    if not ray.wait([first], timeout=0)[0]:
+      return  # still starting (or waiting for a node with room)
+    self._candidate = None
+    try:
+      where = ray.get(first)
+    except ray.exceptions.RayError as e:
+      _log.warning("A new worker (slot %d) could not start: %s", index,
+                   str(e).splitlines()[0] if str(e) else type(e).__name__)
+      ray.kill(actor, no_restart=True)
+      return
+    worker = RayWorker(index, actor, self._timeout)
+    with self._lock:
+      if self._stop.is_set():
+        accepted = False
+      else:
+        self.workers.append(worker)
+        accepted = True
+    if accepted and on_join(worker, where):
+      return
+    self.left(worker)
 
   def _pickled(self, obj, key=None) -> tuple:
     """`(key, bytes)` of `obj`, pickled once per object."""
@@ -367,8 +540,16 @@ class RayCluster:
 
   def close(self) -> None:
     ray = _ray()
+    self._stop.set()
+    if self._watcher is not None:
+      self._watcher.join(60.0)
     self.store.close()
-    for actor in [w.actor for w in self.workers] + self._servers:
+    with self._lock:
+      actors = [w.actor for w in self.workers]
+    if self._candidate is not None:
+      actors.append(self._candidate[1])
+      self._candidate = None
+    for actor in actors + self._servers:
       try:
         ray.kill(actor, no_restart=True)
       except Exception:  # already gone

@@ -89,8 +89,15 @@ class ParameterServerStrategy(StrategyBase):
       `pip install jdist[ray]` and a Ray cluster, `ray.init()`).
     ray_options: with backend="ray": `{"worker": {...}, "ps": {...}}` extra
       options for the actors (`num_cpus`, `num_gpus`, `resources`,
-      `runtime_env`, ...), and "devices_per_worker" (fake CPU devices of a
-      worker process, default 1).
+      `runtime_env`, `max_restarts`, ...), "devices_per_worker" (fake CPU
+      devices of a worker process, default 1), "max_workers" (workers
+      join, up to this many, whenever Ray's free resources fit one more:
+      a node joined; default: the cluster's worker count, so only a worker
+      that left is replaced) and "min_workers" (the fewest the job goes on
+      with once workers leave, default 1; below it `join()` and
+      `schedule()` raise `jdist.WorkerFailedError`). With max_workers, a
+      dataset function's `InputContext` counts `max_workers` input
+      pipelines, and `max_staleness` defaults to twice `max_workers`.
 
   Example:
     >>> import jdist, jax, jax.numpy as jnp, numpy as np
@@ -119,8 +126,17 @@ class ParameterServerStrategy(StrategyBase):
           f"variable_partitioner must be a partitioner (jdist."
           f"FixedShardsPartitioner, MinSizePartitioner, MaxSizePartitioner) or "
           f"None, got {type(variable_partitioner).__name__}.")
+    if backend == "ray":  # the most workers at once, once some join
+      most = ray_backend.scaling_bounds(dict(ray_options or {}),
+                                        self._spec.num_workers)[1]
+    else:
+      if ray_options and ({"min_workers", "max_workers"} & set(ray_options)):
+        raise ValueError(
+            "ray_options min_workers and max_workers need backend='ray': "
+            "the threads backend's workers neither join nor leave.")
+      most = self._spec.num_workers
     if max_staleness is None:
-      max_staleness = 2 * self._spec.num_workers
+      max_staleness = 2 * most
     if not (max_staleness == math.inf or (
         isinstance(max_staleness, int) and not isinstance(max_staleness, bool)
         and max_staleness >= 0)):
