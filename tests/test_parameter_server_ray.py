@@ -39,8 +39,9 @@ def ray_cluster():
     # has threads; nothing runs between the two.
     warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called",
                             category=RuntimeWarning)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             configure_logging=False)
+    # "local": a cluster of its own, never one another test file started.
+    ray.init(address="local", num_cpus=4, include_dashboard=False,
+             log_to_driver=False, configure_logging=False)
   yield
   ray.shutdown()
 
