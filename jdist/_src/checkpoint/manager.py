@@ -9,16 +9,39 @@ a killed job left half-written are removed), each checkpoint's metadata and
 arrays are checksummed (a corrupt newest checkpoint is skipped with a
 warning), and a checkpoint restores onto any number of devices or processes
 in the layout of the state it is restored into.
+
+With `snapshot_every=N`, in a `jdist launch` job, it also keeps the newest
+state in host memory (`snapshots.py`): `save` writes a snapshot every N
+steps to the job's directory under /dev/shm, and `restore` takes the newest
+of the snapshot and the persistent checkpoints, so a restarted job resumes
+without reading the persistent directory and persistent saves (`save_every`)
+can be rare.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Any
 
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
 from jdist._src import current
+from jdist._src.checkpoint import checkpointer as ckpt_lib
+from jdist._src.checkpoint import snapshots as snapshots_lib
 from jdist._src.checkpoint.checkpointer import Checkpointer
 from jdist._src.errors import CheckpointNotFoundError
+from jdist._src.multiprocess import ranks
+from jdist._src.multiprocess import snapshot_dir
+
+
+def _every(name: str, value) -> int | None:
+  if value is not None and (isinstance(value, bool) or
+                            not isinstance(value, int) or value < 1):
+    raise ValueError(f"{name}={value!r}: give a positive number of steps, or "
+                     "None.")
+  return value
 
 
 class CheckpointManager:
@@ -29,8 +52,19 @@ class CheckpointManager:
     max_to_keep: keep only the newest N checkpoints (None: all).
     strategy: whose devices `restore` places the state on (default: the
       strategy in scope when `restore` is called).
+    save_every: `save` writes to `directory` only at the steps that are a
+      multiple of it (None: at every call). With `snapshot_every`, call
+      `save` at every step and let these two choose.
+    snapshot_every: in a `jdist launch` job, `save` also keeps the state in
+      host memory (/dev/shm, outside the training processes) at the steps
+      that are a multiple of it, and `restore` resumes from that snapshot
+      when it is newer than the newest checkpoint (None: no snapshots). Each
+      process writes the blocks of the state it holds; only the newest
+      complete snapshot is kept; the launcher removes them when the job ends.
 
   Raises:
+    ValueError: `snapshot_every` outside `jdist launch` (it names the job's
+      snapshots), or a step count that is not a positive number.
     jdist.CheckpointDirectoryError: the directory is a file or cannot be
       written.
     jdist.CheckpointInUseError: another running job writes checkpoints there.
@@ -49,18 +83,42 @@ class CheckpointManager:
     ([2, 3], 3)
     >>> restored["w"].tolist()
     [3.0, 3.0, 3.0]
+
+    In a `jdist launch` job, a snapshot in memory every 10 steps and a
+    checkpoint on disk every 100 (the loop calls `save` at every step):
+
+    >>> manager = jdist.CheckpointManager(  # doctest: +SKIP
+    ...     "ckpt", strategy=strategy, save_every=100, snapshot_every=10)
   """
 
   def __init__(self, directory, max_to_keep: int | None = 5, *,
-               strategy=None):
+               strategy=None, save_every: int | None = None,
+               snapshot_every: int | None = None):
     if max_to_keep is not None and (not isinstance(max_to_keep, int) or
                                     max_to_keep < 1):
       raise ValueError(f"max_to_keep={max_to_keep!r}: give a positive number "
                        "of checkpoints, or None to keep them all.")
+    self._save_every = _every("save_every", save_every)
+    self._snapshot_every = _every("snapshot_every", snapshot_every)
+    run_id = os.environ.get(ranks.ENV_RUN_ID)
+    if snapshot_every is not None and not run_id:
+      raise ValueError(
+          f"snapshot_every={snapshot_every}: in-memory snapshots are kept for "
+          "a job of `jdist launch`, which names them (JDIST_RUN_ID) and removes "
+          "them when the job ends; this process was not started by it. Run "
+          "the program with `jdist launch`, or leave out snapshot_every.")
     self.directory = os.path.abspath(os.fspath(directory))
     self._strategy = strategy
     self._ckpt = Checkpointer(self.directory, max_to_keep=max_to_keep,
                               claim=True)
+    self._snapshots = None
+    if snapshot_every is not None:
+      # One directory per manager of the job, named by its checkpoint directory.
+      name = hashlib.sha256(self.directory.encode()).hexdigest()[:16]
+      self._snapshots = snapshots_lib.Snapshots(
+          os.path.join(snapshot_dir.job_directory(run_id), name),
+          attempt=int(os.environ.get(ranks.ENV_RESTART_COUNT, "0")))
+      self._snapshot_step = self._agreed_snapshot_step()
 
   @property
   def steps(self) -> list[int]:
@@ -69,9 +127,27 @@ class CheckpointManager:
 
   @property
   def latest_step(self) -> int | None:
-    """The newest checkpoint's step, or None when there is none."""
+    """The newest checkpoint's step, or None when there is none: the newest
+    of the persistent checkpoints and of the in-memory snapshot (with
+    `snapshot_every`), the step `restore` resumes from."""
     steps = self.steps
-    return steps[-1] if steps else None
+    disk = steps[-1] if steps else None
+    memory = self.snapshot_step
+    if memory is None or (disk is not None and disk > memory):
+      return disk
+    return memory
+
+  @property
+  def snapshot_step(self) -> int | None:
+    """The newest complete in-memory snapshot's step (found when the manager
+    was made, then the last one written), or None."""
+    return None if self._snapshots is None else self._snapshot_step
+
+  def _agreed_snapshot_step(self) -> int | None:
+    group, note = self._snapshots.agree()
+    if note:
+      snapshots_lib.say(f"{note}; not using it.")
+    return None if group is None else group[0]
 
   @property
   def latest_checkpoint(self) -> str | None:
@@ -82,19 +158,29 @@ class CheckpointManager:
   def save(self, step: int, state: Any) -> str | None:
     """Writes `state` as checkpoint `step` (every process calls it).
 
+    With `save_every`, only at its multiples; with `snapshot_every`, also
+    (first) as the in-memory snapshot at its multiples.
     A state with NaN or infinite values is not written (a warning says so),
     so that `max_to_keep` never rotates the last good checkpoints away.
 
     Returns:
-      The checkpoint's directory, or None when it was not written.
+      The checkpoint's directory, or None when it was not written to
+      `directory` (in memory only, or not at all).
 
     Raises:
       jdist.CheckpointError: the save failed (a full disk); the checkpoints
         written before it are intact.
     """
-    if not self._ckpt.save(int(step), state, {}):
+    step = int(step)
+    if self._snapshots is not None and step % self._snapshot_every == 0:
+      names, leaves, _ = ckpt_lib._flatten(state)
+      if self._snapshots.write(step, names, ckpt_lib._storable(leaves)):
+        self._snapshot_step = step
+    if self._save_every is not None and step % self._save_every:
       return None
-    return os.path.join(self.directory, str(int(step)))
+    if not self._ckpt.save(step, state, {}):
+      return None
+    return os.path.join(self.directory, str(step))
 
   def restore(self, like: Any, step: int | None = None) -> Any:
     """The newest usable checkpoint (or checkpoint `step`), shaped and
@@ -109,6 +195,11 @@ class CheckpointManager:
     device. A checkpoint saved on another number of devices or processes
     restores all the same.
 
+    With `snapshot_every`, the newest complete in-memory snapshot is used
+    when it is at least as new as the newest checkpoint (or is `step`); a
+    snapshot that cannot be used (a part missing or unreadable) leaves the
+    persistent directory to it, and process 0 prints a line that says why.
+
     Raises:
       jdist.CheckpointNotFoundError: the directory holds no checkpoint.
       jdist.CheckpointMismatchError: the checkpoint holds another state
@@ -116,6 +207,10 @@ class CheckpointManager:
       jdist.CheckpointError: every checkpoint there is corrupt.
     """
     strategy = self._strategy or current.get_strategy()
+    if self._snapshots is not None:
+      got = self._restore_snapshot(like, strategy.mesh, step)
+      if got is not None:
+        return got
     restored = self._ckpt.restore(like, strategy.mesh, step=step)
     if restored is None:
       raise CheckpointNotFoundError(
@@ -123,6 +218,49 @@ class CheckpointManager:
           "`manager.latest_step is not None` first, and train from the "
           "initial state when it is None.")
     return restored[0]
+
+  def _restore_snapshot(self, like, mesh, step: int | None):
+    """The state from the newest complete snapshot, or None (the persistent
+    directory's turn). Every process calls it and gets the same answer."""
+    group, note = self._snapshots.agree()
+    steps = self.steps
+    disk = steps[-1] if steps else None
+    where = (f"the checkpoint of step {disk} in {self.directory}"
+             if disk is not None else f"{self.directory} (no checkpoint there)")
+    if group is None or (step is not None and group[0] != step):
+      if note:
+        snapshots_lib.say(f"{note}; restoring from {where}.")
+      return None
+    if step is None and disk is not None and disk > group[0]:
+      return None  # the persistent checkpoint is newer
+    names, leaves, treedef = ckpt_lib._flatten(like)
+    stored = ckpt_lib._storable(leaves)
+    described = {n: [list(x.shape), str(x.dtype)] for n, x in zip(names, stored)}
+    got, problem = self._snapshots.read(group, described)
+    runtime = snapshots_lib.runtime_lib.current()
+    key = f"jdist/snapshot_read/{runtime.next_sequence('snapshot_read')}/"
+    problems = [p for p in runtime.exchange(
+        key, problem or "", timeout=None,
+        what="reading the in-memory snapshot").values() if p]
+    if problems:
+      snapshots_lib.say(f"the in-memory snapshot of step {group[0]} cannot be "
+                        f"used: {problems[0]}; restoring from {where}.")
+      return None
+    replicated = NamedSharding(mesh, P())
+    arrays = []
+    for whole, target in zip(got, stored):
+      sharding = ckpt_lib._target_sharding(target, replicated)
+      arrays.append(jax.make_array_from_callback(
+          whole.shape, sharding, lambda index, whole=whole: whole[index]))
+    arrays = [jax.random.wrap_key_data(a, impl=jax.random.key_impl(t))
+              if ckpt_lib._is_key(t) else a for a, t in zip(arrays, leaves)]
+    self._snapshots.complete = group
+    self._snapshot_step = group[0]
+    snapshots_lib.say(f"restored step {group[0]} from the in-memory snapshot "
+                      f"in {self._snapshots.directory}"
+                      + (f" ({note})" if note else "")
+                      + f", not from {where}.")
+    return jax.tree_util.tree_unflatten(treedef, arrays)
 
   def close(self) -> None:
     """Lets the directory go (another job may then use it)."""

@@ -1,0 +1,281 @@
+"""In-memory snapshots of a train state: the fast tier of `jdist.CheckpointManager`.
+
+Every `snapshot_every` steps each process writes the blocks of the state it
+holds (its addressable shards, one copy of each) to one file in the job's
+snapshot directory under /dev/shm (`multiprocess/snapshot_dir.py`): host
+memory that outlives the training processes, so a restarted job resumes
+without reading the persistent directory. A part is written under a temporary
+name and renamed when complete (tmpfs needs no fsync), so a reader never sees
+half a part; its header holds a CRC-32 of its data.
+
+Files, one per process and snapshot:
+`step-<step>.attempt-<attempt>.part-<rank>-of-<world>.snap`. A snapshot (a
+step, written by the processes of one attempt) is complete when the parts of
+all its `world` processes are there. Restoring is collective: the processes
+exchange which parts each sees (through the runtime's key-value store), take
+the newest complete snapshot, read it, and exchange whether each could; if
+any could not (a part unreadable, or this host lacks the blocks it needs),
+every process falls back to the persistent directory, with a line that says
+why. The state may be restored on another number of processes: each process
+assembles each leaf from the blocks of the parts it sees and cuts its own
+shards out of it. With one CPU device per process and a replicated (mirrored)
+state, every part holds the whole state, so any single part is enough.
+
+Cleanup: before writing snapshot T, a process removes every file but those of
+the last complete snapshot (the one it restored or wrote last: it is
+complete, since step T needed every process's collectives after it wrote it)
+and those of T; the process that completes T (it sees all of T's parts)
+removes the one before. So at rest the directory holds the newest complete
+snapshot (on one machine; across hosts, until the next snapshot, also the one
+before it), and the launcher removes the directory when the job ends.
+
+What is replicated: on one machine, every process's part is in the one
+/dev/shm, so a process that dies leaves its part to its successor. Across
+hosts, each host holds its own processes' parts only: a host that goes away
+takes its parts with it, the snapshot is incomplete, and the job resumes
+from the persistent directory. A peer copy would go through the same files:
+a launcher agent that copies each complete part to the next host's directory
+would make the snapshot survive one host's loss; it is not built.
+
+orbax-checkpoint 0.12's emergency (multi-tier) CheckpointManager is not used:
+its local tier restores onto the mesh the snapshot was saved from (it maps the
+saved devices onto the new ones, `mesh_consistency.py`), so a restart on
+another number of processes (4 -> 3) cannot use it; it asks for at least two
+replica slices, each spanning whole processes (`replica_axis_index`); and it
+is marked experimental, "do not use without specific approval".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import sys
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jdist._src.multiprocess import runtime as runtime_lib
+
+MAGIC = b"JDSNAP1\n"
+_PART = re.compile(r"step-(\d+)\.attempt-(\d+)\.part-(\d+)-of-(\d+)\.snap")
+_TMP = re.compile(r"\.tmp-(\d+)-(\d+)\.snap")  # the writer's rank and pid
+
+
+def part_name(step: int, attempt: int, rank: int, world: int) -> str:
+  return f"step-{step:012d}.attempt-{attempt}.part-{rank}-of-{world}.snap"
+
+
+def say(message: str) -> None:
+  """A line on process 0's error output (every process knows the same)."""
+  if jax.process_index() == 0:
+    print(f"jdist: {message}", file=sys.stderr, flush=True)
+
+
+def _bounds(index, shape) -> list:
+  return [list(s.indices(d)[:2]) for s, d in zip(index, shape)]
+
+
+def _blocks(leaf) -> list:
+  """`(bounds, data)` of this process's distinct blocks of `leaf`."""
+  if not hasattr(leaf, "addressable_shards"):
+    a = np.asarray(leaf)
+    return [([[0, d] for d in a.shape], a)]
+  seen = {}
+  for shard in leaf.addressable_shards:
+    bounds = _bounds(shard.index, leaf.shape)
+    seen.setdefault(json.dumps(bounds), (bounds, shard.data))
+  return list(seen.values())
+
+
+def _dtype(name: str) -> np.dtype:
+  return np.dtype(jnp.dtype(name))  # also bfloat16 and the other ml_dtypes
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+class Snapshots:
+  """The in-memory snapshots of one `CheckpointManager` in one job.
+
+  Args:
+    directory: this manager's snapshot directory (created if needed).
+    attempt: the job's attempt (`JDIST_RESTART_COUNT`).
+
+  Example:
+    >>> import tempfile, jax.numpy as jnp
+    >>> from jdist._src.checkpoint.snapshots import Snapshots
+    >>> s = Snapshots(tempfile.mkdtemp(), attempt=0)
+    >>> s.write(10, ["w"], [jnp.ones(3)])
+    True
+    >>> s.agree()[0]
+    (10, 0, 1)
+  """
+
+  def __init__(self, directory: str, *, attempt: int = 0):
+    self.directory = directory
+    self.attempt = int(attempt)
+    self.rank, self.world = jax.process_index(), jax.process_count()
+    os.makedirs(directory, exist_ok=True)
+    self.complete = None  # (step, attempt, world): the last known complete
+
+  # --- writing ------------------------------------------------------------------
+
+  def write(self, step: int, names: list, leaves: list) -> bool:
+    """Writes this process's part of snapshot `step` (every process calls it).
+
+    Returns:
+      Whether it was written: a state with NaN or infinite values is not
+      (the snapshot before it stays the newest).
+    """
+    blocks = [_blocks(x) for x in leaves]
+    host = jax.device_get([[d for _, d in b] for b in blocks])
+    entries, arrays = [], []
+    for name, leaf, bs, hs in zip(names, leaves, blocks, host):
+      shards = []
+      for (bounds, _), h in zip(bs, hs):
+        h = np.ascontiguousarray(h)
+        if np.issubdtype(h.dtype, np.inexact) and not np.isfinite(h).all():
+          say(f"not writing the in-memory snapshot of step {step}: {name} has "
+              "NaN or infinite values; the one before it stays the newest.")
+          return False
+        shards.append({"bounds": bounds, "nbytes": h.nbytes})
+        arrays.append(h)
+      entries.append({"name": name, "shape": list(np.shape(leaf)),
+                      "dtype": str(np.dtype(leaf.dtype)), "shards": shards})
+    crc = 0
+    for a in arrays:
+      crc = zlib.crc32(memoryview(a).cast("B"), crc)
+    header = json.dumps({"step": int(step), "attempt": self.attempt,
+                         "rank": self.rank, "world": self.world,
+                         "leaves": entries, "crc32": crc}).encode()
+    group = (int(step), self.attempt, self.world)
+    self._remove_all_but(group)
+    tmp = os.path.join(self.directory, f".tmp-{self.rank}-{os.getpid()}.snap")
+    with open(tmp, "wb") as f:
+      f.write(MAGIC + struct.pack("<Q", len(header)) + header)
+      for a in arrays:
+        f.write(memoryview(a).cast("B"))
+    os.replace(tmp, os.path.join(self.directory,
+                                 part_name(*group[:2], self.rank, self.world)))
+    previous, self.complete = self.complete, group
+    if previous is not None and self._seen().get(group) == set(range(self.world)):
+      self._remove_all_but(group)  # the last part of `group`: drop the one before
+    return True
+
+  def _remove_all_but(self, group) -> None:
+    """Removes the parts of every snapshot but the last complete one and
+    `group`, and the temporary files of writers that died."""
+    keep = {group, self.complete}
+    for entry in os.listdir(self.directory):
+      m, tmp = _PART.fullmatch(entry), _TMP.fullmatch(entry)
+      gone = ((m is not None and (int(m[1]), int(m[2]), int(m[4])) not in keep)
+              or (tmp is not None and not _alive(int(tmp[2]))))
+      if gone:
+        try:
+          os.unlink(os.path.join(self.directory, entry))
+        except FileNotFoundError:
+          pass  # another process of this host removed it first
+
+  # --- finding the newest complete snapshot ---------------------------------------
+
+  def _seen(self) -> dict:
+    """`{(step, attempt, world): {ranks}}` of the parts on this host."""
+    seen: dict = {}
+    for entry in os.listdir(self.directory):
+      m = _PART.fullmatch(entry)
+      if m:
+        seen.setdefault((int(m[1]), int(m[2]), int(m[4])), set()).add(int(m[3]))
+    return seen
+
+  def agree(self) -> tuple:
+    """`(group, note)`: the newest snapshot whose parts all exist on the
+    job's hosts, as `(step, attempt, world)` (the same on every process), or
+    None; `note` says why newer snapshots are not used (or "")."""
+    mine = [[*g, sorted(r)] for g, r in self._seen().items()]
+    runtime = runtime_lib.current()
+    key = f"jdist/snapshots/{runtime.next_sequence('snapshots')}/"
+    values = runtime.exchange(key, json.dumps(mine), timeout=None,
+                              what="the agreement on the in-memory snapshot")
+    union: dict = {}
+    for text in values.values():
+      for step, attempt, world, ranks in json.loads(text):
+        union.setdefault((step, attempt, world), set()).update(ranks)
+    complete = [g for g, r in union.items() if r == set(range(g[2]))]
+    best = max(complete, default=None)
+    newer = sorted(g for g in union if best is None or g[0] > best[0])
+    notes = [f"the snapshot of step {s} (attempt {a}) lacks the parts of "
+             f"processes {sorted(set(range(w)) - union[(s, a, w)])} of {w}"
+             for s, a, w in newer]
+    return best, "; ".join(notes)
+
+  # --- reading ------------------------------------------------------------------
+
+  def _parts(self, group) -> list:
+    step, attempt, world = group
+    ranks = sorted(range(world), key=lambda r: r != self.rank)  # its own first
+    paths = [os.path.join(self.directory, part_name(step, attempt, r, world))
+             for r in ranks]
+    return [p for p in paths if os.path.exists(p)]
+
+  def read(self, group, described: dict) -> tuple:
+    """`(leaves, problem)`: the whole of each leaf named in `described`
+    (`{name: [shape, dtype]}`, in order) from snapshot `group`, as numpy
+    arrays, assembled from the parts this host holds; or `(None, why)`."""
+    full = {n: np.empty(s, _dtype(d)) for n, (s, d) in described.items()}
+    covered = {n: np.zeros(s, bool) for n, (s, _) in described.items()}
+    for path in self._parts(group):
+      try:
+        with open(path, "rb") as f:
+          raw = f.read()
+      except OSError as e:
+        return None, f"{os.path.basename(path)} cannot be read ({e})"
+      problem = _fill(raw, described, full, covered)
+      if problem:
+        return None, f"{os.path.basename(path)} {problem}"
+      if all(c.all() for c in covered.values()):
+        return list(full.values()), None
+    missing = [n for n, c in covered.items() if not c.all()]
+    return None, (f"process {self.rank}'s host lacks the parts that hold "
+                  f"{', '.join(missing[:3])}")
+
+
+def _fill(raw: bytes, described: dict, full: dict, covered: dict) -> str | None:
+  """Copies a part's blocks into `full` (marking `covered`); what is wrong
+  with it, or None."""
+  if not raw.startswith(MAGIC) or len(raw) < len(MAGIC) + 8:
+    return "is not a snapshot part"
+  (n,) = struct.unpack("<Q", raw[len(MAGIC):len(MAGIC) + 8])
+  start = len(MAGIC) + 8 + n
+  try:
+    header = json.loads(raw[len(MAGIC) + 8:start])
+  except ValueError:
+    return "has an unreadable header"
+  data = memoryview(raw)[start:]
+  if zlib.crc32(data) != header.get("crc32"):
+    return "fails its checksum"
+  saved = {e["name"]: [e["shape"], e["dtype"]] for e in header["leaves"]}
+  if saved != {k: [list(s), str(_dtype(d))] for k, (s, d) in described.items()}:
+    return "holds another state (other leaves, shapes or dtypes)"
+  offset = 0
+  for e in header["leaves"]:
+    dtype = _dtype(e["dtype"])
+    for shard in e["shards"]:
+      where = tuple(slice(a, b) for a, b in shard["bounds"])
+      shape = [b - a for a, b in shard["bounds"]]
+      block = np.frombuffer(data, dtype, count=int(np.prod(shape)),
+                            offset=offset).reshape(shape)
+      full[e["name"]][where] = block
+      covered[e["name"]][where] = True
+      offset += shard["nbytes"]
+  return None
