@@ -257,9 +257,7 @@ class CheckpointManager:
     self._snapshots.complete = group
     self._snapshot_step = group[0]
     snapshots_lib.say(f"restored step {group[0]} from the in-memory snapshot "
-                      f"in {self._snapshots.directory}"
-                      + (f" ({note})" if note else "")
-                      + f", not from {where}.")
+                      f"in {self._snapshots.directory}, not from {where}.")
     return jax.tree_util.tree_unflatten(treedef, arrays)
 
   def close(self) -> None:

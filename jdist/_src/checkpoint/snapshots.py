@@ -160,6 +160,7 @@ class Snapshots:
                          "rank": self.rank, "world": self.world,
                          "leaves": entries, "crc32": crc}).encode()
     group = (int(step), self.attempt, self.world)
+    os.makedirs(self.directory, exist_ok=True)  # a launcher that left removed it
     self._remove_all_but(group)
     tmp = os.path.join(self.directory, f".tmp-{self.rank}-{os.getpid()}.snap")
     with open(tmp, "wb") as f:
