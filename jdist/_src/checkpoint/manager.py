@@ -24,9 +24,6 @@ import hashlib
 import os
 from typing import Any
 
-import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
-
 from jdist._src import current
 from jdist._src.checkpoint import checkpointer as ckpt_lib
 from jdist._src.checkpoint import snapshots as snapshots_lib
@@ -173,8 +170,8 @@ class CheckpointManager:
     """
     step = int(step)
     if self._snapshots is not None and step % self._snapshot_every == 0:
-      names, leaves, _ = ckpt_lib._flatten(state)
-      if self._snapshots.write(step, names, ckpt_lib._storable(leaves)):
+      names, stored, _, _ = ckpt_lib.storable_leaves(state)
+      if self._snapshots.write(step, names, stored):
         self._snapshot_step = step
     if self._save_every is not None and step % self._save_every:
       return None
@@ -233,32 +230,19 @@ class CheckpointManager:
       return None
     if step is None and disk is not None and disk > group[0]:
       return None  # the persistent checkpoint is newer
-    names, leaves, treedef = ckpt_lib._flatten(like)
-    stored = ckpt_lib._storable(leaves)
+    names, stored, leaves, treedef = ckpt_lib.storable_leaves(like)
     described = {n: [list(x.shape), str(x.dtype)] for n, x in zip(names, stored)}
     got, problem = self._snapshots.read(group, described)
-    runtime = snapshots_lib.runtime_lib.current()
-    key = f"jdist/snapshot_read/{runtime.next_sequence('snapshot_read')}/"
-    problems = [p for p in runtime.exchange(
-        key, problem or "", timeout=None,
-        what="reading the in-memory snapshot").values() if p]
-    if problems:
+    if problem:
       snapshots_lib.say(f"the in-memory snapshot of step {group[0]} cannot be "
-                        f"used: {problems[0]}; restoring from {where}.")
+                        f"used: {problem}; restoring from {where}.")
       return None
-    replicated = NamedSharding(mesh, P())
-    arrays = []
-    for whole, target in zip(got, stored):
-      sharding = ckpt_lib._target_sharding(target, replicated)
-      arrays.append(jax.make_array_from_callback(
-          whole.shape, sharding, lambda index, whole=whole: whole[index]))
-    arrays = [jax.random.wrap_key_data(a, impl=jax.random.key_impl(t))
-              if ckpt_lib._is_key(t) else a for a, t in zip(arrays, leaves)]
+    state = ckpt_lib.placed(got, stored, leaves, treedef, mesh)
     self._snapshots.complete = group
     self._snapshot_step = group[0]
     snapshots_lib.say(f"restored step {group[0]} from the in-memory snapshot "
                       f"in {self._snapshots.directory}, not from {where}.")
-    return jax.tree_util.tree_unflatten(treedef, arrays)
+    return state
 
   def close(self) -> None:
     """Lets the directory go (another job may then use it)."""

@@ -232,7 +232,18 @@ class Snapshots:
   def read(self, group, described: dict) -> tuple:
     """`(leaves, problem)`: the whole of each leaf named in `described`
     (`{name: [shape, dtype]}`, in order) from snapshot `group`, as numpy
-    arrays, assembled from the parts this host holds; or `(None, why)`."""
+    arrays, assembled from the parts this host holds; or `(None, why)`,
+    why the first process that could not read it could not (every process
+    calls it, and they learn from each other: all read it, or none does)."""
+    leaves, problem = self._read(group, described)
+    runtime = runtime_lib.current()
+    key = f"jdist/snapshot_read/{runtime.next_sequence('snapshot_read')}/"
+    problems = runtime.exchange(key, problem or "", timeout=None,
+                                what="reading the in-memory snapshot")
+    problems = [p for _, p in sorted(problems.items()) if p]
+    return (None, problems[0]) if problems else (leaves, None)
+
+  def _read(self, group, described: dict) -> tuple:
     full = {n: np.empty(s, _dtype(d)) for n, (s, d) in described.items()}
     covered = {n: np.zeros(s, bool) for n, (s, _) in described.items()}
     for path in self._parts(group):
