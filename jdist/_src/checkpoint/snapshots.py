@@ -65,6 +65,15 @@ _PART = re.compile(r"step-(\d+)\.attempt-(\d+)\.part-(\d+)-of-(\d+)\.snap")
 _TMP = re.compile(r"\.tmp-(\d+)-(\d+)\.snap")  # the writer's rank and pid
 
 
+def _group(m) -> tuple:
+  return int(m[1]), int(m[2]), int(m[4])  # step, attempt, world
+
+
+def _groups(entries) -> list:
+  """`[((step, attempt, world), rank)]` of the parts among `entries`."""
+  return [(_group(m), int(m[3])) for m in map(_PART.fullmatch, entries) if m]
+
+
 def part_name(step: int, attempt: int, rank: int, world: int) -> str:
   return f"step-{step:012d}.attempt-{attempt}.part-{rank}-of-{world}.snap"
 
@@ -81,9 +90,11 @@ def _bounds(index, shape) -> list:
 
 def _blocks(leaf) -> list:
   """`(bounds, data)` of this process's distinct blocks of `leaf`."""
-  if not hasattr(leaf, "addressable_shards"):
-    a = np.asarray(leaf)
-    return [([[0, d] for d in a.shape], a)]
+  whole = [[0, d] for d in np.shape(leaf)]
+  if not isinstance(leaf, jax.Array):
+    return [(whole, np.asarray(leaf))]
+  if leaf.sharding.is_fully_replicated:  # the common case, and a fast one
+    return [(whole, leaf.addressable_data(0))]
   seen = {}
   for shard in leaf.addressable_shards:
     bounds = _bounds(shard.index, leaf.shape)
@@ -139,13 +150,14 @@ class Snapshots:
       (the snapshot before it stays the newest).
     """
     blocks = [_blocks(x) for x in leaves]
-    host = jax.device_get([[d for _, d in b] for b in blocks])
+    host = [[np.asarray(d) for _, d in b] for b in blocks]
     entries, arrays = [], []
     for name, leaf, bs, hs in zip(names, leaves, blocks, host):
       shards = []
       for (bounds, _), h in zip(bs, hs):
         h = np.ascontiguousarray(h)
-        if np.issubdtype(h.dtype, np.inexact) and not np.isfinite(h).all():
+        if np.issubdtype(h.dtype, np.inexact) and not np.isfinite(
+            h.sum(dtype=np.float64)):  # NaN and inf survive the sum
           say(f"not writing the in-memory snapshot of step {step}: {name} has "
               "NaN or infinite values; the one before it stays the newest.")
           return False
@@ -160,8 +172,13 @@ class Snapshots:
                          "rank": self.rank, "world": self.world,
                          "leaves": entries, "crc32": crc}).encode()
     group = (int(step), self.attempt, self.world)
-    os.makedirs(self.directory, exist_ok=True)  # a launcher that left removed it
-    self._remove_all_but(group)
+    try:
+      entries = os.listdir(self.directory)
+    except FileNotFoundError:  # removed by a launcher that left the job
+      os.makedirs(self.directory, exist_ok=True)
+      entries = []
+    previous = self.complete
+    self._remove(entries, keep={group, previous})
     tmp = os.path.join(self.directory, f".tmp-{self.rank}-{os.getpid()}.snap")
     with open(tmp, "wb") as f:
       f.write(MAGIC + struct.pack("<Q", len(header)) + header)
@@ -169,18 +186,18 @@ class Snapshots:
         f.write(memoryview(a).cast("B"))
     os.replace(tmp, os.path.join(self.directory,
                                  part_name(*group[:2], self.rank, self.world)))
-    previous, self.complete = self.complete, group
-    if previous is not None and self._seen().get(group) == set(range(self.world)):
-      self._remove_all_but(group)  # the last part of `group`: drop the one before
+    self.complete = group
+    written = {r for g, r in _groups(entries) if g == group} | {self.rank}
+    if previous not in (None, group) and written == set(range(self.world)):
+      self._remove(entries, keep={group})  # the last part of `group` is in
     return True
 
-  def _remove_all_but(self, group) -> None:
-    """Removes the parts of every snapshot but the last complete one and
-    `group`, and the temporary files of writers that died."""
-    keep = {group, self.complete}
-    for entry in os.listdir(self.directory):
+  def _remove(self, entries: list, keep: set) -> None:
+    """Removes, of `entries`, the parts of the snapshots not in `keep`, and
+    the temporary files of writers that died."""
+    for entry in entries:
       m, tmp = _PART.fullmatch(entry), _TMP.fullmatch(entry)
-      gone = ((m is not None and (int(m[1]), int(m[2]), int(m[4])) not in keep)
+      gone = ((m is not None and _group(m) not in keep)
               or (tmp is not None and not _alive(int(tmp[2]))))
       if gone:
         try:
@@ -193,10 +210,8 @@ class Snapshots:
   def _seen(self) -> dict:
     """`{(step, attempt, world): {ranks}}` of the parts on this host."""
     seen: dict = {}
-    for entry in os.listdir(self.directory):
-      m = _PART.fullmatch(entry)
-      if m:
-        seen.setdefault((int(m[1]), int(m[2]), int(m[4])), set()).add(int(m[3]))
+    for group, rank in _groups(os.listdir(self.directory)):
+      seen.setdefault(group, set()).add(rank)
     return seen
 
   def agree(self) -> tuple:
