@@ -146,3 +146,24 @@ def test_snapshots_need_a_launched_job(tmp_path, monkeypatch):
     jdist.CheckpointManager(tmp_path, snapshot_every=10)
   with pytest.raises(ValueError, match="snapshot_every=0"):
     jdist.CheckpointManager(tmp_path, snapshot_every=0)
+
+
+def test_every_kind_of_leaf_comes_back_bit_for_bit(tmp_path, job):
+  """bfloat16, integers, booleans, a scalar, an empty array, a PRNG key."""
+  strategy = strategy_on(2)
+  state = strategy.replicate({
+      "bf16": jax.numpy.arange(5, dtype=jax.numpy.bfloat16) / 3,
+      "int": jax.numpy.arange(6, dtype=jax.numpy.int32).reshape(2, 3),
+      "bool": jax.numpy.array([True, False]), "scalar": jax.numpy.float32(2.5),
+      "empty": jax.numpy.zeros((0, 4)), "key": jax.random.key(7)})
+  with jdist.CheckpointManager(tmp_path / "ckpt", strategy=strategy,
+                               save_every=100, snapshot_every=1) as manager:
+    assert manager.save(1, state) is None  # in memory only
+    assert manager.steps == [] and manager.latest_step == 1
+    restored = manager.restore(state)
+  for name in state:
+    want, got = state[name], restored[name]
+    if name == "key":
+      want, got = jax.random.key_data(want), jax.random.key_data(got)
+    assert got.dtype == want.dtype and got.shape == want.shape, name
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want), name)

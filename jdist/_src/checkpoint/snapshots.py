@@ -88,18 +88,55 @@ def _bounds(index, shape) -> list:
   return [list(s.indices(d)[:2]) for s, d in zip(index, shape)]
 
 
-def _blocks(leaf) -> list:
-  """`(bounds, data)` of this process's distinct blocks of `leaf`."""
+def _picks(leaf) -> tuple:
+  """`(bounds, pick)`: the bounds of this process's distinct blocks of
+  `leaf`, and a function that takes their data out of a leaf like it."""
   whole = [[0, d] for d in np.shape(leaf)]
   if not isinstance(leaf, jax.Array):
-    return [(whole, np.asarray(leaf))]
+    return [whole], lambda x: [np.asarray(x)]
   if leaf.sharding.is_fully_replicated:  # the common case, and a fast one
-    return [(whole, leaf.addressable_data(0))]
-  seen = {}
-  for shard in leaf.addressable_shards:
-    bounds = _bounds(shard.index, leaf.shape)
-    seen.setdefault(json.dumps(bounds), (bounds, shard.data))
-  return list(seen.values())
+    return [whole], lambda x: [x.addressable_data(0)]
+  bounds, at = [], []
+  for i, shard in enumerate(leaf.addressable_shards):
+    b = _bounds(shard.index, leaf.shape)
+    if b not in bounds:
+      bounds.append(b)
+      at.append(i)
+  return bounds, lambda x: [x.addressable_shards[i].data for i in at]
+
+
+class _Layout:
+  """A state's blocks on this process: how to pick them, and the header's
+  description of them (`entries`, JSON)."""
+
+  def __init__(self, names: list, leaves: list):
+    self.picks, entries = [], []
+    for name, leaf in zip(names, leaves):
+      bounds, pick = _picks(leaf)
+      dtype = np.dtype(leaf.dtype)
+      self.picks.append((pick, bool(np.issubdtype(dtype, np.inexact))))
+      size = dtype.itemsize
+      entries.append({"name": name, "shape": list(np.shape(leaf)),
+                      "dtype": str(dtype), "shards": [
+                          {"bounds": b, "nbytes": size * int(np.prod(
+                              [hi - lo for lo, hi in b]))} for b in bounds]})
+    self.entries = json.dumps(entries)
+
+
+def _write_all(path: str, buffers: list) -> None:
+  """Writes `buffers` to a new file `path` (few system calls)."""
+  fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+  try:
+    views = [memoryview(b).cast("B") for b in buffers]
+    while views:
+      n = os.writev(fd, views)
+      while views and n >= len(views[0]):
+        n -= len(views[0])
+        views.pop(0)
+      if views and n:
+        views[0] = views[0][n:]
+  finally:
+    os.close(fd)
 
 
 def _dtype(name: str) -> np.dtype:
@@ -139,6 +176,7 @@ class Snapshots:
     self.rank, self.world = jax.process_index(), jax.process_count()
     os.makedirs(directory, exist_ok=True)
     self.complete = None  # (step, attempt, world): the last known complete
+    self._layout_key, self._layout_value = None, None
 
   # --- writing ------------------------------------------------------------------
 
@@ -149,28 +187,22 @@ class Snapshots:
       Whether it was written: a state with NaN or infinite values is not
       (the snapshot before it stays the newest).
     """
-    blocks = [_blocks(x) for x in leaves]
-    host = [[np.asarray(d) for _, d in b] for b in blocks]
-    entries, arrays = [], []
-    for name, leaf, bs, hs in zip(names, leaves, blocks, host):
-      shards = []
-      for (bounds, _), h in zip(bs, hs):
-        h = np.ascontiguousarray(h)
-        if np.issubdtype(h.dtype, np.inexact) and not np.isfinite(
-            h.sum(dtype=np.float64)):  # NaN and inf survive the sum
+    layout = self._layout(names, leaves)
+    arrays, crc = [], 0
+    for name, leaf, (picks, inexact) in zip(names, leaves, layout.picks):
+      for data in picks(leaf):
+        h = np.asarray(data)
+        if inexact and not np.isfinite(h.sum(dtype=np.float64)):
+          # (NaN and inf survive the sum.)
           say(f"not writing the in-memory snapshot of step {step}: {name} has "
               "NaN or infinite values; the one before it stays the newest.")
           return False
-        shards.append({"bounds": bounds, "nbytes": h.nbytes})
-        arrays.append(h)
-      entries.append({"name": name, "shape": list(np.shape(leaf)),
-                      "dtype": str(np.dtype(leaf.dtype)), "shards": shards})
-    crc = 0
-    for a in arrays:
-      crc = zlib.crc32(memoryview(a).cast("B"), crc)
-    header = json.dumps({"step": int(step), "attempt": self.attempt,
-                         "rank": self.rank, "world": self.world,
-                         "leaves": entries, "crc32": crc}).encode()
+        raw = np.ascontiguousarray(h).reshape(-1).view(np.uint8)  # bfloat16 too
+        crc = zlib.crc32(raw, crc)
+        arrays.append(raw)
+    header = (f'{{"step": {int(step)}, "attempt": {self.attempt}, "rank": '
+              f'{self.rank}, "world": {self.world}, "crc32": {crc}, '
+              f'"leaves": {layout.entries}}}').encode()
     group = (int(step), self.attempt, self.world)
     try:
       entries = os.listdir(self.directory)
@@ -180,10 +212,7 @@ class Snapshots:
     previous = self.complete
     self._remove(entries, keep={group, previous})
     tmp = os.path.join(self.directory, f".tmp-{self.rank}-{os.getpid()}.snap")
-    with open(tmp, "wb") as f:
-      f.write(MAGIC + struct.pack("<Q", len(header)) + header)
-      for a in arrays:
-        f.write(memoryview(a).cast("B"))
+    _write_all(tmp, [MAGIC + struct.pack("<Q", len(header)) + header, *arrays])
     os.replace(tmp, os.path.join(self.directory,
                                  part_name(*group[:2], self.rank, self.world)))
     self.complete = group
@@ -191,6 +220,16 @@ class Snapshots:
     if previous not in (None, group) and written == set(range(self.world)):
       self._remove(entries, keep={group})  # the last part of `group` is in
     return True
+
+  def _layout(self, names: list, leaves: list) -> "_Layout":
+    """How to take this process's blocks out of `leaves` (worked out once
+    per shapes, dtypes and shardings: a snapshot costs little more than its
+    copy and its file)."""
+    key = tuple((np.shape(x), str(x.dtype), getattr(x, "sharding", None))
+                for x in leaves)
+    if self._layout_key != key:
+      self._layout_key, self._layout_value = key, _Layout(names, leaves)
+    return self._layout_value
 
   def _remove(self, entries: list, keep: set) -> None:
     """Removes, of `entries`, the parts of the snapshots not in `keep`, and
