@@ -227,6 +227,8 @@ class CheckpointManager:
     if group is None or (step is not None and group[0] != step):
       if note:
         snapshots_lib.say(f"{note}; restoring from {where}.")
+      if group is None:
+        self._snapshot_step = None
       return None
     if step is None and disk is not None and disk > group[0]:
       return None  # the persistent checkpoint is newer
@@ -236,6 +238,7 @@ class CheckpointManager:
     if problem:
       snapshots_lib.say(f"the in-memory snapshot of step {group[0]} cannot be "
                         f"used: {problem}; restoring from {where}.")
+      self._snapshot_step = None  # `latest_step` is now the directory's
       return None
     state = ckpt_lib.placed(got, stored, leaves, treedef, mesh)
     self._snapshots.complete = group

@@ -174,7 +174,13 @@ class Snapshots:
     self.directory = directory
     self.attempt = int(attempt)
     self.rank, self.world = jax.process_index(), jax.process_count()
-    os.makedirs(directory, exist_ok=True)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    for path in (os.path.dirname(directory), directory):
+      if hasattr(os, "getuid") and os.stat(path).st_uid != os.getuid():
+        raise PermissionError(
+            f"{path} belongs to another user; the in-memory snapshots of this "
+            "job cannot go there. Set JDIST_SNAPSHOT_ROOT to a directory of "
+            "yours.")
     self.complete = None  # (step, attempt, world): the last known complete
     self._layout_key, self._layout_value = None, None
 
