@@ -154,7 +154,12 @@ def loop_section(loop: dict) -> list:
       f"{med['snapshot'] * 1e3:.2f} ({min(t['snapshot']) * 1e3:.2f}) | "
       f"{med['none'] / med['snapshot']:.3f} (of the medians), {paired:.3f} "
       "(median of the trials' ratios) |",
-  ]
+  ] + ([
+      "",
+      f"A snapshot on process 0, median: {split['wait'] * 1e3:.2f} ms waiting "
+      f"for the step it copies, {split['write'] * 1e3:.2f} ms for the rest of "
+      "`save` (the copy to the host, the checksum, the file and its rename)."
+  ] if (split := loop.get("snapshot_seconds")) else [])
 
 
 def section(res: dict) -> list:

@@ -9,7 +9,9 @@ SGD: multihost_overhead.py's step) in a custom loop over
 `jdist.CheckpointManager` and with one made with `snapshot_every=10` (and no
 persistent save in the loop), whose `save` the loop calls at every step.
 TRIALS alternating trials of each; process 0 ends with one JSON line: the
-seconds per step of each trial, `{"none": [...], "snapshot": [...]}`.
+seconds per step of each trial, `{"none": [...], "snapshot": [...]}`, and
+the median seconds of a snapshot's two parts on process 0: waiting for the
+step it copies, and the rest of `save` (copy, checksum, file, rename).
 `--quick` runs 20 steps in 1 trial (a smoke run).
 """
 
@@ -64,6 +66,9 @@ params = strategy.replicate(init_params(jax.random.key(0)))
 jax.block_until_ready(step(params, batch))  # compiled before the trials
 
 
+SPLIT = {"wait": [], "write": []}  # of each snapshot, in the timed trials
+
+
 def trial(manager) -> float:
   """Seconds per step of STEPS steps (the manager's `save` at each)."""
   state = params
@@ -71,7 +76,15 @@ def trial(manager) -> float:
   for i in range(STEPS):
     state, _ = step(state, batch)
     if manager is not None:
-      manager.save(i + 1, state)
+      if (i + 1) % EVERY == 0:  # the snapshot's two parts, timed apart
+        t0 = time.perf_counter()
+        jax.block_until_ready(state)  # the wait the snapshot's copy makes
+        t1 = time.perf_counter()
+        manager.save(i + 1, state)
+        SPLIT["wait"].append(t1 - t0)
+        SPLIT["write"].append(time.perf_counter() - t1)
+      else:
+        manager.save(i + 1, state)
   jax.block_until_ready(state)
   return (time.perf_counter() - t) / STEPS
 
@@ -85,6 +98,8 @@ manager = jdist.CheckpointManager(directory, strategy=strategy,
 times = {"none": [], "snapshot": []}
 trial(None)  # warm-up
 trial(manager)
+SPLIT["wait"].clear()
+SPLIT["write"].clear()
 for _ in range(TRIALS):
   times["none"].append(trial(None))
   times["snapshot"].append(trial(manager))
@@ -93,4 +108,7 @@ if jax.process_index() == 0:
   shutil.rmtree(directory, ignore_errors=True)
 if jax.process_index() == 0:
   print(json.dumps({"steps": STEPS, "trials": TRIALS, "every": EVERY,
-                    "seconds_per_step": times}), flush=True)
+                    "seconds_per_step": times,
+                    "snapshot_seconds": {k: sorted(v)[len(v) // 2]
+                                         for k, v in SPLIT.items()}}),
+        flush=True)
