@@ -69,7 +69,8 @@ def test_memory_restores_what_disk_restores_onto_other_devices(
   with jdist.CheckpointManager(tmp_path / "ckpt", strategy=strategy_on(4),
                                snapshot_every=10) as manager:
     assert manager.save(10, saved) == str(tmp_path / "ckpt" / "10")
-    assert manager.snapshot_step == 10 and manager.latest_step == 10
+    assert manager.snapshot_step is None  # written at the next save, or close
+    assert manager.latest_step == 10  # the checkpoint's
   two = strategy_on(2)
   like = _state(two, digits_flat[0])
   with jdist.CheckpointManager(tmp_path / "ckpt", strategy=two,
@@ -95,7 +96,8 @@ def test_only_the_newest_snapshot_is_kept_and_disk_saves_are_rarer(
                                save_every=20, snapshot_every=5) as manager:
     written = [manager.save(s, state) for s in range(1, 31)]
     assert [w for w in written if w] == [str(tmp_path / "ckpt" / "20")]
-    assert manager.steps == [20] and manager.latest_step == 30
+    # 30 was taken by the last save; it is written at the next, or at close.
+    assert manager.steps == [20] and manager.latest_step == 25
   assert [p.split(".part")[0] for p in _parts(job)] == ["step-000000000030.attempt-0"]
 
 
@@ -159,11 +161,31 @@ def test_every_kind_of_leaf_comes_back_bit_for_bit(tmp_path, job):
   with jdist.CheckpointManager(tmp_path / "ckpt", strategy=strategy,
                                save_every=100, snapshot_every=1) as manager:
     assert manager.save(1, state) is None  # in memory only
+    restored = manager.restore(state)  # (it writes the snapshot taken first)
     assert manager.steps == [] and manager.latest_step == 1
-    restored = manager.restore(state)
   for name in state:
     want, got = state[name], restored[name]
     if name == "key":
       want, got = jax.random.key_data(want), jax.random.key_data(got)
     assert got.dtype == want.dtype and got.shape == want.shape, name
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want), name)
+
+
+def test_a_step_that_donates_its_state_loses_one_snapshot_then_none(
+    tmp_path, job, capfd):
+  """The snapshot taken at a save is written at the next; a step that
+  donates the state deletes its arrays before: that snapshot is lost, with
+  a line, and the next ones are written when taken."""
+  strategy = strategy_on(2)
+  step = strategy.function(lambda s: jax.tree.map(lambda x: x + 1, s),
+                           donate_argnums=0)
+  state = strategy.replicate({"w": jax.numpy.zeros(3)})
+  with jdist.CheckpointManager(tmp_path / "ckpt", strategy=strategy,
+                               save_every=100, snapshot_every=1) as manager:
+    for i in range(1, 4):
+      state = step(state)
+      manager.save(i, state)
+    assert "the in-memory snapshot of step 1 was lost" in capfd.readouterr().err
+    assert manager.snapshot_step == 3  # written when taken
+    restored = manager.restore(jax.eval_shape(lambda: state))
+  np.testing.assert_array_equal(np.asarray(restored["w"]), [3.0, 3.0, 3.0])

@@ -199,8 +199,9 @@ def kill_mid_snapshot(step, manager):
   """With a `snapkill` fault at `step`: SIGKILLs this process inside the
   save it wraps, once its part of the in-memory snapshot of `step` is being
   written (its temporary file is there, not yet renamed), by the same
-  profile hook as `kill_mid_save`."""
-  if my_fault(step, ("snapkill",)) is None:
+  profile hook as `kill_mid_save`. The part is written by the save after
+  the one that took the snapshot (the save of step `step + 1`)."""
+  if my_fault(step - 1, ("snapkill",)) is None:
     yield
     return
   # The test looks inside the manager: where this process writes its part.

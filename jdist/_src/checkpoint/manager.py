@@ -115,7 +115,7 @@ class CheckpointManager:
       self._snapshots = snapshots_lib.Snapshots(
           os.path.join(snapshot_dir.job_directory(run_id), name),
           attempt=int(os.environ.get(ranks.ENV_RESTART_COUNT, "0")))
-      self._snapshot_step = self._agreed_snapshot_step()
+      self._agreed_snapshot_step()
 
   @property
   def steps(self) -> list[int]:
@@ -137,14 +137,18 @@ class CheckpointManager:
   @property
   def snapshot_step(self) -> int | None:
     """The newest complete in-memory snapshot's step (found when the manager
-    was made, then the last one written), or None."""
-    return None if self._snapshots is None else self._snapshot_step
+    was made, then the last one written), or None. A snapshot is written at
+    the next call of `save` (or `restore`, `close`) after the one that took
+    it."""
+    if self._snapshots is None or self._snapshots.complete is None:
+      return None
+    return self._snapshots.complete[0]
 
-  def _agreed_snapshot_step(self) -> int | None:
+  def _agreed_snapshot_step(self) -> None:
     group, note = self._snapshots.agree()
     if note:
       snapshots_lib.say(f"{note}; not using it.")
-    return None if group is None else group[0]
+    self._snapshots.complete = group
 
   @property
   def latest_checkpoint(self) -> str | None:
@@ -169,10 +173,11 @@ class CheckpointManager:
         written before it are intact.
     """
     step = int(step)
-    if self._snapshots is not None and step % self._snapshot_every == 0:
-      names, stored, _, _ = ckpt_lib.storable_leaves(state)
-      if self._snapshots.write(step, names, stored):
-        self._snapshot_step = step
+    if self._snapshots is not None:
+      self._snapshots.flush()  # the snapshot taken at an earlier call
+      if step % self._snapshot_every == 0:
+        names, stored, _, _ = ckpt_lib.storable_leaves(state)
+        self._snapshots.write(step, names, stored)
     if self._save_every is not None and step % self._save_every:
       return None
     if not self._ckpt.save(step, state, {}):
@@ -219,6 +224,7 @@ class CheckpointManager:
   def _restore_snapshot(self, like, mesh, step: int | None):
     """The state from the newest complete snapshot, or None (the persistent
     directory's turn). Every process calls it and gets the same answer."""
+    self._snapshots.flush()
     group, note = self._snapshots.agree()
     steps = self.steps
     disk = steps[-1] if steps else None
@@ -228,7 +234,7 @@ class CheckpointManager:
       if note:
         snapshots_lib.say(f"{note}; restoring from {where}.")
       if group is None:
-        self._snapshot_step = None
+        self._snapshots.complete = None
       return None
     if step is None and disk is not None and disk > group[0]:
       return None  # the persistent checkpoint is newer
@@ -238,17 +244,19 @@ class CheckpointManager:
     if problem:
       snapshots_lib.say(f"the in-memory snapshot of step {group[0]} cannot be "
                         f"used: {problem}; restoring from {where}.")
-      self._snapshot_step = None  # `latest_step` is now the directory's
+      self._snapshots.complete = None  # `latest_step` is now the directory's
       return None
     state = ckpt_lib.placed(got, stored, leaves, treedef, mesh)
     self._snapshots.complete = group
-    self._snapshot_step = group[0]
     snapshots_lib.say(f"restored step {group[0]} from the in-memory snapshot "
                       f"in {self._snapshots.directory}, not from {where}.")
     return state
 
   def close(self) -> None:
-    """Lets the directory go (another job may then use it)."""
+    """Writes the last snapshot taken, and lets the directory go (another
+    job may then use it)."""
+    if self._snapshots is not None:
+      self._snapshots.flush()
     self._ckpt.close()
 
   def __enter__(self) -> "CheckpointManager":

@@ -21,13 +21,18 @@ assembles each leaf from the blocks of the parts it sees and cuts its own
 shards out of it. With one CPU device per process and a replicated (mirrored)
 state, every part holds the whole state, so any single part is enough.
 
-Cleanup: before writing snapshot T, a process removes every file but those of
-the last complete snapshot (the one it restored or wrote last: it is
-complete, since step T needed every process's collectives after it wrote it)
-and those of T; the process that completes T (it sees all of T's parts)
-removes the one before. So at rest the directory holds the newest complete
-snapshot (on one machine; across hosts, until the next snapshot, also the one
-before it), and the launcher removes the directory when the job ends.
+Writing: `write` takes the snapshot (it starts the copy of the blocks to the
+host) and the next `flush` writes the part, at the manager's next `save`
+(or `restore`, `close`): the step that computed it has ended by then, so the
+loop does not wait for it. Cleanup, when a part is written: a process removes
+every file but its last two snapshots' parts and the new one's (all
+processes have written the one before its last: the steps since needed
+their collectives, which each process dispatches after its `save` wrote
+it); the process that completes a snapshot (it sees all of its parts)
+removes the others. So at rest the directory holds the newest complete
+snapshot (on one machine; across hosts, until the next two snapshots, also
+the ones before it), and the launcher removes the directory when the job
+ends.
 
 What is replicated: on one machine, every process's part is in the one
 /dev/shm, so a process that dies leaves its part to its successor. Across
@@ -165,6 +170,7 @@ class Snapshots:
     >>> from jdist._src.checkpoint.snapshots import Snapshots
     >>> s = Snapshots(tempfile.mkdtemp(), attempt=0)
     >>> s.write(10, ["w"], [jnp.ones(3)])
+    >>> s.flush()
     True
     >>> s.agree()[0]
     (10, 0, 1)
@@ -181,22 +187,56 @@ class Snapshots:
             f"{path} belongs to another user; the in-memory snapshots of this "
             "job cannot go there. Set JDIST_SNAPSHOT_ROOT to a directory of "
             "yours.")
-    self.complete = None  # (step, attempt, world): the last known complete
+    # (step, attempt, world) of the last snapshot this process wrote (or
+    # restored), and of the one before it.
+    self.complete, self._before = None, None
     self._layout_key, self._layout_value = None, None
+    self._pending, self._at_once = None, False
 
   # --- writing ------------------------------------------------------------------
 
-  def write(self, step: int, names: list, leaves: list) -> bool:
-    """Writes this process's part of snapshot `step` (every process calls it).
+  def write(self, step: int, names: list, leaves: list) -> None:
+    """Takes snapshot `step` of `leaves` (every process calls it).
+
+    Its part is written by the next `flush` (the next `save`, `restore` or
+    `close` of the manager): by then the step that computed it has ended, so
+    writing it does not wait for the step, and the host copy, started now,
+    is there. A step that donates its state deletes the arrays first: that
+    snapshot is lost (a line says so) and from then on each is written at
+    once, waiting for its step.
+    """
+    self.flush()
+    layout = self._layout(names, leaves)
+    blocks = [pick(leaf) for leaf, (pick, _) in zip(leaves, layout.picks)]
+    for block in (b for bs in blocks for b in bs):
+      if isinstance(block, jax.Array):
+        block.copy_to_host_async()
+    self._pending = (int(step), names, layout, blocks)
+    if self._at_once:
+      self.flush()
+
+  def flush(self) -> bool | None:
+    """Writes the part of the snapshot taken last, if not yet written.
 
     Returns:
-      Whether it was written: a state with NaN or infinite values is not
-      (the snapshot before it stays the newest).
+      None if there was none; else whether it was written: not when its
+      arrays were donated to a later step, nor when they hold NaN or
+      infinite values (the snapshot before it stays the newest).
     """
-    layout = self._layout(names, leaves)
+    if self._pending is None:
+      return None
+    step, names, layout, blocks = self._pending
+    self._pending = None
+    if any(isinstance(b, jax.Array) and b.is_deleted()
+           for bs in blocks for b in bs):
+      self._at_once = True
+      say(f"the in-memory snapshot of step {step} was lost: the step after it "
+          "donated the state's arrays before they were written; from now on "
+          "each snapshot is written when it is taken.")
+      return False
     arrays, crc = [], 0
-    for name, leaf, (picks, inexact) in zip(names, leaves, layout.picks):
-      for data in picks(leaf):
+    for name, bs, (_, inexact) in zip(names, blocks, layout.picks):
+      for data in bs:
         h = np.asarray(data)
         if inexact and not np.isfinite(h.sum(dtype=np.float64)):
           # (NaN and inf survive the sum.)
@@ -215,15 +255,18 @@ class Snapshots:
     except FileNotFoundError:  # removed by a launcher that left the job
       os.makedirs(self.directory, exist_ok=True)
       entries = []
+    # The last two parts this process wrote, and `group`'s: every process
+    # has written the one before the last (see the module's docstring).
     previous = self.complete
-    self._remove(entries, keep={group, previous})
+    self._remove(entries, keep={group, previous, self._before})
     tmp = os.path.join(self.directory, f".tmp-{self.rank}-{os.getpid()}.snap")
     _write_all(tmp, [MAGIC + struct.pack("<Q", len(header)) + header, *arrays])
     os.replace(tmp, os.path.join(self.directory,
                                  part_name(*group[:2], self.rank, self.world)))
-    self.complete = group
+    if previous != group:
+      self._before, self.complete = previous, group
     written = {r for g, r in _groups(entries) if g == group} | {self.rank}
-    if previous not in (None, group) and written == set(range(self.world)):
+    if written == set(range(self.world)):
       self._remove(entries, keep={group})  # the last part of `group` is in
     return True
 
