@@ -156,9 +156,10 @@ def loop_section(loop: dict) -> list:
       "(median of the trials' ratios) |",
   ] + ([
       "",
-      f"A snapshot on process 0, median: {split['wait'] * 1e3:.2f} ms waiting "
-      f"for the step it copies, {split['write'] * 1e3:.2f} ms for the rest of "
-      "`save` (the copy to the host, the checksum, the file and its rename)."
+      f"A snapshot on process 0, median: {split['take'] * 1e3:.2f} ms in the "
+      "`save` that takes it (starting the copy to the host), "
+      f"{split['write'] * 1e3:.2f} ms in the next `save`, which writes it "
+      "(the copy, the checksum, the file and its rename)."
   ] if (split := loop.get("snapshot_seconds")) else [])
 
 

@@ -10,8 +10,9 @@ SGD: multihost_overhead.py's step) in a custom loop over
 persistent save in the loop), whose `save` the loop calls at every step.
 TRIALS alternating trials of each; process 0 ends with one JSON line: the
 seconds per step of each trial, `{"none": [...], "snapshot": [...]}`, and
-the median seconds of a snapshot's two parts on process 0: waiting for the
-step it copies, and the rest of `save` (copy, checksum, file, rename).
+the median seconds on process 0 of the `save` that takes a snapshot (it
+starts the copy to the host) and of the next one, which writes it (copy,
+checksum, file, rename).
 `--quick` runs 20 steps in 1 trial (a smoke run).
 """
 
@@ -66,7 +67,7 @@ params = strategy.replicate(init_params(jax.random.key(0)))
 jax.block_until_ready(step(params, batch))  # compiled before the trials
 
 
-SPLIT = {"wait": [], "write": []}  # of each snapshot, in the timed trials
+SPLIT = {"take": [], "write": []}  # seconds of the saves, in timed trials
 
 
 def trial(manager) -> float:
@@ -76,15 +77,12 @@ def trial(manager) -> float:
   for i in range(STEPS):
     state, _ = step(state, batch)
     if manager is not None:
-      if (i + 1) % EVERY == 0:  # the snapshot's two parts, timed apart
-        t0 = time.perf_counter()
-        jax.block_until_ready(state)  # the wait the snapshot's copy makes
-        t1 = time.perf_counter()
-        manager.save(i + 1, state)
-        SPLIT["wait"].append(t1 - t0)
-        SPLIT["write"].append(time.perf_counter() - t1)
-      else:
-        manager.save(i + 1, state)
+      t0 = time.perf_counter()
+      manager.save(i + 1, state)
+      # The save that takes a snapshot, and the next one, which writes it.
+      part = {0: "take", 1: "write"}.get((i + 1) % EVERY)
+      if part:
+        SPLIT[part].append(time.perf_counter() - t0)
   jax.block_until_ready(state)
   return (time.perf_counter() - t) / STEPS
 
@@ -98,7 +96,7 @@ manager = jdist.CheckpointManager(directory, strategy=strategy,
 times = {"none": [], "snapshot": []}
 trial(None)  # warm-up
 trial(manager)
-SPLIT["wait"].clear()
+SPLIT["take"].clear()
 SPLIT["write"].clear()
 for _ in range(TRIALS):
   times["none"].append(trial(None))
