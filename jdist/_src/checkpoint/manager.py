@@ -57,7 +57,8 @@ class CheckpointManager:
       that are a multiple of it, and `restore` resumes from that snapshot
       when it is newer than the newest checkpoint (None: no snapshots). Each
       process writes the blocks of the state it holds; only the newest
-      complete snapshot is kept; the launcher removes them when the job ends.
+      complete snapshot is kept (on one machine); the launcher removes them
+      when the job ends.
 
   Raises:
     ValueError: `snapshot_every` outside `jdist launch` (it names the job's
@@ -112,10 +113,14 @@ class CheckpointManager:
     if snapshot_every is not None:
       # One directory per manager of the job, named by its checkpoint directory.
       name = hashlib.sha256(self.directory.encode()).hexdigest()[:16]
-      self._snapshots = snapshots_lib.Snapshots(
-          os.path.join(snapshot_dir.job_directory(run_id), name),
-          attempt=int(os.environ.get(ranks.ENV_RESTART_COUNT, "0")))
-      self._agreed_snapshot_step()
+      try:
+        self._snapshots = snapshots_lib.Snapshots(
+            os.path.join(snapshot_dir.job_directory(run_id), name),
+            attempt=int(os.environ.get(ranks.ENV_RESTART_COUNT, "0")))
+        self._agreed_snapshot_step()
+      except BaseException:
+        self._ckpt.close()  # the directory's claim goes with the manager
+        raise
 
   @property
   def steps(self) -> list[int]:
