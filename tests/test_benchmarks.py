@@ -326,3 +326,23 @@ def test_model_parallel_against_keras_trains_the_same_gpt(devices, tmp_path):
   assert res["keras_layout"] == f"{split} of {len(leaves)} variables split over 'model'"
   (ours,), (keras,) = res["seconds"]["jdist"], res["seconds"]["keras"]
   assert res["ratio"] == pytest.approx(keras / ours, rel=1e-9)
+
+
+def test_snapshot_loop_runs_and_renders():
+  """benchmarks/snapshot_loop.py under `jdist launch -n 2` (elastic_times.py's
+  loop rows): a snapshot every 10 of 20 steps, one trial of each loop."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+  env = {k: v for k, v in env.items() if not k.startswith(("JDIST_", "XLA_"))}
+  done = subprocess.run(
+      [sys.executable, "-m", "jdist.launch", "-n", "2", "--devices-per-process",
+       "1", str(BENCH / "snapshot_loop.py"), "--quick"], env=env, cwd=REPO,
+      capture_output=True, text=True, timeout=240)
+  assert done.returncode == 0, done.stderr[-3000:]
+  line = [l for l in done.stdout.splitlines() if l.startswith("[0] {")]
+  loop = json.loads(line[-1][4:])
+  assert loop["steps"] == 20 and loop["every"] == 10
+  assert all(len(v) == 1 and v[0] > 0 for v in loop["seconds_per_step"].values())
+  text = "\n".join(_bench_module("elastic_times").loop_section(loop))
+  assert "| a snapshot every 10 steps |" in text, text
+  split = loop["snapshot_seconds"]
+  assert f"{split['write'] * 1e3:.2f} ms in the next `save`" in text, text

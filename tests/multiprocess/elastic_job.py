@@ -1,4 +1,5 @@
-"""An elastic job for `jdist launch`: `elastic_job.py OUT_DIR [--fit] [FAULT ...]`.
+"""An elastic job for `jdist launch`:
+`elastic_job.py OUT_DIR [--fit] [--save-every N] [--snapshot-every N] [FAULT ...]`.
 
 elastic_train.py's training (a small MLP, SGD with momentum, a global batch
 of 16 padded and masked where the replicas do not divide it) over
@@ -8,7 +9,11 @@ and optimizer state) with `jdist.CheckpointManager` into OUT_DIR/checkpoints;
 every attempt resumes from the newest checkpoint, on however many processes
 it has, and reads the data from the step it resumes at. With `--fit`, the
 same model trains with `jdist.Trainer.fit` and `jdist.BackupAndRestore`
-(save_freq=SAVE_EVERY, into OUT_DIR/backup) instead.
+(save_freq=SAVE_EVERY, into OUT_DIR/backup) instead. `--save-every N` saves
+to OUT_DIR/checkpoints every N steps instead, and `--snapshot-every N` also
+keeps a snapshot in memory every N steps (`CheckpointManager`'s
+`save_every` and `snapshot_every`; process 0 prints `snapshots <directory>`,
+where they are).
 
 Each FAULT is `ATTEMPT:RANK:STEP:WHAT`: in attempt ATTEMPT (`JDIST_RESTART_COUNT`),
 process RANK, after step STEP, does WHAT: `kill` (SIGKILL itself), `stop`
@@ -16,7 +21,9 @@ process RANK, after step STEP, does WHAT: `kill` (SIGKILL itself), `stop`
 (exits with code 3), `park` (writes OUT_DIR/parked-RANK with its agent's pid,
 then waits forever for the test to take its node away), `savekill` (SIGKILLs
 itself in the middle of `CheckpointManager.save` of checkpoint STEP, the
-step after which it is saved: see `kill_mid_save`).
+step after which it is saved: see `kill_mid_save`), `snapkill` (the same,
+while it writes its part of the in-memory snapshot of step STEP: see
+`kill_mid_snapshot`).
 
 It prints timestamped markers the tests read: `started <t> pid=<pid>` first,
 `imported <t>`, `initialized <t> world=<n> attempt=<k>`,
@@ -49,8 +56,23 @@ import jdist  # noqa: E402
 MARKS["imported"] = time.time()
 print(f"imported {MARKS['imported']:.3f}", flush=True)
 OUT = sys.argv[1]
-FIT = "--fit" in sys.argv[2:]
-FAULTS = [a for a in sys.argv[2:] if a != "--fit"]
+ARGS = sys.argv[2:]
+
+
+def option(name: str, default=None):
+  """The value of `name N` in ARGS (removed from it), or `default`."""
+  if name not in ARGS:
+    return default
+  at = ARGS.index(name)
+  value = int(ARGS[at + 1])
+  del ARGS[at:at + 2]
+  return value
+
+
+FIT = "--fit" in ARGS
+SAVE_EVERY = option("--save-every", train.SAVE_EVERY)
+SNAPSHOT_EVERY = option("--snapshot-every")
+FAULTS = [a for a in ARGS if a != "--fit"]
 strategy = jdist.MultiWorkerMirroredStrategy()
 
 import jax  # noqa: E402
@@ -172,6 +194,35 @@ def kill_mid_save(step, directory):
     sys.setprofile(None)
 
 
+@contextlib.contextmanager
+def kill_mid_snapshot(step, manager):
+  """With a `snapkill` fault at `step`: SIGKILLs this process inside the
+  save it wraps, once its part of the in-memory snapshot of `step` is being
+  written (its temporary file is there, not yet renamed), by the same
+  profile hook as `kill_mid_save`. The part is written by the save after
+  the one that took the snapshot (the save of step `step + 1`)."""
+  if my_fault(step - 1, ("snapkill",)) is None:
+    yield
+    return
+  # The test looks inside the manager: where this process writes its part.
+  directory = manager._snapshots.directory
+  tmp = os.path.join(directory, f".tmp-{ME}-{os.getpid()}.snap")
+
+  def look(frame, event, arg):
+    if os.path.exists(tmp):
+      sys.setprofile(None)
+      print(f"writing {os.path.basename(tmp)} {os.path.getsize(tmp)} "
+            f"{' '.join(sorted(os.listdir(directory)))}", flush=True)
+      announce("snapkill")
+      os.kill(os.getpid(), signal.SIGKILL)
+
+  sys.setprofile(look)
+  try:
+    yield
+  finally:
+    sys.setprofile(None)
+
+
 class Markers(jdist.Callback):
   """fit's markers and faults, as the loop's (after BackupAndRestore)."""
 
@@ -193,8 +244,11 @@ def run_fit() -> dict:
 
 def run_loop() -> dict:
   """A custom loop with `jdist.CheckpointManager` every SAVE_EVERY steps."""
-  manager = jdist.CheckpointManager(os.path.join(OUT, "checkpoints"),
-                                    max_to_keep=2, strategy=strategy)
+  manager = jdist.CheckpointManager(
+      os.path.join(OUT, "checkpoints"), max_to_keep=2, strategy=strategy,
+      save_every=SAVE_EVERY, snapshot_every=SNAPSHOT_EVERY)
+  if SNAPSHOT_EVERY and ME == 0:
+    print(f"snapshots {manager._snapshots.directory}", flush=True)
   first = manager.latest_step or 0  # steps done: the next step's index
   if first:  # restored into the state's shapes: no initial state to compute
     state = manager.restore(jax.eval_shape(train.initial_state))
@@ -206,9 +260,11 @@ def run_loop() -> dict:
   for i, b in zip(range(first, train.STEPS), dataset):
     state, _ = step_fn(state, b)
     jax.block_until_ready(state)
-    if (i + 1) % train.SAVE_EVERY == 0:
-      with kill_mid_save(i + 1, manager.directory):
-        manager.save(i + 1, state)
+    # Every step: the manager saves at multiples of SAVE_EVERY and keeps a
+    # snapshot at multiples of SNAPSHOT_EVERY.
+    with kill_mid_save(i + 1, manager.directory), \
+        kill_mid_snapshot(i + 1, manager):
+      manager.save(i + 1, state)
     after_step(i, i == first)
   manager.close()
   return train.host_params(state)

@@ -137,6 +137,29 @@ def _storable(leaves) -> list:
   return [jax.random.key_data(x) if _is_key(x) else x for x in leaves]
 
 
+def storable_leaves(tree) -> tuple[list[str], list, list, Any]:
+  """`(names, stored, leaves, treedef)` of `tree`: its leaves' path names,
+  the leaves as stored (PRNG keys as their data), the leaves, its treedef."""
+  names, leaves, treedef = _flatten(tree)
+  return names, _storable(leaves), leaves, treedef
+
+
+def placed(wholes: list, stored: list, leaves: list, treedef, mesh) -> Any:
+  """The tree of `wholes` (host arrays, one whole leaf each, PRNG keys as
+  their data) placed on `mesh` as the target's leaves are (`stored`, as
+  `storable_leaves` gives them, and `leaves`): split where they are split
+  over this mesh, otherwise whole on every device."""
+  replicated = NamedSharding(mesh, P())
+  out = []
+  for whole, like, target in zip(wholes, stored, leaves):
+    a = jax.make_array_from_callback(
+        whole.shape, _target_sharding(like, replicated),
+        lambda index, w=whole: w[index])
+    out.append(jax.random.wrap_key_data(a, impl=jax.random.key_impl(target))
+               if _is_key(target) else a)
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
 def _target_sharding(leaf, replicated: NamedSharding) -> NamedSharding:
   """Where a leaf is restored: split as the target's leaf is (optimizer
   state sharded over this mesh's replicas, orbax reads each device's block),

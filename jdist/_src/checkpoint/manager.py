@@ -9,16 +9,36 @@ a killed job left half-written are removed), each checkpoint's metadata and
 arrays are checksummed (a corrupt newest checkpoint is skipped with a
 warning), and a checkpoint restores onto any number of devices or processes
 in the layout of the state it is restored into.
+
+With `snapshot_every=N`, in a `jdist launch` job, it also keeps the newest
+state in host memory (`snapshots.py`): `save` writes a snapshot every N
+steps to the job's directory under /dev/shm, and `restore` takes the newest
+of the snapshot and the persistent checkpoints, so a restarted job resumes
+without reading the persistent directory and persistent saves (`save_every`)
+can be rare.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Any
 
 from jdist._src import current
+from jdist._src.checkpoint import checkpointer as ckpt_lib
+from jdist._src.checkpoint import snapshots as snapshots_lib
 from jdist._src.checkpoint.checkpointer import Checkpointer
 from jdist._src.errors import CheckpointNotFoundError
+from jdist._src.multiprocess import ranks
+from jdist._src.multiprocess import snapshot_dir
+
+
+def _every(name: str, value) -> int | None:
+  if value is not None and (isinstance(value, bool) or
+                            not isinstance(value, int) or value < 1):
+    raise ValueError(f"{name}={value!r}: give a positive number of steps, or "
+                     "None.")
+  return value
 
 
 class CheckpointManager:
@@ -29,8 +49,20 @@ class CheckpointManager:
     max_to_keep: keep only the newest N checkpoints (None: all).
     strategy: whose devices `restore` places the state on (default: the
       strategy in scope when `restore` is called).
+    save_every: `save` writes to `directory` only at the steps that are a
+      multiple of it (None: at every call). With `snapshot_every`, call
+      `save` at every step and let these two choose.
+    snapshot_every: in a `jdist launch` job, `save` also keeps the state in
+      host memory (/dev/shm, outside the training processes) at the steps
+      that are a multiple of it, and `restore` resumes from that snapshot
+      when it is newer than the newest checkpoint (None: no snapshots). Each
+      process writes the blocks of the state it holds; only the newest
+      complete snapshot is kept (on one machine); the launcher removes them
+      when the job ends.
 
   Raises:
+    ValueError: `snapshot_every` outside `jdist launch` (it names the job's
+      snapshots), or a step count that is not a positive number.
     jdist.CheckpointDirectoryError: the directory is a file or cannot be
       written.
     jdist.CheckpointInUseError: another running job writes checkpoints there.
@@ -49,18 +81,46 @@ class CheckpointManager:
     ([2, 3], 3)
     >>> restored["w"].tolist()
     [3.0, 3.0, 3.0]
+
+    In a `jdist launch` job, a snapshot in memory every 10 steps and a
+    checkpoint on disk every 100 (the loop calls `save` at every step):
+
+    >>> manager = jdist.CheckpointManager(  # doctest: +SKIP
+    ...     "ckpt", strategy=strategy, save_every=100, snapshot_every=10)
   """
 
   def __init__(self, directory, max_to_keep: int | None = 5, *,
-               strategy=None):
+               strategy=None, save_every: int | None = None,
+               snapshot_every: int | None = None):
     if max_to_keep is not None and (not isinstance(max_to_keep, int) or
                                     max_to_keep < 1):
       raise ValueError(f"max_to_keep={max_to_keep!r}: give a positive number "
                        "of checkpoints, or None to keep them all.")
+    self._save_every = _every("save_every", save_every)
+    self._snapshot_every = _every("snapshot_every", snapshot_every)
+    run_id = os.environ.get(ranks.ENV_RUN_ID)
+    if snapshot_every is not None and not run_id:
+      raise ValueError(
+          f"snapshot_every={snapshot_every}: in-memory snapshots are kept for "
+          "a job of `jdist launch`, which names them (JDIST_RUN_ID) and removes "
+          "them when the job ends; this process was not started by it. Run "
+          "the program with `jdist launch`, or leave out snapshot_every.")
     self.directory = os.path.abspath(os.fspath(directory))
     self._strategy = strategy
     self._ckpt = Checkpointer(self.directory, max_to_keep=max_to_keep,
                               claim=True)
+    self._snapshots = None
+    if snapshot_every is not None:
+      # One directory per manager of the job, named by its checkpoint directory.
+      name = hashlib.sha256(self.directory.encode()).hexdigest()[:16]
+      try:
+        self._snapshots = snapshots_lib.Snapshots(
+            os.path.join(snapshot_dir.job_directory(run_id), name),
+            attempt=int(os.environ.get(ranks.ENV_RESTART_COUNT, "0")))
+        self._agreed_snapshot_step()
+      except BaseException:
+        self._ckpt.close()  # the directory's claim goes with the manager
+        raise
 
   @property
   def steps(self) -> list[int]:
@@ -69,9 +129,31 @@ class CheckpointManager:
 
   @property
   def latest_step(self) -> int | None:
-    """The newest checkpoint's step, or None when there is none."""
+    """The newest checkpoint's step, or None when there is none: the newest
+    of the persistent checkpoints and of the in-memory snapshot (with
+    `snapshot_every`), the step `restore` resumes from."""
     steps = self.steps
-    return steps[-1] if steps else None
+    disk = steps[-1] if steps else None
+    memory = self.snapshot_step
+    if memory is None or (disk is not None and disk > memory):
+      return disk
+    return memory
+
+  @property
+  def snapshot_step(self) -> int | None:
+    """The newest complete in-memory snapshot's step (found when the manager
+    was made, then the last one written), or None. A snapshot is written at
+    the next call of `save` (or `restore`, `close`) after the one that took
+    it."""
+    if self._snapshots is None or self._snapshots.complete is None:
+      return None
+    return self._snapshots.complete[0]
+
+  def _agreed_snapshot_step(self) -> None:
+    group, note = self._snapshots.agree()
+    if note:
+      snapshots_lib.say(f"{note}; not using it.")
+    self._snapshots.complete = group
 
   @property
   def latest_checkpoint(self) -> str | None:
@@ -82,19 +164,30 @@ class CheckpointManager:
   def save(self, step: int, state: Any) -> str | None:
     """Writes `state` as checkpoint `step` (every process calls it).
 
+    With `save_every`, only at its multiples; with `snapshot_every`, also
+    (first) as the in-memory snapshot at its multiples.
     A state with NaN or infinite values is not written (a warning says so),
     so that `max_to_keep` never rotates the last good checkpoints away.
 
     Returns:
-      The checkpoint's directory, or None when it was not written.
+      The checkpoint's directory, or None when it was not written to
+      `directory` (in memory only, or not at all).
 
     Raises:
       jdist.CheckpointError: the save failed (a full disk); the checkpoints
         written before it are intact.
     """
-    if not self._ckpt.save(int(step), state, {}):
+    step = int(step)
+    if self._snapshots is not None:
+      self._snapshots.flush()  # the snapshot taken at an earlier call
+      if step % self._snapshot_every == 0:
+        names, stored, _, _ = ckpt_lib.storable_leaves(state)
+        self._snapshots.write(step, names, stored)
+    if self._save_every is not None and step % self._save_every:
       return None
-    return os.path.join(self.directory, str(int(step)))
+    if not self._ckpt.save(step, state, {}):
+      return None
+    return os.path.join(self.directory, str(step))
 
   def restore(self, like: Any, step: int | None = None) -> Any:
     """The newest usable checkpoint (or checkpoint `step`), shaped and
@@ -109,6 +202,11 @@ class CheckpointManager:
     device. A checkpoint saved on another number of devices or processes
     restores all the same.
 
+    With `snapshot_every`, the newest complete in-memory snapshot is used
+    when it is at least as new as the newest checkpoint (or is `step`); a
+    snapshot that cannot be used (a part missing or unreadable) leaves the
+    persistent directory to it, and process 0 prints a line that says why.
+
     Raises:
       jdist.CheckpointNotFoundError: the directory holds no checkpoint.
       jdist.CheckpointMismatchError: the checkpoint holds another state
@@ -116,6 +214,10 @@ class CheckpointManager:
       jdist.CheckpointError: every checkpoint there is corrupt.
     """
     strategy = self._strategy or current.get_strategy()
+    if self._snapshots is not None:
+      got = self._restore_snapshot(like, strategy.mesh, step)
+      if got is not None:
+        return got
     restored = self._ckpt.restore(like, strategy.mesh, step=step)
     if restored is None:
       raise CheckpointNotFoundError(
@@ -124,8 +226,42 @@ class CheckpointManager:
           "initial state when it is None.")
     return restored[0]
 
+  def _restore_snapshot(self, like, mesh, step: int | None):
+    """The state from the newest complete snapshot, or None (the persistent
+    directory's turn). Every process calls it and gets the same answer."""
+    self._snapshots.flush()
+    group, note = self._snapshots.agree()
+    steps = self.steps
+    disk = steps[-1] if steps else None
+    where = (f"the checkpoint of step {disk} in {self.directory}"
+             if disk is not None else f"{self.directory} (no checkpoint there)")
+    if group is None or (step is not None and group[0] != step):
+      if note:
+        snapshots_lib.say(f"{note}; restoring from {where}.")
+      if group is None:
+        self._snapshots.complete = None
+      return None
+    if step is None and disk is not None and disk > group[0]:
+      return None  # the persistent checkpoint is newer
+    names, stored, leaves, treedef = ckpt_lib.storable_leaves(like)
+    described = {n: [list(x.shape), str(x.dtype)] for n, x in zip(names, stored)}
+    got, problem = self._snapshots.read(group, described)
+    if problem:
+      snapshots_lib.say(f"the in-memory snapshot of step {group[0]} cannot be "
+                        f"used: {problem}; restoring from {where}.")
+      self._snapshots.complete = None  # `latest_step` is now the directory's
+      return None
+    state = ckpt_lib.placed(got, stored, leaves, treedef, mesh)
+    self._snapshots.complete = group
+    snapshots_lib.say(f"restored step {group[0]} from the in-memory snapshot "
+                      f"in {self._snapshots.directory}, not from {where}.")
+    return state
+
   def close(self) -> None:
-    """Lets the directory go (another job may then use it)."""
+    """Writes the last snapshot taken, and lets the directory go (another
+    job may then use it)."""
+    if self._snapshots is not None:
+      self._snapshots.flush()
     self._ckpt.close()
 
   def __enter__(self) -> "CheckpointManager":

@@ -75,12 +75,14 @@ class Outcome:
     interrupted: the signal the launcher was stopped by, if it was.
     killed: processes killed after the grace period, when interrupted.
     error: why this node could not go on (the rendezvous refused or lost it).
+    run_id: the job's `JDIST_RUN_ID`, if an attempt ran on this node.
   """
 
   end: dict | None = None
   interrupted: int | None = None
   killed: tuple = ()
   error: str | None = None
+  run_id: str | None = None
 
 
 class Agent:
@@ -104,20 +106,22 @@ class Agent:
     self._procs: list = []
     self._preexec = ranks.die_with_parent()
     self._lost: RendezvousError | None = None
+    self._run_id: str | None = None
 
   def run(self) -> Outcome:
     """Takes part in attempts until the job ends; never leaves a process."""
     _remove_stale_workdirs()
     workdir = tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-")
     try:
-      return self._attempts(workdir)
+      outcome = self._attempts(workdir)
     except RendezvousError as e:
-      return Outcome(error=str(e))
+      outcome = Outcome(error=str(e))
     finally:
       for p in self._procs:
         p.signal(signal.SIGKILL)
       shutil.rmtree(workdir, ignore_errors=True)
       self._client.close()  # to the rendezvous, this node has gone
+    return dataclasses.replace(outcome, run_id=self._run_id)
 
   def _attempts(self, workdir: str) -> Outcome:
     done = -1
@@ -133,6 +137,7 @@ class Agent:
       run = view["run"]
       if run and view["attempt"] > done:
         done = view["attempt"]
+        self._run_id = run.get("run_id") or self._run_id
         # Stopped before this node saw it run (a peer failed at once): no
         # process to start, nothing to report but that.
         records, interrupted = (([], False) if view["stop"] else

@@ -25,6 +25,11 @@ each launcher is that host's node.
 * SIGINT or SIGTERM to the launcher is forwarded (a SIGTERM lets a training
   job save, see `BackupAndRestore`); processes still running after the grace
   period are killed. The launcher's nodes then leave the job.
+* The job's in-memory snapshots (`jdist.CheckpointManager(snapshot_every=)`,
+  in this host's /dev/shm, named by `JDIST_RUN_ID`) are removed when the job
+  ends, whether it completed or failed (`snapshot_dir.py`); a launcher that
+  leaves a job of several launchers which goes on keeps them (another node of
+  this machine may still use them).
 * On Linux, every process dies with the launcher (a parent-death signal,
   SIGKILL: it cannot be caught), so a launcher killed by a scheduler or the
   OOM killer leaves no process behind; to the rest of the job, its node went
@@ -46,6 +51,7 @@ from jdist._src.multiprocess import launch_args
 from jdist._src.multiprocess import ports
 from jdist._src.multiprocess import rendezvous
 from jdist._src.multiprocess import rendezvous_tcp
+from jdist._src.multiprocess import snapshot_dir
 
 USAGE = launch_args.USAGE
 parse_args = launch_args.parse_args
@@ -113,7 +119,18 @@ def launch(args: argparse.Namespace) -> int:
       signal.signal(sig, handler)
     if server is not None:
       server.close(linger=LINGER_SECONDS)
+  _remove_snapshots(outcomes, standalone)
   return _conclude(outcomes, args)
+
+
+def _remove_snapshots(outcomes: list, standalone: bool) -> None:
+  """Removes the job's in-memory snapshots from this host when the job is
+  over: it ended, or every node of the job was this launcher's. Its nodes'
+  processes have all ended by now."""
+  over = standalone or any(o.end is not None for o in outcomes)
+  if over:
+    for run_id in {o.run_id for o in outcomes if o.run_id}:
+      snapshot_dir.remove(run_id)
 
 
 def _run_nodes(args, spec, endpoint, lock, interrupts, count: int) -> list:

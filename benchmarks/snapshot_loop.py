@@ -1,0 +1,112 @@
+"""What an in-memory snapshot every 10 steps costs the step loop: run under
+`jdist launch` (elastic_times.py runs it so).
+
+  python -m jdist.launch -n 2 --devices-per-process 1 benchmarks/snapshot_loop.py
+
+The seed MLP (64 features, Dense 16, Dense 10, a global batch of 64, plain
+SGD: multihost_overhead.py's step) in a custom loop over
+`jdist.MultiWorkerMirroredStrategy`, STEPS steps a trial, without a
+`jdist.CheckpointManager` and with one made with `snapshot_every=10` (and no
+persistent save in the loop), whose `save` the loop calls at every step.
+TRIALS alternating trials of each; process 0 ends with one JSON line: the
+seconds per step of each trial, `{"none": [...], "snapshot": [...]}`, and
+the median seconds on process 0 of the `save` that takes a snapshot (it
+starts the copy to the host) and of the next one, which writes it (copy,
+checksum, file, rename).
+`--quick` runs 20 steps in 1 trial (a smoke run).
+"""
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jdist  # noqa: E402
+
+strategy = jdist.MultiWorkerMirroredStrategy()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+QUICK = "--quick" in sys.argv[1:]
+STEPS, TRIALS = (20, 1) if QUICK else (400, 7)
+EVERY = 10
+
+
+def init_params(key):
+  k1, k2 = jax.random.split(key)
+  return {"w1": jax.random.normal(k1, (64, 16)) * 0.1, "b1": jnp.zeros(16),
+          "w2": jax.random.normal(k2, (16, 10)) * 0.1, "b2": jnp.zeros(10)}
+
+
+def apply(p, x):
+  return jax.nn.relu(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+
+
+def train_step(params, batch):
+  def loss_fn(p):
+    per_example = optax.softmax_cross_entropy_with_integer_labels(
+        apply(p, batch["x"]), batch["y"])
+    return jdist.compute_average_loss(per_example)
+  loss, grads = jax.value_and_grad(loss_fn)(params)
+  return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+
+rng = np.random.default_rng(0)
+batch = next(iter(strategy.experimental_distribute_dataset(
+    [{"x": rng.standard_normal((64, 64)).astype(np.float32),
+      "y": rng.integers(0, 10, 64).astype(np.int32)}])))
+step = strategy.function(train_step)
+params = strategy.replicate(init_params(jax.random.key(0)))
+jax.block_until_ready(step(params, batch))  # compiled before the trials
+
+
+SPLIT = {"take": [], "write": []}  # seconds of the saves, in timed trials
+
+
+def trial(manager) -> float:
+  """Seconds per step of STEPS steps (the manager's `save` at each)."""
+  state = params
+  t = time.perf_counter()
+  for i in range(STEPS):
+    state, _ = step(state, batch)
+    if manager is not None:
+      t0 = time.perf_counter()
+      manager.save(i + 1, state)
+      # The save that takes a snapshot, and the next one, which writes it.
+      part = {0: "take", 1: "write"}.get((i + 1) % EVERY)
+      if part:
+        SPLIT[part].append(time.perf_counter() - t0)
+  jax.block_until_ready(state)
+  return (time.perf_counter() - t) / STEPS
+
+
+# One checkpoint directory for the job (every process names the same one);
+# persistent saves never come due in it: only the snapshots are measured.
+directory = os.path.join(tempfile.gettempdir(),
+                         f"jdist-snapshot-loop-{os.environ['JDIST_RUN_ID']}")
+manager = jdist.CheckpointManager(directory, strategy=strategy,
+                                  save_every=10 ** 9, snapshot_every=EVERY)
+times = {"none": [], "snapshot": []}
+trial(None)  # warm-up
+trial(manager)
+SPLIT["take"].clear()
+SPLIT["write"].clear()
+for _ in range(TRIALS):
+  times["none"].append(trial(None))
+  times["snapshot"].append(trial(manager))
+manager.close()
+if jax.process_index() == 0:
+  shutil.rmtree(directory, ignore_errors=True)
+if jax.process_index() == 0:
+  print(json.dumps({"steps": STEPS, "trials": TRIALS, "every": EVERY,
+                    "seconds_per_step": times,
+                    "snapshot_seconds": {k: sorted(v)[len(v) // 2]
+                                         for k, v in SPLIT.items()}}),
+        flush=True)

@@ -1,0 +1,126 @@
+"""Elastic jobs that resume from the in-memory snapshot:
+`jdist.CheckpointManager(snapshot_every=10, save_every=50)` under
+`jdist launch --nnodes 2:4 --max-restarts 3` (elastic_job.py, 4 processes x
+1 CPU device, 60 steps; see test_elastic.py). A process killed after step
+30 leaves no checkpoint on disk to resume from (the first is at 50): the
+restart resumes from the snapshot of step 30 in /dev/shm, on 4 processes or
+on the 3 that are left, and ends with the parameters of an uninterrupted
+run within 1e-6. A process killed while it writes its part of a snapshot
+leaves that snapshot incomplete: the one before is used. When the job ends,
+its snapshot directory is gone, and so is every process.
+"""
+
+import contextlib
+import os
+import re
+import signal
+
+import pytest
+
+import harness
+import test_elastic as elastic
+
+pytestmark = pytest.mark.multiprocess
+
+SNAPSHOTS = ["--snapshot-every", 10, "--save-every", 50]
+
+
+def snapshot_dir(output: str) -> str:
+  found = re.search(r"^\[0\] snapshots (\S+)$", output, re.M)
+  assert found, output[-3000:]
+  return found.group(1)
+
+
+def assert_resumed_from_memory(output: str, out_dir, step: int, world: int):
+  """The restart resumed at `step`, read from the in-memory snapshot, not
+  from the checkpoint directory (whose first checkpoint is at step 50)."""
+  resumed = [s for _, s, _ in elastic.markers(output, "resumed")]
+  assert sorted(resumed) == [0] * 4 + [step] * world, output[-5000:]
+  assert re.search(rf"^\[0\] jdist: restored step {step} from the in-memory "
+                   rf"snapshot in \S+, not from \S+ \(no checkpoint there\)\.$",
+                   output, re.M), output[-5000:]
+  ckpts = os.path.join(out_dir, "checkpoints")
+  assert sorted(d for d in os.listdir(ckpts) if d.isdigit()) == ["50"]
+
+
+def assert_nothing_left(output: str):
+  folder = snapshot_dir(output)
+  assert not os.path.exists(os.path.dirname(folder)), os.listdir(folder)
+  assert harness.wait_gone(elastic.pids(output), timeout=5) == []
+
+
+def test_a_killed_process_resumes_from_the_snapshot_in_memory(tmp_path):
+  r = harness.run_launcher(["--nnodes", "2:4", "--max-restarts", 3,
+                            "--devices-per-process", 1, elastic.JOB, tmp_path,
+                            *SNAPSHOTS, "0:2:30:kill"],
+                           timeout=elastic.RUN_TIMEOUT)
+  assert r.returncode == 0, r.output[-5000:]
+  assert "jdist launch: the job completed after 1 restart" in r.stderr
+  assert snapshot_dir(r.stdout).startswith("/dev/shm/jdist-snapshots-")
+  assert_resumed_from_memory(r.output, tmp_path, 30, world=4)
+  elastic.assert_finished(tmp_path, world=4, attempt=1)
+  assert_nothing_left(r.output)
+  print(elastic.restart_report(r.stdout))
+
+
+def test_a_kill_while_writing_a_snapshot_uses_the_one_before(tmp_path):
+  """Process 2 dies while it writes its part of the snapshot of step 40
+  (its temporary file is there): that snapshot lacks process 2's part, and
+  the job resumes from the snapshot of step 30."""
+  r = harness.run_launcher(["--nnodes", "2:4", "--max-restarts", 3,
+                            "--devices-per-process", 1, elastic.JOB, tmp_path,
+                            *SNAPSHOTS, "0:2:40:snapkill"],
+                           timeout=elastic.RUN_TIMEOUT)
+  assert r.returncode == 0, r.output[-5000:]
+  writing = re.search(r"^\[2\] writing (\.tmp-2-\d+\.snap) \d+ (.*)$",
+                      r.stdout, re.M)
+  assert writing, r.output[-5000:]
+  assert writing.group(1) in writing.group(2).split()
+  assert "(killed by SIGKILL)" in r.stderr
+  # (The others wrote theirs before the launcher stopped them, at least one.)
+  assert re.search(r"^\[0\] jdist: the snapshot of step 40 \(attempt 0\) lacks "
+                   r"the parts of processes \[(\d, )*2(, \d)*\] of 4; not using "
+                   r"it\.$", r.stderr, re.M), r.stderr[-5000:]
+  assert_resumed_from_memory(r.output, tmp_path, 30, world=4)
+  elastic.assert_finished(tmp_path, world=4, attempt=1)
+  assert_nothing_left(r.output)
+
+
+def test_a_job_that_fails_leaves_no_snapshot(tmp_path):
+  """No restart allowed: the job fails at its first fault, after three
+  snapshots; the launcher removes them as it ends."""
+  r = harness.run_launcher(["--nnodes", 2, "--max-restarts", 0,
+                            "--devices-per-process", 1, elastic.JOB, tmp_path,
+                            *SNAPSHOTS, "0:1:30:kill"],
+                           timeout=elastic.RUN_TIMEOUT)
+  assert r.returncode != 0, r.output[-5000:]
+  assert "process 1 of 2" in r.stderr and "killed by SIGKILL" in r.stderr
+  assert not os.path.exists(os.path.join(tmp_path, "final.npz"))
+  assert_nothing_left(r.output)
+
+
+def test_a_node_that_goes_away_resumes_from_memory_on_the_others(tmp_path):
+  """Four launchers on one rendezvous (one machine: one /dev/shm); process
+  2's goes away after step 30. The 3 others resume from the snapshot the 4
+  wrote (each part holds the whole mirrored state)."""
+  port = harness.free_port()
+  args = ["--nnodes", "2:4", "--max-restarts", 3, "--rdzv-endpoint",
+          f"127.0.0.1:{port}", "--devices-per-process", 1, elastic.JOB,
+          tmp_path, *SNAPSHOTS, "0:2:30:park"]
+  cmd, env = harness.launcher_cmd(args), harness.base_env(1)
+  with contextlib.ExitStack() as stack:
+    host = stack.enter_context(harness.Background(cmd, env))
+    host.wait_for("hosts the job's rendezvous", timeout=60)
+    launchers = [host] + [stack.enter_context(harness.Background(cmd, env))
+                          for _ in range(3)]
+    doomed = int(elastic.wait_for_file(os.path.join(tmp_path, "parked-2"),
+                                       launchers, timeout=elastic.RUN_TIMEOUT))
+    os.kill(doomed, signal.SIGKILL)
+    for launcher in launchers:
+      launcher.popen.wait(timeout=elastic.RUN_TIMEOUT)
+    output = "".join(l.output() for l in launchers)
+  codes = sorted(l.popen.returncode for l in launchers)
+  assert codes == [-signal.SIGKILL, 0, 0, 0], output[-5000:]
+  assert_resumed_from_memory(output, tmp_path, 30, world=3)
+  elastic.assert_finished(tmp_path, world=3, attempt=1)
+  assert_nothing_left(output)

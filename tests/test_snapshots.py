@@ -1,0 +1,191 @@
+"""`jdist.CheckpointManager(snapshot_every=N)` in one process: the in-memory
+snapshot restores exactly what the persistent checkpoint restores (also onto
+another number of devices, with optimizer state split over the replicas),
+only the newest snapshot is kept, and a snapshot that cannot be used leaves
+the restore to the persistent directory with a line that says why. The jobs
+of several processes are in tests/multiprocess/test_snapshots.py."""
+
+import os
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+
+import jdist
+from conftest import strategy_on
+from jdist.examples.models import MLP
+
+MODEL = MLP(hidden=16)
+
+
+@pytest.fixture
+def job(tmp_path, monkeypatch):
+  """This process as attempt 0 of a `jdist launch` job whose snapshots go
+  under tmp_path/shm; returns the directory they go in."""
+  monkeypatch.setenv("JDIST_RUN_ID", "testjob")
+  monkeypatch.setenv("JDIST_SNAPSHOT_ROOT", str(tmp_path / "shm"))
+  monkeypatch.setenv("JDIST_RESTART_COUNT", "0")
+  return tmp_path / "shm"
+
+
+def _state(strategy, x):
+  params = MODEL.init(jax.random.key(0), x[:1])["params"]
+  tx = jdist.ShardedOptimizer(optax.adam(1e-2), strategy)
+  with strategy.scope():
+    return strategy.replicate(train_state.TrainState.create(
+        apply_fn=MODEL.apply, params=params, tx=tx))
+
+
+def _trained(strategy, digits_flat, steps=3):
+  x, y = digits_flat
+  state = _state(strategy, x)
+
+  @strategy.function
+  def step(state, batch):
+    def loss_fn(params):
+      logits = state.apply_fn({"params": params}, batch["x"])
+      return jdist.compute_average_loss(
+          optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]))
+    return state.apply_gradients(grads=jax.grad(loss_fn)(state.params))
+
+  for batch in strategy.experimental_distribute_dataset(
+      [{"x": x[:64], "y": y[:64]}] * steps):
+    state = step(state, batch)
+  return state
+
+
+def _parts(job) -> list:
+  return sorted(name for _, _, files in os.walk(job) for name in files)
+
+
+def test_memory_restores_what_disk_restores_onto_other_devices(
+    digits_flat, tmp_path, job, capfd):
+  """Saved on 4 devices (adam's state split 4 ways), restored onto 2 (split
+  2 ways): the snapshot and the checkpoint of the same step give the same
+  bits, and the saved values."""
+  saved = _trained(strategy_on(4), digits_flat)
+  with jdist.CheckpointManager(tmp_path / "ckpt", strategy=strategy_on(4),
+                               snapshot_every=10) as manager:
+    assert manager.save(10, saved) == str(tmp_path / "ckpt" / "10")
+    assert manager.snapshot_step is None  # written at the next save, or close
+    assert manager.latest_step == 10  # the checkpoint's
+  two = strategy_on(2)
+  like = _state(two, digits_flat[0])
+  with jdist.CheckpointManager(tmp_path / "ckpt", strategy=two,
+                               snapshot_every=10) as manager:
+    assert manager.snapshot_step == 10
+    memory = manager.restore(like)
+  assert "restored step 10 from the in-memory snapshot" in capfd.readouterr().err
+  with jdist.CheckpointManager(tmp_path / "ckpt", strategy=two) as manager:
+    disk = manager.restore(like)
+  assert any(any(l.sharding.spec) for l in jax.tree.leaves(like))  # adam's, split
+  for m, d, s, l in zip(jax.tree.leaves(memory), jax.tree.leaves(disk),
+                        jax.tree.leaves(saved), jax.tree.leaves(like)):
+    assert m.sharding == l.sharding  # split as the target is
+    np.testing.assert_array_equal(np.asarray(m), np.asarray(d))
+    np.testing.assert_array_equal(np.asarray(m), np.asarray(s))
+
+
+def test_only_the_newest_snapshot_is_kept_and_disk_saves_are_rarer(
+    digits_flat, tmp_path, job):
+  strategy = strategy_on(2)
+  state = _trained(strategy, digits_flat, steps=1)
+  with jdist.CheckpointManager(tmp_path / "ckpt", strategy=strategy,
+                               save_every=20, snapshot_every=5) as manager:
+    written = [manager.save(s, state) for s in range(1, 31)]
+    assert [w for w in written if w] == [str(tmp_path / "ckpt" / "20")]
+    # 30 was taken by the last save; it is written at the next, or at close.
+    assert manager.steps == [20] and manager.latest_step == 25
+  assert [p.split(".part")[0] for p in _parts(job)] == ["step-000000000030.attempt-0"]
+
+
+def test_an_unusable_snapshot_leaves_the_restore_to_disk(
+    digits_flat, tmp_path, job, capfd):
+  """A part that fails its checksum, and a newer snapshot of which a part
+  is missing (a process killed while writing it: only its temporary file is
+  there): the checkpoint on disk is restored, and the line says why."""
+  strategy = strategy_on(2)
+  state = _trained(strategy, digits_flat, steps=1)
+  with jdist.CheckpointManager(tmp_path / "ckpt", strategy=strategy,
+                               snapshot_every=10) as manager:
+    manager.save(10, state)
+  (part,) = [os.path.join(r, f) for r, _, fs in os.walk(job) for f in fs]
+  with open(part, "r+b") as f:  # one byte of the data changed
+    f.seek(-1, os.SEEK_END)
+    last = f.read(1)
+    f.seek(-1, os.SEEK_END)
+    f.write(bytes([last[0] ^ 1]))
+  # A newer snapshot that process 1 of 2 never finished.
+  folder = os.path.dirname(part)
+  with open(os.path.join(folder, "step-000000000020.attempt-0.part-0-of-2.snap"),
+            "wb") as f:
+    f.write(b"JDSNAP1\n")
+  with open(os.path.join(folder, ".tmp-1-999999999.snap"), "wb") as f:
+    f.write(b"JDSNAP1\n")
+  like = _state(strategy, digits_flat[0])
+  with jdist.CheckpointManager(tmp_path / "ckpt", strategy=strategy,
+                               snapshot_every=10) as manager:
+    assert manager.snapshot_step == 10
+    restored = manager.restore(like)
+    err = capfd.readouterr().err
+    assert ("the snapshot of step 20 (attempt 0) lacks the parts of processes "
+            "[1] of 2" in err), err
+    assert ("the in-memory snapshot of step 10 cannot be used: "
+            "step-000000000010.attempt-0.part-0-of-1.snap fails its checksum; "
+            f"restoring from the checkpoint of step 10 in {tmp_path / 'ckpt'}"
+            in err), err
+    for r, s in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+      np.testing.assert_array_equal(np.asarray(r), np.asarray(s))
+    manager.save(20, restored)  # the next snapshot clears what is stale
+  assert [p.split(".part")[0] for p in _parts(job)] == ["step-000000000020.attempt-0"]
+
+
+def test_snapshots_need_a_launched_job(tmp_path, monkeypatch):
+  monkeypatch.delenv("JDIST_RUN_ID", raising=False)
+  with pytest.raises(ValueError, match="jdist launch"):
+    jdist.CheckpointManager(tmp_path, snapshot_every=10)
+  with pytest.raises(ValueError, match="snapshot_every=0"):
+    jdist.CheckpointManager(tmp_path, snapshot_every=0)
+
+
+def test_every_kind_of_leaf_comes_back_bit_for_bit(tmp_path, job):
+  """bfloat16, integers, booleans, a scalar, an empty array, a PRNG key."""
+  strategy = strategy_on(2)
+  state = strategy.replicate({
+      "bf16": jax.numpy.arange(5, dtype=jax.numpy.bfloat16) / 3,
+      "int": jax.numpy.arange(6, dtype=jax.numpy.int32).reshape(2, 3),
+      "bool": jax.numpy.array([True, False]), "scalar": jax.numpy.float32(2.5),
+      "empty": jax.numpy.zeros((0, 4)), "key": jax.random.key(7)})
+  with jdist.CheckpointManager(tmp_path / "ckpt", strategy=strategy,
+                               save_every=100, snapshot_every=1) as manager:
+    assert manager.save(1, state) is None  # in memory only
+    restored = manager.restore(state)  # (it writes the snapshot taken first)
+    assert manager.steps == [] and manager.latest_step == 1
+  for name in state:
+    want, got = state[name], restored[name]
+    if name == "key":
+      want, got = jax.random.key_data(want), jax.random.key_data(got)
+    assert got.dtype == want.dtype and got.shape == want.shape, name
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want), name)
+
+
+def test_a_step_that_donates_its_state_loses_one_snapshot_then_none(
+    tmp_path, job, capfd):
+  """The snapshot taken at a save is written at the next; a step that
+  donates the state deletes its arrays before: that snapshot is lost, with
+  a line, and the next ones are written when taken."""
+  strategy = strategy_on(2)
+  step = strategy.function(lambda s: jax.tree.map(lambda x: x + 1, s),
+                           donate_argnums=0)
+  state = strategy.replicate({"w": jax.numpy.zeros(3)})
+  with jdist.CheckpointManager(tmp_path / "ckpt", strategy=strategy,
+                               save_every=100, snapshot_every=1) as manager:
+    for i in range(1, 4):
+      state = step(state)
+      manager.save(i, state)
+    assert "the in-memory snapshot of step 1 was lost" in capfd.readouterr().err
+    assert manager.snapshot_step == 3  # written when taken
+    restored = manager.restore(jax.eval_shape(lambda: state))
+  np.testing.assert_array_equal(np.asarray(restored["w"]), [3.0, 3.0, 3.0])
