@@ -8,7 +8,9 @@ its command line.
 """
 
 import os
+import time
 
+import pytest
 import ray
 
 
@@ -53,3 +55,26 @@ def actor_pids(name: str) -> list:
                                 title.startswith(f"ray::{name}.")):
         pids.append(int(entry))
   return sorted(pids)
+
+
+def wait_gone(pids, timeout: float = 15.0) -> list:
+  """Waits until none of `pids` exists; those still there at `timeout`."""
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    alive = [p for p in pids if os.path.exists(f"/proc/{p}")]
+    if not alive:
+      return []
+    time.sleep(0.1)
+  return alive
+
+
+COORDINATORS = []  # each test's, shut down after it even when it fails
+
+
+@pytest.fixture(autouse=True)
+def shut_down_coordinators():
+  """Shuts down the coordinators a test put in `COORDINATORS` (a module
+  that imports this fixture uses it for each of its tests)."""
+  yield
+  while COORDINATORS:
+    COORDINATORS.pop().shutdown()

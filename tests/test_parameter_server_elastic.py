@@ -25,7 +25,8 @@ import pytest
 import jdist
 
 ray = pytest.importorskip("ray")
-from ray_processes import actor_pids  # noqa: E402 (needs Ray)
+from ray_processes import COORDINATORS, actor_pids, wait_gone  # noqa: E402 (needs Ray)
+from ray_processes import shut_down_coordinators  # noqa: E402,F401 (fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -57,33 +58,13 @@ def worker_pids() -> list:
   return actor_pids("TrainingWorker")
 
 
-def wait_gone(pids, timeout=15.0) -> list:
-  deadline = time.monotonic() + timeout
-  while time.monotonic() < deadline:
-    alive = [p for p in pids if os.path.exists(f"/proc/{p}")]
-    if not alive:
-      return []
-    time.sleep(0.1)
-  return alive
-
-
-_COORDINATORS = []  # each test's, shut down after it even when it fails
-
-
-@pytest.fixture(autouse=True)
-def shut_down_after():
-  yield
-  while _COORDINATORS:
-    _COORDINATORS.pop().shutdown()
-
-
 def setup(**ray_options):
   """Two workers, one server; a per-worker dataset; a counting step."""
   strategy = jdist.ParameterServerStrategy(
       jdist.cluster_resolver.LocalClusterResolver(num_workers=2, num_ps=1),
       backend="ray", timeout_seconds=30, ray_options=ray_options)
   coordinator = jdist.ClusterCoordinator(strategy)
-  _COORDINATORS.append(coordinator)
+  COORDINATORS.append(coordinator)
   counter = strategy.replicate(jnp.zeros((1,), jnp.float32))
   count = strategy.function(lambda c, batch: (c + 1.0, jnp.sum(c)))
 

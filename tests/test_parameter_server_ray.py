@@ -24,7 +24,8 @@ from jdist.examples.models import MLP
 from jdist.examples.steps import classifier_step
 
 ray = pytest.importorskip("ray")
-from ray_processes import actor_pids  # noqa: E402 (needs Ray)
+from ray_processes import COORDINATORS, actor_pids, wait_gone  # noqa: E402 (needs Ray)
+from ray_processes import shut_down_coordinators  # noqa: E402,F401 (fixture)
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -48,26 +49,6 @@ def ray_cluster():
 
 def actors_left():
   return actor_pids("TrainingWorker") + actor_pids("ParameterServer")
-
-
-def wait_gone(pids, timeout=10.0):
-  deadline = time.monotonic() + timeout
-  while time.monotonic() < deadline:
-    alive = [p for p in pids if os.path.exists(f"/proc/{p}")]
-    if not alive:
-      return []
-    time.sleep(0.1)
-  return alive
-
-
-_COORDINATORS = []  # each test's, shut down after it even when it fails
-
-
-@pytest.fixture(autouse=True)
-def shut_down_after():
-  yield
-  while _COORDINATORS:
-    _COORDINATORS.pop().shutdown()
 
 
 def wait_for(predicate, timeout=60.0):
@@ -111,7 +92,7 @@ def setup(digits_split, **kwargs):
   tx = optax.sgd(0.1)
   train_step = strategy.function(classifier_step(apply_fn, tx))
   coordinator = jdist.ClusterCoordinator(strategy)
-  _COORDINATORS.append(coordinator)
+  COORDINATORS.append(coordinator)
   params = MODEL.init(jax.random.key(0), x[:1])["params"]
   state = strategy.replicate((params, tx.init(params)))
 
@@ -169,7 +150,7 @@ def test_tutorial_program_and_fit_on_ray(digits_split):
   assert want > 0.85 and abs(got - want) <= 0.03, (got, want)
   pids = actors_left()
   coordinator.shutdown()
-  assert wait_gone(pids) == [] and actors_left() == []
+  assert wait_gone(pids, timeout=10.0) == [] and actors_left() == []
   assert not [t for t in threading.enumerate() if t.name.startswith("jdist-")]
 
 
@@ -215,7 +196,7 @@ def test_worker_killed_mid_run(digits_split):
   print(f"400 steps with a worker killed: {took:.1f} s")
   pids = actors_left()
   coordinator.shutdown()
-  assert wait_gone(pids) == [] and actors_left() == []
+  assert wait_gone(pids, timeout=10.0) == [] and actors_left() == []
 
 
 def test_parameter_server_killed_join_raises_within_timeout(digits_split):
@@ -249,7 +230,7 @@ def test_parameter_server_killed_join_raises_within_timeout(digits_split):
     state.read(wait=False)
   pids = actors_left()
   coordinator.shutdown()
-  assert wait_gone(pids) == [] and actors_left() == []
+  assert wait_gone(pids, timeout=10.0) == [] and actors_left() == []
 
 
 def test_unpicklable_function_is_a_clear_error(digits_split):
@@ -257,7 +238,7 @@ def test_unpicklable_function_is_a_clear_error(digits_split):
       jdist.cluster_resolver.LocalClusterResolver(num_workers=1, num_ps=1),
       backend="ray")
   coordinator = jdist.ClusterCoordinator(strategy)
-  _COORDINATORS.append(coordinator)
+  COORDINATORS.append(coordinator)
   lock = threading.Lock()
   with pytest.raises(TypeError, match="must be picklable"):
     coordinator.schedule(lambda: lock.locked())
@@ -309,7 +290,7 @@ def test_parameter_server_stopped_is_an_error_within_the_timeout(digits_split):
     os.kill(server, signal.SIGCONT)
   pids = actors_left()
   coordinator.shutdown()
-  assert wait_gone(pids) == [] and actors_left() == []
+  assert wait_gone(pids, timeout=10.0) == [] and actors_left() == []
 
 
 def test_worker_stopped_is_lost_and_its_functions_run_elsewhere(digits_split,
@@ -342,4 +323,4 @@ def test_worker_stopped_is_lost_and_its_functions_run_elsewhere(digits_split,
   assert wait_for(lambda: len(actor_pids("TrainingWorker")) == 2, 120)
   pids = actors_left()
   coordinator.shutdown()
-  assert wait_gone(pids) == [] and actors_left() == []
+  assert wait_gone(pids, timeout=10.0) == [] and actors_left() == []

@@ -42,6 +42,7 @@ import time
 import uuid
 
 from jdist._src.errors import CheckpointDirectoryError, CheckpointInUseError
+from jdist._src.multiprocess import liveness
 from jdist._src.multiprocess import ranks
 from jdist._src.multiprocess import runtime as runtime_lib
 
@@ -74,14 +75,8 @@ def _machine() -> str:
 
 
 def _alive(pid, start: str | None) -> bool:
-  if not isinstance(pid, int) or pid <= 0:  # 0 and -1 address process groups
+  if not liveness.pid_exists(pid):
     return False
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:
-    pass  # another user's process: it exists
   stat = _proc_stat(pid)
   if stat is None:
     return True

@@ -63,6 +63,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jdist._src.multiprocess import liveness
 from jdist._src.multiprocess import runtime as runtime_lib
 
 MAGIC = b"JDSNAP1\n"
@@ -146,16 +147,6 @@ def _write_all(path: str, buffers: list) -> None:
 
 def _dtype(name: str) -> np.dtype:
   return np.dtype(jnp.dtype(name))  # also bfloat16 and the other ml_dtypes
-
-
-def _alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:
-    return True
-  return True
 
 
 class Snapshots:
@@ -286,7 +277,7 @@ class Snapshots:
     for entry in entries:
       m, tmp = _PART.fullmatch(entry), _TMP.fullmatch(entry)
       gone = ((m is not None and _group(m) not in keep)
-              or (tmp is not None and not _alive(int(tmp[2]))))
+              or (tmp is not None and not liveness.pid_exists(int(tmp[2]))))
       if gone:
         try:
           os.unlink(os.path.join(self.directory, entry))

@@ -32,6 +32,7 @@ from typing import Callable
 
 from jdist._src.multiprocess import failures
 from jdist._src.multiprocess import health
+from jdist._src.multiprocess import liveness
 from jdist._src.multiprocess import ports
 from jdist._src.multiprocess import ranks
 from jdist._src.multiprocess.rendezvous_tcp import Client, RendezvousError
@@ -271,18 +272,8 @@ def _remove_stale_workdirs() -> None:
     path = os.path.join(root, name)
     if m is None or not os.path.isdir(path) or os.stat(path).st_uid != os.getuid():
       continue
-    if not _alive(int(m.group(1))):
+    if not liveness.pid_exists(int(m.group(1))):
       shutil.rmtree(path, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:
-    return True
-  return True
 
 
 def _cannot_act(h: health.RankHealth | None) -> bool:
