@@ -83,6 +83,17 @@ def cross_entropy(logits: np.ndarray, y: np.ndarray) -> float:
   return float(-logp[np.arange(len(y)), y].mean())
 
 
+def local_devices(n: int) -> list:
+  """This process's first `n` JAX devices, or an exit that says how to get
+  them (JAX is imported here: the torch peers never call this)."""
+  import jax
+  devices = jax.local_devices()[:n]
+  if len(devices) < n:
+    raise SystemExit(f"need {n} devices, have {len(jax.local_devices())}: set "
+                     "XLA_FLAGS=--xla_force_host_platform_device_count=N")
+  return devices
+
+
 def pop_option(argv: list, flag: str, default):
   """Removes `flag VALUE` from `argv` (a worker's own option); its value,
   converted like `default`, or `default`."""

@@ -78,10 +78,7 @@ def main(argv=None):
   args = common.parse_args(argv)
   proto = common.Protocol()
   import jax
-  devices = jax.local_devices()[:args.replicas]
-  if len(devices) < args.replicas:
-    raise SystemExit(f"need {args.replicas} devices: set XLA_FLAGS="
-                     "--xla_force_host_platform_device_count=N")
+  devices = common.local_devices(args.replicas)
   trainers = {m: Trainer(m, devices) for m in args.models}
   loss0 = {m: t.evaluate() for m, t in trainers.items()}
   common.warm_all(trainers, args.warmup)

@@ -64,10 +64,7 @@ def main(argv=None):
   import jax
 
   import jdist
-  devices = jax.local_devices()[:args.replicas]
-  if len(devices) < args.replicas:
-    raise SystemExit(f"need {args.replicas} devices: set XLA_FLAGS="
-                     "--xla_force_host_platform_device_count=N")
+  devices = common.local_devices(args.replicas)
   strategy = jdist.MirroredStrategy(devices)
   trainers = {m: Trainer(m, strategy, spe) for m in args.models}
   for t in trainers.values():  # builds the state from the given params

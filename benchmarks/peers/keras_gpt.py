@@ -142,10 +142,7 @@ def main(argv=None):
   proto = common.Protocol()
   import jax
   import keras
-  devices = jax.local_devices()[:args.replicas]
-  if len(devices) < args.replicas:
-    raise SystemExit(f"need {args.replicas} devices: set XLA_FLAGS="
-                     "--xla_force_host_platform_device_count=N")
+  devices = common.local_devices(args.replicas)
   mesh = keras.distribution.DeviceMesh((1, len(devices)), ["batch", "model"],
                                        devices)
   keras.distribution.set_distribution(keras.distribution.ModelParallel(

@@ -94,10 +94,7 @@ def main(argv=None):
   proto = common.Protocol()
   import jax
   import keras
-  devices = jax.local_devices()[:args.replicas]
-  if len(devices) < args.replicas:
-    raise SystemExit(f"need {args.replicas} devices: set XLA_FLAGS="
-                     "--xla_force_host_platform_device_count=N")
+  devices = common.local_devices(args.replicas)
   keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
   trainers = {m: Trainer(m, path, spe) for m in args.models}
   loss0 = {m: t.evaluate() for m, t in trainers.items()}

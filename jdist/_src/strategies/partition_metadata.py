@@ -184,14 +184,23 @@ class PartitionMetadata:
       raise ValueError(problem)
     return spec
 
-  def _check_axes(self, path, shape, spec, what, remedy) -> None:
-    for entry in spec:
+  def _unknown_axis(self, spec) -> tuple[int, str] | None:
+    """`(dimension, axis)` of the first axis of `spec` that the mesh does
+    not have, or None."""
+    for dim, entry in enumerate(spec):
       for axis in _axes(entry):
         if axis not in self._mesh.axis_names:
-          raise ValueError(
-              f"Parameter {path!r} of shape {shape} is partitioned by its "
-              f"flax metadata ({what}) as {tuple(spec)}, but {axis!r} is not "
-              f"an axis of the mesh {self._mesh.axis_names}. {remedy(axis)}")
+          return dim, axis
+    return None
+
+  def _check_axes(self, path, shape, spec, what, remedy) -> None:
+    unknown = self._unknown_axis(spec)
+    if unknown is not None:
+      axis = unknown[1]
+      raise ValueError(
+          f"Parameter {path!r} of shape {shape} is partitioned by its "
+          f"flax metadata ({what}) as {tuple(spec)}, but {axis!r} is not "
+          f"an axis of the mesh {self._mesh.axis_names}. {remedy(axis)}")
 
   def _logical(self, path: str, box, unruled: list | None) -> P:
     rules = self._rules if box.rules is None else normalize_rules(box.rules)
@@ -201,15 +210,16 @@ class PartitionMetadata:
       unruled.extend((path, n) for n in names
                      if isinstance(n, str) and n not in ruled)
     spec = nn.logical_to_mesh_axes(names, rules)
-    for name, entry in zip(names, spec):
-      for axis in _axes(entry):
-        if axis not in self._mesh.axis_names:
-          raise ValueError(
-              f"Parameter {path!r} is partitioned by logical axis names "
-              f"{names} (nn.with_logical_partitioning); the logical axis rule "
-              f"({name!r}, {entry!r}) maps {name!r} to {axis!r}, which is not "
-              f"an axis of the mesh {self._mesh.axis_names}. Map it to one of "
-              "those axes (or None).")
+    unknown = self._unknown_axis(spec)
+    if unknown is not None:
+      dim, axis = unknown
+      name, entry = names[dim], spec[dim]
+      raise ValueError(
+          f"Parameter {path!r} is partitioned by logical axis names "
+          f"{names} (nn.with_logical_partitioning); the logical axis rule "
+          f"({name!r}, {entry!r}) maps {name!r} to {axis!r}, which is not "
+          f"an axis of the mesh {self._mesh.axis_names}. Map it to one of "
+          "those axes (or None).")
     return spec
 
   def _nnx(self, path: str, shape: tuple, variable) -> P | None:
@@ -229,15 +239,15 @@ class PartitionMetadata:
       return rules.get(entry, entry) if isinstance(entry, str) else entry
 
     spec = P(*[mapped(e) for e in names])
-    for entry in spec:
-      for axis in _axes(entry):
-        if axis not in self._mesh.axis_names:
-          raise ValueError(
-              f"Parameter {path!r} of shape {shape} is partitioned by its nnx "
-              f"out_sharding {names}, but {axis!r} is neither an axis of the "
-              f"mesh {self._mesh.axis_names} nor a logical name that a rule "
-              f"maps. Name a mesh axis (or None), or add a rule ({axis!r}, "
-              "<mesh axis>) to ModelParallelStrategy(logical_axis_rules=...).")
+    unknown = self._unknown_axis(spec)
+    if unknown is not None:
+      axis = unknown[1]
+      raise ValueError(
+          f"Parameter {path!r} of shape {shape} is partitioned by its nnx "
+          f"out_sharding {names}, but {axis!r} is neither an axis of the "
+          f"mesh {self._mesh.axis_names} nor a logical name that a rule "
+          f"maps. Name a mesh axis (or None), or add a rule ({axis!r}, "
+          "<mesh axis>) to ModelParallelStrategy(logical_axis_rules=...).")
     return spec
 
 
