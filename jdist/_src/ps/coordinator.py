@@ -246,19 +246,25 @@ class ClusterCoordinator:
         pending.append((closure, worker.submit(closure)))
       if not pending:
         return  # stopped: a blocking get() gives None only then
-      failure, rerun = self._finish(worker, *pending.popleft())
+      failure, again = self._finish(worker, *pending.popleft())
       if failure is not None:
-        while pending:  # what the worker still had: done, or back in the queue
-          rerun += self._finish(worker, *pending.popleft())[1]
-        if not self._closed and not self._restart(worker, failure, rerun):
+        while pending:  # what the worker still had: done, or to run again
+          again += self._finish(worker, *pending.popleft())[1]
+        # Logged before the functions go back to the queue: another worker
+        # may finish them (and join() return) at once.
+        self._log_failure(worker, failure, len(again))
+        for closure in again:
+          self._queue.put_back(closure)
+        if not self._closed and not self._restart(worker, failure):
           return
 
   def _finish(self, worker, closure, ticket) -> tuple:
     """Waits for one closure on `worker`.
 
     Returns:
-      `(failure, rerun)`: the worker's failure (None if it did not fail),
-      and whether the closure went back to the queue to run again.
+      `(failure, again)`: the worker's failure (None if it did not fail),
+      and the closures to put back in the queue to run again (a list of
+      this one, or empty).
     """
     try:
       value = worker.result(ticket)
@@ -268,8 +274,8 @@ class ClusterCoordinator:
             f"The scheduled function {_name(closure.fn)} was started "
             f"{closure.attempts} times and its worker failed each time; "
             f"the last failure: {e}"))
-        return e, False
-      return e, self._queue.put_back(closure)
+        return e, []
+      return e, [closure]
     except ParameterServerError as e:
       self._queue.failed(closure, e)
       self._queue.abort(e)
@@ -277,7 +283,14 @@ class ClusterCoordinator:
       self._queue.failed(closure, e)
     else:
       self._queue.finished(closure, value)
-    return None, False
+    return None, []
+
+  @staticmethod
+  def _log_failure(worker, failure, rerun: int) -> None:
+    _log.warning(
+        "Worker %d failed (%s); %d scheduled function(s) it had run again "
+        "on the workers (at least once), and the worker is restarted.",
+        worker.index, failure, rerun)
 
   def _join(self, worker, where: str) -> bool:
     """A worker joined the cluster (Ray): it runs functions from now on.
@@ -300,12 +313,8 @@ class ClusterCoordinator:
               "it, %d worker(s) now.", worker.index, where, alive)
     return True
 
-  def _restart(self, worker, failure, rerun: int) -> bool:
-    """Logs a failed worker and waits for it to come back; False if it left."""
-    _log.warning(
-        "Worker %d failed (%s); %d scheduled function(s) it had run again "
-        "on the workers (at least once), and the worker is restarted.",
-        worker.index, failure, rerun)
+  def _restart(self, worker, failure) -> bool:
+    """Waits for a failed worker to come back; False if it left."""
     if worker.recover():
       _log.info("Worker %d was restarted.", worker.index)
       return True
