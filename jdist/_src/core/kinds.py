@@ -23,9 +23,10 @@ leaf is an array (`MIRRORED`, or `PER_REPLICA` for an output that varies over
 the replicas) or, under jit's trace, a Python value (`STATIC`).
 
 A new kind is one value class (a `DistributedValue`) and one entry here: a
-`ValueKind` subclass and `register(cls, kind)`. Its leaves may carry any
-`PartitionSpec` (`Sharded` already does), so a layout over several mesh axes
-needs no change in the engine.
+`ValueKind` subclass and `register(cls, kind)`. The map is manual over the
+replica axis only (a replica may span devices), so a kind's specs name that
+axis alone; a layout over the other mesh axes is carried by the arrays'
+shardings (`Sharded.layouts`: the replica axis and a parameter's layout).
 """
 
 from __future__ import annotations
@@ -292,8 +293,12 @@ class _SyncOnRead(ValueKind):
 
 
 class _Sharded(ValueKind):
-  """State split over the replicas (`Sharded`): each replica its blocks,
-  laid out by the value's own per-leaf partition specs."""
+  """State split over the replicas (`Sharded`): each replica its blocks.
+
+  The map is manual over the replica axis alone, so its specs name only that
+  axis (`Sharded.replica_specs`); a layout within a replica
+  (`Sharded.layouts`) travels with the arrays' own shardings, and the
+  strategy's `keep_layouts` holds the step's new blocks in it."""
 
   name = "Sharded"
   kept_in_step = True
@@ -301,7 +306,7 @@ class _Sharded(ValueKind):
   def inputs(self, x, strategy):
     _check_sharded(x, strategy)
     leaves, treedef = jax.tree_util.tree_flatten(x.value)
-    return Inputs(tuple(leaves), x.partition_specs(), (treedef, x))
+    return Inputs(tuple(leaves), x.replica_specs(), (treedef, x))
 
   def local(self, aux, blocks):
     treedef, layout = aux
@@ -311,7 +316,7 @@ class _Sharded(ValueKind):
     return jax.tree_util.tree_structure(x.value), x
 
   def out_specs(self, aux, axis):
-    return list(aux[1].partition_specs())
+    return list(aux[1].replica_specs())
 
   def result(self, x, axis):
     return [jnp.asarray(v) for v in jax.tree.leaves(x.value)]
@@ -347,6 +352,16 @@ def _check_sharded(node: Sharded, strategy) -> None:
         f"A Sharded value split over the mesh axis {node.axis_name!r} was "
         f"passed to a step of a strategy whose axis is {strategy.axis_name!r}. "
         "Initialise the optimizer state with this strategy.")
+  if node.layouts is not None:
+    named = {a for spec in node.layouts for entry in spec if entry is not None
+             for a in (entry if isinstance(entry, tuple) else (entry,))}
+    missing = sorted(named - set(strategy.mesh.axis_names))
+    if missing:
+      raise StrategyMismatchError(
+          f"A Sharded value laid out over the mesh axes {missing} was passed "
+          f"to a step of a strategy whose mesh has the axes "
+          f"{tuple(strategy.mesh.axis_names)}. Initialise the optimizer state "
+          "with this strategy, or restore it from a checkpoint onto it.")
   flat = jax.tree_util.tree_flatten_with_path(node.value)[0]
   for (path, leaf), axis in zip(flat, node.axes):
     if axis is not None and jnp.shape(leaf)[axis] % n:

@@ -310,47 +310,87 @@ class Sharded(DistributedValue):
   optimizer state this way; the leaves' shapes are those of the unsharded
   state, so a checkpoint of it restores onto any number of devices.
 
+  When a replica spans devices (`jdist.ModelParallelStrategy`), `layouts`
+  gives each leaf's layout within a replica (the mesh axes other than the
+  replica one, as its parameter is laid out): a leaf is then split over
+  both, the replica axis first on a dimension both split (each replica's
+  block is contiguous, and split over its devices).
+
   Attributes:
     value: the pytree of arrays (global outside a step, blocks inside).
     axes: for each leaf of `value`, the axis split over replicas, or None.
     axis_name: the mesh axis of the replicas.
+    layouts: for each leaf, its `PartitionSpec` within a replica; None when
+      every leaf is whole on a replica's devices (one device per replica).
 
   Example:
     >>> import jdist, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
     >>> s = jdist.Sharded({"w": jnp.zeros((4, 3))}, (0,), "replica")
     >>> s.partition_specs()
     (P('replica',),)
+    >>> s = jdist.Sharded({"w": jnp.zeros((4, 8))}, (0,), "data",
+    ...                   layouts=(P(None, "model"),))
+    >>> s.partition_specs(), s.replica_specs()
+    ((P('data', 'model'),), (P('data',),))
   """
 
-  __slots__ = ("value", "axes", "axis_name")
+  __slots__ = ("value", "axes", "axis_name", "layouts")
 
-  def __init__(self, value: Any, axes: tuple, axis_name: str):
+  def __init__(self, value: Any, axes: tuple, axis_name: str,
+               layouts: tuple | None = None):
     self.value = value
     self.axes = tuple(axes)
     self.axis_name = axis_name
+    self.layouts = None if layouts is None else tuple(
+        P(*spec) for spec in layouts)
 
   def tree_flatten(self):
-    return (self.value,), (self.axes, self.axis_name)
+    return (self.value,), (self.axes, self.axis_name, self.layouts)
 
   @classmethod
   def tree_unflatten(cls, aux, children):
     obj = object.__new__(cls)
     obj.value = children[0]
-    obj.axes, obj.axis_name = aux
+    obj.axes, obj.axis_name, obj.layouts = aux
     return obj
 
-  def partition_specs(self) -> tuple:
-    """One `PartitionSpec` per leaf of `value`, in flattening order."""
+  def replica_specs(self) -> tuple:
+    """One `PartitionSpec` per leaf naming the replica axis alone: what a
+    step's `shard_map` (manual over that axis only) takes and returns."""
     return tuple(P() if a is None else P(*([None] * a), self.axis_name)
                  for a in self.axes)
 
+  def partition_specs(self) -> tuple:
+    """One `PartitionSpec` per leaf of `value`, in flattening order: where
+    each leaf lies on the whole mesh (the replica axis and the layout)."""
+    if self.layouts is None:
+      return self.replica_specs()
+    return tuple(_with_replica_axis(layout, a, self.axis_name)
+                 for layout, a in zip(self.layouts, self.axes))
+
   def replace(self, value: Any) -> "Sharded":
     """Returns a `Sharded` holding `value` with the same layout."""
-    return Sharded(value, self.axes, self.axis_name)
+    return Sharded(value, self.axes, self.axis_name, self.layouts)
 
   def __repr__(self) -> str:
     shapes = jax.tree.map(lambda x: tuple(np.shape(x)), self.value)
     return f"Sharded({shapes}, axes={self.axes})"
+
+
+def _with_replica_axis(layout: P, axis: int | None, axis_name: str) -> P:
+  """`layout` with dimension `axis` also split over `axis_name`, outermost
+  (each replica's block contiguous, then split as `layout` says)."""
+  if axis is None:
+    return layout
+  dims = list(layout) + [None] * max(0, axis + 1 - len(layout))
+  within = dims[axis]
+  if within is None:
+    dims[axis] = axis_name
+  else:
+    dims[axis] = (axis_name,) + (tuple(within) if isinstance(
+        within, (tuple, list)) else (within,))
+  return P(*dims)
 
 
 def _read_in_step(value: Any, agg: VariableAggregation, ctx) -> Any:

@@ -194,8 +194,9 @@ def result_problem(optimizer, layout: Layout,
                    state_axes: Callable[[list, list], list]) -> str | None:
   """Why the update on each replica's blocks of a small random probe does
   not put together its update on the whole leaves (naming the first leaf
-  that differs), or None. Runs eagerly on the CPU, two steps: op by op,
-  small leaves cost less than compiling the update for two shapes.
+  that differs), or None. Runs eagerly on the CPU (also inside a trace),
+  two steps: op by op, small leaves cost less than compiling the update for
+  two shapes.
 
   Args:
     optimizer: the optax `GradientTransformation`.
@@ -208,7 +209,10 @@ def result_problem(optimizer, layout: Layout,
   rng = np.random.default_rng(0)
   n = layout.num_replicas
   update = optimizer.update
-  with jax.default_device(jax.local_devices(backend="cpu")[0]):
+  # Evaluated now even when `init` runs inside a trace (`strategy.init` of
+  # a whole train state): the probe's values are concrete.
+  with jax.ensure_compile_time_eval(), jax.default_device(
+      jax.local_devices(backend="cpu")[0]):
     params = [_random(rng, x) for x in probe]
     state = optimizer.init(layout.tree(params))
     for _ in range(_PROBE_STEPS):

@@ -18,6 +18,14 @@ count like 4 or 8. `mirror_indivisible=False` turns them into an error, and
 a model none of whose leaves can be split is always one. The leaves keep the
 shapes of the unsharded state, so a checkpoint of it restores onto any
 number of devices (orbax reads the blocks it needs).
+
+When a replica spans devices (`ModelParallelStrategy`), the state keeps its
+parameter's layout within each replica and is split over the replicas on
+top of it: a `(None, "model")` kernel's moments lie as `("data", "model")`,
+a quarter on each device of a 2 x 2 mesh. The rule then counts an axis the
+layout splits over k devices as one the replica count divides only if it
+holds replicas x k (each replica's block must split evenly over its
+devices).
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import numpy as np
 import optax
 from jax import lax
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jdist._src import current
 from jdist._src.core import context
@@ -39,22 +48,47 @@ from jdist._src.core.values import Sharded
 from jdist._src.errors import ReplicaContextError, ShardingError
 from jdist._src.ops import elementwise
 
-def split_axis(shape: Sequence[int], num_replicas: int) -> int | None:
+def split_axis(shape: Sequence[int], num_replicas: int,
+               within: Sequence[int] | None = None) -> int | None:
   """The axis of a leaf of `shape` split over replicas, or None (kept whole).
 
   On one replica nothing is split: the state is whole, as without sharding.
+
+  Args:
+    shape: the leaf's shape.
+    num_replicas: how many replicas share the state.
+    within: for each axis, over how many devices of a replica the leaf's
+      layout splits it (`ModelParallelStrategy`); None: one (each replica is
+      one device). An axis split over k devices must hold `num_replicas * k`.
 
   Example:
     >>> from jdist._src.ops.sharded_optimizer import split_axis
     >>> split_axis((10, 64), 4), split_axis((10,), 4), split_axis((), 4)
     (1, None, None)
+    >>> split_axis((2, 8), 2, within=(2, 1))  # axis 0: 2 replicas x 2 devices
+    1
   """
   if num_replicas == 1:
     return None
   for k, size in enumerate(shape):
-    if size >= num_replicas and size % num_replicas == 0:
+    split = num_replicas * (within[k] if within else 1)
+    if size >= split and size % split == 0:
       return k
   return None
+
+
+def _mesh_axes(entry) -> tuple:
+  """The mesh axes one dimension's `PartitionSpec` entry names."""
+  if entry is None or entry is P.UNCONSTRAINED:
+    return ()
+  return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def _split_counts(spec: P, mesh, rank: int) -> tuple:
+  """For each of `rank` axes, over how many devices `spec` splits it."""
+  entries = list(spec) + [None] * (rank - len(spec))
+  return tuple(int(np.prod([mesh.shape[a] for a in _mesh_axes(e)]))
+               for e in entries[:rank])
 
 
 def _block(x, axis: int, num_replicas: int, index) -> jax.Array:
@@ -62,23 +96,21 @@ def _block(x, axis: int, num_replicas: int, index) -> jax.Array:
   return lax.dynamic_slice_in_dim(x, index * size, size, axis=axis)
 
 
-def _local_shape(shape, axis, num_replicas):
-  if axis is None:
-    return tuple(shape)
-  return tuple(s // num_replicas if k == axis else s
-               for k, s in enumerate(shape))
-
-
 class ShardedOptimizer:
   """An optax optimizer whose state is split over the replicas (ZeRO).
 
   A drop-in for the optax `GradientTransformation` it wraps, in a step of a
   synchronous strategy (`MirroredStrategy`, `MultiWorkerMirroredStrategy`,
-  `TPUStrategy`): `init(params)` outside the step places each replica's block
-  of the state on its device; `update(grads, state, params)` inside the step
-  updates this replica's block and returns the whole update, the same on
-  every replica, so `optax.apply_updates` (or flax's
-  `TrainState.apply_gradients`) keeps the parameters mirrored.
+  `TPUStrategy`, `ModelParallelStrategy`): `init(params)` outside the step
+  places each replica's block of the state on its device; `update(grads,
+  state, params)` inside the step updates this replica's block and returns
+  the whole update, the same on every replica, so `optax.apply_updates` (or
+  flax's `TrainState.apply_gradients`) keeps the parameters mirrored.
+
+  Under `ModelParallelStrategy` a replica spans devices: each leaf's state
+  keeps its parameter's layout over them and is split over the replica axis
+  as well (ZeRO over the data axis, tensor parallelism within), so a 2 x 2
+  mesh holds a quarter of a `(None, "model")` kernel's moments per device.
 
   Gradients from `jax.grad` arrive summed over replicas (an all-reduce):
   `update` takes its block of them (ZeRO-1). Gradients from this
@@ -146,7 +178,8 @@ class ShardedOptimizer:
 
     Args:
       params: the parameters (arrays or `jax.ShapeDtypeStruct`s).
-      num_replicas: default: the strategy's.
+      num_replicas: default: the strategy's. Without a strategy, each
+        replica is taken to be one device.
 
     Example:
       >>> import jdist, jax.numpy as jnp, optax
@@ -154,27 +187,49 @@ class ShardedOptimizer:
       >>> tx.layout({"b": jnp.zeros(10), "w": jnp.zeros((10, 64))}, 4)
       {'b': None, 'w': 1}
     """
-    n = num_replicas or self._resolve_strategy().num_replicas_in_sync
-    return jax.tree.map(lambda x: split_axis(np.shape(x), n), params)
+    strategy = self._strategy if num_replicas else self._resolve_strategy()
+    n = num_replicas or strategy.num_replicas_in_sync
+    treedef = jax.tree_util.tree_structure(params)
+    return jax.tree_util.tree_unflatten(
+        treedef, self._split_axes(params, n, strategy)[0])
 
-  def _checked_layout(self, params, n: int) -> list:
+  @staticmethod
+  def _split_axes(params: Any, n: int, strategy) -> tuple[list, list]:
+    """`(axes, counts)`: each leaf's axis split over `n` replicas (or None),
+    and over how many devices of a replica its layout splits each axis."""
+    leaves = jax.tree.leaves(params)
+    if strategy is None:
+      counts = [(1,) * np.ndim(x) for x in leaves]
+    else:
+      counts = [_split_counts(spec, strategy.mesh, np.ndim(x)) for x, spec in
+                zip(leaves, strategy.replica_layouts(params))]
+    return [split_axis(np.shape(x), n, c)
+            for x, c in zip(leaves, counts)], counts
+
+  def _checked_layout(self, params, strategy) -> list:
+    n = strategy.num_replicas_in_sync
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     if not flat:
       raise ShardingError("ShardedOptimizer.init got parameters with no "
                           "array leaves: there is no state to shard.")
-    axes = [split_axis(np.shape(x), n) for _, x in flat]
+    _check_free_replica_axis(params, strategy)
+    axes, counts = self._split_axes(params, n, strategy)
     whole = [f"{jax.tree_util.keystr(p) or '<params>'} {tuple(np.shape(x))}"
              for (p, x), a in zip(flat, axes) if a is None]
     if n == 1 or not whole:
       return axes
     shown = ", ".join(whole[:8]) + (
         f" and {len(whole) - 8} more" if len(whole) > 8 else "")
+    within = ""
+    if any(k > 1 for c, a in zip(counts, axes) if a is None for k in c):
+      within = (" (an axis its layout splits over k devices of a replica "
+                f"must hold {n} x k)")
     if len(whole) == len(flat):
       raise ShardingError(
           f"None of the parameters can be split over {n} replicas: {shown}. "
           f"A leaf's optimizer state is split along its first axis that {n} "
-          "divides, so all of this state would stay whole on every replica "
-          "and sharding would save nothing. Use the optimizer itself "
+          f"divides{within}, so all of this state would stay whole on every "
+          "replica and sharding would save nothing. Use the optimizer itself "
           "(mirrored state; Trainer(shard_optimizer_state=False)), or layer "
           f"sizes that are multiples of {n}.")
     if not self.mirror_indivisible:
@@ -182,8 +237,8 @@ class ShardedOptimizer:
           f"These parameters cannot be split over {n} replicas: {shown}, and "
           "ShardedOptimizer(mirror_indivisible=False) refuses to keep their "
           f"state whole. A leaf's state is split along its first axis that "
-          f"{n} divides. Leave mirror_indivisible out (True keeps such "
-          "leaves' state whole on every replica, as mirrored training "
+          f"{n} divides{within}. Leave mirror_indivisible out (True keeps "
+          "such leaves' state whole on every replica, as mirrored training "
           f"does), or use layer sizes that are multiples of {n}.")
     return axes
 
@@ -235,11 +290,15 @@ class ShardedOptimizer:
   def init(self, params: Any) -> Sharded:
     """Each replica's block of the optimizer state, placed on its device.
 
-    Call it outside a step; `params` may be host arrays or mirrored ones.
+    Call it outside a step; `params` may be host arrays, mirrored ones, or
+    (under `ModelParallelStrategy`) arrays in their layout. Inside a trace
+    (`strategy.init` of a whole train state, or the caller's `jax.jit`) the
+    state is laid out in the traced program.
 
     Raises:
       jdist.ShardingError: the optimizer is not elementwise, no parameter
-        can be split, or (with `mirror_indivisible=False`) one cannot.
+        can be split, (with `mirror_indivisible=False`) one cannot, or a
+        parameter's layout already splits it over the replica axis.
     """
     if context.current_replica_context() is not None:
       raise ReplicaContextError(
@@ -247,19 +306,24 @@ class ShardedOptimizer:
           "call it outside the step, once, and pass the state to the step.")
     strategy = self._resolve_strategy()
     n = strategy.num_replicas_in_sync
-    layout = elementwise.Layout(params, self._checked_layout(params, n), n)
+    layout = elementwise.Layout(params, self._checked_layout(params, strategy),
+                                n)
     state_axes = self._state_axes(layout, layout.specs, layout.block_specs())
     self._check_elementwise(layout)
-    layout = Sharded(None, state_axes, strategy.axis_name)
-    shardings = [NamedSharding(strategy.mesh, spec)
-                 for spec in layout.partition_specs()]
-    out_tree = jax.tree_util.tree_structure(
-        jax.eval_shape(self.optimizer.init, params))
-    value = jax.jit(
-        self.optimizer.init,
-        out_shardings=jax.tree_util.tree_unflatten(out_tree, shardings))(
-            strategy.replicate(params))
-    return layout.replace(value)
+    whole_state = jax.eval_shape(self.optimizer.init, layout.tree(layout.specs))
+    sharded = Sharded(None, state_axes, strategy.axis_name,
+                      _state_layouts(whole_state, state_axes, strategy))
+    out_tree = jax.tree_util.tree_structure(whole_state)
+    shardings = jax.tree_util.tree_unflatten(out_tree, [
+        NamedSharding(strategy.mesh, spec)
+        for spec in sharded.partition_specs()])
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params)):
+      value = jax.lax.with_sharding_constraint(self.optimizer.init(params),
+                                               shardings)
+    else:
+      value = jax.jit(self.optimizer.init, out_shardings=shardings)(
+          _on_mesh(params, strategy))
+    return sharded.replace(value)
 
   def update(self, grads: Any, state: Sharded, params: Any = None
              ) -> tuple[Any, Sharded]:
@@ -287,7 +351,7 @@ class ShardedOptimizer:
     n = ctx.num_replicas_in_sync
     index = lax.axis_index(axis_name)
     treedef = jax.tree_util.tree_structure(grads)
-    axes = [split_axis(np.shape(g), n) for g in jax.tree.leaves(grads)]
+    axes = self._split_axes(grads, n, ctx.strategy)[0]
 
     def block_of_sum(g, a):
       if in_step.is_varying(g, axis_name):  # each replica's own: ZeRO-2
@@ -333,3 +397,53 @@ class ShardedOptimizer:
       return grad_fn(*args, **kwargs)
 
     return wrapped
+
+
+def _check_free_replica_axis(params: Any, strategy) -> None:
+  """Refuses a parameter whose layout already splits it over the replica
+  axis: its state cannot be split over the replicas a second time."""
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  for (path, _), spec in zip(flat, strategy.replica_layouts(params)):
+    if any(strategy.axis_name in _mesh_axes(e) for e in spec):
+      raise ShardingError(
+          f"Parameter {jax.tree_util.keystr(path) or '<params>'} is laid out "
+          f"as {tuple(spec)}, over the replica axis {strategy.axis_name!r}: "
+          "ShardedOptimizer splits each leaf's state over the replicas on "
+          "top of its layout, so the layout must use the other mesh axes. "
+          "Lay it out over those, or keep the optimizer state mirrored "
+          "(Trainer(shard_optimizer_state=False)).")
+
+
+def _state_layouts(whole_state: Any, axes: Sequence, strategy) -> tuple | None:
+  """Each state leaf's layout within a replica (its parameter's, as the
+  strategy lays out mirrored state), or None when every leaf is whole on a
+  replica's devices. Raises if a leaf's split axis cannot hold both splits.
+  """
+  n = strategy.num_replicas_in_sync
+  flat = jax.tree_util.tree_flatten_with_path(whole_state)[0]
+  layouts = tuple(strategy.replica_layouts(whole_state))
+  for (path, x), spec, a in zip(flat, layouts, axes):
+    if a is None:
+      continue
+    k = _split_counts(spec, strategy.mesh, np.ndim(x))[a]
+    if np.shape(x)[a] % (n * k):
+      raise ShardingError(
+          f"The optimizer state leaf {jax.tree_util.keystr(path)} of shape "
+          f"{tuple(np.shape(x))} is split over {n} replicas along axis {a}, "
+          f"which its layout {tuple(spec)} also splits over {k} devices: "
+          f"{np.shape(x)[a]} is not a multiple of {n * k}. Give the layout "
+          "of this state the layout of its parameter (a LayoutMap key that "
+          "matches both paths), or keep the optimizer state mirrored.")
+  if all(not any(spec) for spec in layouts):
+    return None
+  return layouts
+
+
+def _on_mesh(params: Any, strategy) -> Any:
+  """`params`, placed on the strategy's devices unless they already are
+  (laid out by `ModelParallelStrategy.init`, or mirrored)."""
+  devices = set(strategy.mesh.devices.flat)
+  if all(isinstance(x, jax.Array) and x.sharding.device_set == devices
+         for x in jax.tree.leaves(params)):
+    return params
+  return strategy.replicate(params)

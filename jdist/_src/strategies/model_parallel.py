@@ -14,11 +14,16 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdist._src.core import kinds, placement
+from jdist._src.core.values import Sharded
 from jdist._src.strategies.device_mesh import DeviceMesh
 from jdist._src.strategies.layout_map import LayoutMap
 from jdist._src.strategies.partition_metadata import (
     PartitionMetadata, is_box, named_leaves, named_nodes, warn_unruled)
 from jdist._src.strategies.spmd import Strategy
+
+
+def _is_sharded(x: Any) -> bool:
+  return isinstance(x, Sharded)
 
 
 def _uses(spec: P, axis: str) -> bool:
@@ -208,20 +213,42 @@ class ModelParallelStrategy(Strategy):
   def partition_specs(self, tree: Any) -> Any:
     """The `PartitionSpec` of every leaf of `tree`: its LayoutMap key's, else
     its flax metadata's, else replicated; split over `fsdp_axis` as well
-    when there is one.
+    when there is one. The leaves of a `jdist.Sharded` (optimizer state
+    split over the replicas) keep its own specs.
 
     Raises:
       ValueError: a layout names an axis the mesh does not have, or splits a
         dimension that the axis's size does not divide.
     """
-    entries = named_leaves(tree)
-    unruled = []
-    specs = [self._spec(name, np.shape(leaf), box, unruled=unruled)
-             for name, leaf, box in entries]
+    names, nodes, _ = named_nodes(tree, stop=_is_sharded)
+    unruled, specs, paths = [], [], []
+    for name, node in zip(names, nodes):
+      if isinstance(node, Sharded):
+        specs.extend(node.partition_specs())
+        paths.extend(f"{name}/{inner}" if name else inner
+                     for inner, _, _ in named_leaves(node.value))
+        continue
+      box = node if is_box(node) else None
+      for leaf in (jax.tree.leaves(node) if box is not None else [node]):
+        specs.append(self._spec(name, np.shape(leaf), box, unruled=unruled))
+      paths.append(name)
     warn_unruled(unruled)
     if self._layout_map is not None:
-      self._layout_map.warn_unmatched([name for name, _, _ in entries])
+      self._layout_map.warn_unmatched(paths)
     return jax.tree_util.tree_unflatten(jax.tree.structure(tree), specs)
+
+  def replica_layouts(self, tree: Any) -> list:
+    """The layout of each leaf of `tree` within a replica, in flattening
+    order: as `partition_specs` lays it out (its LayoutMap key's, else its
+    flax metadata's, else replicated, with `fsdp_axis`), without its
+    warnings. `jdist.ShardedOptimizer` splits the optimizer state over the
+    replicas on top of these.
+
+    Raises:
+      ValueError: see `partition_specs`.
+    """
+    return [self._spec(name, np.shape(leaf), box)
+            for name, leaf, box in named_leaves(tree)]
 
   def shardings(self, tree: Any) -> Any:
     """The `NamedSharding` of every leaf of `tree` (see `partition_specs`)."""
@@ -243,8 +270,9 @@ class ModelParallelStrategy(Strategy):
     (its argument laid out anew) compiled the step a second time. Keys match
     a path's tail (`LayoutMap.layout_of`), so `return params, opt_state,
     loss` finds each array's rule under its position; an array in a flax
-    box takes its box's layout. A distributed value (`PerReplica`, ...)
-    keeps its own layout; an array its layout cannot lay out (another rank,
+    box takes its box's layout. A `jdist.Sharded` (optimizer state split
+    over the replicas) is held in its own layout (`Sharded.partition_specs`),
+    other distributed values (`PerReplica`, ...) as they are; an array its layout cannot lay out (another rank,
     an indivisible dimension) is not state the layouts describe and is left
     as XLA places it.
     """
@@ -261,7 +289,12 @@ class ModelParallelStrategy(Strategy):
 
     kept = []
     for name, node in zip(names, nodes):
-      if kinds.is_node(node):
+      if isinstance(node, Sharded):  # its own layout: replicas and within
+        leaves, tree = jax.tree.flatten(node.value)
+        kept.append(node.replace(jax.tree.unflatten(tree, [
+            jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+            for x, spec in zip(leaves, node.partition_specs())])))
+      elif kinds.is_node(node):
         kept.append(node)
       elif is_box(node):
         kept.append(jax.tree.map(lambda x, n=name, b=node: constrain(n, b, x),

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, Sequence
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
+from jax.sharding import PartitionSpec as P
 
 from jdist._src.core import cross_replica
 from jdist._src.core import placement
@@ -119,6 +120,20 @@ class Strategy(StrategyBase):
     """The mesh axis that splits each replica's batch over its devices
     (FSDP: `ModelParallelStrategy(fsdp_axis=...)`), or None."""
     return None
+
+  def replica_layouts(self, tree: Any) -> list:
+    """The layout within a replica of each leaf of `tree`, in flattening
+    order: a `PartitionSpec` over the mesh axes other than the replica one.
+    Here every replica is one device, so `P()` (whole on it);
+    `ModelParallelStrategy` gives its layouts. `jdist.ShardedOptimizer`
+    splits the optimizer state over the replicas on top of them.
+
+    Example:
+      >>> import jdist, jax.numpy as jnp
+      >>> jdist.MirroredStrategy().replica_layouts({"w": jnp.zeros((2, 3))})
+      [P()]
+    """
+    return [P() for _ in jax.tree.leaves(tree)]
 
   def keep_layouts(self, outputs: Any) -> Any:
     """Inside a traced step: its outputs, held in this strategy's layouts.

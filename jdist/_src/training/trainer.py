@@ -19,7 +19,6 @@ from jdist._src.errors import CheckpointNotFoundError
 from jdist._src.input.options import InputOptions
 from jdist._src.ops import precision
 from jdist._src.ops.sharded_optimizer import ShardedOptimizer
-from jdist._src.strategies.model_parallel import ModelParallelStrategy
 from jdist._src.training import data as data_lib
 from jdist._src.training import dataset_creator
 from jdist._src.training import loop
@@ -66,9 +65,9 @@ class Trainer:
     seed: seeds initialisation, shuffling and the training random stream.
     shard_optimizer_state: keep the optimizer state split over the replicas
       instead of whole on each (ZeRO: `jdist.ShardedOptimizer`); the same
-      updates, a fraction of the memory. Refused under
-      `ModelParallelStrategy`, whose layouts split the optimizer state with
-      the parameters (`fsdp_axis`).
+      updates, a fraction of the memory. Under `ModelParallelStrategy` the
+      state keeps its parameter's layout within each replica and is split
+      over the replicas on top of it.
     steps_per_execution: training batches run per compiled call (Keras'
       argument): the host dispatches once per group of this many steps,
       which speeds up small models (and is what TPUs want). The results are
@@ -382,15 +381,6 @@ class Trainer:
     """What the train step calls: the optimizer, or its sharded form (made
     once: it holds the strategy, fixed from the first use on)."""
     if self._step_optimizer is None:
-      if (self._shard_optimizer_state and
-          isinstance(self.strategy, ModelParallelStrategy)):
-        raise ValueError(
-            "shard_optimizer_state=True is not supported under "
-            "ModelParallelStrategy yet: its state is created in the "
-            "strategy's layout, which the sharded optimizer's split over the "
-            "replicas does not know. Split the optimizer state with the "
-            "parameters instead: ModelParallelStrategy(..., fsdp_axis=...) or "
-            "LayoutMap rules (the moments follow their parameter's layout).")
       self._step_optimizer = (ShardedOptimizer(self._tx, self.strategy)
                               if self._shard_optimizer_state else self._tx)
     return self._step_optimizer
