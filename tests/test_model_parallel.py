@@ -375,3 +375,108 @@ def test_one_replica_over_every_device_still_refuses_a_double_reduction(
   batch = next(iter(strategy.experimental_distribute_dataset(_batches(1))))
   with pytest.raises(jdist.DoubleReductionError, match="already the same"):
     step(params, batch)
+
+
+# --- ShardedOptimizer: ZeRO over the replica axis, layouts within ------------
+
+
+def _adam_train(strategy, tx, params, opt_state, *, own_grads):
+  """A user's custom loop with a sharded (or plain) adam."""
+  grad = tx.value_and_grad if own_grads else jax.value_and_grad
+
+  @strategy.function
+  def step(params, opt_state, batch):
+    x, y = batch
+
+    def loss_fn(p):
+      h = jnp.tanh(x @ p["dense_0"]["kernel"] + p["dense_0"]["bias"])
+      out = h @ p["dense_1"]["kernel"] + p["dense_1"]["bias"]
+      return jdist.compute_average_loss(jnp.sum((out - y) ** 2, -1))
+
+    loss, grads = grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  losses = []
+  for batch in strategy.experimental_distribute_dataset(_batches()):
+    params, opt_state, loss = step(params, opt_state, batch)
+    losses.append(float(strategy.reduce("sum", loss)))
+  return (params, opt_state, losses), step
+
+
+@pytest.fixture(scope="module")
+def one_device_adam_run(devices):
+  strategy = jdist.OneDeviceStrategy(devices[0])
+  tx = optax.adam(0.05)
+  params = strategy.replicate(_make_params())
+  return _adam_train(strategy, tx, params, strategy.replicate(tx.init(params)),
+                     own_grads=False)[0]
+
+
+def _shard(x):
+  return x.addressable_shards[0].data.shape
+
+
+@pytest.mark.parametrize("own_grads", [False, True], ids=["zero1", "zero2"])
+def test_sharded_adam_on_2x2_equals_one_device_a_quarter_per_device(
+    mesh22, one_device_adam_run, own_grads):
+  strategy = jdist.ModelParallelStrategy(layout_map=_tensor_parallel(mesh22),
+                                         batch_dim_name="data")
+  tx = jdist.ShardedOptimizer(optax.adam(0.05), strategy)
+  params = strategy.init(_make_params)
+  opt_state = tx.init(params)
+  run, step = _adam_train(strategy, tx, params, opt_state,
+                          own_grads=own_grads)
+  _assert_same(run, one_device_adam_run)
+  params, opt_state, _ = run
+  assert isinstance(opt_state, jdist.Sharded) and step.num_compilations == 1
+  adam = opt_state.value[0]
+  for moment in (adam.mu, adam.nu):
+    # Split over "data" on top of the parameter's "model" layout: a quarter
+    # of each leaf both divide; the bias no rule lays out, a half.
+    kernel_0, kernel_1 = moment["dense_0"]["kernel"], moment["dense_1"]["kernel"]
+    assert kernel_0.sharding.spec == P(None, ("data", "model"))
+    assert (kernel_0.shape, _shard(kernel_0)) == ((3, 8), (3, 2))
+    assert kernel_1.sharding.spec == P(("data", "model"))
+    assert (kernel_1.shape, _shard(kernel_1)) == ((8, 4), (2, 4))
+    assert _shard(moment["dense_0"]["bias"]) == (2,)
+    assert _shard(moment["dense_1"]["bias"]) == (2,)
+  # The parameters stay in their own layout.
+  assert params["dense_0"]["kernel"].sharding.spec == P(None, "model")
+
+
+def _indivisible_params():
+  return {"w": jnp.zeros((3, 2)), "v": jnp.zeros((4, 4))}
+
+
+def test_sharded_state_that_cannot_split_keeps_its_layout_or_is_refused(
+    mesh22):
+  layout_map = jdist.LayoutMap(mesh22)
+  layout_map["w"] = (None, "model")  # 3 rows; 2 columns over 2 devices
+  strategy = jdist.ModelParallelStrategy(layout_map=layout_map)
+  params = strategy.init(_indivisible_params)
+  state = jdist.ShardedOptimizer(optax.sgd(0.1, momentum=0.9),
+                                 strategy).init(params)
+  trace = state.value[0].trace
+  assert trace["w"].sharding.spec == P(None, "model")  # as its parameter
+  assert _shard(trace["w"]) == (3, 1) and _shard(trace["v"]) == (2, 4)
+  strict = jdist.ShardedOptimizer(optax.adam(1e-3), strategy,
+                                  mirror_indivisible=False)
+  with pytest.raises(jdist.ShardingError, match=(
+      r"These parameters cannot be split over 2 replicas: \['w'\] \(3, 2\), "
+      r"and ShardedOptimizer\(mirror_indivisible=False\) refuses.*an axis its "
+      r"layout splits over k devices of a replica must hold 2 x k")):
+    strict.init(params)
+
+
+def test_sharded_state_of_a_parameter_laid_out_over_the_replicas_is_refused(
+    mesh22):
+  layout_map = jdist.LayoutMap(mesh22)
+  layout_map["v"] = ("data", None)
+  strategy = jdist.ModelParallelStrategy(layout_map=layout_map,
+                                         batch_dim_name="data")
+  params = strategy.init(_indivisible_params)
+  with pytest.raises(jdist.ShardingError, match=(
+      r"Parameter \['v'\] is laid out as \('data', None\), over the replica "
+      r"axis 'data'")):
+    jdist.ShardedOptimizer(optax.adam(1e-3), strategy).init(params)
