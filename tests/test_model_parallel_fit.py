@@ -196,10 +196,53 @@ def test_a_fit_interrupted_on_2x2_resumes_on_1x4_as_one_device_ran(
                              one_device_run["history"]["loss"][-1], atol=_TOL)
 
 
-def test_sharded_optimizer_state_is_refused_clearly(devices):
-  trainer = jdist.Trainer(
-      MLP(hidden=16, classes=4), optimizer=optax.sgd(0.1), loss="mse",
-      strategy=_strategy(devices, "tensor_2x2"), shard_optimizer_state=True)
-  with pytest.raises(ValueError, match=r"shard_optimizer_state=True is not "
-                     r"supported under ModelParallelStrategy.*fsdp_axis"):
-    trainer.build(_data()[0])
+@pytest.fixture(scope="module")
+def sharded_2x2_fit(devices, tmp_path_factory):
+  """Trained on 2x2 with the optimizer state split over "data" as well."""
+  directory = tmp_path_factory.mktemp("ckpt_2x2_sharded")
+  x, y = _data()
+  trainer = _trainer(_strategy(devices, "tensor_2x2"),
+                     shard_optimizer_state=True)
+  history = trainer.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[
+      jdist.ModelCheckpoint(directory, monitor="loss")])
+  return trainer, history.history, directory
+
+
+def test_fit_on_2x2_with_sharded_optimizer_state_equals_one_device(
+    sharded_2x2_fit, one_device_run):
+  trainer, history, _ = sharded_2x2_fit
+  for key in ("loss", "accuracy"):
+    np.testing.assert_allclose(history[key], one_device_run["history"][key],
+                               atol=_TOL, err_msg=key)
+  _assert_same_params(jax.tree.map(np.asarray, trainer.params),
+                      one_device_run["params"])
+  assert trainer.train_function.num_compilations == 1
+  # The momentum: over "model" as its parameter, over "data" on top (its
+  # first dimension both divide): a quarter of each kernel on a device.
+  trace = trainer.state.opt_state.value[0].trace
+  kernel_0, kernel_1 = trace["Dense_0"]["kernel"], trace["Dense_1"]["kernel"]
+  assert kernel_0.sharding.spec == jax.P("data", "model")
+  assert (kernel_0.shape, _shard_shape(kernel_0)) == ((8, 16), (4, 8))
+  assert (kernel_1.shape, _shard_shape(kernel_1)) == ((16, 4), (4, 4))
+  assert _shard_shape(trace["Dense_0"]["bias"]) == (4,)
+  assert _shard_shape(trace["Dense_1"]["bias"]) == (2,)
+
+
+@pytest.mark.parametrize("saved_sharded", [True, False],
+                         ids=["sharded_into_mirrored", "mirrored_into_sharded"])
+def test_sharded_and_mirrored_checkpoints_on_2x2_load_into_each_other(
+    devices, sharded_2x2_fit, tensor_2x2_fit, saved_sharded):
+  saved, _, directory = (sharded_2x2_fit if saved_sharded else
+                         tensor_2x2_fit)
+  loader = _trainer(_strategy(devices, "tensor_2x2"),
+                    shard_optimizer_state=not saved_sharded)
+  loader.build(_data()[0])
+  assert loader.load_checkpoint(directory) == saved.global_step
+  unwrap = lambda s: s.value if isinstance(s, jdist.Sharded) else s
+  _assert_same_params(loader.params, saved.params)
+  _assert_same_params(unwrap(loader.state.opt_state),
+                      unwrap(saved.state.opt_state))
+  assert isinstance(loader.state.opt_state, jdist.Sharded) == (
+      not saved_sharded)
+  kernel = unwrap(loader.state.opt_state)[0].trace["Dense_0"]["kernel"]
+  assert _shard_shape(kernel) == ((8, 8) if saved_sharded else (4, 8))
