@@ -480,3 +480,21 @@ def test_sharded_state_of_a_parameter_laid_out_over_the_replicas_is_refused(
       r"Parameter \['v'\] is laid out as \('data', None\), over the replica "
       r"axis 'data'")):
     jdist.ShardedOptimizer(optax.adam(1e-3), strategy).init(params)
+
+
+@pytest.mark.parametrize("case", ["data_by_fsdp_2x2", "tensor_parallel_1x4"])
+def test_sharded_adam_composes_with_fsdp_and_one_replica(
+    devices, one_device_adam_run, case):
+  # One replica over every device used to reduce its ZeRO-2 gradients over
+  # one replica, which XLA refuses in its untyped map.
+  shape, names, layout, fsdp, replicas, _, shard1 = _MESHES[case]
+  mesh = jdist.DeviceMesh(shape, names, devices[:4])
+  strategy = jdist.ModelParallelStrategy(layout_map=layout(mesh),
+                                         batch_dim_name="data", fsdp_axis=fsdp)
+  tx = jdist.ShardedOptimizer(optax.adam(0.05), strategy)
+  params = strategy.init(_make_params)
+  run, _ = _adam_train(strategy, tx, params, tx.init(params), own_grads=True)
+  _assert_same(run, one_device_adam_run)
+  mu = run[1].value[0].mu["dense_1"]["kernel"]  # (8, 4)
+  # Over the replicas on top of the layout: 2 x 2 devices; or the layout's.
+  assert _shard(mu) == ((2, 4) if replicas == 2 else shard1)

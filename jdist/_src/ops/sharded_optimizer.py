@@ -354,6 +354,8 @@ class ShardedOptimizer:
     axes = self._split_axes(grads, n, ctx.strategy)[0]
 
     def block_of_sum(g, a):
+      if n == 1:  # one replica's gradient is the sum (a no-op all-reduce
+        return g  # would still be one XLA refuses in an untyped map)
       if in_step.is_varying(g, axis_name):  # each replica's own: ZeRO-2
         if a is None:
           return lax.psum(g, axis_name)
@@ -389,7 +391,10 @@ class ShardedOptimizer:
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):
       ctx = context.current_replica_context()
-      if ctx is None:
+      # One replica's gradients are their sum: nothing to reduce-scatter
+      # (and a replica over every device of a mesh maps its step untyped,
+      # where XLA refuses even an all-reduce over one replica).
+      if ctx is None or ctx.num_replicas_in_sync == 1:
         return grad_fn(*args, **kwargs)
       own = lambda x: in_step.to_varying(x, ctx.strategy.axis_name)
       args = tuple(jax.tree.map(own, a) if i in positions else a
