@@ -21,6 +21,9 @@ parallelism (`gpt_layout_map` on `DeviceMesh((1, 4), ("data", "model"))`).
    interleaved rounds, the ratio jdist / hand-written per round; tokens/s;
    model FLOPs utilisation: XLA's cost analysis of the compiled step over the
    device's peak (a table of GPU/TPU peaks; on CPU a matmul measured here).
+   And on `DeviceMesh((2, 2), ("data", "model"))` (`gpt_layout_map`, 2
+   replicas of 2 devices): adam's state per device mirrored over the
+   replicas against split over them by `jdist.ShardedOptimizer`.
 4. Against Keras 3 (JAX backend) `keras.distribution.ModelParallel` with the
    equivalent `LayoutMap`, the same GPT from the same weights on the same
    batches (benchmarks/peers/keras_gpt.py in the peers' venv), `model.fit`
@@ -293,6 +296,31 @@ def memory(setup: Setup) -> dict:
   }
   out["state_bytes"] = (out["params_bytes"] + out["opt_state_bytes"]
                         + out["grads_bytes"])
+  return out
+
+
+def zero_on_mesh(cfg: dict, devices) -> dict:
+  """adam's state per device (device 0) on `DeviceMesh((2, 2), ("data",
+  "model"))` with `gpt_layout_map`: laid out as the parameters and mirrored
+  over the 2 replicas (`strategy.init(tx.init, params)`), against split
+  over them as well by `jdist.ShardedOptimizer`."""
+  model = GPT(**cfg["model"])
+  tx = optax.adam(LEARNING_RATE)
+  mesh = jdist.DeviceMesh((2, 2), ("data", "model"), devices[:4])
+  strategy = jdist.ModelParallelStrategy(layout_map=gpt_layout_map(mesh),
+                                         batch_dim_name="data")
+  params = strategy.init(lambda: model.init(jax.random.key(0), np.zeros(
+      (1, cfg["model"]["max_len"]), np.int32))["params"])
+  device = devices[0]
+  mirrored = strategy.init(tx.init, params)
+  sharded = jdist.ShardedOptimizer(tx, strategy).init(params)
+  out = {"params_bytes": device_bytes(params, device),
+         "mirrored_opt_state_bytes": device_bytes(mirrored, device),
+         "sharded_opt_state_bytes": device_bytes(sharded.value, device),
+         "opt_state_bytes_total": sum(
+             x.nbytes for x in jax.tree.leaves(sharded.value))}
+  out["ratio"] = (out["sharded_opt_state_bytes"]
+                  / out["mirrored_opt_state_bytes"])
   return out
 
 
@@ -599,6 +627,7 @@ def measure(args) -> dict:
       log("memory")
       res["memory"] = {k: memory(s) for k, s in setups.items()}
       res["memory_ratios"] = memory_ratios(res["memory"])
+      res["zero_on_mesh"] = zero_on_mesh(cfg, devices)
       log("communication")
       res["communication"] = {k: communication(setups[k])
                               for k in ("fsdp", "tensor")}
@@ -689,11 +718,32 @@ def section(res: dict) -> list:
       "until the backward pass uses them.",
       "",
   ]
+  lines += _zero_on_mesh_lines(res)
   lines += _communication_lines(res)
   lines += _speed_lines(res)
   lines += _keras_lines(res)
   lines += ["", f"The whole script took {res['seconds']:.0f} s."]
   return lines
+
+
+def _zero_on_mesh_lines(res: dict) -> list:
+  if "zero_on_mesh" not in res:  # a run from before this measurement
+    return []
+  z = res["zero_on_mesh"]
+  return [
+      "**ZeRO on a 2x2 mesh.** On `DeviceMesh((2, 2), ('data', 'model'))` "
+      "(`gpt_layout_map`: 2 replicas of 2 devices), adam's state per device "
+      f"(device 0, of {_mb(z['opt_state_bytes_total'])} in all):",
+      "",
+      "| optimizer state | adam state per device | vs mirrored over the "
+      "replicas |",
+      "|---|---|---|",
+      f"| laid out as the parameters, mirrored over 'data' | "
+      f"{_mb(z['mirrored_opt_state_bytes'])} | 1.000 |",
+      f"| `ShardedOptimizer`: split over 'data' as well | "
+      f"{_mb(z['sharded_opt_state_bytes'])} | **{z['ratio']:.3f}** |",
+      "",
+  ]
 
 
 def _communication_lines(res: dict) -> list:
