@@ -73,6 +73,11 @@ class ModelParallelStrategy(Strategy):
   axis), so that each device holds 1/k of the parameters, gradients and
   optimizer state; XLA gathers them for the computation.
 
+  `jdist.ShardedOptimizer` (`Trainer(shard_optimizer_state=True)`) splits
+  the optimizer state over the replicas as well (ZeRO-1/2 over the batch
+  axis): each leaf keeps its parameter's layout within a replica
+  (`replica_layouts`) and is split over `batch_dim_name` on top of it.
+
   Args:
     layout_map: a `jdist.LayoutMap` over a `jdist.DeviceMesh`, or None to
       lay out from the state's flax metadata alone.
