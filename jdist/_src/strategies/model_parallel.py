@@ -277,9 +277,9 @@ class ModelParallelStrategy(Strategy):
     loss` finds each array's rule under its position; an array in a flax
     box takes its box's layout. A `jdist.Sharded` (optimizer state split
     over the replicas) is held in its own layout (`Sharded.partition_specs`),
-    other distributed values (`PerReplica`, ...) as they are; an array its layout cannot lay out (another rank,
-    an indivisible dimension) is not state the layouts describe and is left
-    as XLA places it.
+    other distributed values (`PerReplica`, ...) stay as they are; an array
+    its layout cannot lay out (another rank, an indivisible dimension) is
+    not state the layouts describe and is left as XLA places it.
     """
     names, nodes, treedef = named_nodes(outputs, stop=kinds.is_node)
 
@@ -295,8 +295,8 @@ class ModelParallelStrategy(Strategy):
     kept = []
     for name, node in zip(names, nodes):
       if isinstance(node, Sharded):  # its own layout: replicas and within
-        leaves, tree = jax.tree.flatten(node.value)
-        kept.append(node.replace(jax.tree.unflatten(tree, [
+        leaves, leaf_tree = jax.tree.flatten(node.value)
+        kept.append(node.replace(jax.tree.unflatten(leaf_tree, [
             jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
             for x, spec in zip(leaves, node.partition_specs())])))
       elif kinds.is_node(node):
