@@ -261,3 +261,15 @@ def test_no_function_is_longer_than_sixty_lines():
           wrong.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: "
                        f"{node.name} has {n} lines of code")
   assert not wrong, "\n".join(wrong)
+
+
+def test_importing_jdist_leaves_flax_and_orbax_unimported():
+  """Every process of a job imports jdist: flax and orbax (a third of a
+  second and more each) load only in programs that use them."""
+  import subprocess
+  import sys
+  out = subprocess.run(
+      [sys.executable, "-c", "import sys, jdist; print(sorted({m.split('.')[0] "
+       "for m in sys.modules} & {'flax', 'orbax'}))"],
+      capture_output=True, text=True, timeout=120, check=True)
+  assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -4,12 +4,11 @@ or by flax's partition metadata."""
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Callable
 
-import flax.linen as nn
 import jax
 import numpy as np
-from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -157,8 +156,9 @@ class ModelParallelStrategy(Strategy):
             f"fsdp_axis and batch_dim_name are both {fsdp_axis!r}: FSDP splits "
             "each replica over another mesh axis. Give the mesh a second "
             "axis, for example DeviceMesh((2, 2), ('data', 'fsdp')).")
-    if logical_axis_rules is None:
-      logical_axis_rules = nn.get_logical_axis_rules()
+    if logical_axis_rules is None:  # flax's open context (none if no flax)
+      logical_axis_rules = (sys.modules["flax.linen"].get_logical_axis_rules()
+                            if "flax.linen" in sys.modules else ())
     self._fsdp_axis = fsdp_axis
     self._device_mesh = device_mesh
     self._layout_map = layout_map
@@ -329,7 +329,7 @@ class ModelParallelStrategy(Strategy):
     """
     # The layouts are read (and checked) before flax's eager sharding could
     # fail on a bad axis with a message that names no parameter.
-    with nnx.use_eager_sharding(False):
+    with _no_eager_sharding():
       shapes = jax.eval_shape(fn, *args, **kwargs)
     shardings = jax.tree.leaves(self.shardings(shapes))
     # Flat: nnx records the eager-sharding flag in each variable's metadata,
@@ -344,6 +344,15 @@ class ModelParallelStrategy(Strategy):
     with contextlib.ExitStack() as stack:
       stack.enter_context(jax.set_mesh(self.mesh))
       if self.logical_axis_rules:  # for flax's eager sharding of nnx names
+        import flax.linen as nn  # only programs that use flax import it
         stack.enter_context(nn.logical_axis_rules(self.logical_axis_rules))
       leaves = jax.jit(flat, out_shardings=shardings)(*args, **kwargs)
     return jax.tree.unflatten(treedefs[-1], leaves)
+
+
+def _no_eager_sharding():
+  """flax nnx's eager sharding turned off (nothing to turn off while flax
+  is not imported: no nnx variable can be made)."""
+  if "flax.nnx" not in sys.modules:
+    return contextlib.nullcontext()
+  return sys.modules["flax.nnx"].use_eager_sharding(False)

@@ -25,14 +25,11 @@ a kernel in a box is `Dense_0/kernel`, as it is without one.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any, Callable, Sequence
 
-import flax.linen as nn
 import jax
-from flax import nnx
-from flax.core import meta
-from flax.core import spmd as core_spmd
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -41,7 +38,14 @@ from jdist._src.strategies.device_mesh import DeviceMesh
 
 def is_box(x: Any) -> bool:
   """Whether `x` is a flax metadata box: a linen `AxisMetadata`
-  (`Partitioned`, `LogicallyPartitioned`) or an nnx `Variable`."""
+  (`Partitioned`, `LogicallyPartitioned`) or an nnx `Variable`.
+
+  flax is imported only by programs that use it (it costs a third of a
+  second to import): while it is not, no value can be one of its boxes."""
+  if "flax" not in sys.modules:
+    return False
+  from flax import nnx
+  from flax.core import meta
   return isinstance(x, (meta.AxisMetadata, nnx.Variable))
 
 
@@ -151,6 +155,9 @@ class PartitionMetadata:
         entries than the array has dimensions, or splits a dimension over
         axes whose size does not divide it.
     """
+    import flax.linen as nn
+    from flax import nnx
+    from flax.core import meta
     shape = tuple(shape)
     if isinstance(box, nn.LogicallyPartitioned):
       spec = self._logical(path, box, unruled)
@@ -203,6 +210,7 @@ class PartitionMetadata:
           f"an axis of the mesh {self._mesh.axis_names}. {remedy(axis)}")
 
   def _logical(self, path: str, box, unruled: list | None) -> P:
+    import flax.linen as nn
     rules = self._rules if box.rules is None else normalize_rules(box.rules)
     names = tuple(box.names)
     ruled = {name for name, _ in rules}
@@ -223,6 +231,7 @@ class PartitionMetadata:
     return spec
 
   def _nnx(self, path: str, shape: tuple, variable) -> P | None:
+    from flax.core import spmd as core_spmd
     metadata = variable.get_metadata()
     sharding = metadata.get("out_sharding")
     if not sharding:

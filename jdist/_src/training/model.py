@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 from typing import Any, Callable
 
-import flax.linen as nn
 import jax
-from flax import nnx
-from flax.core import meta
 
 from jdist._src.core import context
 
@@ -75,6 +73,7 @@ def _global_linen_batch_norm(axis: str | None):
   if axis is None:
     yield
     return
+  import flax.linen as nn  # a linen model's: flax is imported
 
   def interceptor(next_fun, args, kwargs, ctx):
     module = ctx.module
@@ -96,6 +95,7 @@ def _global_nnx_batch_norm(module, axis: str | None) -> None:
   """Gives nnx BatchNorm layers without `axis_name` the replica axis."""
   if axis is None:
     return
+  from flax import nnx  # an nnx model's: flax is imported
   for _, sub in nnx.iter_modules(module):
     if isinstance(sub, nnx.BatchNorm) and sub.axis_name is None:
       sub.axis_name = axis
@@ -120,6 +120,10 @@ def open_boxes(tree: Any) -> Any:
   """`tree` with flax linen's metadata boxes (`nn.Partitioned`,
   `nn.LogicallyPartitioned`) replaced by their values, without the sharding
   constraint that `unbox` applies under a mesh."""
+  if "flax.core" not in sys.modules:  # no flax, no boxes
+    return tree
+  from flax.core import meta
+
   def open_(x):
     if isinstance(x, meta.Partitioned):
       return x.unbox(apply_constraint=False)
@@ -129,6 +133,7 @@ def open_boxes(tree: Any) -> Any:
 
 def _rebox(old: Any, new: Any) -> Any:
   """`new` (a collection linen returned unboxed) in `old`'s boxes, if any."""
+  from flax.core import meta  # a linen model's: flax is imported
   if not any(map(meta.is_axis_metadata,
                  jax.tree.leaves(old, is_leaf=meta.is_axis_metadata))):
     return new
@@ -206,6 +211,7 @@ class NnxModel:
   """
 
   def __init__(self, module):
+    from flax import nnx  # an nnx model: flax is imported
     self._nnx = nnx
     self.module = module
     self.graphdef, self._params, self._rest = nnx.split(module, nnx.Param, ...)
@@ -214,7 +220,7 @@ class NnxModel:
   def _kwargs(self, train: bool, rng) -> dict:
     kwargs = _mode_kwargs(self.module.__call__, train)
     if self._takes_rngs:
-      kwargs["rngs"] = nnx.Rngs(rng) if train and rng is not None else None
+      kwargs["rngs"] = self._nnx.Rngs(rng) if train and rng is not None else None
     return kwargs
 
   def check(self) -> None:
@@ -227,6 +233,7 @@ class NnxModel:
     return self._params, self._rest
 
   def apply(self, params, model_state, x, *, train: bool, rng=None):
+    nnx = self._nnx
     module = nnx.merge(self.graphdef, params, model_state, copy=True)
     if train:
       module.train()
@@ -297,9 +304,11 @@ def adapt(model, params=None):
   Raises:
     TypeError: `model` is neither a flax module nor callable.
   """
-  if isinstance(model, nn.Module):
+  # A flax module's class comes from flax, so flax is imported if it is one.
+  linen, nnx = sys.modules.get("flax.linen"), sys.modules.get("flax.nnx")
+  if linen is not None and isinstance(model, linen.Module):
     return LinenModel(model, params)
-  if isinstance(model, nnx.Module):
+  if nnx is not None and isinstance(model, nnx.Module):
     return NnxModel(model)
   if callable(model):
     return FunctionModel(model, params)
