@@ -150,7 +150,7 @@ class CheckpointManager:
     return self._snapshots.complete[0]
 
   def _agreed_snapshot_step(self) -> None:
-    group, note = self._snapshots.agree()
+    group, note, _ = self._snapshots.agree()
     if note:
       snapshots_lib.say(f"{note}; not using it.")
     self._snapshots.complete = group
@@ -230,9 +230,8 @@ class CheckpointManager:
     """The state from the newest complete snapshot, or None (the persistent
     directory's turn). Every process calls it and gets the same answer."""
     self._snapshots.flush()
-    group, note = self._snapshots.agree()
     steps = self.steps
-    disk = steps[-1] if steps else None
+    group, note, disk = self._snapshots.agree(steps[-1] if steps else None)
     where = (f"the checkpoint of step {disk} in {self.directory}"
              if disk is not None else f"{self.directory} (no checkpoint there)")
     if group is None or (step is not None and group[0] != step):

@@ -293,18 +293,26 @@ class Snapshots:
       seen.setdefault(group, set()).add(rank)
     return seen
 
-  def agree(self) -> tuple:
-    """`(group, note)`: the newest snapshot whose parts all exist on the
-    job's hosts, as `(step, attempt, world)` (the same on every process), or
-    None; `note` says why newer snapshots are not used (or "")."""
+  def agree(self, newest_checkpoint: int | None = None) -> tuple:
+    """`(group, note, newest_checkpoint)`: the newest snapshot whose parts
+    all exist on the job's hosts, as `(step, attempt, world)`, or None;
+    `note` says why newer snapshots are not used (or ""); and the newest of
+    the persistent checkpoints the processes see (each passes its own), so
+    that every process chooses the same of the two. The same on every
+    process."""
     mine = [[*g, sorted(r)] for g, r in self._seen().items()]
     runtime = runtime_lib.current()
     key = f"jdist/snapshots/{runtime.next_sequence('snapshots')}/"
-    values = runtime.exchange(key, json.dumps(mine), timeout=None,
-                              what="the agreement on the in-memory snapshot")
+    values = runtime.exchange(
+        key, json.dumps([mine, newest_checkpoint]), timeout=None,
+        what="the agreement on the in-memory snapshot")
     union: dict = {}
+    disk = []
     for text in values.values():
-      for step, attempt, world, ranks in json.loads(text):
+      seen, newest = json.loads(text)
+      if newest is not None:
+        disk.append(newest)
+      for step, attempt, world, ranks in seen:
         union.setdefault((step, attempt, world), set()).update(ranks)
     complete = [g for g, r in union.items() if r == set(range(g[2]))]
     best = max(complete, default=None)
@@ -312,7 +320,7 @@ class Snapshots:
     notes = [f"the snapshot of step {s} (attempt {a}) lacks the parts of "
              f"processes {sorted(set(range(w)) - union[(s, a, w)])} of {w}"
              for s, a, w in newer]
-    return best, "; ".join(notes)
+    return best, "; ".join(notes), max(disk, default=None)
 
   # --- reading ------------------------------------------------------------------
 
