@@ -12,10 +12,11 @@ in the layout of the state it is restored into.
 
 With `snapshot_every=N`, in a `jdist launch` job, it also keeps the newest
 state in host memory (`snapshots.py`): `save` writes a snapshot every N
-steps to the job's directory under /dev/shm, and `restore` takes the newest
-of the snapshot and the persistent checkpoints, so a restarted job resumes
-without reading the persistent directory and persistent saves (`save_every`)
-can be rare.
+steps to the job's directory under /dev/shm (and each process's part, as a
+replica, to the next process's), and `restore` takes the newest of the
+snapshot and the persistent checkpoints, so a restarted job resumes without
+reading the persistent directory (orbax opens it only for a save or a
+restore there) and persistent saves (`save_every`) can be rare.
 """
 
 from __future__ import annotations
@@ -56,9 +57,11 @@ class CheckpointManager:
       host memory (/dev/shm, outside the training processes) at the steps
       that are a multiple of it, and `restore` resumes from that snapshot
       when it is newer than the newest checkpoint (None: no snapshots). Each
-      process writes the blocks of the state it holds; only the newest
-      complete snapshot is kept (on one machine); the launcher removes them
-      when the job ends.
+      process writes the blocks of the state it holds, and the next process
+      (in a job of several) a replica of them, sent through the JAX runtime,
+      so that the snapshot outlives one host; only the newest complete
+      snapshot is kept (on one machine); the launcher removes them when the
+      job ends.
 
   Raises:
     ValueError: `snapshot_every` outside `jdist launch` (it names the job's
@@ -252,8 +255,12 @@ class CheckpointManager:
       return None
     state = ckpt_lib.placed(got, stored, leaves, treedef, mesh)
     self._snapshots.complete = group
+    copied = self._snapshots.from_replicas
+    replicas = (f" (the parts of processes {copied} of {group[2]} from their "
+                "replicas on the processes after them)" if copied else "")
     snapshots_lib.say(f"restored step {group[0]} from the in-memory snapshot "
-                      f"in {self._snapshots.directory}, not from {where}.")
+                      f"in {self._snapshots.directory}{replicas}, not from "
+                      f"{where}.")
     return state
 
   def close(self) -> None:
