@@ -5,10 +5,11 @@ in the manner of TensorFlow's `tf.train.CheckpointManager` (save, restore,
 the latest checkpoint, `max_to_keep`), with state passed explicitly as JAX
 code passes it. It keeps the Trainer's guarantees: the directory is claimed
 for this job (another running job writing there is an error, and saves that
-a killed job left half-written are removed), each checkpoint's metadata and
-arrays are checksummed (a corrupt newest checkpoint is skipped with a
-warning), and a checkpoint restores onto any number of devices or processes
-in the layout of the state it is restored into.
+a killed job left half-written are removed when orbax opens the directory,
+at the first save or restore there), each checkpoint's metadata and arrays
+are checksummed (a corrupt newest checkpoint is skipped with a warning), and
+a checkpoint restores onto any number of devices or processes in the layout
+of the state it is restored into.
 
 With `snapshot_every=N`, in a `jdist launch` job, it also keeps the newest
 state in host memory (`snapshots.py`): `save` writes a snapshot every N
