@@ -59,10 +59,10 @@ class CheckpointManager:
       that are a multiple of it, and `restore` resumes from that snapshot
       when it is newer than the newest checkpoint (None: no snapshots). Each
       process writes the blocks of the state it holds, and the next process
-      (in a job of several) a replica of them, sent through the JAX runtime,
-      so that the snapshot outlives one host; only the newest complete
-      snapshot is kept (on one machine); the launcher removes them when the
-      job ends.
+      (in a job of several) a replica of them (the blocks it lacks come
+      through the JAX runtime), so that the snapshot outlives one host; only
+      the newest complete snapshot is kept (on one machine); the launcher
+      removes them when the job ends.
 
   Raises:
     ValueError: `snapshot_every` outside `jdist launch` (it names the job's

@@ -4,12 +4,14 @@ So that a snapshot outlives a host, process k's part is also held by process
 (k+1) mod n, which writes it next to its own part, on its own host, as the
 replica of process k (`snapshots.py`). The bytes go through the JAX runtime,
 as one jitted collective over a mesh of one device per process: each process
-packs the blocks of its part (the state's addressable shards, one copy of
-each, as raw bytes) into one buffer on its first device, and a `ppermute`
-inside `jax.shard_map` moves every buffer to the next process's device. Every
-process sends its part once to one peer and receives one part: the cost is
-the size of a part per process and per snapshot, over the interconnect the
-training collectives use, whatever the number of processes.
+packs the blocks of its part that the next process does not hold itself (of
+the state's addressable shards, one copy of each, as raw bytes) into one
+buffer on its first device, and a `ppermute` inside `jax.shard_map` moves
+every buffer to the next process's device. Every process sends once to one
+peer and receives once: the cost is at most the size of a part per process
+and per snapshot, over the interconnect the training collectives use,
+whatever the number of processes; with a replicated (mirrored) state the
+next process holds every block already, and nothing is sent.
 
 The distributed client's key-value store was the other way: it needs no
 device memory, but every value goes through the coordinator, one process,
@@ -18,7 +20,7 @@ sharded one) and ship them in messages of bounded size. It serves the
 agreement on which snapshot is complete (a few bytes per process), not the
 data.
 
-The buffers are the size of the largest part (known on every process from the
+The buffers are the size of the largest copy (known on every process from the
 state's shardings, so nothing is exchanged first), on one device per process,
 for the time of one copy: a snapshot briefly needs that much more device
 memory. The copy is dispatched when the snapshot is taken, after the step

@@ -11,8 +11,10 @@ half a part; its header holds a CRC-32 of its data.
 Files, one per process and snapshot:
 `step-<step>.attempt-<attempt>.part-<rank>-of-<world>.snap`, and in a job of
 several processes, one more: the replica of the part of the process before
-it, `...replica-<rank - 1 mod world>-of-<world>.snap`, the same file as that
-process's part, which `peer_copy.py` brings over through the JAX runtime. A
+it, `...replica-<rank - 1 mod world>-of-<world>.snap`, which holds the
+blocks of that part this process does not hold itself (its own part, next
+to it, holds the others), brought over by `peer_copy.py` through the JAX
+runtime. A
 snapshot (a step, written by the processes of one attempt) is complete when
 the part of each of its `world` processes, or its replica, is there.
 Restoring is collective: the processes exchange which parts and replicas
@@ -47,10 +49,11 @@ before them: a host that goes away takes its parts with it, and the next
 host's replicas stand in for them, so the job resumes from memory on the
 hosts that are left. Two neighbouring hosts (in process order) that go away
 together take a part and its replica: the snapshot is incomplete, and the
-job resumes from the persistent directory. With a replicated (mirrored)
-state the replica is a second copy of what the next process's part holds
-already; it is sent all the same (one part's worth per process and
-snapshot: benchmarks/RESULTS.md says what it costs).
+job resumes from the persistent directory. The copies hold what the next
+process lacks: with a replicated (mirrored) state, nothing (the replica is
+a header, no copy is made: replicating costs one small file); with state
+split over the processes, each process's blocks once (benchmarks/RESULTS.md
+says what it costs).
 
 orbax-checkpoint 0.12's emergency (multi-tier) CheckpointManager is not used:
 its local tier restores onto the mesh the snapshot was saved from (it maps the
@@ -133,6 +136,8 @@ def _blocks(leaf, process: int) -> list:
 def _picker(leaf, blocks: list):
   """A function that takes the data of `blocks` (this process's) out of a
   leaf like `leaf`."""
+  if not blocks:
+    return lambda x: []
   if not isinstance(leaf, jax.Array):
     return lambda x: [np.asarray(x)]
   if leaf.sharding.is_fully_replicated:
@@ -143,15 +148,20 @@ def _picker(leaf, blocks: list):
 
 
 class _Layout:
-  """A state's blocks on process `process`: the header's description of
+  """A state's blocks on process `process` (with `but`, those process `but`
+  does not hold: what a replica on it needs): the header's description of
   them (`entries`, JSON), their sizes, and (on this process) how to pick
   them."""
 
-  def __init__(self, names: list, leaves: list, process: int):
+  def __init__(self, names: list, leaves: list, process: int,
+               but: int | None = None):
     self.picks, self.sizes, entries = [], [], []
     mine = process == jax.process_index()
     for name, leaf in zip(names, leaves):
       blocks = _blocks(leaf, process)
+      if but is not None:
+        held = [b for b, _ in _blocks(leaf, but)]
+        blocks = [(b, d) for b, d in blocks if b not in held]
       dtype = np.dtype(leaf.dtype)
       inexact = bool(np.issubdtype(dtype, np.inexact))
       self.picks.append((_picker(leaf, blocks) if mine else None, inexact))
@@ -254,14 +264,16 @@ class Snapshots:
     for its step.
     """
     self.flush()
-    mine, before, length = self._layout(names, leaves)
+    mine, sent, before, length = self._layout(names, leaves)
     blocks = [pick(leaf) for leaf, (pick, _) in zip(leaves, mine.picks)]
     for block in (b for bs in blocks for b in bs):
       if isinstance(block, jax.Array):
         block.copy_to_host_async()
     received = None
-    if self._peer is not None:
-      received = self._peer.send([b for bs in blocks for b in bs], length)
+    if self._peer is not None and length:
+      received = self._peer.send(
+          [b for leaf, (pick, _) in zip(leaves, sent.picks)
+           for b in pick(leaf)], length)
     self._pending = (int(step), names, mine, blocks, before, received)
     if self._at_once:
       self.flush()
@@ -312,7 +324,7 @@ class Snapshots:
     if previous != group:
       self._before, self.complete = previous, group
     written = {self.rank}
-    if received is not None:
+    if before is not None:
       written |= self._put_replica(group, before, received)
     written |= {r for g, r, _ in _groups(entries) if g == group}
     if written == set(range(self.world)):
@@ -333,33 +345,38 @@ class Snapshots:
                                  part_name(step, attempt, rank, world, kind)))
 
   def _put_replica(self, group, layout: "_Layout", received) -> set:
-    """Writes the part of the process before this one, as its replica,
-    from the bytes the copy brought (`layout`: that process's blocks), and
-    returns `{its rank}`; nothing (`set()`) when they hold NaN or inf (that
-    process does not write its part either)."""
+    """Writes the part of the process before this one, as its replica:
+    the blocks of it that this process does not hold, from the bytes the
+    copy brought (`layout`: those blocks; none, and no copy, for a mirrored
+    state), and returns `{its rank}`; nothing (`set()`) when they hold NaN
+    or inf (that process does not write its part either)."""
     rank = (self.rank - 1) % self.world
-    data = np.asarray(received)[:layout.nbytes]
+    data = (np.zeros(0, np.uint8) if received is None else
+            np.asarray(received)[:layout.nbytes])
     if layout.nonfinite(data) is not None:
       return set()
     self._put(group, rank, "replica", zlib.crc32(data), layout, [data])
     return {rank}
 
   def _layout(self, names: list, leaves: list) -> tuple:
-    """`(mine, before, length)`: the layouts of this process's blocks of
-    `leaves` and of the process before it, and the bytes of the largest
-    part (the size of the copies to the next process); worked out once per
-    shapes, dtypes and shardings, so that a snapshot costs little more than
-    its copies and its files."""
+    """`(mine, sent, before, length)`: the layouts of this process's blocks
+    of `leaves`, of those of them the next process does not hold (its copy
+    of them), and of those of the process before it that this one does not
+    hold (the replica it writes), and the bytes of the largest copy (0: no
+    copy, as for a mirrored state); worked out once per shapes, dtypes and
+    shardings, so that a snapshot costs little more than its copies and its
+    files."""
     key = tuple((np.shape(x), str(x.dtype), getattr(x, "sharding", None))
                 for x in leaves)
     if self._layouts_key != key:
       mine = _Layout(names, leaves, self.rank)
-      before, length = None, mine.nbytes
+      sent, before, length = None, None, 0
       if self._peer is not None:
-        before = _Layout(names, leaves, (self.rank - 1) % self.world)
-        length = max(_Layout(names, leaves, p).nbytes
-                     for p in range(self.world))
-      self._layouts_key, self._layouts = key, (mine, before, length)
+        copies = [_Layout(names, leaves, p, but=(p + 1) % self.world)
+                  for p in range(self.world)]
+        sent, before = copies[self.rank], copies[self.rank - 1]
+        length = max(c.nbytes for c in copies)
+      self._layouts_key, self._layouts = key, (mine, sent, before, length)
     return self._layouts
 
   def _remove(self, entries: list, keep: set) -> None:
