@@ -160,6 +160,8 @@ def loop_section(loop: dict) -> list:
       f"{loop['steps']} steps a trial, {loop['trials']} alternating trials), "
       f"with `CheckpointManager.save` at every step and a snapshot in memory "
       f"every {loop['every']} steps"
+      + (" (of the parameters, mirrored, and a leaf as large split over the "
+         "processes)" if unreplicated else "")
       + (", with each process's part replicated on the other process and "
          "without (the replicas turned off inside the manager)"
          if unreplicated else "") + ", against no manager:",

@@ -7,7 +7,10 @@ The seed MLP (64 features, Dense 16, Dense 10, a global batch of 64, plain
 SGD: multihost_overhead.py's step) in a custom loop over
 `jdist.MultiWorkerMirroredStrategy`, STEPS steps a trial, without a
 `jdist.CheckpointManager`, with one made with `snapshot_every=10` (and no
-persistent save in the loop), whose `save` the loop calls at every step,
+persistent save in the loop), whose `save` the loop calls at every step
+with the parameters (mirrored) and a leaf of as many values split over the
+processes (as a `jdist.ShardedOptimizer`'s state is: the part of it each
+process holds is what the replicas copy to the next process),
 and with the same manager without the replicas on the next process (the
 benchmark turns them off inside the manager: there is no option for it).
 TRIALS alternating trials of each; process 0 ends with one JSON line: the
@@ -68,6 +71,12 @@ batch = next(iter(strategy.experimental_distribute_dataset(
 step = strategy.function(train_step)
 params = strategy.replicate(init_params(jax.random.key(0)))
 jax.block_until_ready(step(params, batch))  # compiled before the trials
+size = sum(x.size for x in jax.tree.leaves(params))
+size += -size % len(jax.devices())
+split_leaf = jax.make_array_from_callback(
+    (size,), jax.sharding.NamedSharding(
+        strategy.mesh, jax.sharding.PartitionSpec(strategy.mesh.axis_names[0])),
+    lambda i: np.arange(size, dtype=np.float32)[i])
 
 
 # Seconds of the saves, in timed trials, of each manager.
@@ -82,7 +91,7 @@ def trial(manager, split=None) -> float:
     state, _ = step(state, batch)
     if manager is not None:
       t0 = time.perf_counter()
-      manager.save(i + 1, state)
+      manager.save(i + 1, {"params": state, "split": split_leaf})
       # The save that takes a snapshot, and the next one, which writes it.
       part = {0: "take", 1: "write"}.get((i + 1) % EVERY)
       if part:
