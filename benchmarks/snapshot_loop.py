@@ -102,8 +102,9 @@ def trial(manager, split=None) -> float:
 
 # One checkpoint directory for the job (every process names the same one);
 # persistent saves never come due in it: only the snapshots are measured.
-directories = [os.path.join(tempfile.gettempdir(), f"jdist-snapshot-loop-"
-                            f"{os.environ['JDIST_RUN_ID']}-{i}") for i in (0, 1)]
+run_id = os.environ["JDIST_RUN_ID"]
+directories = [os.path.join(tempfile.gettempdir(),
+                            f"jdist-snapshot-loop-{run_id}-{i}") for i in (0, 1)]
 managers = {name: jdist.CheckpointManager(
     d, strategy=strategy, save_every=10 ** 9, snapshot_every=EVERY)
     for name, d in zip(("snapshot", "unreplicated"), directories)}
