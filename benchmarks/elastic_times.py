@@ -12,7 +12,8 @@ JAX, `jax.distributed.initialize`, reading the checkpoint (opening the
 manager and restoring, from disk or from memory), and compiling and running
 the first step. The loop (`snapshot_loop.py` under `jdist launch -n 2`):
 seconds per step of the seed MLP's custom loop with a snapshot every 10
-steps and without, in alternating trials.
+steps (replicated on the other process, and not) and without, in
+alternating trials.
 
     python benchmarks/elastic_times.py --trials 3     # a few minutes
     python benchmarks/elastic_times.py --case kill    # one case, no loop
@@ -138,29 +139,54 @@ def loop_section(loop: dict) -> list:
   """The loop's lines: each variant's median (and fastest) time per step."""
   t = loop["seconds_per_step"]
   med = {k: statistics.median(v) for k, v in t.items()}
-  paired = statistics.median(a / b for a, b in zip(t["none"], t["snapshot"]))
-  return [
+
+  def row(name: str, what: str) -> str:
+    paired = statistics.median(a / b for a, b in zip(t["none"], t[name]))
+    return (f"| {what} | {med[name] * 1e3:.2f} ({min(t[name]) * 1e3:.2f}) | "
+            f"{med['none'] / med[name]:.3f} (of the medians), {paired:.3f} "
+            "(median of the trials' ratios) |")
+
+  def split_line(split: dict, what: str) -> str:
+    return (f"{what}, median: {split['take'] * 1e3:.2f} ms in the `save` "
+            "that takes it, "
+            f"{split['write'] * 1e3:.2f} ms in the next `save`, which writes "
+            "it.")
+
+  unreplicated = "unreplicated" in t
+  lines = [
       "",
       f"The seed MLP's custom loop on 2 processes x 1 CPU device "
       f"(`benchmarks/snapshot_loop.py` under `jdist launch -n 2`, "
       f"{loop['steps']} steps a trial, {loop['trials']} alternating trials), "
       f"with `CheckpointManager.save` at every step and a snapshot in memory "
-      f"every {loop['every']} steps, against no manager:",
+      f"every {loop['every']} steps"
+      + (" (of the parameters, mirrored, and a leaf as large split over the "
+         "processes)" if unreplicated else "")
+      + (", with each process's part replicated on the other process and "
+         "without (the replicas turned off inside the manager)"
+         if unreplicated else "") + ", against no manager:",
       "",
       "| loop | ms per step, median (fastest) | speed against none |",
       "|---|---|---|",
       f"| no snapshot | {med['none'] * 1e3:.2f} ({min(t['none']) * 1e3:.2f}) | 1 |",
-      f"| a snapshot every {loop['every']} steps | "
-      f"{med['snapshot'] * 1e3:.2f} ({min(t['snapshot']) * 1e3:.2f}) | "
-      f"{med['none'] / med['snapshot']:.3f} (of the medians), {paired:.3f} "
-      "(median of the trials' ratios) |",
-  ] + ([
-      "",
-      f"A snapshot on process 0, median: {split['take'] * 1e3:.2f} ms in the "
-      "`save` that takes it (starting the copy to the host), "
-      f"{split['write'] * 1e3:.2f} ms in the next `save`, which writes it "
-      "(the copy, the checksum, the file and its rename)."
-  ] if (split := loop.get("snapshot_seconds")) else [])
+      row("snapshot", f"a snapshot every {loop['every']} steps"
+          + (", replicated" if unreplicated else "")),
+  ]
+  if unreplicated:
+    lines.append(row("unreplicated", f"a snapshot every {loop['every']} "
+                     "steps, no replica"))
+  if loop.get("snapshot_seconds"):
+    lines += ["", split_line(
+        loop["snapshot_seconds"],
+        "A snapshot on process 0" + (", replicated" if unreplicated else "")
+        + " (taking it starts the copies to the host"
+        + (" and to the other process" if unreplicated else "")
+        + "; writing it is the copy, the checksum, the file and its rename"
+        + (", and the replica's" if unreplicated else "") + ")")]
+  if loop.get("unreplicated_seconds"):
+    lines += ["", split_line(loop["unreplicated_seconds"],
+                             "Without the replica")]
+  return lines
 
 
 def section(res: dict) -> list:

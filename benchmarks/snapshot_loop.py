@@ -6,13 +6,19 @@
 The seed MLP (64 features, Dense 16, Dense 10, a global batch of 64, plain
 SGD: multihost_overhead.py's step) in a custom loop over
 `jdist.MultiWorkerMirroredStrategy`, STEPS steps a trial, without a
-`jdist.CheckpointManager` and with one made with `snapshot_every=10` (and no
-persistent save in the loop), whose `save` the loop calls at every step.
+`jdist.CheckpointManager`, with one made with `snapshot_every=10` (and no
+persistent save in the loop), whose `save` the loop calls at every step
+with the parameters (mirrored) and a leaf of as many values split over the
+processes (as a `jdist.ShardedOptimizer`'s state is: the part of it each
+process holds is what the replicas copy to the next process),
+and with the same manager without the replicas on the next process (the
+benchmark turns them off inside the manager: there is no option for it).
 TRIALS alternating trials of each; process 0 ends with one JSON line: the
-seconds per step of each trial, `{"none": [...], "snapshot": [...]}`, and
-the median seconds on process 0 of the `save` that takes a snapshot (it
-starts the copy to the host) and of the next one, which writes it (copy,
-checksum, file, rename).
+seconds per step of each trial, `{"none": [...], "snapshot": [...],
+"unreplicated": [...]}`, and the median seconds on process 0 of the `save`
+that takes a snapshot (it starts the copy to the host, and to the next
+process) and of the next one, which writes it (copy, checksum, file,
+rename; and the replica), for each of the two managers.
 `--quick` runs 20 steps in 1 trial (a smoke run).
 """
 
@@ -65,12 +71,19 @@ batch = next(iter(strategy.experimental_distribute_dataset(
 step = strategy.function(train_step)
 params = strategy.replicate(init_params(jax.random.key(0)))
 jax.block_until_ready(step(params, batch))  # compiled before the trials
+size = sum(x.size for x in jax.tree.leaves(params))
+size += -size % len(jax.devices())
+split_leaf = jax.make_array_from_callback(
+    (size,), jax.sharding.NamedSharding(
+        strategy.mesh, jax.sharding.PartitionSpec(strategy.mesh.axis_names[0])),
+    lambda i: np.arange(size, dtype=np.float32)[i])
 
 
-SPLIT = {"take": [], "write": []}  # seconds of the saves, in timed trials
+# Seconds of the saves, in timed trials, of each manager.
+SPLIT = {k: {"take": [], "write": []} for k in ("snapshot", "unreplicated")}
 
 
-def trial(manager) -> float:
+def trial(manager, split=None) -> float:
   """Seconds per step of STEPS steps (the manager's `save` at each)."""
   state = params
   t = time.perf_counter()
@@ -78,35 +91,45 @@ def trial(manager) -> float:
     state, _ = step(state, batch)
     if manager is not None:
       t0 = time.perf_counter()
-      manager.save(i + 1, state)
+      manager.save(i + 1, {"params": state, "split": split_leaf})
       # The save that takes a snapshot, and the next one, which writes it.
       part = {0: "take", 1: "write"}.get((i + 1) % EVERY)
       if part:
-        SPLIT[part].append(time.perf_counter() - t0)
+        split[part].append(time.perf_counter() - t0)
   jax.block_until_ready(state)
   return (time.perf_counter() - t) / STEPS
 
 
 # One checkpoint directory for the job (every process names the same one);
 # persistent saves never come due in it: only the snapshots are measured.
-directory = os.path.join(tempfile.gettempdir(),
-                         f"jdist-snapshot-loop-{os.environ['JDIST_RUN_ID']}")
-manager = jdist.CheckpointManager(directory, strategy=strategy,
-                                  save_every=10 ** 9, snapshot_every=EVERY)
-times = {"none": [], "snapshot": []}
+run_id = os.environ["JDIST_RUN_ID"]
+directories = [os.path.join(tempfile.gettempdir(),
+                            f"jdist-snapshot-loop-{run_id}-{i}") for i in (0, 1)]
+managers = {name: jdist.CheckpointManager(
+    d, strategy=strategy, save_every=10 ** 9, snapshot_every=EVERY)
+    for name, d in zip(("snapshot", "unreplicated"), directories)}
+# No replica on the next process (a look inside: there is no option).
+managers["unreplicated"]._snapshots._peer = None
+times = {"none": [], "snapshot": [], "unreplicated": []}
 trial(None)  # warm-up
-trial(manager)
-SPLIT["take"].clear()
-SPLIT["write"].clear()
+for name, manager in managers.items():
+  trial(manager, SPLIT[name])
+  for v in SPLIT[name].values():
+    v.clear()
 for _ in range(TRIALS):
   times["none"].append(trial(None))
-  times["snapshot"].append(trial(manager))
-manager.close()
+  for name, manager in managers.items():
+    times[name].append(trial(manager, SPLIT[name]))
+for manager in managers.values():
+  manager.close()
+median = lambda v: sorted(v)[len(v) // 2]
 if jax.process_index() == 0:
-  shutil.rmtree(directory, ignore_errors=True)
-if jax.process_index() == 0:
+  for d in directories:
+    shutil.rmtree(d, ignore_errors=True)
   print(json.dumps({"steps": STEPS, "trials": TRIALS, "every": EVERY,
                     "seconds_per_step": times,
-                    "snapshot_seconds": {k: sorted(v)[len(v) // 2]
-                                         for k, v in SPLIT.items()}}),
+                    "snapshot_seconds": {k: median(v) for k, v in
+                                         SPLIT["snapshot"].items()},
+                    "unreplicated_seconds": {k: median(v) for k, v in
+                                             SPLIT["unreplicated"].items()}}),
         flush=True)

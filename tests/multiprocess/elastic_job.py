@@ -13,7 +13,8 @@ same model trains with `jdist.Trainer.fit` and `jdist.BackupAndRestore`
 to OUT_DIR/checkpoints every N steps instead, and `--snapshot-every N` also
 keeps a snapshot in memory every N steps (`CheckpointManager`'s
 `save_every` and `snapshot_every`; process 0 prints `snapshots <directory>`,
-where they are).
+where they are; the saved state then also holds a probe, a leaf split over
+the processes, which a restore checks).
 
 Each FAULT is `ATTEMPT:RANK:STEP:WHAT`: in attempt ATTEMPT (`JDIST_RESTART_COUNT`),
 process RANK, after step STEP, does WHAT: `kill` (SIGKILL itself), `stop`
@@ -76,6 +77,7 @@ FAULTS = [a for a in ARGS if a != "--fit"]
 strategy = jdist.MultiWorkerMirroredStrategy()
 
 import jax  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 ME, WORLD = jax.process_index(), jax.process_count()
 ATTEMPT = int(os.environ.get("JDIST_RESTART_COUNT", "0"))
@@ -242,6 +244,35 @@ def run_fit() -> dict:
   return train.fit(strategy, [backup, Markers()])
 
 
+def probe(step):
+  """With `--snapshot-every`, saved with the state: a leaf split over the
+  processes (12 values: 4 or 3 processes hold a block each) that depends
+  on the step, so that a restore proves each process's block came back."""
+  sharding = NamedSharding(strategy.mesh, P(strategy.mesh.axis_names[0]))
+  values = np.arange(12, dtype=np.float32) * 0.5 + step
+  return jax.make_array_from_callback((12,), sharding, lambda i: values[i])
+
+
+def saved(step, state):
+  return {"state": state, "probe": probe(step)} if SNAPSHOT_EVERY else state
+
+
+def restored(manager, step):
+  """The state `manager` restores (at `step`), into the state's shapes: no
+  initial state to compute. Checks the probe, with the state."""
+  like = jax.eval_shape(train.initial_state)
+  if not SNAPSHOT_EVERY:
+    return manager.restore(like)
+  got = manager.restore({"state": like,
+                         "probe": jax.ShapeDtypeStruct((12,), np.float32)})
+  want = np.arange(12, dtype=np.float32) * 0.5 + step
+  if not np.array_equal(np.asarray(got["probe"].addressable_data(0)), want):
+    raise SystemExit(f"the probe restored at step {step} is "
+                     f"{np.asarray(got['probe'].addressable_data(0))}, not "
+                     f"{want}")
+  return got["state"]
+
+
 def run_loop() -> dict:
   """A custom loop with `jdist.CheckpointManager` every SAVE_EVERY steps."""
   manager = jdist.CheckpointManager(
@@ -250,8 +281,8 @@ def run_loop() -> dict:
   if SNAPSHOT_EVERY and ME == 0:
     print(f"snapshots {manager._snapshots.directory}", flush=True)
   first = manager.latest_step or 0  # steps done: the next step's index
-  if first:  # restored into the state's shapes: no initial state to compute
-    state = manager.restore(jax.eval_shape(train.initial_state))
+  if first:
+    state = restored(manager, first)
   else:
     state = strategy.replicate(train.initial_state())
   step_fn = strategy.function(train.train_step)
@@ -264,7 +295,7 @@ def run_loop() -> dict:
     # snapshot at multiples of SNAPSHOT_EVERY.
     with kill_mid_save(i + 1, manager.directory), \
         kill_mid_snapshot(i + 1, manager):
-      manager.save(i + 1, state)
+      manager.save(i + 1, saved(i + 1, state))
     after_step(i, i == first)
   manager.close()
   return train.host_params(state)

@@ -5,15 +5,19 @@
 30 leaves no checkpoint on disk to resume from (the first is at 50): the
 restart resumes from the snapshot of step 30 in /dev/shm, on 4 processes or
 on the 3 that are left, and ends with the parameters of an uninterrupted
-run within 1e-6. A process killed while it writes its part of a snapshot
-leaves that snapshot incomplete: the one before is used. When the job ends,
-its snapshot directory is gone, and so is every process.
+run within 1e-6. Each process's part is also held by the next process as
+its replica: a host that goes away with its memory leaves the snapshot
+complete. A process killed while it writes its part of a snapshot leaves
+that snapshot to its replica, if the next process wrote it before the
+launcher stopped it; else the one before is used. When the job ends, its
+snapshot directory is gone, and so is every process.
 """
 
 import contextlib
 import os
 import re
 import signal
+import time
 
 import pytest
 
@@ -23,6 +27,7 @@ import test_elastic as elastic
 pytestmark = pytest.mark.multiprocess
 
 SNAPSHOTS = ["--snapshot-every", 10, "--save-every", 50]
+PART_30 = "step-000000000030.attempt-0.{}-{}-of-4.snap"
 
 
 def snapshot_dir(output: str) -> str:
@@ -31,14 +36,19 @@ def snapshot_dir(output: str) -> str:
   return found.group(1)
 
 
-def assert_resumed_from_memory(output: str, out_dir, step: int, world: int):
-  """The restart resumed at `step`, read from the in-memory snapshot, not
-  from the checkpoint directory (whose first checkpoint is at step 50)."""
+def assert_resumed_from_memory(output: str, out_dir, step: int, world: int,
+                               replicas: str = ""):
+  """The restart resumed at `step`, read from the in-memory snapshot (with
+  `replicas`, a pattern of the processes whose parts came from their
+  replicas, as the line names them), not from the checkpoint directory
+  (whose first checkpoint is at step 50)."""
   resumed = [s for _, s, _ in elastic.markers(output, "resumed")]
   assert sorted(resumed) == [0] * 4 + [step] * world, output[-5000:]
+  copies = (rf" \(the parts of processes {replicas} of 4 from their "
+            r"replicas on the processes after them\)" if replicas else "")
   assert re.search(rf"^\[0\] jdist: restored step {step} from the in-memory "
-                   rf"snapshot in \S+, not from \S+ \(no checkpoint there\)\.$",
-                   output, re.M), output[-5000:]
+                   rf"snapshot in \S+{copies}, not from \S+ \(no checkpoint "
+                   r"there\)\.$", output, re.M), output[-5000:]
   ckpts = os.path.join(out_dir, "checkpoints")
   assert sorted(d for d in os.listdir(ckpts) if d.isdigit()) == ["50"]
 
@@ -63,10 +73,13 @@ def test_a_killed_process_resumes_from_the_snapshot_in_memory(tmp_path):
   print(elastic.restart_report(r.stdout))
 
 
-def test_a_kill_while_writing_a_snapshot_uses_the_one_before(tmp_path):
+def test_a_kill_while_writing_a_snapshot_uses_its_replica_or_the_one_before(
+    tmp_path):
   """Process 2 dies while it writes its part of the snapshot of step 40
-  (its temporary file is there): that snapshot lacks process 2's part, and
-  the job resumes from the snapshot of step 30."""
+  (its temporary file is there). Process 3 had its replica (copied when the
+  snapshot was taken) and writes it unless the launcher stops it first: the
+  job resumes from the snapshot of step 40 with process 2's part from its
+  replica, or, when that snapshot lacks process 2's part, from step 30."""
   r = harness.run_launcher(["--nnodes", "2:4", "--max-restarts", 3,
                             "--devices-per-process", 1, elastic.JOB, tmp_path,
                             *SNAPSHOTS, "0:2:40:snapkill"],
@@ -77,11 +90,15 @@ def test_a_kill_while_writing_a_snapshot_uses_the_one_before(tmp_path):
   assert writing, r.output[-5000:]
   assert writing.group(1) in writing.group(2).split()
   assert "(killed by SIGKILL)" in r.stderr
-  # (The others wrote theirs before the launcher stopped them, at least one.)
-  assert re.search(r"^\[0\] jdist: the snapshot of step 40 \(attempt 0\) lacks "
-                   r"the parts of processes \[(\d, )*2(, \d)*\] of 4; not using "
-                   r"it\.$", r.stderr, re.M), r.stderr[-5000:]
-  assert_resumed_from_memory(r.output, tmp_path, 30, world=4)
+  # (The others wrote theirs, and their replicas, before the launcher
+  # stopped them, or not.)
+  if re.search(r"^\[0\] jdist: the snapshot of step 40 \(attempt 0\) lacks "
+               r"the parts of processes \[[\d, ]+\] of 4; not using it\.$",
+               r.stderr, re.M):
+    assert_resumed_from_memory(r.output, tmp_path, 30, world=4)
+  else:
+    assert_resumed_from_memory(r.output, tmp_path, 40, world=4,
+                               replicas=r"\[(\d, )*2(, \d)*\]")
   elastic.assert_finished(tmp_path, world=4, attempt=1)
   assert_nothing_left(r.output)
 
@@ -99,10 +116,14 @@ def test_a_job_that_fails_leaves_no_snapshot(tmp_path):
   assert_nothing_left(r.output)
 
 
-def test_a_node_that_goes_away_resumes_from_memory_on_the_others(tmp_path):
+def test_a_node_that_goes_away_with_its_memory_resumes_from_the_replicas(
+    tmp_path):
   """Four launchers on one rendezvous (one machine: one /dev/shm); process
-  2's goes away after step 30. The 3 others resume from the snapshot the 4
-  wrote (each part holds the whole mirrored state)."""
+  2's goes away after step 30, and with it what its host held: its parts
+  and the replicas of process 1's (the test removes them). The 3 others
+  resume from the snapshot of step 30, with process 2's part from its
+  replica on process 3 (and the probe, a leaf split over the processes,
+  comes back)."""
   port = harness.free_port()
   args = ["--nnodes", "2:4", "--max-restarts", 3, "--rdzv-endpoint",
           f"127.0.0.1:{port}", "--devices-per-process", 1, elastic.JOB,
@@ -115,12 +136,27 @@ def test_a_node_that_goes_away_resumes_from_memory_on_the_others(tmp_path):
                           for _ in range(3)]
     doomed = int(elastic.wait_for_file(os.path.join(tmp_path, "parked-2"),
                                        launchers, timeout=elastic.RUN_TIMEOUT))
+    folder = snapshot_dir(host.output())
+    # Process 3 writes the replica of process 2's part of step 30 in the
+    # save after step 30 (process 2 has, its own part and the replica of 1).
+    replica = os.path.join(folder, PART_30.format("replica", 2))
+    deadline = time.monotonic() + 60
+    while not os.path.exists(replica):
+      assert time.monotonic() < deadline, os.listdir(folder)
+      time.sleep(0.05)
+    gone = [f for f in os.listdir(folder) if re.fullmatch(
+        r"step-\d+\.attempt-0\.(part-2|replica-1)-of-4\.snap", f)]
+    assert {PART_30.format("part", 2), PART_30.format("replica", 1)} <= \
+        set(gone), os.listdir(folder)
+    for name in gone:
+      os.unlink(os.path.join(folder, name))
     os.kill(doomed, signal.SIGKILL)
     for launcher in launchers:
       launcher.popen.wait(timeout=elastic.RUN_TIMEOUT)
     output = "".join(l.output() for l in launchers)
   codes = sorted(l.popen.returncode for l in launchers)
   assert codes == [-signal.SIGKILL, 0, 0, 0], output[-5000:]
-  assert_resumed_from_memory(output, tmp_path, 30, world=3)
+  assert_resumed_from_memory(output, tmp_path, 30, world=3,
+                             replicas=re.escape("[2]"))
   elastic.assert_finished(tmp_path, world=3, attempt=1)
   assert_nothing_left(output)

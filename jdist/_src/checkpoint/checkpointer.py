@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import warnings
 from typing import Any
@@ -36,6 +37,7 @@ from jdist._src.checkpoint import directory_claim
 from jdist._src.checkpoint import orbax_errors
 
 FORMAT = "jdist.Trainer/3"
+_STEP = re.compile(r"\d+")  # orbax's name of a complete step directory
 # Version 2 named the leaves of sharded optimizer state with one more level
 # (the `jdist.Sharded` around it), so sharded and mirrored checkpoints did not
 # load into each other; version 1 had no checksum of its metadata. Both load.
@@ -253,27 +255,40 @@ class Checkpointer:
 
   def __init__(self, directory, *, max_to_keep: int | None = None,
                claim: bool = False):
-    import orbax.checkpoint as ocp  # slow to import: only when checkpointing
-    self._ocp = ocp
     self.directory = os.path.abspath(os.fspath(directory))
+    self._max_to_keep = max_to_keep
     self._claim = directory_claim.claim(self.directory) if claim else None
-    # The owner removes what saves that died left behind (a reader must not:
-    # they may be another job's saves in progress).
-    options = ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep, create=True, cleanup_tmp_directories=claim,
-        enable_async_checkpointing=False)
-    try:
-      self._manager = ocp.CheckpointManager(self.directory, options=options,
-                                            item_names=("state", "meta"))
-    except BaseException:
-      if self._claim is not None:
-        self._claim.release()
-      raise
+    self._ocp, self._opened = None, None
+
+  @property
+  def _manager(self):
+    """orbax's CheckpointManager of the directory, opened at the first save
+    or restore that needs it: its creation is a barrier of every process
+    (all call `save` and `restore`), and a restart that resumes from memory
+    never needs it."""
+    if self._opened is None:
+      import orbax.checkpoint as ocp  # slow to import: only when checkpointing
+      # The owner removes what saves that died left behind (a reader must
+      # not: they may be another job's saves in progress).
+      options = ocp.CheckpointManagerOptions(
+          max_to_keep=self._max_to_keep, create=True,
+          cleanup_tmp_directories=self._claim is not None,
+          enable_async_checkpointing=False)
+      self._opened = ocp.CheckpointManager(
+          self.directory, options=options, item_names=("state", "meta"))
+      self._ocp = ocp
+    return self._opened
 
   def steps(self) -> list[int]:
-    """Steps of the complete checkpoints, oldest first."""
-    self._manager.reload()
-    return sorted(self._manager.all_steps())
+    """Steps of the complete checkpoints, oldest first (the step directories
+    orbax has renamed into place; read without opening orbax)."""
+    try:
+      entries = os.scandir(self.directory)
+    except (FileNotFoundError, NotADirectoryError):
+      return []
+    with entries:
+      return sorted(int(e.name) for e in entries
+                    if _STEP.fullmatch(e.name) and e.is_dir())
 
   def save(self, step: int, state, meta: dict) -> bool:
     """Writes `state` and `meta` as checkpoint `step` (all processes call it).
@@ -284,10 +299,11 @@ class Checkpointer:
     Returns:
       Whether checkpoint `step` is now in the directory.
     """
-    ocp = self._ocp
     if self._claim is not None:
       self._claim.check()
-    if step in self._manager.all_steps():
+    manager = self._manager
+    ocp = self._ocp
+    if step in manager.all_steps():
       return True  # already saved at this step (same state)
     names, leaves, _ = _flatten(state)
     leaves = _storable(leaves)
@@ -330,9 +346,10 @@ class Checkpointer:
                            f"{self.directory}: {orbax_errors.reason(e)}. {kept}")
 
   def read_meta(self, step: int) -> dict:
+    manager = self._manager
     ocp = self._ocp
     with orbax_errors.summarised(f"{self.directory}/{step}/"):
-      return self._manager.restore(step, args=ocp.args.Composite(
+      return manager.restore(step, args=ocp.args.Composite(
           meta=ocp.args.JsonRestore()))["meta"]
 
   def restore(self, target, mesh, *, step: int | None = None):
@@ -417,7 +434,8 @@ class Checkpointer:
 
   def close(self, *, delete: bool = False) -> None:
     """Lets the directory go; with `delete`, deletes it first (process 0)."""
-    self._manager.close()
+    if self._opened is not None:
+      self._opened.close()
     if self._claim is None:
       if delete and jax.process_index() == 0:
         shutil.rmtree(self.directory, ignore_errors=True)

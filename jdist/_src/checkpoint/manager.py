@@ -5,17 +5,19 @@ in the manner of TensorFlow's `tf.train.CheckpointManager` (save, restore,
 the latest checkpoint, `max_to_keep`), with state passed explicitly as JAX
 code passes it. It keeps the Trainer's guarantees: the directory is claimed
 for this job (another running job writing there is an error, and saves that
-a killed job left half-written are removed), each checkpoint's metadata and
-arrays are checksummed (a corrupt newest checkpoint is skipped with a
-warning), and a checkpoint restores onto any number of devices or processes
-in the layout of the state it is restored into.
+a killed job left half-written are removed when orbax opens the directory,
+at the first save or restore there), each checkpoint's metadata and arrays
+are checksummed (a corrupt newest checkpoint is skipped with a warning), and
+a checkpoint restores onto any number of devices or processes in the layout
+of the state it is restored into.
 
 With `snapshot_every=N`, in a `jdist launch` job, it also keeps the newest
 state in host memory (`snapshots.py`): `save` writes a snapshot every N
-steps to the job's directory under /dev/shm, and `restore` takes the newest
-of the snapshot and the persistent checkpoints, so a restarted job resumes
-without reading the persistent directory and persistent saves (`save_every`)
-can be rare.
+steps to the job's directory under /dev/shm (and each process's part, as a
+replica, to the next process's), and `restore` takes the newest of the
+snapshot and the persistent checkpoints, so a restarted job resumes without
+reading the persistent directory (orbax opens it only for a save or a
+restore there) and persistent saves (`save_every`) can be rare.
 """
 
 from __future__ import annotations
@@ -56,9 +58,11 @@ class CheckpointManager:
       host memory (/dev/shm, outside the training processes) at the steps
       that are a multiple of it, and `restore` resumes from that snapshot
       when it is newer than the newest checkpoint (None: no snapshots). Each
-      process writes the blocks of the state it holds; only the newest
-      complete snapshot is kept (on one machine); the launcher removes them
-      when the job ends.
+      process writes the blocks of the state it holds, and the next process
+      (in a job of several) a replica of them (the blocks it lacks come
+      through the JAX runtime), so that the snapshot outlives one host; only
+      the newest complete snapshot is kept (on one machine); the launcher
+      removes them when the job ends.
 
   Raises:
     ValueError: `snapshot_every` outside `jdist launch` (it names the job's
@@ -150,7 +154,7 @@ class CheckpointManager:
     return self._snapshots.complete[0]
 
   def _agreed_snapshot_step(self) -> None:
-    group, note = self._snapshots.agree()
+    group, note, _ = self._snapshots.agree()
     if note:
       snapshots_lib.say(f"{note}; not using it.")
     self._snapshots.complete = group
@@ -230,9 +234,8 @@ class CheckpointManager:
     """The state from the newest complete snapshot, or None (the persistent
     directory's turn). Every process calls it and gets the same answer."""
     self._snapshots.flush()
-    group, note = self._snapshots.agree()
     steps = self.steps
-    disk = steps[-1] if steps else None
+    group, note, disk = self._snapshots.agree(steps[-1] if steps else None)
     where = (f"the checkpoint of step {disk} in {self.directory}"
              if disk is not None else f"{self.directory} (no checkpoint there)")
     if group is None or (step is not None and group[0] != step):
@@ -253,8 +256,12 @@ class CheckpointManager:
       return None
     state = ckpt_lib.placed(got, stored, leaves, treedef, mesh)
     self._snapshots.complete = group
+    copied = self._snapshots.from_replicas
+    replicas = (f" (the parts of processes {copied} of {group[2]} from their "
+                "replicas on the processes after them)" if copied else "")
     snapshots_lib.say(f"restored step {group[0]} from the in-memory snapshot "
-                      f"in {self._snapshots.directory}, not from {where}.")
+                      f"in {self._snapshots.directory}{replicas}, not from "
+                      f"{where}.")
     return state
 
   def close(self) -> None:

@@ -9,38 +9,51 @@ name and renamed when complete (tmpfs needs no fsync), so a reader never sees
 half a part; its header holds a CRC-32 of its data.
 
 Files, one per process and snapshot:
-`step-<step>.attempt-<attempt>.part-<rank>-of-<world>.snap`. A snapshot (a
-step, written by the processes of one attempt) is complete when the parts of
-all its `world` processes are there. Restoring is collective: the processes
-exchange which parts each sees (through the runtime's key-value store), take
-the newest complete snapshot, read it, and exchange whether each could; if
-any could not (a part unreadable, or this host lacks the blocks it needs),
-every process falls back to the persistent directory, with a line that says
-why. The state may be restored on another number of processes: each process
-assembles each leaf from the blocks of the parts it sees and cuts its own
-shards out of it. With one CPU device per process and a replicated (mirrored)
-state, every part holds the whole state, so any single part is enough.
+`step-<step>.attempt-<attempt>.part-<rank>-of-<world>.snap`, and in a job of
+several processes, one more: the replica of the part of the process before
+it, `...replica-<rank - 1 mod world>-of-<world>.snap`, which holds the
+blocks of that part this process does not hold itself (its own part, next
+to it, holds the others), brought over by `peer_copy.py` through the JAX
+runtime. A
+snapshot (a step, written by the processes of one attempt) is complete when
+the part of each of its `world` processes, or its replica, is there.
+Restoring is collective: the processes exchange which parts and replicas
+each sees (through the runtime's key-value store), take the newest complete
+snapshot, read it (a process's part where its host has it, else its
+replica), and exchange whether each could; if any could not (a part
+unreadable, or this host lacks the blocks it needs), every process falls
+back to the persistent directory, with a line that says why. The state may
+be restored on another number of processes: each process assembles each
+leaf from the blocks of the parts it sees and cuts its own shards out of it.
+With one CPU device per process and a replicated (mirrored) state, every
+part holds the whole state, so any single part is enough.
 
 Writing: `write` takes the snapshot (it starts the copy of the blocks to the
-host) and the next `flush` writes the part, at the manager's next `save`
-(or `restore`, `close`): the step that computed it has ended by then, so the
-loop does not wait for it. Cleanup, when a part is written: a process removes
-every file but its last two snapshots' parts and the new one's (all
-processes have written the one before its last: the steps since needed
-their collectives, which each process dispatches after its `save` wrote
-it); the process that completes a snapshot (it sees all of its parts)
-removes the others. So at rest the directory holds the newest complete
-snapshot (on one machine; across hosts, until the next two snapshots, also
-the ones before it), and the launcher removes the directory when the job
-ends.
+host, and to the next process) and the next `flush` writes the part and the
+replica, at the manager's next `save` (or `restore`, `close`): the step that
+computed it has ended by then, so the loop does not wait for it. Cleanup,
+when a part is written: a process removes every file but its last two
+snapshots' parts and replicas and the new one's (all processes have written
+the one before its last: the steps since needed their collectives, which
+each process dispatches after its `save` wrote it); the process that
+completes a snapshot (it sees all of its parts, or their replicas) removes
+the others. So at
+rest the directory holds the newest complete snapshot (on one machine;
+across hosts, until the next two snapshots, also the ones before it), and
+the launcher removes the directory when the job ends.
 
-What is replicated: on one machine, every process's part is in the one
-/dev/shm, so a process that dies leaves its part to its successor. Across
-hosts, each host holds its own processes' parts only: a host that goes away
-takes its parts with it, the snapshot is incomplete, and the job resumes
-from the persistent directory. A peer copy would go through the same files:
-a launcher agent that copies each complete part to the next host's directory
-would make the snapshot survive one host's loss; it is not built.
+What survives: on one machine, every process's part is in the one /dev/shm,
+so a process that dies leaves its part to its successor. Across hosts, each
+host holds its own processes' parts and the replicas of the processes
+before them: a host that goes away takes its parts with it, and the next
+host's replicas stand in for them, so the job resumes from memory on the
+hosts that are left. Two neighbouring hosts (in process order) that go away
+together take a part and its replica: the snapshot is incomplete, and the
+job resumes from the persistent directory. The copies hold what the next
+process lacks: with a replicated (mirrored) state, nothing (the replica is
+a header, no copy is made: replicating costs one small file); with state
+split over the processes, each process's blocks once (benchmarks/RESULTS.md
+says what it costs).
 
 orbax-checkpoint 0.12's emergency (multi-tier) CheckpointManager is not used:
 its local tier restores onto the mesh the snapshot was saved from (it maps the
@@ -63,25 +76,34 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jdist._src.checkpoint import peer_copy
 from jdist._src.multiprocess import liveness
 from jdist._src.multiprocess import runtime as runtime_lib
 
 MAGIC = b"JDSNAP1\n"
-_PART = re.compile(r"step-(\d+)\.attempt-(\d+)\.part-(\d+)-of-(\d+)\.snap")
+# A process's own part, or the replica of process <rank>'s part that the
+# next process holds.
+_PART = re.compile(
+    r"step-(\d+)\.attempt-(\d+)\.(part|replica)-(\d+)-of-(\d+)\.snap")
 _TMP = re.compile(r"\.tmp-(\d+)-(\d+)\.snap")  # the writer's rank and pid
 
 
 def _group(m) -> tuple:
-  return int(m[1]), int(m[2]), int(m[4])  # step, attempt, world
+  return int(m[1]), int(m[2]), int(m[5])  # step, attempt, world
 
 
 def _groups(entries) -> list:
-  """`[((step, attempt, world), rank)]` of the parts among `entries`."""
-  return [(_group(m), int(m[3])) for m in map(_PART.fullmatch, entries) if m]
+  """`[((step, attempt, world), rank, kind)]` of the parts among `entries`
+  (`kind`: "part" or "replica")."""
+  return [(_group(m), int(m[4]), m[3])
+          for m in map(_PART.fullmatch, entries) if m]
 
 
-def part_name(step: int, attempt: int, rank: int, world: int) -> str:
-  return f"step-{step:012d}.attempt-{attempt}.part-{rank}-of-{world}.snap"
+def part_name(step: int, attempt: int, rank: int, world: int,
+              kind: str = "part") -> str:
+  """The file of process `rank`'s part (`kind="replica"`: of its replica,
+  which process `(rank + 1) % world` writes)."""
+  return f"step-{step:012d}.attempt-{attempt}.{kind}-{rank}-of-{world}.snap"
 
 
 def say(message: str) -> None:
@@ -94,39 +116,78 @@ def _bounds(index, shape) -> list:
   return [list(s.indices(d)[:2]) for s, d in zip(index, shape)]
 
 
-def _picks(leaf) -> tuple:
-  """`(bounds, pick)`: the bounds of this process's distinct blocks of
-  `leaf`, and a function that takes their data out of a leaf like it."""
-  whole = [[0, d] for d in np.shape(leaf)]
+def _blocks(leaf, process: int) -> list:
+  """`[(bounds, device)]` of process `process`'s distinct blocks of `leaf`,
+  in the order of the sharding's devices (every process works out every
+  process's blocks alike); `device` None for a leaf whole on every device."""
+  shape = np.shape(leaf)
+  if not isinstance(leaf, jax.Array) or leaf.sharding.is_fully_replicated:
+    return [([[0, d] for d in shape], None)]  # the common case, and a fast one
+  blocks, seen = [], []
+  for device, index in leaf.sharding.devices_indices_map(shape).items():
+    if device.process_index == process:
+      b = _bounds(index, shape)
+      if b not in seen:
+        seen.append(b)
+        blocks.append((b, device))
+  return blocks
+
+
+def _picker(leaf, blocks: list):
+  """A function that takes the data of `blocks` (this process's) out of a
+  leaf like `leaf`."""
+  if not blocks:
+    return lambda x: []
   if not isinstance(leaf, jax.Array):
-    return [whole], lambda x: [np.asarray(x)]
-  if leaf.sharding.is_fully_replicated:  # the common case, and a fast one
-    return [whole], lambda x: [x.addressable_data(0)]
-  bounds, at = [], []
-  for i, shard in enumerate(leaf.addressable_shards):
-    b = _bounds(shard.index, leaf.shape)
-    if b not in bounds:
-      bounds.append(b)
-      at.append(i)
-  return bounds, lambda x: [x.addressable_shards[i].data for i in at]
+    return lambda x: [np.asarray(x)]
+  if leaf.sharding.is_fully_replicated:
+    return lambda x: [x.addressable_data(0)]
+  at = {shard.device: i for i, shard in enumerate(leaf.addressable_shards)}
+  order = [at[device] for _, device in blocks]
+  return lambda x: [x.addressable_shards[i].data for i in order]
 
 
 class _Layout:
-  """A state's blocks on this process: how to pick them, and the header's
-  description of them (`entries`, JSON)."""
+  """A state's blocks on process `process` (with `but`, those process `but`
+  does not hold: what a replica on it needs): the header's description of
+  them (`entries`, JSON), their sizes, and (on this process) how to pick
+  them."""
 
-  def __init__(self, names: list, leaves: list):
-    self.picks, entries = [], []
+  def __init__(self, names: list, leaves: list, process: int,
+               but: int | None = None):
+    self.picks, self.sizes, entries = [], [], []
+    mine = process == jax.process_index()
     for name, leaf in zip(names, leaves):
-      bounds, pick = _picks(leaf)
+      blocks = _blocks(leaf, process)
+      if but is not None:
+        held = [b for b, _ in _blocks(leaf, but)]
+        blocks = [(b, d) for b, d in blocks if b not in held]
       dtype = np.dtype(leaf.dtype)
-      self.picks.append((pick, bool(np.issubdtype(dtype, np.inexact))))
-      size = dtype.itemsize
+      inexact = bool(np.issubdtype(dtype, np.inexact))
+      self.picks.append((_picker(leaf, blocks) if mine else None, inexact))
+      nbytes = [dtype.itemsize * int(np.prod([hi - lo for lo, hi in b]))
+                for b, _ in blocks]
+      self.sizes.append((dtype, inexact, nbytes))
       entries.append({"name": name, "shape": list(np.shape(leaf)),
                       "dtype": str(dtype), "shards": [
-                          {"bounds": b, "nbytes": size * int(np.prod(
-                              [hi - lo for lo, hi in b]))} for b in bounds]})
+                          {"bounds": b, "nbytes": n}
+                          for (b, _), n in zip(blocks, nbytes)]})
     self.entries = json.dumps(entries)
+    self.nbytes = sum(n for _, _, ns in self.sizes for n in ns)
+
+  def nonfinite(self, data) -> int | None:
+    """The index of the first leaf whose inexact values in `data` (bytes
+    laid out as this layout says) hold NaN or inf, or None."""
+    offset = 0
+    for i, (dtype, inexact, nbytes) in enumerate(self.sizes):
+      for n in nbytes:
+        if inexact and n:
+          block = np.frombuffer(data, dtype, count=n // dtype.itemsize,
+                                offset=offset)
+          if not np.isfinite(block.sum(dtype=np.float64)):
+            return i  # (NaN and inf survive the sum.)
+        offset += n
+    return None
 
 
 def _write_all(path: str, buffers: list) -> None:
@@ -181,8 +242,11 @@ class Snapshots:
     # (step, attempt, world) of the last snapshot this process wrote (or
     # restored), and of the one before it.
     self.complete, self._before = None, None
-    self._layout_key, self._layout_value = None, None
+    self._layouts_key, self._layouts = None, None
     self._pending, self._at_once = None, False
+    self._peer = peer_copy.PeerCopy.for_this_job()
+    # The processes whose parts the last agreement found only as replicas.
+    self.from_replicas: list = []
 
   # --- writing ------------------------------------------------------------------
 
@@ -192,22 +256,31 @@ class Snapshots:
     Its part is written by the next `flush` (the next `save`, `restore` or
     `close` of the manager): by then the step that computed it has ended, so
     writing it does not wait for the step, and the host copy, started now,
-    is there. A step that donates its state deletes the arrays first: that
-    snapshot is lost (a line says so) and from then on each is written at
-    once, waiting for its step.
+    is there. In a job of several processes, the copy of the part to the
+    next process (`peer_copy.py`) is dispatched now too, and that `flush`
+    writes the part it brings from the process before as its replica. A
+    step that donates its state deletes the arrays first: that snapshot is
+    lost (a line says so) and from then on each is written at once, waiting
+    for its step.
     """
     self.flush()
-    layout = self._layout(names, leaves)
-    blocks = [pick(leaf) for leaf, (pick, _) in zip(leaves, layout.picks)]
+    mine, sent, before, length = self._layout(names, leaves)
+    blocks = [pick(leaf) for leaf, (pick, _) in zip(leaves, mine.picks)]
     for block in (b for bs in blocks for b in bs):
       if isinstance(block, jax.Array):
         block.copy_to_host_async()
-    self._pending = (int(step), names, layout, blocks)
+    received = None
+    if self._peer is not None and length:
+      received = self._peer.send(
+          [b for leaf, (pick, _) in zip(leaves, sent.picks)
+           for b in pick(leaf)], length)
+    self._pending = (int(step), names, mine, blocks, before, received)
     if self._at_once:
       self.flush()
 
   def flush(self) -> bool | None:
-    """Writes the part of the snapshot taken last, if not yet written.
+    """Writes the part of the snapshot taken last, if not yet written, and
+    the replica of the part of the process before this one.
 
     Returns:
       None if there was none; else whether it was written: not when its
@@ -216,7 +289,7 @@ class Snapshots:
     """
     if self._pending is None:
       return None
-    step, names, layout, blocks = self._pending
+    step, names, layout, blocks, before, received = self._pending
     self._pending = None
     if any(isinstance(b, jax.Array) and b.is_deleted()
            for bs in blocks for b in bs):
@@ -237,9 +310,6 @@ class Snapshots:
         raw = np.ascontiguousarray(h).reshape(-1).view(np.uint8)  # bfloat16 too
         crc = zlib.crc32(raw, crc)
         arrays.append(raw)
-    header = (f'{{"step": {int(step)}, "attempt": {self.attempt}, "rank": '
-              f'{self.rank}, "world": {self.world}, "crc32": {crc}, '
-              f'"leaves": {layout.entries}}}').encode()
     group = (int(step), self.attempt, self.world)
     try:
       entries = os.listdir(self.directory)
@@ -250,30 +320,68 @@ class Snapshots:
     # has written the one before the last (see the module's docstring).
     previous = self.complete
     self._remove(entries, keep={group, previous, self._before})
-    tmp = os.path.join(self.directory, f".tmp-{self.rank}-{os.getpid()}.snap")
-    _write_all(tmp, [MAGIC + struct.pack("<Q", len(header)) + header, *arrays])
-    os.replace(tmp, os.path.join(self.directory,
-                                 part_name(*group[:2], self.rank, self.world)))
+    self._put(group, self.rank, "part", crc, layout, arrays)
     if previous != group:
       self._before, self.complete = previous, group
-    written = {r for g, r in _groups(entries) if g == group} | {self.rank}
+    written = {self.rank}
+    if before is not None:
+      written |= self._put_replica(group, before, received)
+    written |= {r for g, r, _ in _groups(entries) if g == group}
     if written == set(range(self.world)):
       self._remove(entries, keep={group})  # the last part of `group` is in
     return True
 
-  def _layout(self, names: list, leaves: list) -> "_Layout":
-    """How to take this process's blocks out of `leaves` (worked out once
-    per shapes, dtypes and shardings: a snapshot costs little more than its
-    copy and its file)."""
+  def _put(self, group, rank: int, kind: str, crc: int, layout: "_Layout",
+           arrays: list) -> None:
+    """Writes process `rank`'s part (or its replica) of snapshot `group`:
+    under a temporary name, renamed when complete."""
+    step, attempt, world = group
+    header = (f'{{"step": {step}, "attempt": {attempt}, "rank": {rank}, '
+              f'"world": {world}, "crc32": {crc}, "leaves": '
+              f'{layout.entries}}}').encode()
+    tmp = os.path.join(self.directory, f".tmp-{self.rank}-{os.getpid()}.snap")
+    _write_all(tmp, [MAGIC + struct.pack("<Q", len(header)) + header, *arrays])
+    os.replace(tmp, os.path.join(self.directory,
+                                 part_name(step, attempt, rank, world, kind)))
+
+  def _put_replica(self, group, layout: "_Layout", received) -> set:
+    """Writes the part of the process before this one, as its replica:
+    the blocks of it that this process does not hold, from the bytes the
+    copy brought (`layout`: those blocks; none, and no copy, for a mirrored
+    state), and returns `{its rank}`; nothing (`set()`) when they hold NaN
+    or inf (that process does not write its part either)."""
+    rank = (self.rank - 1) % self.world
+    data = (np.zeros(0, np.uint8) if received is None else
+            np.asarray(received)[:layout.nbytes])
+    if layout.nonfinite(data) is not None:
+      return set()
+    self._put(group, rank, "replica", zlib.crc32(data), layout, [data])
+    return {rank}
+
+  def _layout(self, names: list, leaves: list) -> tuple:
+    """`(mine, sent, before, length)`: the layouts of this process's blocks
+    of `leaves`, of those of them the next process does not hold (its copy
+    of them), and of those of the process before it that this one does not
+    hold (the replica it writes), and the bytes of the largest copy (0: no
+    copy, as for a mirrored state); worked out once per shapes, dtypes and
+    shardings, so that a snapshot costs little more than its copies and its
+    files."""
     key = tuple((np.shape(x), str(x.dtype), getattr(x, "sharding", None))
                 for x in leaves)
-    if self._layout_key != key:
-      self._layout_key, self._layout_value = key, _Layout(names, leaves)
-    return self._layout_value
+    if self._layouts_key != key:
+      mine = _Layout(names, leaves, self.rank)
+      sent, before, length = None, None, 0
+      if self._peer is not None:
+        copies = [_Layout(names, leaves, p, but=(p + 1) % self.world)
+                  for p in range(self.world)]
+        sent, before = copies[self.rank], copies[self.rank - 1]
+        length = max(c.nbytes for c in copies)
+      self._layouts_key, self._layouts = key, (mine, sent, before, length)
+    return self._layouts
 
   def _remove(self, entries: list, keep: set) -> None:
-    """Removes, of `entries`, the parts of the snapshots not in `keep`, and
-    the temporary files of writers that died."""
+    """Removes, of `entries`, the parts (and replicas) of the snapshots not
+    in `keep`, and the temporary files of writers that died."""
     for entry in entries:
       m, tmp = _PART.fullmatch(entry), _TMP.fullmatch(entry)
       gone = ((m is not None and _group(m) not in keep)
@@ -287,41 +395,65 @@ class Snapshots:
   # --- finding the newest complete snapshot ---------------------------------------
 
   def _seen(self) -> dict:
-    """`{(step, attempt, world): {ranks}}` of the parts on this host."""
+    """`{(step, attempt, world): ({ranks}, {ranks})}`: the processes whose
+    parts, and whose replicas, are on this host."""
     seen: dict = {}
-    for group, rank in _groups(os.listdir(self.directory)):
-      seen.setdefault(group, set()).add(rank)
+    for group, rank, kind in _groups(os.listdir(self.directory)):
+      parts, replicas = seen.setdefault(group, (set(), set()))
+      (parts if kind == "part" else replicas).add(rank)
     return seen
 
-  def agree(self) -> tuple:
-    """`(group, note)`: the newest snapshot whose parts all exist on the
-    job's hosts, as `(step, attempt, world)` (the same on every process), or
-    None; `note` says why newer snapshots are not used (or "")."""
-    mine = [[*g, sorted(r)] for g, r in self._seen().items()]
+  def agree(self, newest_checkpoint: int | None = None) -> tuple:
+    """`(group, note, newest_checkpoint)`: the newest snapshot of which
+    every process's part (or its replica) exists on the job's hosts, as
+    `(step, attempt, world)`, or None; `note` says why newer snapshots are
+    not used (or ""); and the newest of the persistent checkpoints the
+    processes see (each passes its own), so that every process chooses the
+    same of the two. The same on every process; `from_replicas` is then
+    the processes whose parts of `group` only their replicas hold."""
+    mine = [[*g, sorted(p), sorted(r)] for g, (p, r) in self._seen().items()]
     runtime = runtime_lib.current()
     key = f"jdist/snapshots/{runtime.next_sequence('snapshots')}/"
-    values = runtime.exchange(key, json.dumps(mine), timeout=None,
-                              what="the agreement on the in-memory snapshot")
-    union: dict = {}
+    values = runtime.exchange(
+        key, json.dumps([mine, newest_checkpoint]), timeout=None,
+        what="the agreement on the in-memory snapshot")
+    parts: dict = {}
+    replicas: dict = {}
+    disk = []
     for text in values.values():
-      for step, attempt, world, ranks in json.loads(text):
-        union.setdefault((step, attempt, world), set()).update(ranks)
-    complete = [g for g, r in union.items() if r == set(range(g[2]))]
+      seen, newest = json.loads(text)
+      if newest is not None:
+        disk.append(newest)
+      for step, attempt, world, ps, rs in seen:
+        parts.setdefault((step, attempt, world), set()).update(ps)
+        replicas.setdefault((step, attempt, world), set()).update(rs)
+    held = {g: parts[g] | replicas[g] for g in parts}
+    complete = [g for g, r in held.items() if r == set(range(g[2]))]
     best = max(complete, default=None)
-    newer = sorted(g for g in union if best is None or g[0] > best[0])
+    self.from_replicas = ([] if best is None else
+                          sorted(replicas[best] - parts[best]))
+    newer = sorted(g for g in held if best is None or g[0] > best[0])
     notes = [f"the snapshot of step {s} (attempt {a}) lacks the parts of "
-             f"processes {sorted(set(range(w)) - union[(s, a, w)])} of {w}"
+             f"processes {sorted(set(range(w)) - held[(s, a, w)])} of {w}"
              for s, a, w in newer]
-    return best, "; ".join(notes)
+    return best, "; ".join(notes), max(disk, default=None)
 
   # --- reading ------------------------------------------------------------------
 
   def _parts(self, group) -> list:
+    """The files of `group` on this host to read: each process's part, or
+    its replica where the part is not here; this process's own first."""
     step, attempt, world = group
     ranks = sorted(range(world), key=lambda r: r != self.rank)  # its own first
-    paths = [os.path.join(self.directory, part_name(step, attempt, r, world))
-             for r in ranks]
-    return [p for p in paths if os.path.exists(p)]
+    paths = []
+    for r in ranks:
+      for kind in ("part", "replica"):
+        path = os.path.join(self.directory,
+                            part_name(step, attempt, r, world, kind))
+        if os.path.exists(path):
+          paths.append(path)
+          break
+    return paths
 
   def read(self, group, described: dict) -> tuple:
     """`(leaves, problem)`: the whole of each leaf named in `described`
