@@ -221,8 +221,8 @@ class ArraySource:
   def batches(self, epoch: int, start: int = 0) -> Iterator[dict]:
     order, bs = self._order(epoch), self.batch_size
     # fit pays this per step: the leaves are flattened once per epoch, and
-    # a shuffled batch is `take`n (the rows `a[idx]` gives, in about a
-    # third of its time for a 2-D array).
+    # a shuffled batch is `take`n (the rows `a[idx]` gives, in less time
+    # for a 2-D array).
     leaves, treedef = jax.tree.flatten(self._data)
     for i in range(start, self.steps_per_epoch):
       if order is None:
