@@ -64,9 +64,11 @@ class FitLoop:
       validation data.
     make_totals: `make_totals(sums or None) -> totals`: fresh (or restored)
       running sums of the loss and metrics, placed on the devices.
-    read_logs: `read_logs(state) -> read`, called after each step with the
-      state it returned: `read(totals) -> logs` (their means, on the host)
-      keeps what the logs need of that state (the next step may donate it).
+    read_logs: `read_logs(state) -> read`, called after each step whose
+      logs something may read (a callback overriding `on_train_batch_end`,
+      or the progress bar), with the state it returned: `read(totals) ->
+      logs` (their means, on the host) keeps what the logs need of that
+      state (the next step may donate it).
     batch_size: the static global batch size (the first batch's, or a short
       only batch's padded size; None: the distributed dataset decides).
     steps_per_execution: batches per call of `train_function` (Keras' name;

@@ -675,7 +675,8 @@ class Trainer:
 
   def _train_logs_reader(self, state):
     """`read(totals) -> logs` for the step that returned `state`: the means,
-    and the loss scale's state if any. Called after each step: the logs are
+    and the loss scale's state if any. Called after each step whose logs
+    something may read (a batch-end callback, the progress bar): they are
     read later (lazily), after the next step has donated `state`, so it
     keeps a copy of the loss scale's scalars (parameter servers donate
     nothing: their state is read when the logs are)."""
