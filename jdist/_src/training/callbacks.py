@@ -129,6 +129,11 @@ class CallbackList:
     for fn in self._active[hook]:
       fn(*args)
 
+  def overrides(self, hook: str) -> bool:
+    """Whether some callback overrides `hook` (else calling it does nothing,
+    and the logs made for it would go unread)."""
+    return bool(self._active[hook])
+
   def close(self) -> None:
     """Calls every callback's `close` (at the end of `fit`, however it ends)."""
     for cb in self.callbacks:

@@ -220,12 +220,17 @@ class ArraySource:
 
   def batches(self, epoch: int, start: int = 0) -> Iterator[dict]:
     order, bs = self._order(epoch), self.batch_size
+    # fit pays this per step: the leaves are flattened once per epoch, and
+    # a shuffled batch is `take`n (the rows `a[idx]` gives, in less time
+    # for a 2-D array).
+    leaves, treedef = jax.tree.flatten(self._data)
     for i in range(start, self.steps_per_epoch):
       if order is None:
-        yield jax.tree.map(lambda a: a[i * bs:(i + 1) * bs], self._data)
+        rows = [a[i * bs:(i + 1) * bs] for a in leaves]
       else:
         idx = order[i * bs:(i + 1) * bs]
-        yield jax.tree.map(lambda a: a[idx], self._data)
+        rows = [a.take(idx, axis=0) for a in leaves]
+      yield treedef.unflatten(rows)
 
   def state(self, consumed: int) -> dict:
     del consumed

@@ -64,9 +64,11 @@ class FitLoop:
       validation data.
     make_totals: `make_totals(sums or None) -> totals`: fresh (or restored)
       running sums of the loss and metrics, placed on the devices.
-    read_logs: `read_logs(state) -> read`, called after each step with the
-      state it returned: `read(totals) -> logs` (their means, on the host)
-      keeps what the logs need of that state (the next step may donate it).
+    read_logs: `read_logs(state) -> read`, called after each step whose
+      logs something may read (a callback overriding `on_train_batch_end`,
+      or the progress bar), with the state it returned: `read(totals) ->
+      logs` (their means, on the host) keeps what the logs need of that
+      state (the next step may donate it).
     batch_size: the static global batch size (the first batch's, or a short
       only batch's padded size; None: the distributed dataset decides).
     steps_per_execution: batches per call of `train_function` (Keras' name;
@@ -241,13 +243,18 @@ class FitLoop:
           global_batch_size=self._batch_size)
       if self.steps_per_execution > 1:
         batches = batches.group(self.steps_per_execution)
+    # The batch logs' reader keeps what the logs need of each step's state
+    # (the next step donates it): made only when something may read them.
+    logged = cbs.overrides("on_train_batch_end") or bar.reads_logs
+    begin = cbs.overrides("on_train_batch_begin")
     for batch in batches:
       # As Keras: once per execution, begin with its first batch's index
       # and end with its last one's.
       steps = getattr(batch, "num_steps", 1)
       index = self.position.batch
       self._check_whole_group(epoch, index, steps)
-      cbs.call("on_train_batch_begin", index, {})
+      if begin:
+        cbs.call("on_train_batch_begin", index, {})
       self._state, self.totals = self._train_function(self._state,
                                                       self.totals, batch)
       self._step += steps // self.batches_per_step
@@ -255,9 +262,11 @@ class FitLoop:
         self._skipped.record(self._state, index, steps)
       self.last_execution = steps
       self.position = self.position.next_batch(steps)
-      batch_logs = LazyLogs(functools.partial(self._read_logs(self._state),
-                                              self.totals))
-      cbs.call("on_train_batch_end", index + steps - 1, batch_logs)
+      batch_logs = None
+      if logged:
+        batch_logs = LazyLogs(functools.partial(
+            self._read_logs(self._state), self.totals))
+        cbs.call("on_train_batch_end", index + steps - 1, batch_logs)
       bar.step(batch_logs, steps)
       ran += steps
       if self.stop_training:

@@ -46,8 +46,14 @@ class ProgressBar:
                        desc=f"Epoch {epoch + 1}/{self.epochs}", file=sys.stderr,
                        dynamic_ncols=True, leave=True)
 
+  @property
+  def reads_logs(self) -> bool:
+    """Whether `step` may read the logs it is given (a bar is drawn)."""
+    return self.verbose == 1
+
   def step(self, logs, steps: int = 1) -> None:
-    """`steps` steps done; `logs` (a lazy mapping) is read only when shown."""
+    """`steps` steps done; `logs` (a lazy mapping) is read only when shown
+    (never unless `reads_logs`: then it may be None)."""
     self._steps += steps
     if self._bar is None:
       return
