@@ -60,10 +60,11 @@ print(jax.devices())
 # batches of 64 and a last one of 29, which jdist pads and masks, so every image
 # counts exactly once), 20% to test.
 
-# %%
+# %% tags=["parameters"]
 x, y = load_digits(image=True)
 x_train, y_train, x_test, y_test = x[:1437], y[:1437], x[1437:], y[1437:]
 EPOCHS, BATCH = 6, 64
+SIZES = [64, 256, 1024]  # the global batches timed in "When do more devices help?"
 print(x_train.shape, x_test.shape)
 
 # %% [markdown]
@@ -225,14 +226,13 @@ def step_seconds(strat, global_batch, repeats=5):
     jax.block_until_ready(st)
     return (time.perf_counter() - start) / repeats
 
-sizes = [64, 256, 1024]
 one = jdist.OneDeviceStrategy()
-timings = {"1 device": [step_seconds(one, s) for s in sizes],
-           f"{mirrored.num_replicas_in_sync} devices": [step_seconds(mirrored, s) for s in sizes]}
+timings = {"1 device": [step_seconds(one, s) for s in SIZES],
+           f"{mirrored.num_replicas_in_sync} devices": [step_seconds(mirrored, s) for s in SIZES]}
 for name, secs in timings.items():
-    print(f"{name:>10}: " + "  ".join(f"batch {s}: {1e3 * t:7.1f} ms" for s, t in zip(sizes, secs)))
+    print(f"{name:>10}: " + "  ".join(f"batch {s}: {1e3 * t:7.1f} ms" for s, t in zip(SIZES, secs)))
 multi = timings[f"{mirrored.num_replicas_in_sync} devices"]
-for size, t1, tn in zip(sizes, timings["1 device"], multi):
+for size, t1, tn in zip(SIZES, timings["1 device"], multi):
     verdict = "faster" if tn < t1 else "slower"
     print(f"batch {size:>5}: all devices are {max(t1, tn) / min(t1, tn):.2f}x {verdict} than one")
 print("platform:", jax.devices()[0].platform)

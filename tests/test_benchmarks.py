@@ -343,6 +343,7 @@ def test_snapshot_loop_runs_and_renders():
   assert loop["steps"] == 20 and loop["every"] == 10
   assert all(len(v) == 1 and v[0] > 0 for v in loop["seconds_per_step"].values())
   text = "\n".join(_bench_module("elastic_times").loop_section(loop))
-  assert "| a snapshot every 10 steps |" in text, text
+  assert "| a snapshot every 10 steps, replicated |" in text, text
+  assert "| a snapshot every 10 steps, no replica |" in text, text
   split = loop["snapshot_seconds"]
   assert f"{split['write'] * 1e3:.2f} ms in the next `save`" in text, text

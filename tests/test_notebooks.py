@@ -39,10 +39,33 @@ def test_notebook_is_paired_and_stripped(path):
       assert not cell.outputs, f"{path.name} has outputs: strip them"
 
 
+# Smaller runs of the same cells, as papermill passes parameters: set in a
+# cell after the one tagged "parameters". The notebooks' own checks still
+# hold (01: fit on all devices equals fit on one, at every epoch).
+PARAMETERS = {"01_mirrored_quickstart": "EPOCHS, SIZES = 3, [64, 256]"}
+
+
+def test_parameters_name_a_parameters_cell():
+  for stem, values in PARAMETERS.items():
+    nb = nbformat.read(NOTEBOOKS / f"{stem}.ipynb", as_version=4)
+    cells = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+    assert len(cells) == 1, f"{stem}: one cell tagged 'parameters'"
+    for name in values.split("=")[0].replace(",", " ").split():
+      assert name in cells[0].source, f"{stem}: {name} is not a parameter"
+
+
+def _with_parameters(nb, stem: str):
+  if stem in PARAMETERS:
+    at = next(i for i, c in enumerate(nb.cells)
+              if "parameters" in c.metadata.get("tags", []))
+    nb.cells.insert(at + 1, nbformat.v4.new_code_cell(PARAMETERS[stem]))
+  return nb
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", PAIRS, ids=lambda p: p.stem)
 def test_notebook_runs(path, tmp_path):
-  nb = nbformat.read(path, as_version=4)
+  nb = _with_parameters(nbformat.read(path, as_version=4), path.stem)
   env_dir = tmp_path / "run"
   env_dir.mkdir()
   os.environ.setdefault("MPLBACKEND", "Agg")
