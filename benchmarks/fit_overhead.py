@@ -32,7 +32,7 @@ from jdist.examples.data import synthetic  # noqa: E402
 from jdist.examples.models import MLP  # noqa: E402
 from jdist.examples.steps import classifier_step  # noqa: E402
 
-FULL = {"examples": 32_768, "epochs": 3, "rounds": 5, "one_device": True}
+FULL = {"examples": 32_768, "epochs": 3, "rounds": 15, "one_device": True}
 QUICK = {"examples": 1_024, "epochs": 1, "rounds": 1, "one_device": False}
 BATCH = 256
 LOOPS = ("hand-written", "fit", "fit, shuffle=False")
