@@ -144,15 +144,15 @@ def _make_params(key=0):
                       "bias": jnp.zeros(4)}}
 
 
+def _loss(p, x, y):
+  h = jnp.tanh(x @ p["dense_0"]["kernel"] + p["dense_0"]["bias"])
+  out = h @ p["dense_1"]["kernel"] + p["dense_1"]["bias"]
+  return jdist.compute_average_loss(jnp.sum((out - y) ** 2, -1))
+
+
 def _step(params, opt_state, batch):
   x, y = batch
-
-  def loss_fn(p):
-    h = jnp.tanh(x @ p["dense_0"]["kernel"] + p["dense_0"]["bias"])
-    out = h @ p["dense_1"]["kernel"] + p["dense_1"]["bias"]
-    return jdist.compute_average_loss(jnp.sum((out - y) ** 2, -1))
-
-  loss, grads = jax.value_and_grad(loss_fn)(params)
+  loss, grads = jax.value_and_grad(_loss)(params, x, y)
   updates, opt_state = _TX.update(grads, opt_state, params)
   return optax.apply_updates(params, updates), opt_state, loss
 
@@ -387,13 +387,7 @@ def _adam_train(strategy, tx, params, opt_state, *, own_grads):
   @strategy.function
   def step(params, opt_state, batch):
     x, y = batch
-
-    def loss_fn(p):
-      h = jnp.tanh(x @ p["dense_0"]["kernel"] + p["dense_0"]["bias"])
-      out = h @ p["dense_1"]["kernel"] + p["dense_1"]["bias"]
-      return jdist.compute_average_loss(jnp.sum((out - y) ** 2, -1))
-
-    loss, grads = grad(loss_fn)(params)
+    loss, grads = grad(lambda p: _loss(p, x, y))(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
