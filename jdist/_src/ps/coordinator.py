@@ -251,8 +251,10 @@ class ClusterCoordinator:
         while pending:  # what the worker still had: done, or to run again
           again += self._finish(worker, *pending.popleft())[1]
         # Logged before the functions go back to the queue: another worker
-        # may finish them (and join() return) at once.
-        self._log_failure(worker, failure, len(again))
+        # may finish them (and join() return) at once. (Not when shut down:
+        # stopping the workers is no failure.)
+        if not self._closed:
+          self._log_failure(worker, failure, len(again))
         for closure in again:
           self._queue.put_back(closure)
         if not self._closed and not self._restart(worker, failure):
