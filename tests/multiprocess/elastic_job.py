@@ -181,19 +181,12 @@ def kill_mid_save(step, directory):
         return [entry.name, *inside]
     return []
 
-  def look(frame, event, arg):
-    seen = writing()
-    if seen:
-      sys.setprofile(None)
-      print(f"writing {' '.join(seen)}", flush=True)
-      announce("savekill")
-      os.kill(os.getpid(), signal.SIGKILL)
+  def seen():
+    found = writing()
+    return found and f"writing {' '.join(found)}"
 
-  sys.setprofile(look)
-  try:
+  with _killed_when(seen, "savekill"):
     yield
-  finally:
-    sys.setprofile(None)
 
 
 @contextlib.contextmanager
@@ -210,12 +203,26 @@ def kill_mid_snapshot(step, manager):
   directory = manager._snapshots.directory
   tmp = os.path.join(directory, f".tmp-{ME}-{os.getpid()}.snap")
 
+  def seen():
+    return os.path.exists(tmp) and (
+        f"writing {os.path.basename(tmp)} {os.path.getsize(tmp)} "
+        f"{' '.join(sorted(os.listdir(directory)))}")
+
+  with _killed_when(seen, "snapkill"):
+    yield
+
+
+@contextlib.contextmanager
+def _killed_when(seen, fault: str):
+  """Inside the block, on this thread: at each Python call or return, asks
+  `seen()`; once it gives a line, prints it, announces `fault` and
+  SIGKILLs this process."""
   def look(frame, event, arg):
-    if os.path.exists(tmp):
+    line = seen()
+    if line:
       sys.setprofile(None)
-      print(f"writing {os.path.basename(tmp)} {os.path.getsize(tmp)} "
-            f"{' '.join(sorted(os.listdir(directory)))}", flush=True)
-      announce("snapkill")
+      print(line, flush=True)
+      announce(fault)
       os.kill(os.getpid(), signal.SIGKILL)
 
   sys.setprofile(look)

@@ -202,3 +202,17 @@ def launched(args, ready, *, devices_env: int = 1, **env):
       yield launcher, ranks
     finally:
       kill_all(ranks)
+
+
+def hosts_on_one_rendezvous(stack, job_args, n: int = 4) -> list:
+  """`n` launchers (`--nnodes 2:n --max-restarts 3`, one device each), one
+  per simulated host, on one rendezvous hosted by the first; entered in
+  `stack` (a `contextlib.ExitStack`), which ends them. Returns them, the
+  host first."""
+  args = ["--nnodes", f"2:{n}", "--max-restarts", 3, "--rdzv-endpoint",
+          f"127.0.0.1:{free_port()}", "--devices-per-process", 1, *job_args]
+  cmd, env = launcher_cmd(args), base_env(1)
+  host = stack.enter_context(Background(cmd, env))
+  host.wait_for("hosts the job's rendezvous", timeout=60)
+  return [host] + [stack.enter_context(Background(cmd, env))
+                   for _ in range(n - 1)]

@@ -134,16 +134,10 @@ def test_a_node_that_goes_away_leaves_the_job_to_the_others(tmp_path):
   process): the job finishes on the other three, as `Trainer.fit` with
   `BackupAndRestore`. (The custom loop with `jdist.CheckpointManager` after
   a node went away: test_snapshot_restarts.py.)"""
-  port = harness.free_port()
-  args = ["--nnodes", "2:4", "--max-restarts", 3, "--rdzv-endpoint",
-          f"127.0.0.1:{port}", "--devices-per-process", 1, JOB, tmp_path,
-          "0:2:30:park", "--fit"]
-  cmd, env = harness.launcher_cmd(args), harness.base_env(1)
   with contextlib.ExitStack() as stack:
-    host = stack.enter_context(harness.Background(cmd, env))
-    host.wait_for("hosts the job's rendezvous", timeout=60)
-    launchers = [host] + [stack.enter_context(harness.Background(cmd, env))
-                          for _ in range(3)]
+    launchers = harness.hosts_on_one_rendezvous(
+        stack, [JOB, tmp_path, "0:2:30:park", "--fit"])
+    host = launchers[0]
     doomed = int(wait_for_file(os.path.join(tmp_path, "parked-2"), launchers,
                                timeout=RUN_TIMEOUT))
     assert doomed != host.popen.pid  # the job lives as long as its host

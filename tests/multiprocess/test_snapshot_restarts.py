@@ -124,16 +124,10 @@ def test_a_node_that_goes_away_with_its_memory_resumes_from_the_replicas(
   resume from the snapshot of step 30, with process 2's part from its
   replica on process 3 (and the probe, a leaf split over the processes,
   comes back)."""
-  port = harness.free_port()
-  args = ["--nnodes", "2:4", "--max-restarts", 3, "--rdzv-endpoint",
-          f"127.0.0.1:{port}", "--devices-per-process", 1, elastic.JOB,
-          tmp_path, *SNAPSHOTS, "0:2:30:park"]
-  cmd, env = harness.launcher_cmd(args), harness.base_env(1)
   with contextlib.ExitStack() as stack:
-    host = stack.enter_context(harness.Background(cmd, env))
-    host.wait_for("hosts the job's rendezvous", timeout=60)
-    launchers = [host] + [stack.enter_context(harness.Background(cmd, env))
-                          for _ in range(3)]
+    launchers = harness.hosts_on_one_rendezvous(
+        stack, [elastic.JOB, tmp_path, *SNAPSHOTS, "0:2:30:park"])
+    host = launchers[0]
     doomed = int(elastic.wait_for_file(os.path.join(tmp_path, "parked-2"),
                                        launchers, timeout=elastic.RUN_TIMEOUT))
     folder = snapshot_dir(host.output())
