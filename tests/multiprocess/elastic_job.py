@@ -191,25 +191,33 @@ def kill_mid_save(step, directory):
 
 @contextlib.contextmanager
 def kill_mid_snapshot(step, manager):
-  """With a `snapkill` fault at `step`: SIGKILLs this process inside the
-  save it wraps, once its part of the in-memory snapshot of `step` is being
-  written (its temporary file is there, not yet renamed), by the same
-  profile hook as `kill_mid_save`. The part is written by the save after
-  the one that took the snapshot (the save of step `step + 1`)."""
+  """With a `snapkill` fault at `step`: SIGKILLs this process while its
+  part of the in-memory snapshot of `step` is being written: its temporary
+  file is there, complete, not yet renamed. The part is handed to the
+  manager's writer thread by the save after the one that took the snapshot
+  (the save of step `step + 1`, which this wraps), and written on that
+  thread: the hook wraps the module's file writer (a look inside the
+  manager), on every thread, until the kill."""
   if my_fault(step - 1, ("snapkill",)) is None:
     yield
     return
-  # The test looks inside the manager: where this process writes its part.
+  from jdist._src.checkpoint import snapshots  # noqa: PLC0415 (test hook)
   directory = manager._snapshots.directory
   tmp = os.path.join(directory, f".tmp-{ME}-{os.getpid()}.snap")
+  write_all = snapshots._write_all
 
-  def seen():
-    return os.path.exists(tmp) and (
-        f"writing {os.path.basename(tmp)} {os.path.getsize(tmp)} "
-        f"{' '.join(sorted(os.listdir(directory)))}")
+  def killing_write_all(path, buffers):
+    write_all(path, buffers)
+    header = bytes(buffers[0])
+    if path == tmp and f'"step": {step - 1}, '.encode() in header and \
+        f'"rank": {ME}, '.encode() in header:  # its part, not a replica
+      print(f"writing {os.path.basename(tmp)} {os.path.getsize(tmp)} "
+            f"{' '.join(sorted(os.listdir(directory)))}", flush=True)
+      announce("snapkill")
+      os.kill(os.getpid(), signal.SIGKILL)
 
-  with _killed_when(seen, "snapkill"):
-    yield
+  snapshots._write_all = killing_write_all
+  yield
 
 
 @contextlib.contextmanager

@@ -12,9 +12,10 @@ a checkpoint restores onto any number of devices or processes in the layout
 of the state it is restored into.
 
 With `snapshot_every=N`, in a `jdist launch` job, it also keeps the newest
-state in host memory (`snapshots.py`): `save` writes a snapshot every N
-steps to the job's directory under /dev/shm (and each process's part, as a
-replica, to the next process's), and `restore` takes the newest of the
+state in host memory (`snapshots.py`): `save` takes a snapshot every N
+steps, and a background thread writes it to the job's directory under
+/dev/shm (and each process's part, as a replica, to the next process's)
+while the loop goes on, and `restore` takes the newest of the
 snapshot and the persistent checkpoints, so a restarted job resumes without
 reading the persistent directory (orbax opens it only for a save or a
 restore there) and persistent saves (`save_every`) can be rare.
@@ -146,10 +147,14 @@ class CheckpointManager:
   @property
   def snapshot_step(self) -> int | None:
     """The newest complete in-memory snapshot's step (found when the manager
-    was made, then the last one written), or None. A snapshot is written at
-    the next call of `save` (or `restore`, `close`) after the one that took
-    it."""
-    if self._snapshots is None or self._snapshots.complete is None:
+    was made, then the last one written), or None. A snapshot is written
+    after the next call of `save` (in the background; `restore` and `close`
+    write it at once) after the one that took it; this waits for a
+    snapshot being written."""
+    if self._snapshots is None:
+      return None
+    self._snapshots.wait()  # the one being written, if any
+    if self._snapshots.complete is None:
       return None
     return self._snapshots.complete[0]
 
@@ -169,7 +174,8 @@ class CheckpointManager:
     """Writes `state` as checkpoint `step` (every process calls it).
 
     With `save_every`, only at its multiples; with `snapshot_every`, also
-    (first) as the in-memory snapshot at its multiples.
+    (first) as the in-memory snapshot at its multiples: taken now, and
+    written by a background thread from the next call on.
     A state with NaN or infinite values is not written (a warning says so),
     so that `max_to_keep` never rotates the last good checkpoints away.
 
@@ -180,10 +186,13 @@ class CheckpointManager:
     Raises:
       jdist.CheckpointError: the save failed (a full disk); the checkpoints
         written before it are intact.
+      OSError: with `snapshot_every`, writing the snapshot before this one
+        failed (in the background: raised at the next call).
     """
     step = int(step)
     if self._snapshots is not None:
-      self._snapshots.flush()  # the snapshot taken at an earlier call
+      # The snapshot taken at an earlier call, written in the background.
+      self._snapshots.flush(wait=False)
       if step % self._snapshot_every == 0:
         names, stored, _, _ = ckpt_lib.storable_leaves(state)
         self._snapshots.write(step, names, stored)
@@ -267,9 +276,11 @@ class CheckpointManager:
   def close(self) -> None:
     """Writes the last snapshot taken, and lets the directory go (another
     job may then use it)."""
-    if self._snapshots is not None:
-      self._snapshots.flush()
-    self._ckpt.close()
+    try:
+      if self._snapshots is not None:
+        self._snapshots.close()
+    finally:
+      self._ckpt.close()
 
   def __enter__(self) -> "CheckpointManager":
     return self

@@ -29,18 +29,32 @@ With one CPU device per process and a replicated (mirrored) state, every
 part holds the whole state, so any single part is enough.
 
 Writing: `write` takes the snapshot (it starts the copy of the blocks to the
-host, and to the next process) and the next `flush` writes the part and the
-replica, at the manager's next `save` (or `restore`, `close`): the step that
-computed it has ended by then, so the loop does not wait for it. Cleanup,
-when a part is written: a process removes every file but its last two
-snapshots' parts and replicas and the new one's (all processes have written
-the one before its last: the steps since needed their collectives, which
-each process dispatches after its `save` wrote it); the process that
+host, and to the next process), and the next `save` of the manager hands it
+to this `Snapshots`' writer, one background thread, which writes the part
+and the replica (it waits for the copies, then checksum, file, rename),
+while the loop goes on with its next steps; `restore` and `close` write it
+at once. At most one snapshot is in flight: `write` first waits for the one
+before it (written long ago at a snapshot every few steps), and so do
+`restore`, `close` and `snapshot_step`. An error of the writer (a full
+/dev/shm) is raised on the training thread at its next call (`save`,
+`restore`, `close`), never lost; at the process's exit, a write in flight
+is waited for a few seconds (the thread is a daemon, so a write stuck on a
+dead peer's copy does not hold the exit), and a part it did not finish is
+a temporary file that no reader takes (the rename makes it a part).
+
+Cleanup, when a part is written: a process removes every file but its
+last two snapshots' parts and replicas and the new one's: all processes
+have written the one before its last. The writer writes snapshot k only
+once its blocks are there, that is once the step that computed them has
+run, and that step needed every process's collectives; each process
+dispatches that step (a later one than snapshot k-1's) after its `write`
+of snapshot k-1 waited for its writing of snapshot k-2, so k-2's parts are
+all there (when the parts were written in the loop, in the `save` after
+each, this held as well, with one snapshot to spare). The process that
 completes a snapshot (it sees all of its parts, or their replicas) removes
-the others. So at
-rest the directory holds the newest complete snapshot (on one machine;
-across hosts, until the next two snapshots, also the ones before it), and
-the launcher removes the directory when the job ends.
+the others. So at rest the directory holds the newest complete snapshot
+(on one machine; across hosts, until the next two snapshots, also the ones
+before it), and the launcher removes the directory when the job ends.
 
 What survives: on one machine, every process's part is in the one /dev/shm,
 so a process that dies leaves its part to its successor. Across hosts, each
@@ -65,11 +79,15 @@ is marked experimental, "do not use without specific approval".
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import queue
 import re
 import struct
 import sys
+import threading
+import weakref
 import zlib
 
 import jax
@@ -206,6 +224,82 @@ def _write_all(path: str, buffers: list) -> None:
     os.close(fd)
 
 
+# How long a process's exit waits for a snapshot being written.
+EXIT_WAIT_SECONDS = 10.0
+_LIVE: "weakref.WeakSet" = weakref.WeakSet()  # the writers to wait for at exit
+
+
+class _Writer:
+  """One background daemon thread that runs one job at a time: `start` a
+  job, `wait` for it (its result, or its error raised here)."""
+
+  def __init__(self, name: str):
+    self._name = name
+    self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+    self._idle = threading.Event()
+    self._idle.set()
+    self._thread = None
+    self._result, self._error = None, None
+
+  def start(self, job) -> None:
+    """Runs `job()` on the thread (the one before must have been waited
+    for)."""
+    if not self._idle.is_set():
+      raise RuntimeError("a snapshot is already being written")
+    if self._thread is None:
+      self._thread = threading.Thread(target=self._run, name=self._name,
+                                      daemon=True)
+      self._thread.start()
+      _LIVE.add(self)
+    self._idle.clear()
+    self._jobs.put(job)
+
+  def _run(self) -> None:
+    while True:
+      job = self._jobs.get()
+      if job is None:
+        return
+      try:
+        self._result, self._error = job(), None
+      except BaseException as e:  # raised on the training thread by `wait`
+        self._result, self._error = None, e
+      self._idle.set()
+
+  @property
+  def busy(self) -> bool:
+    return not self._idle.is_set()
+
+  def wait(self, timeout: float | None = None):
+    """The last job's result (None if none, or not done in `timeout`);
+    raises its error, once."""
+    if not self._idle.wait(timeout):
+      return None
+    error, self._error = self._error, None
+    result, self._result = self._result, None
+    if error is not None:
+      raise error
+    return result
+
+  def stop(self) -> None:
+    """Ends the thread (after waiting for its job)."""
+    if self._thread is not None:
+      self._jobs.put(None)
+      self._thread = None
+      _LIVE.discard(self)
+
+
+@atexit.register
+def _wait_at_exit() -> None:
+  """A snapshot being written as the process exits: waited for (a few
+  seconds at most), its error printed."""
+  for writer in list(_LIVE):
+    try:
+      writer.wait(EXIT_WAIT_SECONDS)
+    except BaseException as e:  # noqa: BLE001 (the process is ending)
+      print(f"jdist: an in-memory snapshot could not be written: {e!r}",
+            file=sys.stderr, flush=True)
+
+
 def _dtype(name: str) -> np.dtype:
   return np.dtype(jnp.dtype(name))  # also bfloat16 and the other ml_dtypes
 
@@ -244,6 +338,7 @@ class Snapshots:
     self.complete, self._before = None, None
     self._layouts_key, self._layouts = None, None
     self._pending, self._at_once = None, False
+    self._writer = _Writer(f"jdist-snapshots-{self.rank}")
     self._peer = peer_copy.PeerCopy.for_this_job()
     # The processes whose parts the last agreement found only as replicas.
     self.from_replicas: list = []
@@ -253,15 +348,20 @@ class Snapshots:
   def write(self, step: int, names: list, leaves: list) -> None:
     """Takes snapshot `step` of `leaves` (every process calls it).
 
-    Its part is written by the next `flush` (the next `save`, `restore` or
-    `close` of the manager): by then the step that computed it has ended, so
-    writing it does not wait for the step, and the host copy, started now,
-    is there. In a job of several processes, the copy of the part to the
-    next process (`peer_copy.py`) is dispatched now too, and that `flush`
-    writes the part it brings from the process before as its replica. A
-    step that donates its state deletes the arrays first: that snapshot is
-    lost (a line says so) and from then on each is written at once, waiting
-    for its step.
+    It waits for the snapshot before it to be written (at most one in
+    flight), then starts the copy of this process's blocks to the host
+    and, in a job of several processes, to the next process
+    (`peer_copy.py`). The next `flush(wait=False)` (the manager's next
+    `save`) hands the snapshot to the writer thread, which writes the part,
+    and the replica of the part the process before sent; `flush()` (the
+    manager's `restore`, `close`) writes it at once. Either way the step
+    that computed it has been dispatched by then and the loop does not wait
+    for it. A step that donates its state deletes the arrays first: that
+    snapshot is lost (a line says so) and from then on each is written at
+    once, waiting for its step.
+
+    Raises:
+      The error of the snapshot before it, if its writer failed.
     """
     self.flush()
     mine, sent, before, length = self._layout(names, leaves)
@@ -278,19 +378,47 @@ class Snapshots:
     if self._at_once:
       self.flush()
 
-  def flush(self) -> bool | None:
+  def flush(self, wait: bool = True) -> bool | None:
     """Writes the part of the snapshot taken last, if not yet written, and
-    the replica of the part of the process before this one.
+    the replica of the part of the process before this one; with
+    `wait=False`, hands them to the writer thread and returns at once.
 
     Returns:
-      None if there was none; else whether it was written: not when its
-      arrays were donated to a later step, nor when they hold NaN or
-      infinite values (the snapshot before it stays the newest).
+      None with `wait=False`, or if there was none to write; else whether
+      the last snapshot was written: not when its arrays were donated to a
+      later step, nor when they hold NaN or infinite values (the snapshot
+      before it stays the newest).
+
+    Raises:
+      The error of the writer thread's last snapshot, if it failed.
     """
-    if self._pending is None:
+    pending, self._pending = self._pending, None
+    if not wait:
+      if pending is None:
+        if not self._writer.busy:
+          self._writer.wait()  # raises the last one's error, if it failed
+        return None
+      self._writer.wait()  # (none in flight: `write` waited for it)
+      self._writer.start(lambda: self._write(pending))
       return None
-    step, names, layout, blocks, before, received = self._pending
-    self._pending = None
+    written = self._writer.wait()
+    return written if pending is None else self._write(pending)
+
+  def wait(self) -> None:
+    """Waits for the snapshot being written, if any (its error is raised)."""
+    self._writer.wait()
+
+  def close(self) -> None:
+    """Writes the last snapshot taken, and ends the writer thread."""
+    try:
+      self.flush()
+    finally:
+      self._writer.stop()
+
+  def _write(self, pending: tuple) -> bool:
+    """Writes snapshot `pending` (on the writer thread, or the training
+    thread): see `flush`."""
+    step, names, layout, blocks, before, received = pending
     if any(isinstance(b, jax.Array) and b.is_deleted()
            for bs in blocks for b in bs):
       self._at_once = True
