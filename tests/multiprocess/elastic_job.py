@@ -123,10 +123,18 @@ def my_fault(step, kinds) -> str | None:
   return None
 
 
+def say(line):
+  """Prints `line` in one write: whole, also from another thread (a print
+  writes its text and its end apart, and another thread's line can come
+  between)."""
+  sys.stdout.flush()
+  os.write(sys.stdout.fileno(), f"{line}\n".encode())
+
+
 def announce(what):
   """Prints the fault's marker and writes OUT_DIR/fault-ATTEMPT."""
   now = time.time()
-  print(f"fault {now:.3f} {what}", flush=True)
+  say(f"fault {now:.3f} {what}")
   with open(os.path.join(OUT, f"fault-{ATTEMPT}.tmp"), "w") as f:
     f.write(f"{now:.3f}")
   os.replace(os.path.join(OUT, f"fault-{ATTEMPT}.tmp"),
@@ -211,8 +219,8 @@ def kill_mid_snapshot(step, manager):
     header = bytes(buffers[0])
     if path == tmp and f'"step": {step - 1}, '.encode() in header and \
         f'"rank": {ME}, '.encode() in header:  # its part, not a replica
-      print(f"writing {os.path.basename(tmp)} {os.path.getsize(tmp)} "
-            f"{' '.join(sorted(os.listdir(directory)))}", flush=True)
+      say(f"writing {os.path.basename(tmp)} {os.path.getsize(tmp)} "
+          f"{' '.join(sorted(os.listdir(directory)))}")
       announce("snapkill")
       os.kill(os.getpid(), signal.SIGKILL)
 
