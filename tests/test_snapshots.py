@@ -13,6 +13,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax.training import train_state
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jdist
 from conftest import strategy_on
@@ -158,13 +159,19 @@ def test_snapshots_need_a_launched_job(tmp_path, monkeypatch):
 
 
 def test_every_kind_of_leaf_comes_back_bit_for_bit(tmp_path, job):
-  """bfloat16, integers, booleans, a scalar, an empty array, a PRNG key."""
+  """bfloat16, integers, booleans, a scalar, an empty array, a PRNG key,
+  and int4 (a byte per value in numpy, half a byte on the device) split
+  over the devices."""
   strategy = strategy_on(2)
   state = strategy.replicate({
       "bf16": jax.numpy.arange(5, dtype=jax.numpy.bfloat16) / 3,
       "int": jax.numpy.arange(6, dtype=jax.numpy.int32).reshape(2, 3),
       "bool": jax.numpy.array([True, False]), "scalar": jax.numpy.float32(2.5),
       "empty": jax.numpy.zeros((0, 4)), "key": jax.random.key(7)})
+  int4 = np.array([-8, -1, 0, 1, 7, 3, -2, 5], jax.numpy.int4)
+  state["int4"] = jax.make_array_from_callback(
+      (8,), NamedSharding(strategy.mesh, P(strategy.mesh.axis_names[0])),
+      lambda i: int4[i])
   with jdist.CheckpointManager(tmp_path / "ckpt", strategy=strategy,
                                save_every=100, snapshot_every=1) as manager:
     assert manager.save(1, state) is None  # in memory only
@@ -175,6 +182,8 @@ def test_every_kind_of_leaf_comes_back_bit_for_bit(tmp_path, job):
     if name == "key":
       want, got = jax.random.key_data(want), jax.random.key_data(got)
     assert got.dtype == want.dtype and got.shape == want.shape, name
+    if name == "int4":
+      assert got.sharding == want.sharding  # split as it was
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want), name)
 
 
@@ -196,3 +205,21 @@ def test_a_step_that_donates_its_state_loses_one_snapshot_then_none(
     assert manager.snapshot_step == 3  # written when taken
     restored = manager.restore(jax.eval_shape(lambda: state))
   np.testing.assert_array_equal(np.asarray(restored["w"]), [3.0, 3.0, 3.0])
+
+
+def test_a_leaf_that_is_not_an_array_is_refused_by_name(tmp_path, job):
+  """A Python float (or int) in the state: a TypeError that names it, at
+  the save, before anything is written to memory or disk."""
+  strategy = strategy_on(2)
+  state = {"w": strategy.replicate(jax.numpy.ones(3)), "lr": 0.5, "n": 3}
+  with jdist.CheckpointManager(tmp_path / "ckpt", strategy=strategy,
+                               snapshot_every=1) as manager:
+    with pytest.raises(TypeError, match=r"lr \(a Python float: 0\.5\), n "
+                       r"\(a Python int: 3\)\. .*jnp\.asarray"):
+      manager.save(1, state)
+    assert manager.latest_step is None
+    state = dict(state, lr=jax.numpy.float32(0.5), n=jax.numpy.int32(3))
+    manager.save(1, state)
+    restored = manager.restore(state)
+  assert float(restored["lr"]) == 0.5 and int(restored["n"]) == 3
+  assert _parts(job) == ["step-000000000001.attempt-0.part-0-of-1.snap"]

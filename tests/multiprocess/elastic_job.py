@@ -14,7 +14,7 @@ to OUT_DIR/checkpoints every N steps instead, and `--snapshot-every N` also
 keeps a snapshot in memory every N steps (`CheckpointManager`'s
 `save_every` and `snapshot_every`; process 0 prints `snapshots <directory>`,
 where they are; the saved state then also holds a probe, a leaf split over
-the processes, which a restore checks).
+the processes, and its twin in int4, which a restore checks).
 
 Each FAULT is `ATTEMPT:RANK:STEP:WHAT`: in attempt ATTEMPT (`JDIST_RESTART_COUNT`),
 process RANK, after step STEP, does WHAT: `kill` (SIGKILL itself), `stop`
@@ -77,6 +77,7 @@ FAULTS = [a for a in ARGS if a != "--fit"]
 strategy = jdist.MultiWorkerMirroredStrategy()
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 ME, WORLD = jax.process_index(), jax.process_count()
@@ -107,7 +108,8 @@ def restart_report():
 
 def after_step(i, first: bool):
   """The markers and faults after step `i` (`first`: of this attempt)."""
-  print(f"step {i} {time.time():.3f} world={WORLD}", flush=True)
+  say(f"step {i} {time.time():.3f} world={WORLD}")  # (the writer thread's
+  # `writing` line may come at the same time)
   if first:
     restart_report()
   fault(i)
@@ -124,10 +126,10 @@ def my_fault(step, kinds) -> str | None:
 
 
 def say(line):
-  """Prints `line` in one write: whole, also from another thread (a print
-  writes its text and its end apart, and another thread's line can come
-  between)."""
-  sys.stdout.flush()
+  """Prints `line` in one write to the file: whole, also from another
+  thread (a print writes its text and its end apart, and another thread's
+  line could come between them, unbuffered; every print here flushes, so
+  nothing printed before waits in the buffer)."""
   os.write(sys.stdout.fileno(), f"{line}\n".encode())
 
 
@@ -276,8 +278,21 @@ def probe(step):
   return jax.make_array_from_callback((12,), sharding, lambda i: values[i])
 
 
+def probe4(step):
+  """The probe's twin in int4 (half a byte a value on the device, a byte in
+  numpy): the replicas' byte packing of a type under a byte wide."""
+  sharding = NamedSharding(strategy.mesh, P(strategy.mesh.axis_names[0]))
+  values = probe4_values(step)
+  return jax.make_array_from_callback((12,), sharding, lambda i: values[i])
+
+
+def probe4_values(step):
+  return ((np.arange(12) + step) % 16 - 8).astype(jnp.int4)
+
+
 def saved(step, state):
-  return {"state": state, "probe": probe(step)} if SNAPSHOT_EVERY else state
+  return ({"state": state, "probe": probe(step), "probe4": probe4(step)}
+          if SNAPSHOT_EVERY else state)
 
 
 def restored(manager, step):
@@ -287,12 +302,14 @@ def restored(manager, step):
   if not SNAPSHOT_EVERY:
     return manager.restore(like)
   got = manager.restore({"state": like,
-                         "probe": jax.ShapeDtypeStruct((12,), np.float32)})
-  want = np.arange(12, dtype=np.float32) * 0.5 + step
-  if not np.array_equal(np.asarray(got["probe"].addressable_data(0)), want):
-    raise SystemExit(f"the probe restored at step {step} is "
-                     f"{np.asarray(got['probe'].addressable_data(0))}, not "
-                     f"{want}")
+                         "probe": jax.ShapeDtypeStruct((12,), np.float32),
+                         "probe4": jax.ShapeDtypeStruct((12,), jnp.int4)})
+  for name, want in (("probe", np.arange(12, dtype=np.float32) * 0.5 + step),
+                     ("probe4", probe4_values(step))):
+    if not np.array_equal(np.asarray(got[name].addressable_data(0)), want):
+      raise SystemExit(f"the {name} restored at step {step} is "
+                       f"{np.asarray(got[name].addressable_data(0))}, not "
+                       f"{want}")
   return got["state"]
 
 

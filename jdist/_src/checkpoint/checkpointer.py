@@ -139,10 +139,31 @@ def _storable(leaves) -> list:
   return [jax.random.key_data(x) if _is_key(x) else x for x in leaves]
 
 
+def _arrays_only(names, leaves) -> None:
+  """Raises TypeError, naming them, for leaves that are not arrays (a
+  Python float or int: no dtype or shape of its own to save and check)."""
+  bad = [f"{n} (a {type(x).__module__.replace('builtins', 'Python')} "
+         f"{type(x).__name__}: {x!r:.40})"
+         for n, x in zip(names, leaves)
+         if not (hasattr(x, "dtype") and hasattr(x, "shape"))]
+  if bad:
+    more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+    raise TypeError(
+        f"The state to checkpoint has leaves that are not arrays: "
+        f"{', '.join(bad[:3])}{more}. A checkpoint holds arrays, with their "
+        "shapes and dtypes: make these arrays (jnp.asarray(x), or "
+        "strategy.replicate(state)), or keep them out of the saved state.")
+
+
 def storable_leaves(tree) -> tuple[list[str], list, list, Any]:
   """`(names, stored, leaves, treedef)` of `tree`: its leaves' path names,
-  the leaves as stored (PRNG keys as their data), the leaves, its treedef."""
+  the leaves as stored (PRNG keys as their data), the leaves, its treedef.
+
+  Raises:
+    TypeError: a leaf is not an array (a Python float or int).
+  """
   names, leaves, treedef = _flatten(tree)
+  _arrays_only(names, leaves)
   return names, _storable(leaves), leaves, treedef
 
 
@@ -306,6 +327,7 @@ class Checkpointer:
     if step in manager.all_steps():
       return True  # already saved at this step (same state)
     names, leaves, _ = _flatten(state)
+    _arrays_only(names, leaves)
     leaves = _storable(leaves)
     checksums = _checksums(leaves)
     bad = _nonfinite(names, checksums)
@@ -398,6 +420,7 @@ class Checkpointer:
       CheckpointMismatchError: the checkpoint holds another model.
     """
     names, leaves, treedef = _flatten(target, meta["format"])
+    _arrays_only(names, leaves)
     stored = _storable(leaves)
     diff = _mismatch(meta.get("leaves", {}), _describe(names, stored))
     if diff:

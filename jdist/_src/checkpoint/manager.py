@@ -188,6 +188,7 @@ class CheckpointManager:
         written before it are intact.
       OSError: with `snapshot_every`, writing the snapshot before this one
         failed (in the background: raised at the next call).
+      TypeError: a leaf of `state` is not an array (a Python float or int).
     """
     step = int(step)
     if self._snapshots is not None:
@@ -225,6 +226,7 @@ class CheckpointManager:
       jdist.CheckpointMismatchError: the checkpoint holds another state
         (its leaves, shapes or dtypes differ; they are named).
       jdist.CheckpointError: every checkpoint there is corrupt.
+      TypeError: a leaf of `like` is not an array (a Python float or int).
     """
     strategy = self._strategy or current.get_strategy()
     if self._snapshots is not None:

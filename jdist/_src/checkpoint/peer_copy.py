@@ -47,10 +47,26 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 _AXIS = "process"
 
 
+# The unsigned type of each width under a byte (int4, float4_e2m1fn, ...).
+_NARROW = {2: jnp.uint2, 4: jnp.uint4}
+
+
 def _as_bytes(x) -> jax.Array:
-  """`x`'s raw bytes, as numpy's `.view(np.uint8)` of it gives them."""
+  """`x`'s raw bytes, as numpy's `.view(np.uint8)` of it gives them.
+
+  numpy (ml_dtypes) stores a value of a type under a byte wide (int4, uint4,
+  int2, float4_e2m1fn) in a byte of its own, its bits in the low bits and
+  zeros above: its bits as the unsigned type of its width, widened to uint8.
+  """
+  bits = jax.dtypes.itemsize_bits(x.dtype)
   if x.dtype == jnp.bool_:
     x = x.astype(jnp.uint8)  # one byte, 0 or 1, as numpy stores it
+  elif bits < 8:
+    if bits not in _NARROW:
+      raise TypeError(f"a snapshot cannot copy {x.dtype} values ({bits} bits "
+                      "each) to the next process; keep such leaves whole on "
+                      "every device (not split).")
+    x = lax.bitcast_convert_type(x, _NARROW[bits]).astype(jnp.uint8)
   elif x.dtype != jnp.uint8:
     x = lax.bitcast_convert_type(x, jnp.uint8)
   return x.reshape(-1)
