@@ -13,11 +13,15 @@ manager and restoring, from disk or from memory), and compiling and running
 the first step. The loop (`snapshot_loop.py` under `jdist launch -n 2`):
 seconds per step of the seed MLP's custom loop with a snapshot every 10
 steps (replicated on the other process, and not) and without, in
-alternating trials.
+alternating trials, by the wall clock and in CPU time of the loop's thread;
+`--baseline DIR` also runs it with the jdist of the checkout DIR, its runs
+alternating with this checkout's.
 
     python benchmarks/elastic_times.py --trials 3     # a few minutes
     python benchmarks/elastic_times.py --case kill    # one case, no loop
     python benchmarks/elastic_times.py --case kill --case kill-memory --loop
+    python benchmarks/elastic_times.py --loop-only --loop-runs 4 \
+        --baseline /tmp/base   # the loop, against a checkout of another commit
 
 `--json` adds one JSON line of the results; `section()` renders them for
 benchmarks/RESULTS.md.
@@ -85,11 +89,12 @@ def fault_to_step(output: str) -> dict:
           **{k: b - a for k, a, b in zip(ends, times, times[1:])}}
 
 
-def job_env() -> dict:
+def job_env(code: str = ROOT) -> dict:
+  """The jobs' environment; `code`: the checkout whose jdist they import."""
   env = {k: v for k, v in os.environ.items()
          if not k.startswith(("JDIST_", "TF_CONFIG", "XLA_FLAGS"))}
   env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-             PYTHONPATH=os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]))
+             PYTHONPATH=os.pathsep.join([code, env.get("PYTHONPATH", "")]))
   return env
 
 
@@ -108,11 +113,12 @@ def run_case(name: str) -> dict:
   return fault_to_step(done.stdout)
 
 
-def run_loop() -> dict:
-  """snapshot_loop.py on 2 processes: its seconds per step of each trial."""
+def run_loop(code: str = ROOT) -> dict:
+  """snapshot_loop.py (this checkout's) on 2 processes, with the jdist of
+  checkout `code`: its seconds per step of each trial."""
   done = subprocess.run(
       [sys.executable, "-m", "jdist.launch", "-n", "2",
-       "--devices-per-process", "1", LOOP], env=job_env(), cwd=ROOT,
+       "--devices-per-process", "1", LOOP], env=job_env(code), cwd=code,
       capture_output=True, text=True, timeout=900)
   found = re.search(r"^\[0\] (\{.*\})$", done.stdout, re.M)
   if done.returncode or not found:
@@ -121,7 +127,24 @@ def run_loop() -> dict:
   return json.loads(found.group(1))
 
 
-def measure(trials: int, names: list, loop: bool) -> dict:
+def pooled(runs: list) -> dict:
+  """The runs of snapshot_loop.py as one: their trials end to end (each
+  trial stays with the trials of its round), the medians of their `save`
+  times."""
+  loop = dict(runs[0], trials=sum(r["trials"] for r in runs), runs=len(runs))
+  for key in ("seconds_per_step", "cpu_seconds_per_step"):
+    if all(key in r for r in runs):
+      loop[key] = {k: [t for r in runs for t in r[key][k]]
+                   for k in runs[0][key]}
+  for key in ("snapshot_seconds", "unreplicated_seconds"):
+    if all(r.get(key) for r in runs):
+      loop[key] = {k: statistics.median(r[key][k] for r in runs)
+                   for k in runs[0][key]}
+  return loop
+
+
+def measure(trials: int, names: list, loop: bool, loop_runs: int = 1,
+            baseline: str | None = None) -> dict:
   rows = {n: {"case": n, "what": CASES[n][0], "seconds": []} for n in names}
   for trial in range(trials):
     for name in names:
@@ -130,45 +153,76 @@ def measure(trials: int, names: list, loop: bool) -> dict:
             file=sys.stderr, flush=True)
   res = {"trials": trials, "rows": list(rows.values())}
   if loop:
-    res["loop"] = run_loop()
-    print(f"loop: {res['loop']}", file=sys.stderr, flush=True)
+    # With a baseline: runs of this checkout's jdist and of the baseline's,
+    # alternating, so that both meet the same load.
+    codes = [ROOT] if baseline is None else [ROOT, os.path.abspath(baseline)]
+    runs = {code: [] for code in codes}
+    for i in range(loop_runs):
+      for code in codes[i % len(codes):] + codes[:i % len(codes)]:
+        runs[code].append(run_loop(code))
+        print(f"loop run {i + 1} ({code}): {runs[code][-1]}", file=sys.stderr,
+              flush=True)
+    res["loop"] = pooled(runs[ROOT])
+    if baseline is not None:
+      res["baseline_loop"] = pooled(runs[codes[1]])
   return res
 
 
 def loop_section(loop: dict) -> list:
-  """The loop's lines: each variant's median (and fastest) time per step."""
+  """The loop's lines: each variant's median (and fastest) time per step,
+  by the wall clock and in the main thread's CPU time, and its speed
+  against no snapshots (the median of the ratios of the trials of one
+  round)."""
   t = loop["seconds_per_step"]
+  cpu = loop.get("cpu_seconds_per_step")
   med = {k: statistics.median(v) for k, v in t.items()}
 
+  def paired(times: dict, name: str) -> float:
+    return statistics.median(a / b for a, b in zip(times["none"], times[name]))
+
+  def cells(times: dict, name: str) -> str:
+    return (f"{statistics.median(times[name]) * 1e3:.2f} "
+            f"({min(times[name]) * 1e3:.2f})")
+
   def row(name: str, what: str) -> str:
-    paired = statistics.median(a / b for a, b in zip(t["none"], t[name]))
-    return (f"| {what} | {med[name] * 1e3:.2f} ({min(t[name]) * 1e3:.2f}) | "
-            f"{med['none'] / med[name]:.3f} (of the medians), {paired:.3f} "
-            "(median of the trials' ratios) |")
+    line = (f"| {what} | {cells(t, name)} | "
+            + ("1" if name == "none" else f"{paired(t, name):.3f}") + " |")
+    if cpu:
+      line += (f" {cells(cpu, name)} | "
+               + ("1" if name == "none" else f"{paired(cpu, name):.3f}") + " |")
+    return line
 
   def split_line(split: dict, what: str) -> str:
     return (f"{what}, median: {split['take'] * 1e3:.2f} ms in the `save` "
             "that takes it, "
             f"{split['write'] * 1e3:.2f} ms in the next `save`, which writes "
-            "it.")
+            "it (or hands it to the writer thread).")
 
   unreplicated = "unreplicated" in t
+  runs = loop.get("runs", 1)
   lines = [
       "",
       f"The seed MLP's custom loop on 2 processes x 1 CPU device "
       f"(`benchmarks/snapshot_loop.py` under `jdist launch -n 2`, "
-      f"{loop['steps']} steps a trial, {loop['trials']} alternating trials), "
+      f"{loop['steps']} steps a trial, {loop['trials']} rounds of one trial "
+      "of each loop"
+      + (f", in {runs} runs" if runs > 1 else "") + "), "
       f"with `CheckpointManager.save` at every step and a snapshot in memory "
       f"every {loop['every']} steps"
       + (" (of the parameters, mirrored, and a leaf as large split over the "
          "processes)" if unreplicated else "")
       + (", with each process's part replicated on the other process and "
          "without (the replicas turned off inside the manager)"
-         if unreplicated else "") + ", against no manager:",
+         if unreplicated else "") + ", against no manager. Speed: the "
+      "median of the rounds' ratios (no snapshot's time over the loop's)"
+      + (", by the wall clock and in CPU time of the main thread "
+         "(`time.thread_time`: the loop's own work)" if cpu else "") + ":",
       "",
-      "| loop | ms per step, median (fastest) | speed against none |",
-      "|---|---|---|",
-      f"| no snapshot | {med['none'] * 1e3:.2f} ({min(t['none']) * 1e3:.2f}) | 1 |",
+      "| loop | wall ms per step, median (fastest) | speed, wall |"
+      + (" main thread CPU ms per step, median (least) | speed, CPU |"
+         if cpu else ""),
+      "|---|---|---|" + ("---|---|" if cpu else ""),
+      row("none", "no snapshot"),
       row("snapshot", f"a snapshot every {loop['every']} steps"
           + (", replicated" if unreplicated else "")),
   ]
@@ -191,6 +245,23 @@ def loop_section(loop: dict) -> list:
 
 def section(res: dict) -> list:
   """The RESULTS.md section of these measurements."""
+  if not res["rows"]:  # the loop only
+    lines = ["## Elastic training: the step loop with snapshots in memory", "",
+             provenance.line(res["provenance"])]
+  else:
+    lines = _cases_lines(res)
+  if "baseline_loop" in res:
+    lines += ["", "With the jdist of this checkout:"]
+  if "loop" in res:
+    lines += loop_section(res["loop"])
+  if "baseline_loop" in res:
+    lines += ["", f"With the jdist of `{res['baseline_loop']['jdist']}` (the "
+              "baseline, its runs alternating with these):"]
+    lines += loop_section(res["baseline_loop"])
+  return lines
+
+
+def _cases_lines(res: dict) -> list:
   lines = [
       "## Elastic training: time to training again",
       "",
@@ -211,8 +282,6 @@ def section(res: dict) -> list:
     cells = [fault_times.span([s[k] for s in r["seconds"]])
              for k in ("total", *PARTS)]
     lines.append(f"| {r['what']} | " + " | ".join(cells) + " |")
-  if "loop" in res:
-    lines += loop_section(res["loop"])
   return lines
 
 
@@ -224,12 +293,24 @@ def main(argv=None):
   parser.add_argument("--loop", action="store_true",
                       help="with --case: also time the step loop with and "
                       "without snapshots (without --case it is timed)")
+  parser.add_argument("--loop-only", action="store_true",
+                      help="time the step loop only, no fault case")
+  parser.add_argument("--loop-runs", type=int, default=1,
+                      help="run the loop's benchmark this many times "
+                      "(pooled)")
+  parser.add_argument("--baseline", metavar="DIR",
+                      help="also run the loop with the jdist of the checkout "
+                      "DIR (another commit), each run alternating with this "
+                      "checkout's")
   parser.add_argument("--json", action="store_true",
                       help="print one JSON line of the results at the end")
   args = parser.parse_args(argv)
   provenance.report(
-      lambda: measure(args.trials, args.case or list(CASES),
-                      args.loop or not args.case), section, args.json)
+      lambda: measure(args.trials,
+                      [] if args.loop_only else args.case or list(CASES),
+                      args.loop or args.loop_only or not args.case,
+                      args.loop_runs,
+                      args.baseline), section, args.json)
 
 
 if __name__ == "__main__":

@@ -13,12 +13,18 @@ processes (as a `jdist.ShardedOptimizer`'s state is: the part of it each
 process holds is what the replicas copy to the next process),
 and with the same manager without the replicas on the next process (the
 benchmark turns them off inside the manager: there is no option for it).
-TRIALS alternating trials of each; process 0 ends with one JSON line: the
-seconds per step of each trial, `{"none": [...], "snapshot": [...],
-"unreplicated": [...]}`, and the median seconds on process 0 of the `save`
-that takes a snapshot (it starts the copy to the host, and to the next
-process) and of the next one, which writes it (copy, checksum, file,
-rename; and the replica), for each of the two managers.
+TRIALS rounds of one trial of each, in an order that turns from round to
+round; process 0 ends with one JSON line: the seconds per step of each
+trial, `{"none": [...], "snapshot": [...], "unreplicated": [...]}`, by the
+wall clock and in CPU time of the main thread (`time.thread_time`: the
+loop's own work, which the load of other processes on the machine moves
+less than the wall clock; a background thread's is not in it), and the
+median seconds on process 0 of the `save` that takes a snapshot (it starts
+the copy to the host, and to the next process) and of the next one, which
+has it written (copy, checksum, file, rename; and the replica: in the
+`save` itself when they are written on the loop's thread, as before issue
+22's writer thread), for each of the two managers; `jdist` is where the
+jdist it ran is (a checkout of another commit, for a comparison).
 `--quick` runs 20 steps in 1 trial (a smoke run).
 """
 
@@ -41,7 +47,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 QUICK = "--quick" in sys.argv[1:]
-STEPS, TRIALS = (20, 1) if QUICK else (400, 7)
+STEPS, TRIALS = (20, 1) if QUICK else (200, 21)
 EVERY = 10
 
 
@@ -83,10 +89,11 @@ split_leaf = jax.make_array_from_callback(
 SPLIT = {k: {"take": [], "write": []} for k in ("snapshot", "unreplicated")}
 
 
-def trial(manager, split=None) -> float:
-  """Seconds per step of STEPS steps (the manager's `save` at each)."""
+def trial(manager, split=None) -> tuple:
+  """Seconds per step of STEPS steps (the manager's `save` at each), by the
+  wall clock and in the main thread's CPU time."""
   state = params
-  t = time.perf_counter()
+  t, c = time.perf_counter(), time.thread_time()
   for i in range(STEPS):
     state, _ = step(state, batch)
     if manager is not None:
@@ -97,7 +104,7 @@ def trial(manager, split=None) -> float:
       if part:
         split[part].append(time.perf_counter() - t0)
   jax.block_until_ready(state)
-  return (time.perf_counter() - t) / STEPS
+  return (time.perf_counter() - t) / STEPS, (time.thread_time() - c) / STEPS
 
 
 # One checkpoint directory for the job (every process names the same one);
@@ -110,16 +117,19 @@ managers = {name: jdist.CheckpointManager(
     for name, d in zip(("snapshot", "unreplicated"), directories)}
 # No replica on the next process (a look inside: there is no option).
 managers["unreplicated"]._snapshots._peer = None
-times = {"none": [], "snapshot": [], "unreplicated": []}
+names = ["none", *managers]
+times = {name: [] for name in names}
+cpu = {name: [] for name in names}
 trial(None)  # warm-up
 for name, manager in managers.items():
   trial(manager, SPLIT[name])
   for v in SPLIT[name].values():
     v.clear()
-for _ in range(TRIALS):
-  times["none"].append(trial(None))
-  for name, manager in managers.items():
-    times[name].append(trial(manager, SPLIT[name]))
+for r in range(TRIALS):
+  for name in names[r % 3:] + names[:r % 3]:  # each first in turn
+    wall, main = trial(managers.get(name), SPLIT.get(name))
+    times[name].append(wall)
+    cpu[name].append(main)
 for manager in managers.values():
   manager.close()
 median = lambda v: sorted(v)[len(v) // 2]
@@ -127,7 +137,9 @@ if jax.process_index() == 0:
   for d in directories:
     shutil.rmtree(d, ignore_errors=True)
   print(json.dumps({"steps": STEPS, "trials": TRIALS, "every": EVERY,
+                    "jdist": os.path.dirname(os.path.dirname(jdist.__file__)),
                     "seconds_per_step": times,
+                    "cpu_seconds_per_step": cpu,
                     "snapshot_seconds": {k: median(v) for k, v in
                                          SPLIT["snapshot"].items()},
                     "unreplicated_seconds": {k: median(v) for k, v in

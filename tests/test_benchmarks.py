@@ -341,8 +341,18 @@ def test_snapshot_loop_runs_and_renders():
   line = [l for l in done.stdout.splitlines() if l.startswith("[0] {")]
   loop = json.loads(line[-1][4:])
   assert loop["steps"] == 20 and loop["every"] == 10
-  assert all(len(v) == 1 and v[0] > 0 for v in loop["seconds_per_step"].values())
-  text = "\n".join(_bench_module("elastic_times").loop_section(loop))
+  for key in ("seconds_per_step", "cpu_seconds_per_step"):
+    assert all(len(v) == 1 and v[0] > 0 for v in loop[key].values()), key
+  times = _bench_module("elastic_times")
+  text = "\n".join(times.loop_section(loop))
+  cpu = loop["cpu_seconds_per_step"]
+  assert (f"| no snapshot | {loop['seconds_per_step']['none'][0] * 1e3:.2f} "
+          f"({loop['seconds_per_step']['none'][0] * 1e3:.2f}) | 1 | "
+          f"{cpu['none'][0] * 1e3:.2f} ({cpu['none'][0] * 1e3:.2f}) | 1 |"
+          in text), text
+  two = times.pooled([loop, loop])  # two runs as one: the trials end to end
+  assert two["trials"] == 2 and two["cpu_seconds_per_step"]["none"] == \
+      cpu["none"] * 2
   assert "| a snapshot every 10 steps, replicated |" in text, text
   assert "| a snapshot every 10 steps, no replica |" in text, text
   split = loop["snapshot_seconds"]
