@@ -44,20 +44,25 @@ a temporary file that no reader takes (the rename makes it a part).
 
 Cleanup, when a part is written: a process removes every file but its
 last two snapshots' parts and replicas and the new one's: all processes
-have written the one before its last. The writer writes snapshot k only
-once its blocks are there, that is once the step that computed them has
-run, and that step needed every process's collectives; each process
-dispatches that step (a later one than snapshot k-1's) after its `write`
-of snapshot k-1 waited for its writing of snapshot k-2, so k-2's parts are
-all there (when the parts were written in the loop, in the `save` after
-each, this held as well, with one snapshot to spare). The process that
+have written the one before its last. Why, with the writing in the
+background: a process's writer writes snapshot k only once its blocks are
+there, that is once the step that computed them has run, and that step
+needed every process's collectives; each process dispatches that step
+(later than snapshot k-1's step) after its `write` of snapshot k-1, which
+waited for its writer to finish snapshot k-2: so every process's part of
+k-2 is there. (When each part was written in the loop, in the `save` after
+its step, this held too, with one snapshot to spare; the rule is the
+same.) The process that
 completes a snapshot (it sees all of its parts, or their replicas) removes
 the others. So at rest the directory holds the newest complete snapshot
 (on one machine; across hosts, until the next two snapshots, also the ones
 before it), and the launcher removes the directory when the job ends.
 
 What survives: on one machine, every process's part is in the one /dev/shm,
-so a process that dies leaves its part to its successor. Across hosts, each
+so a process that dies leaves its part to its successor (a process killed
+before its writer renamed its part, a few milliseconds after the `save`
+that handed it over, leaves that snapshot to its replica, or to the one
+before). Across hosts, each
 host holds its own processes' parts and the replicas of the processes
 before them: a host that goes away takes its parts with it, and the next
 host's replicas stand in for them, so the job resumes from memory on the
