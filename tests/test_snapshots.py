@@ -223,3 +223,26 @@ def test_a_leaf_that_is_not_an_array_is_refused_by_name(tmp_path, job):
     restored = manager.restore(state)
   assert float(restored["lr"]) == 0.5 and int(restored["n"]) == 3
   assert _parts(job) == ["step-000000000001.attempt-0.part-0-of-1.snap"]
+
+
+def test_the_writer_threads_error_is_raised_at_the_next_call(tmp_path, job):
+  """The part is written by a background thread after the `save` that
+  follows the snapshot's: its error (here the snapshot directory replaced
+  by a file) comes out of the next `save`, or of `close`, once."""
+  strategy = strategy_on(2)
+  state = strategy.replicate({"w": jax.numpy.zeros(3)})
+  manager = jdist.CheckpointManager(tmp_path / "ckpt", strategy=strategy,
+                                    save_every=100, snapshot_every=2)
+  (folder,) = [os.path.join(r, d) for r, ds, _ in os.walk(job) for d in ds
+               if r != str(job)]
+  manager.save(2, state)  # taken
+  os.rmdir(folder)
+  open(folder, "w").close()
+  manager.save(3, state)  # handed to the writer, which fails
+  with pytest.raises(NotADirectoryError):
+    manager.save(4, state)
+  manager.save(5, state)  # raised once
+  manager.save(6, state)
+  manager.save(7, state)  # 6 handed to the writer, which fails
+  with pytest.raises(NotADirectoryError):
+    manager.close()

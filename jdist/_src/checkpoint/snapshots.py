@@ -252,6 +252,10 @@ class _Writer:
     if not self._idle.is_set():
       raise RuntimeError("a snapshot is already being written")
     if self._thread is None:
+      global _AT_EXIT
+      if not _AT_EXIT:  # registered now: it runs before the exit handlers
+        _AT_EXIT = True  # registered earlier (JAX's runtime's shutdown)
+        atexit.register(_wait_at_exit)
       self._thread = threading.Thread(target=self._run, name=self._name,
                                       daemon=True)
       self._thread.start()
@@ -293,7 +297,9 @@ class _Writer:
       _LIVE.discard(self)
 
 
-@atexit.register
+_AT_EXIT = False  # whether `_wait_at_exit` is registered
+
+
 def _wait_at_exit() -> None:
   """A snapshot being written as the process exits: waited for (a few
   seconds at most), its error printed."""
