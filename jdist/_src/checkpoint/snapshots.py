@@ -253,8 +253,10 @@ class _Writer:
       raise RuntimeError("a snapshot is already being written")
     if self._thread is None:
       global _AT_EXIT
-      if not _AT_EXIT:  # registered now: it runs before the exit handlers
-        _AT_EXIT = True  # registered earlier (JAX's runtime's shutdown)
+      if not _AT_EXIT:
+        # Registered now, it runs before the exit handlers registered
+        # earlier (the JAX runtime's shutdown: a write may need the runtime).
+        _AT_EXIT = True
         atexit.register(_wait_at_exit)
       self._thread = threading.Thread(target=self._run, name=self._name,
                                       daemon=True)
@@ -272,6 +274,7 @@ class _Writer:
         self._result, self._error = job(), None
       except BaseException as e:  # raised on the training thread by `wait`
         self._result, self._error = None, e
+      job = None  # the snapshot's arrays: not kept alive until the next one
       self._idle.set()
 
   @property
