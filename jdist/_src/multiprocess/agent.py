@@ -270,7 +270,11 @@ def _remove_stale_workdirs() -> None:
   for name in os.listdir(root):
     m = _WORKDIR.fullmatch(name)
     path = os.path.join(root, name)
-    if m is None or not os.path.isdir(path) or os.stat(path).st_uid != os.getuid():
+    try:
+      if m is None or not os.path.isdir(path) or \
+          os.stat(path).st_uid != os.getuid():
+        continue
+    except FileNotFoundError:  # its launcher removed it as it ended
       continue
     if not liveness.pid_exists(int(m.group(1))):
       shutil.rmtree(path, ignore_errors=True)
