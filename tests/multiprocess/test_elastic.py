@@ -132,11 +132,14 @@ def test_a_node_that_goes_away_leaves_the_job_to_the_others(tmp_path):
   """Four launchers, one per simulated host, on one rendezvous; the host of
   process 2 goes away at step 30 (its launcher is killed, and with it its
   process): the job finishes on the other three, as `Trainer.fit` with
-  `BackupAndRestore`. (The custom loop with `jdist.CheckpointManager` after
-  a node went away: test_snapshot_restarts.py.)"""
+  `BackupAndRestore(save_freq=50, snapshot_every=10)`: no backup on disk
+  before step 50, so it resumes from the in-memory snapshot of step 30 (the
+  end of the first epoch). (The custom loop with `jdist.CheckpointManager`
+  after a node went away: test_snapshot_restarts.py.)"""
   with contextlib.ExitStack() as stack:
     launchers = harness.hosts_on_one_rendezvous(
-        stack, [JOB, tmp_path, "0:2:30:park", "--fit"])
+        stack, [JOB, tmp_path, "--snapshot-every", 10, "--save-every", 50,
+                "0:2:30:park", "--fit"])
     host = launchers[0]
     doomed = int(wait_for_file(os.path.join(tmp_path, "parked-2"), launchers,
                                timeout=RUN_TIMEOUT))
@@ -152,7 +155,14 @@ def test_a_node_that_goes_away_leaves_the_job_to_the_others(tmp_path):
                    r"went away \(its launcher's connection closed\); restarting "
                    r"the job \(restart 1 of at most 3\)", hosted), output[-5000:]
   resumed = [step for _, step, _ in markers(output, "resumed")]
-  assert sorted(resumed) == [0] * 4 + [30] * 3  # the checkpoint of step 30
+  assert sorted(resumed) == [0] * 4 + [30] * 3  # the snapshot of step 30
+  assert re.search(r"^\[0\] jdist: restored step 30 from the in-memory "
+                   r"snapshot in \S+, not from \S+/backup \(no checkpoint "
+                   r"there\)\.$", output, re.M), output[-5000:]
+  assert re.search(r"^\[0\] BackupAndRestore: resuming from step 30 \(epoch "
+                   r"1, batch 30\) in the in-memory snapshot in \S+\.$",
+                   output, re.M), output[-5000:]
+  assert not os.path.exists(os.path.join(tmp_path, "backup"))  # completed
   assert_finished(tmp_path, world=3, attempt=1, mode="fit")
   print(restart_report(output))
   assert harness.wait_gone(pids(output), timeout=5) == []
