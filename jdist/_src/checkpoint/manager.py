@@ -243,18 +243,15 @@ class CheckpointManager:
     there with fit's metadata)."""
     return self._ckpt
 
-  def _restore_with_meta(self, like: Any) -> tuple | None:
-    """`(state, meta, from_memory)`: the newest of the in-memory snapshot
-    and the persistent checkpoints with the metadata saved with it (by
-    `_snapshot(..., meta)` or `Checkpointer.save`), or None when there is
-    neither; as `restore` chooses and places it."""
+  def _restore_memory(self, like: Any) -> tuple | None:
+    """`(state, meta)` from the in-memory snapshot, with the metadata taken
+    with it (`_snapshot(..., meta)`), when it is at least as new as the
+    newest persistent checkpoint; else None: restore from `_checkpointer`
+    (every process calls it and gets the same answer)."""
+    if self._snapshots is None:
+      return None
     strategy = self._strategy or current.get_strategy()
-    if self._snapshots is not None:
-      got = self._restore_snapshot(like, strategy.mesh, None, with_meta=True)
-      if got is not None:
-        return (*got, True)
-    restored = self._ckpt.restore(like, strategy.mesh)
-    return None if restored is None else (*restored, False)
+    return self._restore_snapshot(like, strategy.mesh, None, with_meta=True)
 
   def restore(self, like: Any, step: int | None = None) -> Any:
     """The newest usable checkpoint (or checkpoint `step`), shaped and

@@ -283,15 +283,17 @@ class BackupAndRestore(Callback):
         self.backup_dir, max_to_keep=self.max_to_keep,
         strategy=trainer.strategy, snapshot_every=self.snapshot_every)
     self._ckpt = self._manager._checkpointer
-    restored = self._manager._restore_with_meta(
-        trainer.strategy.state_placement.read(trainer.state))
+    like = trainer.strategy.state_placement.read(trainer.state)
+    restored = self._manager._restore_memory(like)
     if restored is not None:
-      state, meta, from_memory = restored
+      where = f"the in-memory snapshot in {self._manager._snapshots.directory}"
+    else:  # the newest backup, if any
+      restored = self._ckpt.restore(like, trainer.strategy.mesh)
+      where = self._ckpt.directory
+    if restored is not None:
+      state, meta = restored
       self.fit_loop.restore(state, meta)
       self.restored_step = trainer.global_step
-      where = (f"the in-memory snapshot in "
-               f"{self._manager._snapshots.directory}" if from_memory else
-               self._ckpt.directory)
       if is_chief():
         print(f"BackupAndRestore: resuming from step {trainer.global_step} "
               f"(epoch {meta['epoch'] + 1}, batch {meta['batch']}) in "
