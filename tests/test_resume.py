@@ -122,6 +122,7 @@ def test_resume_from_the_snapshot_in_memory_is_exact(data, reference,
   assert "BackupAndRestore: resuming from step 22 (epoch 2, batch 6) in the "\
       "in-memory snapshot" in err
   assert_same_run(reference, trainer, history, exact=True)
+  assert list(history.history) == list(reference[1].history)  # their order
   assert not os.path.exists(backup_dir)
   assert [f for _, _, fs in os.walk(tmp_path / "shm") for f in fs] == []
 

@@ -42,14 +42,18 @@ def uninterrupted(mode: str) -> dict:
   return run(strategy)
 
 
-def assert_finished(out_dir, *, world: int, attempt: int, mode="loop"):
+def assert_finished(out_dir, *, world: int, attempt: int, mode="loop"
+                    ) -> float:
   """The job ended in `attempt` on `world` processes, with the parameters of
-  the uninterrupted run (float32 reduction order aside)."""
+  the uninterrupted run (float32 reduction order aside); returns the largest
+  difference."""
   with np.load(os.path.join(out_dir, "final.npz")) as z:
     assert (int(z["world"]), int(z["attempt"])) == (world, attempt)
     for name, want in uninterrupted(mode).items():
       np.testing.assert_allclose(z[name], want, rtol=0, atol=1e-6,
                                  err_msg=name)
+    return max(float(np.max(np.abs(z[name] - want)))
+               for name, want in uninterrupted(mode).items())
 
 
 def markers(output: str, name: str) -> list:
@@ -163,6 +167,6 @@ def test_a_node_that_goes_away_leaves_the_job_to_the_others(tmp_path):
                    r"1, batch 30\) in the in-memory snapshot in \S+\.$",
                    output, re.M), output[-5000:]
   assert not os.path.exists(os.path.join(tmp_path, "backup"))  # completed
-  assert_finished(tmp_path, world=3, attempt=1, mode="fit")
-  print(restart_report(output))
+  worst = assert_finished(tmp_path, world=3, attempt=1, mode="fit")
+  print(f"{restart_report(output)}; final parameters within {worst:.1e}")
   assert harness.wait_gone(pids(output), timeout=5) == []

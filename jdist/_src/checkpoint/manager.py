@@ -18,6 +18,9 @@ replica, to the next process's), and `restore` takes the newest of the
 snapshot and the persistent checkpoints, so a restarted job resumes without
 reading the persistent directory (orbax opens it only for a save or a
 restore there) and persistent saves (`save_every`) can be rare.
+`BackupAndRestore(snapshot_every=N)` holds one for `Trainer.fit`: its
+snapshots carry fit's metadata as one more leaf (`META_LEAF`), and its
+backups go through `_checkpointer` with that metadata.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ def _meta_leaf(meta: dict) -> np.ndarray:
   """`meta` as the bytes of its JSON, padded with spaces to a power of two
   (at least 4 KiB), so that the snapshot's layout (worked out once per
   shapes) stays the same while fit's history grows."""
-  raw = json.dumps(meta, sort_keys=True).encode()
+  raw = json.dumps(meta).encode()  # (as a checkpoint holds it: same order)
   size = max(4096, 1 << (len(raw) - 1).bit_length())
   return np.frombuffer(raw.ljust(size), np.uint8)
 
