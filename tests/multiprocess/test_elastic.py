@@ -3,7 +3,8 @@
 The job is elastic_job.py (60 steps of a small MLP, SGD with momentum, over
 `jdist.MultiWorkerMirroredStrategy`, one fake CPU device per process, a
 global batch of 16, a `jdist.CheckpointManager` checkpoint every 10 steps; or
-the same with `Trainer.fit` and `BackupAndRestore`). A
+the same with `Trainer.fit` and `BackupAndRestore`, here with a snapshot in
+memory every 10 steps and a backup every 50). A
 process kills or stops itself at a known step, or its node goes away; the job
 must finish on the processes it still has (3 replicas take the batch as 3 x 6
 with 2 rows masked) with the parameters of an uninterrupted 4-replica run
