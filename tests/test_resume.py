@@ -8,6 +8,7 @@ import functools
 import glob
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -90,6 +91,51 @@ def test_resume_after_an_interruption_is_exact(data, reference, tmp_path):
   assert backup.restored_step == 20  # mid-epoch: epoch 2, batch 4
   assert_same_run(reference, trainer, history, exact=True)
   assert not os.path.exists(tmp_path)
+
+
+def test_resume_from_the_snapshot_in_memory_is_exact(data, reference,
+                                                     tmp_path, monkeypatch,
+                                                     capfd):
+  """`snapshot_every=11` in a (simulated) `jdist launch` job: killed at
+  step 23, after the backup of step 20 and the snapshot of 22; the restart
+  resumes from the snapshot (its step, data position and logs so far)
+  without opening the backups, ends with the bits of the uninterrupted run,
+  and leaves neither backups nor snapshots behind."""
+  monkeypatch.setenv("JDIST_RUN_ID", "testjob")
+  monkeypatch.setenv("JDIST_SNAPSHOT_ROOT", str(tmp_path / "shm"))
+  backup_dir = tmp_path / "backup"
+  make = lambda: jdist.BackupAndRestore(backup_dir, save_freq=5,
+                                        snapshot_every=11)
+  with pytest.raises(KeyboardInterrupt):
+    fit(make_trainer(4), data, [Interrupt(23), make()])
+  assert sorted(d for d in os.listdir(backup_dir) if d.isdigit()) == ["15",
+                                                                      "20"]
+  capfd.readouterr()
+  backup = make()
+  trainer = make_trainer(4)
+  history = fit(trainer, data, [backup])
+  assert backup.restored_step == 22  # mid-epoch: epoch 2, batch 6
+  err = capfd.readouterr().err
+  assert re.search(r"jdist: restored step 22 from the in-memory snapshot in "
+                   r"\S+, not from the checkpoint of step 20 in \S+backup\.",
+                   err), err
+  assert "BackupAndRestore: resuming from step 22 (epoch 2, batch 6) in the "\
+      "in-memory snapshot" in err
+  assert_same_run(reference, trainer, history, exact=True)
+  assert list(history.history) == list(reference[1].history)  # their order
+  assert not os.path.exists(backup_dir)
+  assert [f for _, _, fs in os.walk(tmp_path / "shm") for f in fs] == []
+
+
+def test_snapshots_need_a_launched_job_and_a_number_of_batches(tmp_path,
+                                                               monkeypatch):
+  monkeypatch.delenv("JDIST_RUN_ID", raising=False)
+  with pytest.raises(ValueError, match=r"snapshot_every=10: .*`jdist launch`"):
+    jdist.BackupAndRestore(tmp_path, snapshot_every=10)
+  monkeypatch.setenv("JDIST_RUN_ID", "testjob")
+  for bad in (0, 2.5, True, "epoch"):
+    with pytest.raises(ValueError, match="positive number"):
+      jdist.BackupAndRestore(tmp_path, snapshot_every=bad)
 
 
 @pytest.mark.parametrize("saved_on,resumed_on", [(4, 2), (2, 4)])

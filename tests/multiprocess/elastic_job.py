@@ -14,7 +14,8 @@ to OUT_DIR/checkpoints every N steps instead, and `--snapshot-every N` also
 keeps a snapshot in memory every N steps (`CheckpointManager`'s
 `save_every` and `snapshot_every`; process 0 prints `snapshots <directory>`,
 where they are; the saved state then also holds a probe, a leaf split over
-the processes, and its twin in int4, which a restore checks).
+the processes, and its twin in int4, which a restore checks); with `--fit`,
+`BackupAndRestore`'s `save_freq` and `snapshot_every`.
 
 Each FAULT is `ATTEMPT:RANK:STEP:WHAT`: in attempt ATTEMPT (`JDIST_RESTART_COUNT`),
 process RANK, after step STEP, does WHAT: `kill` (SIGKILL itself), `stop`
@@ -263,9 +264,11 @@ class Markers(jdist.Callback):
 
 
 def run_fit() -> dict:
-  """`Trainer.fit` with `BackupAndRestore` every SAVE_EVERY steps."""
+  """`Trainer.fit` with `BackupAndRestore` every SAVE_EVERY steps (and a
+  snapshot in memory every SNAPSHOT_EVERY)."""
   backup = jdist.BackupAndRestore(os.path.join(OUT, "backup"),
-                                  save_freq=train.SAVE_EVERY)
+                                  save_freq=SAVE_EVERY,
+                                  snapshot_every=SNAPSHOT_EVERY)
   return train.fit(strategy, [backup, Markers()])
 
 

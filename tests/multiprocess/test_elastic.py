@@ -3,7 +3,8 @@
 The job is elastic_job.py (60 steps of a small MLP, SGD with momentum, over
 `jdist.MultiWorkerMirroredStrategy`, one fake CPU device per process, a
 global batch of 16, a `jdist.CheckpointManager` checkpoint every 10 steps; or
-the same with `Trainer.fit` and `BackupAndRestore`). A
+the same with `Trainer.fit` and `BackupAndRestore`, here with a snapshot in
+memory every 10 steps and a backup every 50). A
 process kills or stops itself at a known step, or its node goes away; the job
 must finish on the processes it still has (3 replicas take the batch as 3 x 6
 with 2 rows masked) with the parameters of an uninterrupted 4-replica run
@@ -42,14 +43,18 @@ def uninterrupted(mode: str) -> dict:
   return run(strategy)
 
 
-def assert_finished(out_dir, *, world: int, attempt: int, mode="loop"):
+def assert_finished(out_dir, *, world: int, attempt: int, mode="loop"
+                    ) -> float:
   """The job ended in `attempt` on `world` processes, with the parameters of
-  the uninterrupted run (float32 reduction order aside)."""
+  the uninterrupted run (float32 reduction order aside); returns the largest
+  difference."""
   with np.load(os.path.join(out_dir, "final.npz")) as z:
     assert (int(z["world"]), int(z["attempt"])) == (world, attempt)
     for name, want in uninterrupted(mode).items():
       np.testing.assert_allclose(z[name], want, rtol=0, atol=1e-6,
                                  err_msg=name)
+    return max(float(np.max(np.abs(z[name] - want)))
+               for name, want in uninterrupted(mode).items())
 
 
 def markers(output: str, name: str) -> list:
@@ -132,11 +137,14 @@ def test_a_node_that_goes_away_leaves_the_job_to_the_others(tmp_path):
   """Four launchers, one per simulated host, on one rendezvous; the host of
   process 2 goes away at step 30 (its launcher is killed, and with it its
   process): the job finishes on the other three, as `Trainer.fit` with
-  `BackupAndRestore`. (The custom loop with `jdist.CheckpointManager` after
-  a node went away: test_snapshot_restarts.py.)"""
+  `BackupAndRestore(save_freq=50, snapshot_every=10)`: no backup on disk
+  before step 50, so it resumes from the in-memory snapshot of step 30 (the
+  end of the first epoch). (The custom loop with `jdist.CheckpointManager`
+  after a node went away: test_snapshot_restarts.py.)"""
   with contextlib.ExitStack() as stack:
     launchers = harness.hosts_on_one_rendezvous(
-        stack, [JOB, tmp_path, "0:2:30:park", "--fit"])
+        stack, [JOB, tmp_path, "--snapshot-every", 10, "--save-every", 50,
+                "0:2:30:park", "--fit"])
     host = launchers[0]
     doomed = int(wait_for_file(os.path.join(tmp_path, "parked-2"), launchers,
                                timeout=RUN_TIMEOUT))
@@ -152,7 +160,14 @@ def test_a_node_that_goes_away_leaves_the_job_to_the_others(tmp_path):
                    r"went away \(its launcher's connection closed\); restarting "
                    r"the job \(restart 1 of at most 3\)", hosted), output[-5000:]
   resumed = [step for _, step, _ in markers(output, "resumed")]
-  assert sorted(resumed) == [0] * 4 + [30] * 3  # the checkpoint of step 30
-  assert_finished(tmp_path, world=3, attempt=1, mode="fit")
-  print(restart_report(output))
+  assert sorted(resumed) == [0] * 4 + [30] * 3  # the snapshot of step 30
+  assert re.search(r"^\[0\] jdist: restored step 30 from the in-memory "
+                   r"snapshot in \S+, not from \S+/backup \(no checkpoint "
+                   r"there\)\.$", output, re.M), output[-5000:]
+  assert re.search(r"^\[0\] BackupAndRestore: resuming from step 30 \(epoch "
+                   r"1, batch 30\) in the in-memory snapshot in \S+\.$",
+                   output, re.M), output[-5000:]
+  assert not os.path.exists(os.path.join(tmp_path, "backup"))  # completed
+  worst = assert_finished(tmp_path, world=3, attempt=1, mode="fit")
+  print(f"{restart_report(output)}; final parameters within {worst:.1e}")
   assert harness.wait_gone(pids(output), timeout=5) == []

@@ -19,29 +19,65 @@ while the loop goes on, and `restore` takes the newest of the
 snapshot and the persistent checkpoints, so a restarted job resumes without
 reading the persistent directory (orbax opens it only for a save or a
 restore there) and persistent saves (`save_every`) can be rare.
+`BackupAndRestore(snapshot_every=N)` holds one for `Trainer.fit`: its
+snapshots carry fit's metadata as one more leaf (`META_LEAF`), and its
+backups go through `_checkpointer` with that metadata.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from typing import Any
+
+import numpy as np
 
 from jdist._src import current
 from jdist._src.checkpoint import checkpointer as ckpt_lib
 from jdist._src.checkpoint import snapshots as snapshots_lib
 from jdist._src.checkpoint.checkpointer import Checkpointer
+from jdist._src.core import placement
 from jdist._src.errors import CheckpointNotFoundError
 from jdist._src.multiprocess import ranks
 from jdist._src.multiprocess import snapshot_dir
 
 
-def _every(name: str, value) -> int | None:
+# The leaf that holds the metadata saved with a snapshot (`BackupAndRestore`:
+# fit's position, history and data state), as JSON bytes: checksummed with
+# the state's blocks, in every process's part. No path name of a state's
+# leaf starts with "#" (a `Checkpointer` checkpoint holds it as `meta`).
+META_LEAF = "#meta"
+
+
+def check_steps(name: str, value) -> int | None:
   if value is not None and (isinstance(value, bool) or
                             not isinstance(value, int) or value < 1):
     raise ValueError(f"{name}={value!r}: give a positive number of steps, or "
                      "None.")
   return value
+
+
+def launched_job(snapshot_every: int | None) -> str | None:
+  """This `jdist launch` job's run id, or None; with `snapshot_every`, a
+  ValueError when there is none (the snapshots need one)."""
+  run_id = os.environ.get(ranks.ENV_RUN_ID)
+  if snapshot_every is not None and not run_id:
+    raise ValueError(
+        f"snapshot_every={snapshot_every}: in-memory snapshots are kept for "
+        "a job of `jdist launch`, which names them (JDIST_RUN_ID) and removes "
+        "them when the job ends; this process was not started by it. Run "
+        "the program with `jdist launch`, or leave out snapshot_every.")
+  return run_id
+
+
+def _meta_leaf(meta: dict) -> np.ndarray:
+  """`meta` as the bytes of its JSON, padded with spaces to a power of two
+  (at least 4 KiB), so that the snapshot's layout (worked out once per
+  shapes) stays the same while fit's history grows."""
+  raw = json.dumps(meta).encode()  # (as a checkpoint holds it: same order)
+  size = max(4096, 1 << (len(raw) - 1).bit_length())
+  return np.frombuffer(raw.ljust(size), np.uint8)
 
 
 class CheckpointManager:
@@ -101,15 +137,9 @@ class CheckpointManager:
                                     max_to_keep < 1):
       raise ValueError(f"max_to_keep={max_to_keep!r}: give a positive number "
                        "of checkpoints, or None to keep them all.")
-    self._save_every = _every("save_every", save_every)
-    self._snapshot_every = _every("snapshot_every", snapshot_every)
-    run_id = os.environ.get(ranks.ENV_RUN_ID)
-    if snapshot_every is not None and not run_id:
-      raise ValueError(
-          f"snapshot_every={snapshot_every}: in-memory snapshots are kept for "
-          "a job of `jdist launch`, which names them (JDIST_RUN_ID) and removes "
-          "them when the job ends; this process was not started by it. Run "
-          "the program with `jdist launch`, or leave out snapshot_every.")
+    self._save_every = check_steps("save_every", save_every)
+    self._snapshot_every = check_steps("snapshot_every", snapshot_every)
+    run_id = launched_job(snapshot_every)
     self.directory = os.path.abspath(os.fspath(directory))
     self._strategy = strategy
     self._ckpt = Checkpointer(self.directory, max_to_keep=max_to_keep,
@@ -195,13 +225,47 @@ class CheckpointManager:
       # The snapshot taken at an earlier call, written in the background.
       self._snapshots.flush(wait=False)
       if step % self._snapshot_every == 0:
-        names, stored, _, _ = ckpt_lib.storable_leaves(state)
-        self._snapshots.write(step, names, stored)
+        self._snapshot(step, state)
     if self._save_every is not None and step % self._save_every:
       return None
     if not self._ckpt.save(step, state, {}):
       return None
     return os.path.join(self.directory, str(step))
+
+  def _snapshot(self, step: int, state: Any, meta: dict | None = None, *,
+                copy: bool = False) -> None:
+    """Takes the in-memory snapshot of `state` at `step` (written at the
+    next `save`, `restore`, `close` or `_flush`), with `meta` (JSON) if
+    given; `copy`: of a copy of its arrays, for a caller whose next step
+    donates them (`BackupAndRestore`: fit's steps do)."""
+    names, stored, _, _ = ckpt_lib.storable_leaves(state)
+    if copy:
+      stored = placement.copy_arrays(stored)
+    if meta is not None:
+      names, stored = [*names, META_LEAF], [*stored, _meta_leaf(meta)]
+    self._snapshots.write(step, names, stored)
+
+  def _flush(self) -> None:
+    """Hands the snapshot taken last, if not yet written, to the writer
+    thread (as `save` does)."""
+    if self._snapshots is not None:
+      self._snapshots.flush(wait=False)
+
+  @property
+  def _checkpointer(self) -> Checkpointer:
+    """The persistent directory's `Checkpointer` (`BackupAndRestore` saves
+    there with fit's metadata)."""
+    return self._ckpt
+
+  def _restore_memory(self, like: Any) -> tuple | None:
+    """`(state, meta)` from the in-memory snapshot, with the metadata taken
+    with it (`_snapshot(..., meta)`), when it is at least as new as the
+    newest persistent checkpoint; else None: restore from `_checkpointer`
+    (every process calls it and gets the same answer)."""
+    if self._snapshots is None:
+      return None
+    strategy = self._strategy or current.get_strategy()
+    return self._restore_snapshot(like, strategy.mesh, None, with_meta=True)
 
   def restore(self, like: Any, step: int | None = None) -> Any:
     """The newest usable checkpoint (or checkpoint `step`), shaped and
@@ -241,9 +305,11 @@ class CheckpointManager:
           "initial state when it is None.")
     return restored[0]
 
-  def _restore_snapshot(self, like, mesh, step: int | None):
-    """The state from the newest complete snapshot, or None (the persistent
-    directory's turn). Every process calls it and gets the same answer."""
+  def _restore_snapshot(self, like, mesh, step: int | None, *,
+                        with_meta: bool = False):
+    """The state from the newest complete snapshot (`with_meta`: `(state,
+    meta)`), or None (the persistent directory's turn). Every process calls
+    it and gets the same answer."""
     self._snapshots.flush()
     steps = self.steps
     group, note, disk = self._snapshots.agree(steps[-1] if steps else None)
@@ -259,13 +325,16 @@ class CheckpointManager:
       return None  # the persistent checkpoint is newer
     names, stored, leaves, treedef = ckpt_lib.storable_leaves(like)
     described = {n: [list(x.shape), str(x.dtype)] for n, x in zip(names, stored)}
+    if with_meta:  # its length, as this host's first part of it says
+      described[META_LEAF] = [
+          self._snapshots.saved_shape(group, META_LEAF) or [0], "uint8"]
     got, problem = self._snapshots.read(group, described)
     if problem:
       snapshots_lib.say(f"the in-memory snapshot of step {group[0]} cannot be "
                         f"used: {problem}; restoring from {where}.")
       self._snapshots.complete = None  # `latest_step` is now the directory's
       return None
-    state = ckpt_lib.placed(got, stored, leaves, treedef, mesh)
+    state = ckpt_lib.placed(got[:len(names)], stored, leaves, treedef, mesh)
     self._snapshots.complete = group
     copied = self._snapshots.from_replicas
     replicas = (f" (the parts of processes {copied} of {group[2]} from their "
@@ -273,16 +342,26 @@ class CheckpointManager:
     snapshots_lib.say(f"restored step {group[0]} from the in-memory snapshot "
                       f"in {self._snapshots.directory}{replicas}, not from "
                       f"{where}.")
+    if with_meta:
+      return state, json.loads(got[-1].tobytes())
     return state
 
   def close(self) -> None:
     """Writes the last snapshot taken, and lets the directory go (another
     job may then use it)."""
+    self._close()
+
+  def _close(self, *, delete: bool = False) -> None:
+    """`close`; with `delete` (`BackupAndRestore`, when training completed),
+    the checkpoints and the snapshots are deleted (every process calls it)."""
     try:
       if self._snapshots is not None:
-        self._snapshots.close()
+        self._snapshots.close()  # the last snapshot is written
+        if delete:
+          self._snapshots.agree()  # every process has written its last part
+          self._snapshots.clear()
     finally:
-      self._ckpt.close()
+      self._ckpt.close(delete=delete)
 
   def __enter__(self) -> "CheckpointManager":
     return self

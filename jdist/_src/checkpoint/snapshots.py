@@ -534,6 +534,13 @@ class Snapshots:
         except FileNotFoundError:
           pass  # another process of this host removed it first
 
+  def clear(self) -> None:
+    """Removes the snapshots on this host (every process calls it, after
+    a collective that every process enters once it has written its last,
+    such as `agree`)."""
+    self._remove(os.listdir(self.directory), keep=set())
+    self.complete = self._before = None
+
   # --- finding the newest complete snapshot ---------------------------------------
 
   def _seen(self) -> dict:
@@ -596,6 +603,21 @@ class Snapshots:
           paths.append(path)
           break
     return paths
+
+  def saved_shape(self, group, name: str) -> list | None:
+    """The shape of leaf `name` in snapshot `group`, as the header of the
+    first of its files on this host says (a leaf whose shape the reader
+    cannot know, such as `CheckpointManager`'s metadata), or None."""
+    paths = self._parts(group)
+    try:
+      with open(paths[0], "rb") as f:
+        start = f.read(len(MAGIC) + 8)
+        header = json.loads(f.read(struct.unpack("<Q", start[len(MAGIC):])[0]))
+      return next((e["shape"] for e in header["leaves"] if e["name"] == name),
+                  None)
+    except (IndexError, OSError, ValueError, KeyError, TypeError,
+            struct.error):
+      return None  # `read` says what is wrong with it
 
   def read(self, group, described: dict) -> tuple:
     """`(leaves, problem)`: the whole of each leaf named in `described`

@@ -20,6 +20,7 @@ import warnings
 import numpy as np
 
 from jdist._src.training.callbacks import Callback, is_chief, resolve_mode
+from jdist._src.checkpoint import manager as manager_lib
 from jdist._src.checkpoint.checkpointer import Checkpointer, nonfinite_leaves
 from jdist._src.checkpoint.preemption import PreemptionWatcher
 
@@ -223,37 +224,72 @@ class BackupAndRestore(Callback):
   state ended with NaN or infinite values: then they are kept, and no backup
   of a non-finite state is ever written).
 
+  With `snapshot_every=N` (a jdist extension), in a `jdist launch` job, fit
+  also keeps the train state and its position in host memory every N
+  batches (`jdist.CheckpointManager`'s in-memory snapshots: /dev/shm,
+  outside the training processes, each process's part replicated on the
+  next process), and a restarted attempt resumes from the newest of that
+  snapshot and the newest backup (the snapshot on a tie) without reading
+  `backup_dir`, on whatever number of processes it has: exactly as from a
+  backup of the same step. Backups (`save_freq`) can then be rare.
+
   Args:
     backup_dir: where backups go (shared by all processes).
     save_freq: "epoch", or a number of batches between backups (as Keras
       counts them; with gradient accumulation, saves fall between groups).
-    delete_checkpoint: delete the backups when training completes.
+    delete_checkpoint: delete the backups when training completes (and the
+      snapshots in memory).
     max_to_keep: backups kept; more than one lets a corrupt newest one fall
       back to the one before it.
+    snapshot_every: a number of batches between in-memory snapshots,
+      counted as `save_freq` counts them (None: none). Only in a program
+      started by `jdist launch`, which names the job's snapshots and removes
+      them when the job ends.
+
+  Raises:
+    ValueError: `save_freq` or `snapshot_every` is not a positive number of
+      batches, or `snapshot_every` is given outside `jdist launch`.
 
   Example:
     >>> import jdist
     >>> cb = jdist.BackupAndRestore("/tmp/backup", save_freq=100)
+
+    In a `jdist launch` job: a snapshot in memory every 10 batches, a backup
+    on disk every 500:
+
+    >>> cb = jdist.BackupAndRestore(  # doctest: +SKIP
+    ...     "/shared/backup", save_freq=500, snapshot_every=10)
   """
 
   def __init__(self, backup_dir, save_freq="epoch",
-               delete_checkpoint: bool = True, max_to_keep: int = 2):
+               delete_checkpoint: bool = True, max_to_keep: int = 2, *,
+               snapshot_every: int | None = None):
     super().__init__()
     self.backup_dir = _check_directory(backup_dir, "BackupAndRestore")
     self.save_freq = _check_freq(save_freq)
+    self.snapshot_every = manager_lib.check_steps("snapshot_every",
+                                                  snapshot_every)
+    manager_lib.launched_job(snapshot_every)
     self.delete_checkpoint = delete_checkpoint
     self.max_to_keep = max_to_keep
     self.restored_step = None
+    self._manager = None  # the backups on disk, and the snapshots
     self._ckpt = None
     self._watcher = None
 
   def on_train_begin(self, logs=None):
     trainer = self.model
-    self._ckpt = Checkpointer(self.backup_dir, max_to_keep=self.max_to_keep,
-                              claim=True)
-    restored = self._ckpt.restore(
-        trainer.strategy.state_placement.read(trainer.state),
-        trainer.strategy.mesh)
+    self._manager = manager_lib.CheckpointManager(
+        self.backup_dir, max_to_keep=self.max_to_keep,
+        strategy=trainer.strategy, snapshot_every=self.snapshot_every)
+    self._ckpt = self._manager._checkpointer
+    like = trainer.strategy.state_placement.read(trainer.state)
+    restored = self._manager._restore_memory(like)
+    if restored is not None:
+      where = f"the in-memory snapshot in {self._manager._snapshots.directory}"
+    else:  # the newest backup, if any
+      restored = self._ckpt.restore(like, trainer.strategy.mesh)
+      where = self._ckpt.directory
     if restored is not None:
       state, meta = restored
       self.fit_loop.restore(state, meta)
@@ -261,7 +297,7 @@ class BackupAndRestore(Callback):
       if is_chief():
         print(f"BackupAndRestore: resuming from step {trainer.global_step} "
               f"(epoch {meta['epoch'] + 1}, batch {meta['batch']}) in "
-              f"{self._ckpt.directory}.", file=sys.stderr, flush=True)
+              f"{where}.", file=sys.stderr, flush=True)
     self._watcher = PreemptionWatcher()
 
   def on_train_batch_end(self, batch, logs=None):
@@ -277,6 +313,15 @@ class BackupAndRestore(Callback):
       raise SystemExit(0)
     if _save_due(self, self.save_freq):
       _save(self._ckpt, self)
+    if self.snapshot_every is not None:
+      self._manager._flush()  # the snapshot taken at an earlier batch
+      if self.fit_loop.reached_multiple(self.snapshot_every):
+        loop = self.fit_loop
+        # Of a copy: the next step donates the state's arrays, before the
+        # next batch's end writes the snapshot.
+        self._manager._snapshot(
+            loop.global_step, trainer.strategy.state_placement.read(
+                trainer.state), loop.checkpoint_meta(), copy=True)
 
   def on_epoch_end(self, epoch, logs=None):
     if self.save_freq == "epoch":
@@ -289,9 +334,9 @@ class BackupAndRestore(Callback):
     if self._watcher is not None:
       self._watcher.close()
       self._watcher = None
-    if self._ckpt is not None:
-      self._ckpt.close(delete=delete)
-      self._ckpt = None
+    if self._manager is not None:
+      self._manager._close(delete=delete)
+      self._manager = self._ckpt = None
 
   def on_train_end(self, logs=None):
     if self._ckpt is None:
