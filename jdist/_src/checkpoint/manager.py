@@ -19,9 +19,10 @@ while the loop goes on, and `restore` takes the newest of the
 snapshot and the persistent checkpoints, so a restarted job resumes without
 reading the persistent directory (orbax opens it only for a save or a
 restore there) and persistent saves (`save_every`) can be rare.
-`BackupAndRestore(snapshot_every=N)` holds one for `Trainer.fit`: its
-snapshots carry fit's metadata as one more leaf (`META_LEAF`), and its
-backups go through `_checkpointer` with that metadata.
+`BackupAndRestore` holds a `BackupManager` (the subclass at the end) for
+`Trainer.fit`: its snapshots carry fit's metadata as one more leaf
+(`META_LEAF`), and its backups go through `checkpointer` with that
+metadata.
 """
 
 from __future__ import annotations
@@ -235,7 +236,7 @@ class CheckpointManager:
   def _snapshot(self, step: int, state: Any, meta: dict | None = None, *,
                 copy: bool = False) -> None:
     """Takes the in-memory snapshot of `state` at `step` (written at the
-    next `save`, `restore`, `close` or `_flush`), with `meta` (JSON) if
+    next `save`, `restore`, `close` or `BackupManager.write_snapshot`), with `meta` (JSON) if
     given; `copy`: of a copy of its arrays, for a caller whose next step
     donates them (`BackupAndRestore`: fit's steps do)."""
     names, stored, _, _ = ckpt_lib.storable_leaves(state)
@@ -244,28 +245,6 @@ class CheckpointManager:
     if meta is not None:
       names, stored = [*names, META_LEAF], [*stored, _meta_leaf(meta)]
     self._snapshots.write(step, names, stored)
-
-  def _flush(self) -> None:
-    """Hands the snapshot taken last, if not yet written, to the writer
-    thread (as `save` does)."""
-    if self._snapshots is not None:
-      self._snapshots.flush(wait=False)
-
-  @property
-  def _checkpointer(self) -> Checkpointer:
-    """The persistent directory's `Checkpointer` (`BackupAndRestore` saves
-    there with fit's metadata)."""
-    return self._ckpt
-
-  def _restore_memory(self, like: Any) -> tuple | None:
-    """`(state, meta)` from the in-memory snapshot, with the metadata taken
-    with it (`_snapshot(..., meta)`), when it is at least as new as the
-    newest persistent checkpoint; else None: restore from `_checkpointer`
-    (every process calls it and gets the same answer)."""
-    if self._snapshots is None:
-      return None
-    strategy = self._strategy or current.get_strategy()
-    return self._restore_snapshot(like, strategy.mesh, None, with_meta=True)
 
   def restore(self, like: Any, step: int | None = None) -> Any:
     """The newest usable checkpoint (or checkpoint `step`), shaped and
@@ -368,3 +347,48 @@ class CheckpointManager:
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+class BackupManager(CheckpointManager):
+  """The `CheckpointManager` of `jdist.BackupAndRestore`: its backups carry
+  fit's metadata (position, logs, history, data state), on disk and in the
+  in-memory snapshots, and fit takes its snapshots from a callback, of a
+  copy of the state (fit's next step donates its arrays). Not public: a
+  custom loop uses `CheckpointManager`."""
+
+  @property
+  def checkpointer(self) -> Checkpointer:
+    """The persistent directory's `Checkpointer` (backups are saved there
+    with fit's metadata)."""
+    return self._ckpt
+
+  @property
+  def snapshot_directory(self) -> str | None:
+    """Where this job's in-memory snapshots are (None without them)."""
+    return None if self._snapshots is None else self._snapshots.directory
+
+  def take_snapshot(self, step: int, state: Any, meta: dict) -> None:
+    """Takes the in-memory snapshot of a copy of `state` at `step`, with
+    `meta` (JSON); the next `write_snapshot` (or `close`) writes it."""
+    self._snapshot(step, state, meta, copy=True)
+
+  def write_snapshot(self) -> None:
+    """Hands the snapshot taken last, if not yet written, to the writer
+    thread (as `save` does)."""
+    if self._snapshots is not None:
+      self._snapshots.flush(wait=False)
+
+  def restore_from_memory(self, like: Any) -> tuple | None:
+    """`(state, meta)` from the in-memory snapshot, with the metadata taken
+    with it, when it is at least as new as the newest backup; else None:
+    restore from `checkpointer` (every process calls it and gets the same
+    answer)."""
+    if self._snapshots is None:
+      return None
+    strategy = self._strategy or current.get_strategy()
+    return self._restore_snapshot(like, strategy.mesh, None, with_meta=True)
+
+  def close(self, *, delete: bool = False) -> None:
+    """`CheckpointManager.close`; with `delete` (training completed), the
+    backups and the snapshots are deleted (every process calls it)."""
+    self._close(delete=delete)

@@ -279,14 +279,14 @@ class BackupAndRestore(Callback):
 
   def on_train_begin(self, logs=None):
     trainer = self.model
-    self._manager = manager_lib.CheckpointManager(
+    self._manager = manager_lib.BackupManager(
         self.backup_dir, max_to_keep=self.max_to_keep,
         strategy=trainer.strategy, snapshot_every=self.snapshot_every)
-    self._ckpt = self._manager._checkpointer
+    self._ckpt = self._manager.checkpointer
     like = trainer.strategy.state_placement.read(trainer.state)
-    restored = self._manager._restore_memory(like)
+    restored = self._manager.restore_from_memory(like)
     if restored is not None:
-      where = f"the in-memory snapshot in {self._manager._snapshots.directory}"
+      where = f"the in-memory snapshot in {self._manager.snapshot_directory}"
     else:  # the newest backup, if any
       restored = self._ckpt.restore(like, trainer.strategy.mesh)
       where = self._ckpt.directory
@@ -314,14 +314,14 @@ class BackupAndRestore(Callback):
     if _save_due(self, self.save_freq):
       _save(self._ckpt, self)
     if self.snapshot_every is not None:
-      self._manager._flush()  # the snapshot taken at an earlier batch
+      self._manager.write_snapshot()  # the snapshot taken at an earlier batch
       if self.fit_loop.reached_multiple(self.snapshot_every):
         loop = self.fit_loop
         # Of a copy: the next step donates the state's arrays, before the
         # next batch's end writes the snapshot.
-        self._manager._snapshot(
+        self._manager.take_snapshot(
             loop.global_step, trainer.strategy.state_placement.read(
-                trainer.state), loop.checkpoint_meta(), copy=True)
+                trainer.state), loop.checkpoint_meta())
 
   def on_epoch_end(self, epoch, logs=None):
     if self.save_freq == "epoch":
@@ -335,7 +335,7 @@ class BackupAndRestore(Callback):
       self._watcher.close()
       self._watcher = None
     if self._manager is not None:
-      self._manager._close(delete=delete)
+      self._manager.close(delete=delete)
       self._manager = self._ckpt = None
 
   def on_train_end(self, logs=None):
