@@ -18,6 +18,8 @@ import time
 import jax
 import pytest
 
+from conftest import xla_flags
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 BENCH = REPO / "benchmarks"
 PEERS_PYTHON = pathlib.Path(os.environ.get(
@@ -28,7 +30,7 @@ TINY = ["--quick", "--json", "--replicas", "2", "--rounds", "1",
 
 def _run(args, *, devices=2, timeout=240):
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO),
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+             XLA_FLAGS=xla_flags(devices))
   proc = subprocess.Popen([sys.executable, *map(str, args)], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   try:

@@ -11,6 +11,8 @@ import textwrap
 
 import pytest
 
+from conftest import xla_flags
+
 SCRIPT = textwrap.dedent("""
     import sys
     import jax, jax.numpy as jnp, numpy as np, optax
@@ -39,7 +41,7 @@ SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize("n", [2, 4])
 def test_5000_steps_do_not_deadlock(n):
   env = dict(os.environ,
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={n}",
+             XLA_FLAGS=xla_flags(n),
              JAX_PLATFORMS="cpu")
   proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env,
                         capture_output=True, text=True, timeout=300)

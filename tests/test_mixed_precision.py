@@ -261,7 +261,7 @@ def test_a_loss_scaled_run_resumes_exactly_from_its_backup(digits_flat,
   """mixed_float16 with a scale that starts too high (steps skipped, the
   scale halved) and grows every 3 finite steps (into overflow again): the
   scale, its growth counter and the skipped steps are part of the backup,
-  and the resumed run equals the uninterrupted one bit for bit."""
+  and the resumed run's state equals the uninterrupted one's bit for bit."""
   x, y = digits_flat
   x, y = x[:512], y[:512]
 
@@ -286,7 +286,14 @@ def test_a_loss_scaled_run_resumes_exactly_from_its_backup(digits_flat,
   restore = jdist.BackupAndRestore(backup, save_freq=5)
   trainer, history = run([restore])
   assert restore.restored_step == 10  # mid-epoch 2, a state saved mid-run
-  assert history.history == ref_history.history
+  # The scale and the skipped steps exactly; the epochs' mean losses within
+  # float rounding: resumed mid-epoch 2, the first replica carries the sums
+  # of the batches before the backup, so epoch 2's sum over the replicas adds
+  # the same numbers in another order.
+  assert {k: v for k, v in history.history.items() if k != "loss"} == {
+      k: v for k, v in ref_history.history.items() if k != "loss"}
+  np.testing.assert_allclose(history.history["loss"],
+                             ref_history.history["loss"], rtol=1e-6)
   ref_state, state = reference.state.opt_state, trainer.state.opt_state
   assert isinstance(state, jdist.LossScaleState)
   for a, b in zip(jax.tree.leaves((reference.state.params, ref_state)),

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from conftest import xla_flags
+
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
 
@@ -19,7 +21,7 @@ def _blocks() -> list[str]:
 
 def _run(code: str, tmp_path) -> str:
   env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=4")
+             XLA_FLAGS=xla_flags(4))
   proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path,
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]

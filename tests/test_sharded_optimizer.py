@@ -133,7 +133,8 @@ def test_trainer_shard_optimizer_state_fits_as_mirrored(digits_flat):
 
 CHILD = textwrap.dedent("""
     import os, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    os.environ["XLA_FLAGS"] = (os.environ.get("JDIST_TEST_XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=2")
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax, numpy as np, optax, jdist
     from jdist.examples.models import MLP

@@ -33,7 +33,11 @@ args = parser.parse_args()
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
 devices = 4 // args.processes
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+# The suite's compiler flags (conftest.py), so that this process compiles
+# what the test's reference compiled.
+os.environ["XLA_FLAGS"] = (
+    f"{os.environ.get('JDIST_TEST_XLA_FLAGS', '')} "
+    f"--xla_force_host_platform_device_count={devices}").strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jdist  # noqa: E402

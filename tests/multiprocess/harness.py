@@ -44,7 +44,10 @@ def base_env(devices: int = 2, **extra) -> dict:
          if not k.startswith(("JDIST_", "TF_CONFIG", "XLA_FLAGS"))}
   env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
              PYTHONPATH=os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]),
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+             # The suite's compiler flags (tests/conftest.py).
+             XLA_FLAGS=(f"{os.environ.get('JDIST_TEST_XLA_FLAGS', '')} "
+                        f"--xla_force_host_platform_device_count={devices}"
+                        ).strip())
   env.update({k: str(v) for k, v in extra.items()})
   return env
 
