@@ -40,6 +40,7 @@ strategy = jdist.MultiWorkerMirroredStrategy(
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
 
 from jdist.examples.data import batches, load_digits  # noqa: E402
 from jdist.examples.models import MLP  # noqa: E402
@@ -142,6 +143,10 @@ def misbehave(at_step: int, action):
   data = digits()
   step = strategy.function(classifier_step)
   state = strategy.replicate(make_state(MLP(), data[0]["x"]))
+  # Both processes start the loop together: on a loaded machine one may
+  # reach it seconds after the other, and the timeout (WORKER_TIMEOUT) would
+  # then fire at the first input agreement, not where the test misbehaves.
+  multihost_utils.sync_global_devices("misbehave: the loop starts")
   for i, batch in enumerate(strategy.experimental_distribute_dataset(data * 20)):
     if ME == VICTIM and i == at_step:
       print(f"process {ME} misbehaves at step {i}", flush=True)
