@@ -111,50 +111,6 @@ jax.tree_util.register_pytree_node(
     _Flat, lambda f: (f.leaves, (f.treedef, f.forwarded)), _Flat)
 
 
-class _Patched:
-  """A step's outputs as jit builds them, each forwarded validity left out
-  (`None`), and where to put it back: cheaper than `_Flat` when nothing
-  needs the leaves (jit's C++ builds the outputs, `__call__` only sets one
-  field per forwarded validity).
-
-  Attributes:
-    tree: the outputs, whose `PerReplica` nodes at `patches` have no
-      validity yet.
-    patches: `(path, argnum)` per such node: the keys leading to it (an
-      index, a dict key or an attribute name each), and the positional
-      `PerReplica` argument whose validity (`packed`) it takes.
-    last: the path of the last leaf the program returns (what the CPU
-      throttle waits on), or None when nothing watches the step.
-  """
-
-  __slots__ = ("tree", "patches", "last")
-
-  def __init__(self, aux: tuple, children):
-    self.patches, self.last = aux
-    (self.tree,) = children
-
-  def outputs(self, args: tuple) -> Any:
-    """The step's outputs, for the call with these positional arguments."""
-    for path, argnum in self.patches:
-      _at(self.tree, path).packed = args[argnum].packed
-    return self.tree
-
-  def last_leaf(self):
-    """The last array the program returned."""
-    return _at(self.tree, self.last)
-
-
-def _at(tree: Any, path: tuple) -> Any:
-  """The node of `tree` at `path` (see `_Patched`)."""
-  for attribute, key in path:
-    tree = getattr(tree, key) if attribute else tree[key]
-  return tree
-
-
-jax.tree_util.register_pytree_node(
-    _Patched, lambda p: ((p.tree,), (p.patches, p.last)), _Patched)
-
-
 class DistributedFunction:
   """A step function mapped over a strategy's replicas; see `Strategy.function`."""
 
@@ -247,12 +203,7 @@ class DistributedFunction:
       if mismatch is None:
         raise
       raise mismatch from e
-    kind = type(out)  # else jit returned the outputs themselves
-    if kind is _Patched:
-      if out.last is not None:
-        self._watch_step(out.last_leaf())
-      out = out.outputs(args)
-    elif kind is _Flat:
+    if type(out) is _Flat:  # else jit returned the outputs themselves
       leaves = out.leaves
       if self._watch and leaves:
         self._watch_step(leaves[-1])  # the last array the step computed
@@ -329,7 +280,8 @@ class DistributedFunction:
     self._count_compilation()
     self._compilations += 1
     out = self._trace(args, kwargs, check=True)
-    return _flat(out, args, self._options.donate_argnums, watch=self._watch)
+    return _flat(out, args, self._options.donate_argnums,
+                 whole=not self._watch)
 
   def _count_compilation(self) -> None:
     """Warns once, as TF's retracing warning does, when most recent calls of
@@ -399,15 +351,14 @@ def _types_tracked(strategy) -> bool:
   return strategy.num_replicas_in_sync > 1 or strategy.mesh.size == 1
 
 
-def _flat(out: Any, args: tuple, donated, *, watch: bool) -> Any:
-  """`out` as the program returns it: itself when no output leaf is
-  forwarded and nothing watches the step (jit's C++ then builds the
-  outputs, and `__call__` runs no Python over them), else a `_Patched`
-  when its paths can be followed, else a `_Flat`.
+def _flat(out: Any, args: tuple, donated, *, whole: bool) -> Any:
+  """`out` as the program returns it (see `_Flat`): itself when `whole` and
+  no output leaf is forwarded (jit's C++ then builds the outputs, and
+  `__call__` runs no Python over them), else a `_Flat`.
 
   Args:
-    watch: the caller needs the last leaf of the outputs (the CPU throttle
-      or the multi-process watch).
+    whole: the caller needs no leaf of the outputs (no CPU throttle or
+      multi-process watch to feed).
   """
   donated = {donated} if isinstance(donated, int) else set(donated)
   sources = {id(a.packed): i for i, a in enumerate(args)
@@ -420,62 +371,9 @@ def _flat(out: Any, args: tuple, donated, *, watch: bool) -> Any:
       forwarded.append((position, sources[id(leaf)]))
     else:
       kept.append(leaf)
-  if not watch and not forwarded:
+  if whole and not forwarded:
     return out
-  patched = _patched(out, sources, len(forwarded),
-                     kept[-1] if watch and kept else None)
-  if patched is not None:
-    return patched
   return _Flat((treedef, tuple(forwarded)), kept)
-
-
-def _patched(out: Any, sources: dict, count: int, last) -> _Patched | None:
-  """`out` as a `_Patched`, or None when a forwarded leaf is not the
-  validity of a `PerReplica`, or a path (to it, or to `last`) goes through
-  other keys than indices, dict keys and attributes.
-
-  Args:
-    sources: `{id(packed): argnum}` of the positional `PerReplica` arguments.
-    count: how many output leaves are forwarded.
-    last: the last leaf the program returns, if the step is watched.
-  """
-  last_path = None
-  if last is not None:
-    for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
-      if leaf is last:
-        last_path = _keys(path)
-    if last_path is None:
-      return None
-  with_path, treedef = jax.tree_util.tree_flatten_with_path(
-      out, is_leaf=lambda x: type(x) is PerReplica)
-  nodes, patches = [], []
-  for path, node in with_path:
-    if type(node) is PerReplica and id(node.packed) in sources:
-      keys = _keys(path)
-      if keys is None:
-        return None
-      patches.append((keys, sources[id(node.packed)]))
-      node = PerReplica(node.values)
-    nodes.append(node)
-  if len(patches) != count:  # a forwarded leaf elsewhere
-    return None
-  return _Patched((tuple(patches), last_path), (treedef.unflatten(nodes),))
-
-
-def _keys(path) -> tuple | None:
-  """`((is_attribute, key), ...)` of a key path, or None for a key that is
-  neither an index, a dict key nor an attribute."""
-  keys = []
-  for entry in path:
-    if isinstance(entry, jax.tree_util.SequenceKey):
-      keys.append((False, entry.idx))
-    elif isinstance(entry, jax.tree_util.DictKey):
-      keys.append((False, entry.key))
-    elif isinstance(entry, jax.tree_util.GetAttrKey):
-      keys.append((True, entry.name))
-    else:
-      return None
-  return tuple(keys)
 
 
 def _needs_placing(tree: Any) -> bool:
