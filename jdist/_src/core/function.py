@@ -6,8 +6,9 @@ the map), probes the outputs (`probe.py`: which vary over replicas, read from
 the traced types), then maps the step with the specs both give and wraps the
 results. Every later call with the same input structure is served by jit's
 C++ cache; the Python around it (`__call__`) is a few attribute tests, the
-CPU throttle (`_watch_step`) and the outputs rebuilt from the flat leaves the
-program returns (`_Flat`).
+CPU throttle (`_watch_step`) and, when the throttle needs a leaf or a
+batch's validity is handed back, the outputs rebuilt from the flat leaves
+the program returns (`_Flat`); otherwise jit returns the outputs themselves.
 """
 
 from __future__ import annotations
@@ -71,8 +72,10 @@ jax.tree_util.register_pytree_node(_Unplaced, lambda u: ((), None),
 
 
 class _Flat:
-  """A step's outputs as its program returns them: flat, as jit's dispatch
-  hands them over, and what `__call__` needs to rebuild them.
+  """A step's outputs as its program returns them when `__call__` needs
+  their leaves or must add some: flat, as jit's dispatch hands them over,
+  and what `__call__` needs to rebuild them. (Otherwise the program
+  returns the outputs themselves: see `_flat`.)
 
   A per-replica output carries its batch's validity, an argument returned
   unchanged; returned by the program, XLA would copy it into a new buffer at
@@ -188,10 +191,10 @@ class DistributedFunction:
       args, kwargs = self._placement.to_compute(args, kwargs,
                                                 self._strategy.mesh)
     try:
-      flat = self._program(*args, **kwargs)
-      if type(flat) is _Unplaced:
+      out = self._program(*args, **kwargs)
+      if type(out) is _Unplaced:
         args, kwargs = _placed(args, kwargs, self._strategy)
-        flat = self._program(*args, **kwargs)
+        out = self._program(*args, **kwargs)
     except ValueError as e:
       # jit refuses arguments committed to other devices than the program's;
       # say which argument, and why, when that is the cause.
@@ -200,10 +203,11 @@ class DistributedFunction:
       if mismatch is None:
         raise
       raise mismatch from e
-    leaves = flat.leaves
-    if self._watch and leaves:
-      self._watch_step(leaves[-1])  # the last array the step computed
-    out = flat.outputs(args)
+    if type(out) is _Flat:  # else jit returned the outputs themselves
+      leaves = out.leaves
+      if self._watch and leaves:
+        self._watch_step(leaves[-1])  # the last array the step computed
+      out = out.outputs(args)
     if self._recompiling:
       message, self._recompiling = self._recompiling, None
       warnings.warn(message, UserWarning, stacklevel=2)
@@ -276,7 +280,8 @@ class DistributedFunction:
     self._count_compilation()
     self._compilations += 1
     out = self._trace(args, kwargs, check=True)
-    return _flat(out, args, self._options.donate_argnums)
+    return _flat(out, args, self._options.donate_argnums,
+                 whole=not self._watch)
 
   def _count_compilation(self) -> None:
     """Warns once, as TF's retracing warning does, when most recent calls of
@@ -346,8 +351,15 @@ def _types_tracked(strategy) -> bool:
   return strategy.num_replicas_in_sync > 1 or strategy.mesh.size == 1
 
 
-def _flat(out: Any, args: tuple, donated) -> _Flat:
-  """`out` as the program returns it (see `_Flat`)."""
+def _flat(out: Any, args: tuple, donated, *, whole: bool) -> Any:
+  """`out` as the program returns it (see `_Flat`): itself when `whole` and
+  no output leaf is forwarded (jit's C++ then builds the outputs, and
+  `__call__` runs no Python over them), else a `_Flat`.
+
+  Args:
+    whole: the caller needs no leaf of the outputs (no CPU throttle or
+      multi-process watch to feed).
+  """
   donated = {donated} if isinstance(donated, int) else set(donated)
   sources = {id(a.packed): i for i, a in enumerate(args)
              if type(a) is PerReplica and a.packed is not None and
@@ -359,6 +371,8 @@ def _flat(out: Any, args: tuple, donated) -> _Flat:
       forwarded.append((position, sources[id(leaf)]))
     else:
       kept.append(leaf)
+  if whole and not forwarded:
+    return out
   return _Flat((treedef, tuple(forwarded)), kept)
 
 

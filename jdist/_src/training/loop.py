@@ -10,10 +10,9 @@ and what a resume restores.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -26,9 +25,12 @@ from jdist._src.training.history import History
 from jdist._src.training.progress import ProgressBar
 
 
-@dataclasses.dataclass(frozen=True)
-class Position:
-  """Where training is: epoch, batch within it, batches taken from the data."""
+class Position(NamedTuple):
+  """Where training is: epoch, batch within it, batches taken from the data.
+
+  A named tuple: fit makes one per step, and a tuple is the cheapest
+  immutable record to make.
+  """
 
   epoch: int = 0
   batch: int = 0
@@ -247,17 +249,20 @@ class FitLoop:
     # (the next step donates it): made only when something may read them.
     logged = cbs.overrides("on_train_batch_end") or bar.reads_logs
     begin = cbs.overrides("on_train_batch_begin")
+    grouped = self.steps_per_execution > 1
+    per_step = self.batches_per_step
     for batch in batches:
       # As Keras: once per execution, begin with its first batch's index
       # and end with its last one's.
-      steps = getattr(batch, "num_steps", 1)
+      steps = batch.num_steps if grouped else 1
       index = self.position.batch
-      self._check_whole_group(epoch, index, steps)
+      if steps % per_step:
+        self._check_whole_group(epoch, index, steps)
       if begin:
         cbs.call("on_train_batch_begin", index, {})
       self._state, self.totals = self._train_function(self._state,
                                                       self.totals, batch)
-      self._step += steps // self.batches_per_step
+      self._step += steps // per_step
       if self._skipped is not None:
         self._skipped.record(self._state, index, steps)
       self.last_execution = steps
