@@ -85,8 +85,9 @@ def test_notebook_runs(path, tmp_path):
   env = dict(os.environ, XLA_FLAGS=" ".join(
       f for f in os.environ["XLA_FLAGS"].split() if f not in TEST_XLA_FLAGS.split()))
   # A notebook's `ray.init()` starts its own cluster: without an address it
-  # joins one that `ray start` runs on this machine (a test in the other
-  # pytest worker starts one), where `ray.init(num_cpus=...)` is an error.
+  # joins one that `ray start` or `ray.cluster_utils.Cluster` runs on this
+  # machine (test_parameter_server_elastic's, in the other pytest worker),
+  # where `ray.init(num_cpus=...)` is an error.
   env["RAY_ADDRESS"] = "local"
   # raises CellExecutionError, naming the cell, on any error
   client.execute(env=env)
