@@ -295,8 +295,11 @@ def test_parameter_server_stopped_is_an_error_within_the_timeout(digits_split):
 
 def test_worker_stopped_is_lost_and_its_functions_run_elsewhere(digits_split,
                                                                 caplog):
+  # 5 s, not 3: with the cores overloaded (two busy loops, the other
+  # pytest worker), the worker that was not stopped went 3 s without an
+  # answer too, and was lost with it.
   strategy, coordinator, state, iterator, step_fn = setup(
-      digits_split, timeout_seconds=3)
+      digits_split, timeout_seconds=5)
   warm = warm_up(coordinator, iterator, step_fn)
   victim = actor_pids("TrainingWorker")[0]
   results = [coordinator.schedule(step_fn, args=(iterator,))
@@ -307,8 +310,8 @@ def test_worker_stopped_is_lost_and_its_functions_run_elsewhere(digits_split,
     coordinator.join()
   took = time.monotonic() - stopped
   print(f"join returned {took:.2f} s after a worker was stopped")
-  # Silent for 3 s: lost (killed for Ray to restart), its functions rerun.
-  assert took < 3 * 1.5 + SLACK, took
+  # Silent for 5 s: lost (killed for Ray to restart), its functions rerun.
+  assert took < 5 * 1.5 + SLACK, took
   losses, _, ran_on = zip(*coordinator.fetch(results))  # every one ran
   assert all(np.isfinite(losses))
   assert state.version()[0] >= warm + 40  # at least once each
@@ -317,7 +320,7 @@ def test_worker_stopped_is_lost_and_its_functions_run_elsewhere(digits_split,
   assert len(lost) == 1, [r.getMessage() for r in lost]
   message = lost[0].getMessage()
   assert message.startswith("Worker "), message
-  assert "did not answer for timeout_seconds=3" in message
+  assert "did not answer for timeout_seconds=5" in message
   assert " scheduled function(s) it had run again" in message
   # Ray restarts it (a new process importing JAX: up to a minute loaded).
   assert wait_for(lambda: len(actor_pids("TrainingWorker")) == 2, 120)
