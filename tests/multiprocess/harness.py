@@ -15,6 +15,8 @@ import sys
 import tempfile
 import time
 
+from conftest import xla_flags  # the suite's compiler flags
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 WORKER = os.path.join(HERE, "worker.py")
@@ -44,10 +46,7 @@ def base_env(devices: int = 2, **extra) -> dict:
          if not k.startswith(("JDIST_", "TF_CONFIG", "XLA_FLAGS"))}
   env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
              PYTHONPATH=os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]),
-             # The suite's compiler flags (tests/conftest.py).
-             XLA_FLAGS=(f"{os.environ.get('JDIST_TEST_XLA_FLAGS', '')} "
-                        f"--xla_force_host_platform_device_count={devices}"
-                        ).strip())
+             XLA_FLAGS=xla_flags(devices))
   env.update({k: str(v) for k, v in extra.items()})
   return env
 
