@@ -76,6 +76,32 @@ def test_run_caches_the_compiled_step():
   assert len(traces) == 2  # one compilation: an abstract trace and the real one
 
 
+def test_a_step_inspected_then_called_compiles_once():
+  """`step.lower(...).compile()` (memory or cost analysis before training)
+  compiles the program the calls run: training after it compiles nothing."""
+  strategy = strategy_on(2)
+  step = strategy.function(lambda w, b: (w * 0.5, b * 2))
+  w = strategy.replicate(jnp.ones(3))
+  (batch,) = strategy.experimental_distribute_dataset([np.ones((4, 2))])
+  compiles = []
+  def count(event, seconds, **kwargs):
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiles.append(seconds)
+  jax.monitoring.register_event_duration_secs_listener(count)
+  try:
+    compiled = step.lower(w, batch).compile()
+    assert compiled.memory_analysis() is not None and len(compiles) == 1
+    new_w, doubled = compiled(w, batch)  # outputs as a call returns them
+    w, out = step(w, batch)
+    w, out = step(w, batch)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(count)
+  assert len(compiles) == 1 and step.num_compilations == 1
+  assert isinstance(doubled, jdist.PerReplica) and isinstance(out, jdist.PerReplica)
+  np.testing.assert_array_equal(strategy.gather(doubled), 2 * np.ones((4, 2)))
+  np.testing.assert_array_equal(w, 0.25 * np.ones(3))
+
+
 def test_function_decorator_and_kwargs():
   strategy = strategy_on(2)
   @strategy.function

@@ -126,6 +126,7 @@ class DistributedFunction:
     self._program = jax.jit(self._trace_program,
                             **self._options.jit_options())
     self._lowerer = None
+    self._lowering = False
     # CPU collectives deadlock when many steps are in flight (jax#25861):
     # waiting for step k-1 after dispatching step k avoids it at no cost.
     self._throttle = (strategy.devices[0].platform == "cpu" and
@@ -169,16 +170,39 @@ class DistributedFunction:
   def lower(self, *args, **kwargs):
     """Lowers the step for these arguments (see `jax.jit(...).lower`).
 
-    Lowering may run on one process only (to inspect the program), so it
-    traces apart from the calls and takes no part in the multi-process check.
+    In one process, this is the calls' own program: compiling it compiles
+    the step for calls with arguments of the same kind, so inspecting a step
+    (`step.lower(state, batch).compile().memory_analysis()`) and then
+    training with it compiles once. With several processes, lowering may run
+    on one process only (to inspect the program), so it traces apart from
+    the calls and takes no part in the multi-process check (the calls then
+    compile their own program).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> strategy = jdist.OneDeviceStrategy()
+      >>> step = strategy.function(lambda w, x: (w * 2.0, jnp.sum(x)))
+      >>> w, x = strategy.replicate(jnp.ones(3)), jnp.ones(4)
+      >>> compiled = step.lower(w, x).compile()
+      >>> compiled.memory_analysis() is not None
+      True
+      >>> w, total = step(w, x)  # the program just compiled: none compiles
+      >>> step.num_compilations, float(total)
+      (1, 4.0)
     """
+    if self._placement is not None:
+      args, kwargs = self._placement.to_compute(args, kwargs,
+                                                self._strategy.mesh)
+    if self._guard is None and not _needs_placing((args, kwargs)):
+      self._lowering = True  # not a call: no retracing warning
+      try:
+        return _Lowered(self._program.lower(*args, **kwargs))
+      finally:
+        self._lowering = False
     if self._lowerer is None:
       self._lowerer = jax.jit(
           lambda *a, **k: self._trace(a, k, check=False),
           **self._options.jit_options())
-    if self._placement is not None:
-      args, kwargs = self._placement.to_compute(args, kwargs,
-                                                self._strategy.mesh)
     return self._lowerer.lower(*args, **kwargs)
 
   def __call__(self, *args, **kwargs):
@@ -277,7 +301,8 @@ class DistributedFunction:
     """
     if _needs_placing((args, kwargs)):
       return _UNPLACED
-    self._count_compilation()
+    if not self._lowering:
+      self._count_compilation()
     self._compilations += 1
     out = self._trace(args, kwargs, check=True)
     return _flat(out, args, self._options.donate_argnums,
@@ -349,6 +374,37 @@ def _types_tracked(strategy) -> bool:
   read every output's type and run the guards with types tracked.
   """
   return strategy.num_replicas_in_sync > 1 or strategy.mesh.size == 1
+
+
+class _Lowered:
+  """The calls' program lowered (`DistributedFunction.lower`): jax's
+  `Lowered`, whose `compile()` gives a `_Compiled`."""
+
+  def __init__(self, lowered):
+    self._lowered = lowered
+
+  def compile(self, *args, **kwargs) -> "_Compiled":
+    """Compiles the program (see `jax.stages.Lowered.compile`)."""
+    return _Compiled(self._lowered.compile(*args, **kwargs))
+
+  def __getattr__(self, name: str):
+    return getattr(self._lowered, name)
+
+
+class _Compiled:
+  """The calls' program compiled: jax's `Compiled`, whose calls return the
+  step's outputs as the step's calls do (its program may hand them over
+  flat, `_Flat`)."""
+
+  def __init__(self, compiled):
+    self._compiled = compiled
+
+  def __call__(self, *args, **kwargs):
+    out = self._compiled(*args, **kwargs)
+    return out.outputs(args) if type(out) is _Flat else out
+
+  def __getattr__(self, name: str):
+    return getattr(self._compiled, name)
 
 
 def _flat(out: Any, args: tuple, donated, *, whole: bool) -> Any:
