@@ -50,11 +50,12 @@ demo: $(STAMP)
 
 # Two pytest workers, one test file each at a time (module fixtures, such as
 # a Ray cluster, stay in one process): most of the suite waits on processes it
-# started, so two workers halve its time on two cores. TEST_WORKERS=0 runs it
-# in this process.
+# started, so two workers halve its time on two cores. Files go out in
+# collection order, heaviest first (tests/conftest.py), so that the workers
+# end together. TEST_WORKERS=0 runs it in this process.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) $(PYTEST_ARGS)
+	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
 
 # An sdist and a wheel in dist/ (the wheel is what a Colab notebook installs).
 dist: $(STAMP)

@@ -54,6 +54,26 @@ def pytest_unconfigure(config):
     shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
+# Tests that start processes (or run for long) weigh this many quick tests.
+_HEAVY = 10
+
+
+def pytest_collection_modifyitems(config, items):
+  """Runs the heaviest files first (by their tests, those that start
+  processes or are marked slow weighing `_HEAVY`).
+
+  `make test` hands files to its two pytest workers in collection order
+  (`--dist loadfile --no-loadscope-reorder`): with the long files first, the
+  workers end together instead of one running the last long file alone.
+  """
+  weight = {}
+  for item in items:
+    heavy = item.get_closest_marker("multiprocess") or item.get_closest_marker(
+        "slow")
+    weight[item.path] = weight.get(item.path, 0) + (_HEAVY if heavy else 1)
+  items.sort(key=lambda item: -weight[item.path])  # stable: in-file order kept
+
+
 @pytest.fixture(scope="session")
 def devices():
   devs = jax.local_devices()

@@ -55,6 +55,7 @@ def _bench_module(name):
     sys.path.remove(str(BENCH))
 
 
+@pytest.mark.multiprocess
 def test_overhead_runs():
   results = _run([BENCH / "overhead.py", "--quick", "--json", "--devices", "2",
                   "--steps", "2", "--rounds", "1"])
@@ -65,6 +66,7 @@ def test_overhead_runs():
     assert r["ratio_spread"] == [r["ratio"], r["ratio"]], r
 
 
+@pytest.mark.multiprocess
 def test_peers_jdist_part_runs():
   res = _run([BENCH / "peers.py", *TINY, "--frameworks", "jdist,jax_hand"])
   assert not res["skipped"], res["skipped"]
@@ -87,6 +89,7 @@ def test_peers_jdist_part_runs():
   assert f"{by['mlp', 'jax_hand']['jdist_speedup']:.2f}" in text
 
 
+@pytest.mark.multiprocess
 def test_parameter_server_jdist_part_runs():
   res = _run([BENCH / "ps.py", "--quick", "--json", "--frameworks", "jdist"])
   assert not res["skipped"], res["skipped"]
@@ -140,6 +143,7 @@ def test_issue_12_sections_render(tmp_path):
   assert (tmp_path / "throughput.png").stat().st_size > 1000
 
 
+@pytest.mark.multiprocess
 def test_steps_per_execution_workers_run():
   res = _run([BENCH / "peers.py", *TINY, "--models", "mlp",
               "--frameworks", "jdist,jdist_multi,jdist_fit_spe"])
@@ -163,6 +167,7 @@ def test_parameter_server_against_tensorflow_runs():
   assert by["jdist"]["loss0"] == pytest.approx(by["tf"]["loss0"], rel=1e-4)
 
 
+@pytest.mark.multiprocess
 def test_zero_memory_runs():
   res = _run([BENCH / "zero_memory.py", "--quick", "--json", "--steps", "2"],
              devices=4)
@@ -173,6 +178,7 @@ def test_zero_memory_runs():
 
 
 
+@pytest.mark.multiprocess
 def test_fault_times_runs_and_renders():
   # The quickest case: a backup path that is a file fails fit() at once.
   start = time.time()
@@ -190,6 +196,7 @@ def test_fault_times_runs_and_renders():
       in text, text
 
 
+@pytest.mark.multiprocess
 def test_fit_overhead_runs_and_renders():
   res = _run([BENCH / "fit_overhead.py", "--quick", "--json"], devices=2)
   (row,) = res["rows"]  # --quick: the 2 devices only
@@ -205,6 +212,7 @@ def test_fit_overhead_runs_and_renders():
   assert f"**{row['vs_hand']['fit']:.2f}x**" in text, text
 
 
+@pytest.mark.multiprocess
 def test_multihost_overhead_runs_alone():
   # One process over 2 devices: the smallest case (under `jdist launch` it
   # takes a minute on 2 busy cores); the cross-process parts are left out.
@@ -220,6 +228,7 @@ def test_multihost_overhead_runs_alone():
   assert len(res["fingerprint_us"]) == 3
   assert all(t["median"] > 0 for t in res["fingerprint_us"].values())
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
 def test_mixed_precision_runs_and_renders():
   res = _run([BENCH / "mixed_precision.py", "--quick", "--json"], devices=2)
@@ -233,6 +242,7 @@ def test_mixed_precision_runs_and_renders():
     assert "**TPU**: not measured" in text
 
 
+@pytest.mark.multiprocess
 def test_fault_times_quick_runs():
   # The threads backend's hung server and worker (timeout_seconds=1).
   res = _run([BENCH / "fault_times.py", "--quick", "--json"], timeout=120)
@@ -246,6 +256,7 @@ def test_fault_times_quick_runs():
         f"{_bench_module('fault_times').span(r['seconds'])} |" in text, text
 
 
+@pytest.mark.slow
 def test_model_parallel_reports_what_it_measured(devices):
   """benchmarks/model_parallel.py's measurements on a tiny GPT: the memory
   figures are the arrays' bytes, the collectives are in the compiled step
@@ -330,6 +341,7 @@ def test_model_parallel_against_keras_trains_the_same_gpt(devices, tmp_path):
   assert res["ratio"] == pytest.approx(keras / ours, rel=1e-9)
 
 
+@pytest.mark.multiprocess
 def test_snapshot_loop_runs_and_renders():
   """benchmarks/snapshot_loop.py under `jdist launch -n 2` (elastic_times.py's
   loop rows): a snapshot every 10 of 20 steps, one trial of each loop."""

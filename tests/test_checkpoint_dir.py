@@ -95,6 +95,7 @@ def ignores_permissions(tmp_path) -> bool:
     locked.chmod(0o700)
 
 
+@pytest.mark.multiprocess
 def test_a_directory_without_write_permission_fails_before_any_step(
     data, tmp_path):
   if ignores_permissions(tmp_path):  # root: run the same fit as a plain user

@@ -5,7 +5,10 @@ import re
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.multiprocess
 def test_demo_runs_and_matches_one_device():
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)  # the demo asks for its own 4 devices

@@ -91,6 +91,7 @@ print("wheel program ok:", jdist.__file__)
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_the_wheel_installs_from_the_setup_cell_and_trains(tmp_path):
   nbformat = pytest.importorskip("nbformat")
   from nbclient import NotebookClient

@@ -16,6 +16,9 @@ from jdist._src.multiprocess import launch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "multiprocess"))
 import harness  # noqa: E402
 
+# Every test but the first starts `jdist launch` and its processes.
+pytestmark = pytest.mark.multiprocess
+
 
 @pytest.fixture
 def script(tmp_path):

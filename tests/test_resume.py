@@ -296,6 +296,7 @@ def assert_params_equal(reference, path):
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.multiprocess
 def test_crash_while_finalising_a_checkpoint_keeps_the_previous(reference,
                                                                 tmp_path):
   backup, out = tmp_path / "backup", tmp_path / "params.npz"
@@ -336,6 +337,7 @@ def signalled(backup, out, *signals):
   return proc.returncode, stdout, stderr
 
 
+@pytest.mark.multiprocess
 def test_sigterm_saves_exits_0_and_the_relaunch_finishes_exactly(
     reference, tmp_path):
   """SIGTERM, and a second one 50 ms later (an impatient scheduler): still
@@ -368,6 +370,7 @@ def start_paused(backup, out, go):
   raise AssertionError(proc.communicate()[1][-3000:])
 
 
+@pytest.mark.multiprocess
 def test_a_second_trainer_on_the_same_backup_is_refused_before_any_step(
     reference, tmp_path):
   """Once, the second job adopted the first one's backup, then deleted it."""
@@ -392,6 +395,7 @@ def test_a_second_trainer_on_the_same_backup_is_refused_before_any_step(
   assert_params_equal(reference, out)
 
 
+@pytest.mark.multiprocess
 def test_sigint_keeps_the_backups_and_the_relaunch_finishes_exactly(
     reference, tmp_path):
   backup, out = tmp_path / "backup", tmp_path / "params.npz"
@@ -464,6 +468,7 @@ def assert_one_clear_error(stderr, error):
   return last
 
 
+@pytest.mark.multiprocess
 def test_a_full_disk_is_one_clear_error_and_the_relaunch_finishes_exactly(
     reference, tmp_path):
   """Once about 500 lines of orbax's threads; backups every 4 steps."""
@@ -487,6 +492,7 @@ def test_a_full_disk_is_one_clear_error_and_the_relaunch_finishes_exactly(
   assert_params_equal(reference, out)
 
 
+@pytest.mark.multiprocess
 def test_a_file_size_limit_is_one_clear_error(tmp_path):
   """EFBIG instead of ENOSPC, where a tmpfs cannot be mounted: from step 5
   on, no file may grow past 1 KB (RLIMIT_FSIZE)."""
@@ -503,6 +509,7 @@ def test_a_file_size_limit_is_one_clear_error(tmp_path):
       "newest is step 4)" in last
 
 
+@pytest.mark.multiprocess
 def test_a_read_only_directory_fails_before_any_step(tmp_path):
   [(code, stdout, stderr)] = on_tmpfs(
       tmp_path, [("ro,size=64k", [str(tmp_path / "p.npz")])])
@@ -513,6 +520,7 @@ def test_a_read_only_directory_fails_before_any_step(tmp_path):
       "file system)")
 
 
+@pytest.mark.multiprocess
 def test_a_failed_restore_is_one_clear_message(data, tmp_path):
   """Once about 20 "Event loop is closed" tracebacks from tensorstore."""
   interrupted_backup(data, tmp_path, at=12)

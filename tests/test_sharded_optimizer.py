@@ -156,6 +156,7 @@ CHILD = textwrap.dedent("""
     """)
 
 
+@pytest.mark.multiprocess
 def test_a_4_device_checkpoint_resumes_on_2_devices(digits_flat, tmp_path):
   x, y = digits_flat
   x, y = x[:512], y[:512]

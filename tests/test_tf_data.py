@@ -8,7 +8,6 @@ import jax
 import numpy as np
 import optax
 import pytest
-import tensorflow as tf
 
 import jdist
 from jdist.examples.models import MLP
@@ -17,6 +16,17 @@ from conftest import Interrupt, strategy_on
 
 LOSS = jdist.losses.SparseCategoricalCrossentropy(from_logits=True)
 N = 320  # 5 batches of 64
+tf = None  # TensorFlow, imported by the first test (_tensorflow)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _tensorflow():
+  """Imports TensorFlow when this module's tests run, not when pytest
+  collects them: each pytest worker collects every module, and only one runs
+  these tests (TensorFlow takes seconds to import)."""
+  global tf
+  import tensorflow
+  tf = tensorflow
 
 
 def trainer_on(n):
