@@ -59,8 +59,10 @@ def diagnose(step: Callable, state: Any, batches: Iterable, *,
     (`jax.debug.print`, `pure_callback`, `io_callback`); their time is part
     of the device time.
 
-  Each loop runs twice and the faster run counts; on a shared machine the
-  numbers still move by tens of percent, so read the split, not the digits.
+  The two loops take turns, three rounds each, and each loop's fastest round
+  counts (a burst of other work slows one round, not the split); on a shared
+  machine the numbers still move by tens of percent, so read the split, not
+  the digits.
   The bottleneck is the largest part on N devices (or recompilation, if the
   step recompiled), and the cause and fix follow from it (`Diagnosis`).
 
