@@ -1,5 +1,9 @@
 """jdist: tf.distribute's strategies as JAX transforms.
 
+The facade: every public name, imported from the module that defines it on
+first use (PEP 562), so that `import jdist` loads only what a program uses:
+`jdist launch` starts its processes without loading JAX.
+
 Example:
   >>> import jdist
   >>> strategy = jdist.MirroredStrategy()
@@ -7,208 +11,129 @@ Example:
   True
 """
 
-from jdist import cluster_resolver
-from jdist import losses
-from jdist import metrics
-from jdist._src.checkpoint.manager import CheckpointManager
-from jdist._src.core.function import DistributedFunction
-from jdist._src.core.multi_step import MultiStepFunction
-from jdist._src.core.multi_step import multi_step
-from jdist._src.core.reduce_op import ReduceOp
-from jdist._src.core.reduce_op import VariableAggregation
-from jdist._src.core.replica_context import ReplicaContext
-from jdist._src.core.values import BatchGroup
-from jdist._src.core.values import PerReplica
-from jdist._src.core.values import Sharded
-from jdist._src.core.values import SyncOnRead
-from jdist._src.core.values import ValueContext
-from jdist._src.core.values import read_value
-from jdist._src.current import all_reduce
-from jdist._src.current import get_replica_context
-from jdist._src.current import get_strategy
-from jdist._src.current import has_strategy
-from jdist._src.current import in_cross_replica_context
-from jdist._src.diagnose import Diagnosis
-from jdist._src.diagnose import StepTimes
-from jdist._src.diagnose import diagnose
-from jdist._src.errors import CancelledError
-from jdist._src.errors import CheckpointDirectoryError
-from jdist._src.errors import CheckpointError
-from jdist._src.errors import CheckpointInUseError
-from jdist._src.errors import CheckpointMismatchError
-from jdist._src.errors import CheckpointNotFoundError
-from jdist._src.errors import ClusterError
-from jdist._src.errors import CollectiveTimeoutError
-from jdist._src.errors import DistributionError
-from jdist._src.errors import DoubleReductionError
-from jdist._src.errors import Error
-from jdist._src.errors import LossScalingError
-from jdist._src.errors import OutOfRangeError
-from jdist._src.errors import ParameterServerError
-from jdist._src.errors import PeerFailureError
-from jdist._src.errors import ProgramMismatchError
-from jdist._src.errors import ReplicaContextError
-from jdist._src.errors import ShardingError
-from jdist._src.errors import StrategyMismatchError
-from jdist._src.errors import VaryingStateError
-from jdist._src.errors import WorkerFailedError
-from jdist._src.input.context import InputContext
-from jdist._src.input.dataset import DistributedDataset
-from jdist._src.input.dataset import DistributedIterator
-from jdist._src.input.optional import Optional
-from jdist._src.input.options import InputOptions
-from jdist._src.multiprocess.options import CommunicationOptions
-from jdist._src.multiprocess.runtime import Runtime
-from jdist._src.multiprocess.runtime import initialize
-from jdist._src.ops.accumulation import accumulate_gradients
-from jdist._src.ops.loss_scale import DynamicLossScale
-from jdist._src.ops.loss_scale import LossScaleState
-from jdist._src.ops.loss_scale import all_finite
-from jdist._src.ops.loss_scale import loss_scale_optimizer
-from jdist._src.ops.losses import compute_average_loss
-from jdist._src.ops.losses import scale_regularization_loss
-from jdist._src.ops.precision import DTypePolicy
-from jdist._src.ops.random import dropout
-from jdist._src.ops.random import example_keys
-from jdist._src.ops.sharded_optimizer import ShardedOptimizer
-from jdist._src.ps.coordinator import ClusterCoordinator
-from jdist._src.ps.datasets import PerWorkerDataset
-from jdist._src.ps.datasets import PerWorkerIterator
-from jdist._src.ps.partitioners import FixedShardsPartitioner
-from jdist._src.ps.partitioners import MaxSizePartitioner
-from jdist._src.ps.partitioners import MinSizePartitioner
-from jdist._src.ps.partitioners import Partitioner
-from jdist._src.ps.remote import RemoteValue
-from jdist._src.ps.strategy import ParameterServerStrategy
-from jdist._src.ps.variables import ServerVariables
-from jdist._src.strategies.spmd import Strategy
-from jdist._src.strategies.central_storage import CentralStorageStrategy
-from jdist._src.strategies.cross_device_ops import CrossDeviceOps
-from jdist._src.strategies.cross_device_ops import HierarchicalCopyAllReduce
-from jdist._src.strategies.cross_device_ops import NcclAllReduce
-from jdist._src.strategies.cross_device_ops import ReductionToOneDevice
-from jdist._src.strategies.device_mesh import DeviceMesh
-from jdist._src.strategies.layout_map import LayoutMap
-from jdist._src.strategies.mirrored import MirroredStrategy
-from jdist._src.strategies.mirrored import OneDeviceStrategy
-from jdist._src.strategies.mirrored import mirrored
-from jdist._src.strategies.model_parallel import ModelParallelStrategy
-from jdist._src.strategies.multi_worker import MultiWorkerMirroredStrategy
-from jdist._src.strategies.tpu import TPUStrategy
-from jdist._src.training.callbacks import Callback
-from jdist._src.training.checkpoint_callbacks import BackupAndRestore
-from jdist._src.training.checkpoint_callbacks import ModelCheckpoint
-from jdist._src.training.control import EarlyStopping
-from jdist._src.training.dataset_creator import DatasetCreator
-from jdist._src.training.control import LearningRateScheduler
-from jdist._src.training.history import History
-from jdist._src.training.loggers import CSVLogger
-from jdist._src.training.loggers import TensorBoard
-from jdist._src.training.state import TrainState
-from jdist._src.training.terminate_on_nan import TerminateOnNaN
-from jdist._src.training.trainer import Trainer
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "BackupAndRestore",
-    "BatchGroup",
-    "CSVLogger",
-    "Callback",
-    "CancelledError",
-    "CentralStorageStrategy",
-    "CheckpointDirectoryError",
-    "CheckpointError",
-    "CheckpointInUseError",
-    "CheckpointManager",
-    "CheckpointMismatchError",
-    "CheckpointNotFoundError",
-    "ClusterCoordinator",
-    "ClusterError",
-    "CollectiveTimeoutError",
-    "CommunicationOptions",
-    "CrossDeviceOps",
-    "DTypePolicy",
-    "DatasetCreator",
-    "DeviceMesh",
-    "Diagnosis",
-    "DistributedDataset",
-    "DistributedFunction",
-    "DistributedIterator",
-    "DistributionError",
-    "DoubleReductionError",
-    "DynamicLossScale",
-    "EarlyStopping",
-    "Error",
-    "FixedShardsPartitioner",
-    "HierarchicalCopyAllReduce",
-    "History",
-    "InputContext",
-    "InputOptions",
-    "LayoutMap",
-    "LearningRateScheduler",
-    "LossScaleState",
-    "LossScalingError",
-    "MaxSizePartitioner",
-    "MinSizePartitioner",
-    "MirroredStrategy",
-    "ModelCheckpoint",
-    "ModelParallelStrategy",
-    "MultiStepFunction",
-    "MultiWorkerMirroredStrategy",
-    "NcclAllReduce",
-    "OneDeviceStrategy",
-    "Optional",
-    "OutOfRangeError",
-    "ParameterServerError",
-    "ParameterServerStrategy",
-    "Partitioner",
-    "PeerFailureError",
-    "PerReplica",
-    "PerWorkerDataset",
-    "PerWorkerIterator",
-    "ProgramMismatchError",
-    "ReduceOp",
-    "ReductionToOneDevice",
-    "RemoteValue",
-    "ReplicaContext",
-    "ReplicaContextError",
-    "Runtime",
-    "ServerVariables",
-    "Sharded",
-    "ShardedOptimizer",
-    "ShardingError",
-    "StepTimes",
-    "Strategy",
-    "StrategyMismatchError",
-    "SyncOnRead",
-    "TPUStrategy",
-    "TensorBoard",
-    "TerminateOnNaN",
-    "TrainState",
-    "Trainer",
-    "ValueContext",
-    "VariableAggregation",
-    "VaryingStateError",
-    "WorkerFailedError",
-    "accumulate_gradients",
-    "all_finite",
-    "all_reduce",
-    "cluster_resolver",
-    "compute_average_loss",
-    "diagnose",
-    "dropout",
-    "example_keys",
-    "get_replica_context",
-    "get_strategy",
-    "has_strategy",
-    "in_cross_replica_context",
-    "initialize",
-    "loss_scale_optimizer",
-    "losses",
-    "metrics",
-    "mirrored",
-    "multi_step",
-    "read_value",
-    "scale_regularization_loss",
-]
+# Each public name and the module that defines it (a name that is a module
+# maps to itself).
+_EXPORTS = {
+    "BackupAndRestore": "jdist._src.training.checkpoint_callbacks",
+    "BatchGroup": "jdist._src.core.values",
+    "CSVLogger": "jdist._src.training.loggers",
+    "Callback": "jdist._src.training.callbacks",
+    "CancelledError": "jdist._src.errors",
+    "CentralStorageStrategy": "jdist._src.strategies.central_storage",
+    "CheckpointDirectoryError": "jdist._src.errors",
+    "CheckpointError": "jdist._src.errors",
+    "CheckpointInUseError": "jdist._src.errors",
+    "CheckpointManager": "jdist._src.checkpoint.manager",
+    "CheckpointMismatchError": "jdist._src.errors",
+    "CheckpointNotFoundError": "jdist._src.errors",
+    "ClusterCoordinator": "jdist._src.ps.coordinator",
+    "ClusterError": "jdist._src.errors",
+    "CollectiveTimeoutError": "jdist._src.errors",
+    "CommunicationOptions": "jdist._src.multiprocess.options",
+    "CrossDeviceOps": "jdist._src.strategies.cross_device_ops",
+    "DTypePolicy": "jdist._src.ops.precision",
+    "DatasetCreator": "jdist._src.training.dataset_creator",
+    "DeviceMesh": "jdist._src.strategies.device_mesh",
+    "Diagnosis": "jdist._src.diagnose",
+    "DistributedDataset": "jdist._src.input.dataset",
+    "DistributedFunction": "jdist._src.core.function",
+    "DistributedIterator": "jdist._src.input.dataset",
+    "DistributionError": "jdist._src.errors",
+    "DoubleReductionError": "jdist._src.errors",
+    "DynamicLossScale": "jdist._src.ops.loss_scale",
+    "EarlyStopping": "jdist._src.training.control",
+    "Error": "jdist._src.errors",
+    "FixedShardsPartitioner": "jdist._src.ps.partitioners",
+    "HierarchicalCopyAllReduce": "jdist._src.strategies.cross_device_ops",
+    "History": "jdist._src.training.history",
+    "InputContext": "jdist._src.input.context",
+    "InputOptions": "jdist._src.input.options",
+    "LayoutMap": "jdist._src.strategies.layout_map",
+    "LearningRateScheduler": "jdist._src.training.control",
+    "LossScaleState": "jdist._src.ops.loss_scale",
+    "LossScalingError": "jdist._src.errors",
+    "MaxSizePartitioner": "jdist._src.ps.partitioners",
+    "MinSizePartitioner": "jdist._src.ps.partitioners",
+    "MirroredStrategy": "jdist._src.strategies.mirrored",
+    "ModelCheckpoint": "jdist._src.training.checkpoint_callbacks",
+    "ModelParallelStrategy": "jdist._src.strategies.model_parallel",
+    "MultiStepFunction": "jdist._src.core.multi_step",
+    "MultiWorkerMirroredStrategy": "jdist._src.strategies.multi_worker",
+    "NcclAllReduce": "jdist._src.strategies.cross_device_ops",
+    "OneDeviceStrategy": "jdist._src.strategies.mirrored",
+    "Optional": "jdist._src.input.optional",
+    "OutOfRangeError": "jdist._src.errors",
+    "ParameterServerError": "jdist._src.errors",
+    "ParameterServerStrategy": "jdist._src.ps.strategy",
+    "Partitioner": "jdist._src.ps.partitioners",
+    "PeerFailureError": "jdist._src.errors",
+    "PerReplica": "jdist._src.core.values",
+    "PerWorkerDataset": "jdist._src.ps.datasets",
+    "PerWorkerIterator": "jdist._src.ps.datasets",
+    "ProgramMismatchError": "jdist._src.errors",
+    "ReduceOp": "jdist._src.core.reduce_op",
+    "ReductionToOneDevice": "jdist._src.strategies.cross_device_ops",
+    "RemoteValue": "jdist._src.ps.remote",
+    "ReplicaContext": "jdist._src.core.replica_context",
+    "ReplicaContextError": "jdist._src.errors",
+    "Runtime": "jdist._src.multiprocess.runtime",
+    "ServerVariables": "jdist._src.ps.variables",
+    "Sharded": "jdist._src.core.values",
+    "ShardedOptimizer": "jdist._src.ops.sharded_optimizer",
+    "ShardingError": "jdist._src.errors",
+    "StepTimes": "jdist._src.diagnose",
+    "Strategy": "jdist._src.strategies.spmd",
+    "StrategyMismatchError": "jdist._src.errors",
+    "SyncOnRead": "jdist._src.core.values",
+    "TPUStrategy": "jdist._src.strategies.tpu",
+    "TensorBoard": "jdist._src.training.loggers",
+    "TerminateOnNaN": "jdist._src.training.terminate_on_nan",
+    "TrainState": "jdist._src.training.state",
+    "Trainer": "jdist._src.training.trainer",
+    "ValueContext": "jdist._src.core.values",
+    "VariableAggregation": "jdist._src.core.reduce_op",
+    "VaryingStateError": "jdist._src.errors",
+    "WorkerFailedError": "jdist._src.errors",
+    "accumulate_gradients": "jdist._src.ops.accumulation",
+    "all_finite": "jdist._src.ops.loss_scale",
+    "all_reduce": "jdist._src.current",
+    "cluster_resolver": "jdist.cluster_resolver",
+    "compute_average_loss": "jdist._src.ops.losses",
+    "diagnose": "jdist._src.diagnose",
+    "dropout": "jdist._src.ops.random",
+    "example_keys": "jdist._src.ops.random",
+    "get_replica_context": "jdist._src.current",
+    "get_strategy": "jdist._src.current",
+    "has_strategy": "jdist._src.current",
+    "in_cross_replica_context": "jdist._src.current",
+    "initialize": "jdist._src.multiprocess.runtime",
+    "loss_scale_optimizer": "jdist._src.ops.loss_scale",
+    "losses": "jdist.losses",
+    "metrics": "jdist.metrics",
+    "mirrored": "jdist._src.strategies.mirrored",
+    "multi_step": "jdist._src.core.multi_step",
+    "read_value": "jdist._src.core.values",
+    "scale_regularization_loss": "jdist._src.ops.losses",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+  """Imports `name`'s module on first use and keeps the name here."""
+  module = _EXPORTS.get(name)
+  if module is None:
+    raise AttributeError(f"module 'jdist' has no attribute {name!r}")
+  value = importlib.import_module(module)
+  if module != f"{__name__}.{name}":
+    value = getattr(value, name)
+  globals()[name] = value  # later uses do not come here
+  return value
+
+
+def __dir__() -> list:
+  return sorted(set(globals()) | set(__all__))

@@ -15,11 +15,10 @@ from typing import Any, Mapping, Sequence
 
 from jdist._src import jax_compat
 from jdist._src.errors import ClusterError
-
-ENV_COORDINATOR = "JDIST_COORDINATOR_ADDRESS"
-ENV_NUM_PROCESSES = "JDIST_NUM_PROCESSES"
-ENV_PROCESS_ID = "JDIST_PROCESS_ID"
-ENV_LOCAL_DEVICE_IDS = "JDIST_LOCAL_DEVICE_IDS"
+from jdist._src.multiprocess.job_env import (ENV_COORDINATOR,
+                                             ENV_LOCAL_DEVICE_IDS,
+                                             ENV_NUM_PROCESSES,
+                                             ENV_PROCESS_ID)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 
-from jdist._src.multiprocess import cluster
+from jdist._src.multiprocess import job_env
 from jdist._src.multiprocess import health
 
 ENV_RESTART_COUNT = "JDIST_RESTART_COUNT"
@@ -51,9 +51,9 @@ def child_env(base: dict, rank: int, n: int, coordinator: str,
     run_id: the job's name, the same in each of its attempts.
   """
   env = dict(base)
-  env.update({cluster.ENV_COORDINATOR: coordinator,
-              cluster.ENV_NUM_PROCESSES: str(n),
-              cluster.ENV_PROCESS_ID: str(rank),
+  env.update({job_env.ENV_COORDINATOR: coordinator,
+              job_env.ENV_NUM_PROCESSES: str(n),
+              job_env.ENV_PROCESS_ID: str(rank),
               ENV_RESTART_COUNT: str(restart_count),
               ENV_MAX_RESTARTS: str(max_restarts),
               "PYTHONUNBUFFERED": "1"})
@@ -66,7 +66,7 @@ def child_env(base: dict, rank: int, n: int, coordinator: str,
     i = rank if local_index is None else local_index
     flag = f"--xla_force_host_platform_device_count={k}"
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flag}".strip()
-    env[cluster.ENV_LOCAL_DEVICE_IDS] = ",".join(
+    env[job_env.ENV_LOCAL_DEVICE_IDS] = ",".join(
         str(d) for d in range(i * k, i * k + k))
   return env
 
