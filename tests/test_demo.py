@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 
@@ -24,3 +25,18 @@ def test_demo_runs_and_matches_one_device():
   assert diff < 1e-3
   losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", out)]
   assert losses[1] < losses[0]  # it learned
+
+
+def test_the_digits_are_scikit_learns():
+  """The demo's data: `load_digits` reads scikit-learn's own file (without
+  importing scikit-learn); the same digits and labels as its loader."""
+  from sklearn import datasets
+
+  from jdist.examples.data import load_digits
+  x, y = load_digits(image=False)
+  reference = datasets.load_digits()
+  np.testing.assert_array_equal(x, (reference.data / 16.0).astype(np.float32))
+  np.testing.assert_array_equal(y, reference.target)
+  images, labels = load_digits()
+  assert images.shape == (1797, 8, 8, 1) and labels.dtype == np.int32
+  np.testing.assert_array_equal(images.reshape(-1, 64), x)
