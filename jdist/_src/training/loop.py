@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from jdist._src.core import placement
+from jdist._src.core.function import DistributedFunction
 from jdist._src.input.options import InputOptions
 from jdist._src.training import steps as steps_lib
 from jdist._src.training.callbacks import CallbackList, LazyLogs
@@ -251,6 +252,9 @@ class FitLoop:
     begin = cbs.overrides("on_train_batch_begin")
     grouped = self.steps_per_execution > 1
     per_step = self.batches_per_step
+    if not (logged or begin or grouped or per_step > 1 or
+            self._skipped is not None):
+      return self._run_plain(batches, bar)
     for batch in batches:
       # As Keras: once per execution, begin with its first batch's index
       # and end with its last one's.
@@ -276,6 +280,45 @@ class FitLoop:
       ran += steps
       if self.stop_training:
         break
+    return ran
+
+  def _run_plain(self, batches, bar: ProgressBar) -> int:
+    """`_run_epoch`'s loop when nothing reads a batch's index or logs (no
+    batch callbacks, no bar) and each call runs one batch and one optimizer
+    step: the step and little else per batch.
+
+    The state and totals go from one step to the next as the step returns
+    them, flat (`DistributedFunction.carry`): they are built as pytrees, and
+    the position moved, once, when the loop ends however it ends (nothing
+    reads them before).
+    """
+    train, ran = self._train_function, 0
+    self.last_execution = 1
+    carried = (train.carry(self._state, self.totals)
+               if isinstance(train, DistributedFunction) else None)
+    try:
+      if carried is None:
+        for batch in batches:
+          self._state, self.totals = train(self._state, self.totals, batch)
+          self._step += 1
+          ran += 1
+          if self.stop_training:
+            break
+      else:
+        call = train.call_carried
+        for batch in batches:
+          call(carried, batch)
+          self._step += 1
+          ran += 1
+          if self.stop_training:
+            break
+    finally:
+      if carried is not None:
+        self._state, self.totals = carried.values()
+      start = self.position
+      self.position = Position(start.epoch, start.batch + ran,
+                               start.consumed + ran)
+      bar.step(None, ran)
     return ran
 
   def _check_whole_group(self, epoch: int, index: int, batches: int) -> None:
