@@ -97,15 +97,6 @@ class _Flat:
     self.treedef, self.forwarded = aux
     self.leaves = leaves
 
-  def outputs(self, args: tuple) -> Any:
-    """The step's outputs, for the call with these positional arguments."""
-    leaves = self.leaves
-    if self.forwarded:
-      leaves = list(leaves)
-      for position, argnum in self.forwarded:  # in increasing positions
-        leaves.insert(position, args[argnum].packed)
-    return self.treedef.unflatten(leaves)
-
 
 jax.tree_util.register_pytree_node(
     _Flat, lambda f: (f.leaves, (f.treedef, f.forwarded)), _Flat)
@@ -238,7 +229,11 @@ class DistributedFunction:
       leaves = out.leaves
       if self._watch and leaves:
         self._watch_step(leaves[-1])  # the last array the step computed
-      out = out.outputs(args)
+      if out.forwarded:  # in increasing positions
+        leaves = list(leaves)
+        for position, argnum in out.forwarded:
+          leaves.insert(position, args[argnum].packed)
+      out = out.treedef.unflatten(leaves)
     if self._recompiling:
       message, self._recompiling = self._recompiling, None
       warnings.warn(message, UserWarning, stacklevel=2)

@@ -255,6 +255,7 @@ class FitLoop:
     if not (logged or begin or grouped or per_step > 1 or
             self._skipped is not None):
       return self._run_plain(batches, bar)
+    step = _CarriedStep(self._train_function)
     for batch in batches:
       # As Keras: once per execution, begin with its first batch's index
       # and end with its last one's.
@@ -264,8 +265,7 @@ class FitLoop:
         self._check_whole_group(epoch, index, steps)
       if begin:
         cbs.call("on_train_batch_begin", index, {})
-      self._state, self.totals = self._train_function(self._state,
-                                                      self.totals, batch)
+      self._state, self.totals = step(self._state, self.totals, batch)
       self._step += steps // per_step
       if self._skipped is not None:
         self._skipped.record(self._state, index, steps)
@@ -353,6 +353,32 @@ class FitLoop:
         "first batch with a NaN loss (checkpoints of a NaN state are never "
         "written).",
         UserWarning, stacklevel=4)
+
+
+class _CarriedStep:
+  """`train(state, totals, batch) -> (state, totals)` through the train
+  function's carried program (`DistributedFunction.carry`), the one
+  `_run_plain` runs: whichever loop an epoch takes, fit compiles the step
+  once. The values are rebuilt after every call (callbacks read them), and
+  carried anew when a callback replaced them."""
+
+  def __init__(self, train):
+    self._train = train
+    self._flat = isinstance(train, DistributedFunction)
+    self._carried = None
+    self._held = None  # the (state, totals) the carried leaves are
+
+  def __call__(self, state, totals, batch):
+    train = self._train
+    if self._flat and (self._held is None or self._held[0] is not state or
+                       self._held[1] is not totals):
+      self._carried = train.carry(state, totals)
+      self._flat = self._carried is not None
+    if not self._flat:
+      return train(state, totals, batch)
+    train.call_carried(self._carried, batch)
+    self._held = self._carried.values()
+    return self._held
 
 
 def evaluate(test_function, state, batches, totals, read: Callable,
