@@ -92,6 +92,27 @@ def test_a_callback_can_stop_training(data):
   assert trainer.global_step == 3 and history.epoch == [0]
 
 
+def test_a_state_a_callback_sets_is_the_one_the_next_step_trains(data):
+  # fit carries the state from step to step flat: a state a callback sets
+  # in between must be what the next step takes, and what fit ends with.
+  (x, y), _ = data
+
+  class Reset(jdist.Callback):
+    def on_train_begin(self, logs=None):
+      self.first = jax.tree.map(np.asarray, self.model.state)
+
+    def on_train_batch_end(self, batch, logs=None):
+      self.steps.append(int(self.model.state.step))  # 1: from the reset
+      self.model.state = jax.tree.map(jax.numpy.asarray, self.first)
+
+  trainer, reset = make_trainer(), Reset()
+  reset.steps = []
+  trainer.fit(x, y, batch_size=64, epochs=2, callbacks=[reset], verbose=0)
+  assert reset.steps == [1] * 8 and trainer.global_step == 0
+  for a, b in zip(jax.tree.leaves(trainer.state), jax.tree.leaves(reset.first)):
+    np.testing.assert_array_equal(np.asarray(a), b)
+
+
 def test_not_a_callback_is_a_clear_error(data):
   (x, y), _ = data
   with pytest.raises(TypeError, match="not a jdist.Callback"):

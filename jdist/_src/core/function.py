@@ -97,18 +97,39 @@ class _Flat:
     self.treedef, self.forwarded = aux
     self.leaves = leaves
 
-  def outputs(self, args: tuple) -> Any:
-    """The step's outputs, for the call with these positional arguments."""
-    leaves = self.leaves
-    if self.forwarded:
-      leaves = list(leaves)
-      for position, argnum in self.forwarded:  # in increasing positions
-        leaves.insert(position, args[argnum].packed)
-    return self.treedef.unflatten(leaves)
-
 
 jax.tree_util.register_pytree_node(
     _Flat, lambda f: (f.leaves, (f.treedef, f.forwarded)), _Flat)
+
+
+class Carried:
+  """Values a loop feeds back to a step, held flat between its calls.
+
+  Made by `DistributedFunction.carry`; `call_carried` replaces the leaves
+  with the ones the step returns in their place, so that a loop of steps
+  builds no pytree of them (a train state, metric totals) at every call,
+  only once at its end (`values`).
+
+  Attributes:
+    treedefs: the structure of each carried value.
+    leaves: a list of leaves per carried value (None once held whole).
+    whole: the values themselves, when the step returned them in another
+      structure than it took (the loop then calls the step as usual).
+  """
+
+  __slots__ = ("program", "treedefs", "leaves", "whole")
+
+  def __init__(self, program, treedefs: tuple, leaves: list):
+    self.program = program
+    self.treedefs = treedefs
+    self.leaves = leaves
+    self.whole = None
+
+  def values(self) -> tuple:
+    """The carried values, as the step last returned them."""
+    if self.whole is not None:
+      return self.whole
+    return tuple(td.unflatten(l) for td, l in zip(self.treedefs, self.leaves))
 
 
 class DistributedFunction:
@@ -145,6 +166,7 @@ class DistributedFunction:
     self._warned_recompiling = False
     self._recompiling = None  # the warning to give at the end of this call
     self._compilations = 0
+    self._carried_programs = {}  # carried structures -> jitted flat program
     functools.update_wrapper(self, fn)
 
   @property
@@ -231,13 +253,95 @@ class DistributedFunction:
       leaves = out.leaves
       if self._watch and leaves:
         self._watch_step(leaves[-1])  # the last array the step computed
-      out = out.outputs(args)
+      if out.forwarded:  # in increasing positions
+        leaves = list(leaves)
+        for position, argnum in out.forwarded:
+          leaves.insert(position, args[argnum].packed)
+      out = out.treedef.unflatten(leaves)
     if self._recompiling:
       message, self._recompiling = self._recompiling, None
       warnings.warn(message, UserWarning, stacklevel=2)
     if self._placement is not None:
       out = self._placement.to_storage(out, self._strategy.mesh)
     return out
+
+  def carry(self, *values) -> Carried | None:
+    """Holds `values`, the step's first positional arguments, for a loop of
+    `call_carried` that feeds the step's first outputs back in their place
+    (as `state, totals = step(state, totals, batch)` does).
+
+    Each call then passes their leaves as they came out of the last one: it
+    flattens and rebuilds no pytree of them. The step, its compilations and
+    its outputs are those of calling it.
+
+    Returns:
+      The `Carried` values, or None where the step cannot run them flat:
+      state held off the mesh (`CentralStorageStrategy`), static arguments,
+      or values that need placing first. Call the step as usual then.
+    """
+    if not context.may_call_step(self._strategy):
+      raise self._misplaced_call()
+    options = self._options
+    if (self._placement is not None or options.static_argnums or
+        options.static_argnames or _needs_placing(values)):
+      return None
+    flat = [jax.tree_util.tree_flatten(v) for v in values]
+    treedefs = tuple(treedef for _, treedef in flat)
+    program = self._carried_programs.get(treedefs)
+    if program is None:
+      program = self._carried_programs[treedefs] = jax.jit(
+          functools.partial(self._trace_carried, treedefs),
+          donate_argnums=options.donate_argnums)
+    return Carried(program, treedefs, [leaves for leaves, _ in flat])
+
+  def call_carried(self, carried: Carried, *args) -> tuple:
+    """Calls the step with `carried`'s values, then `args`; the outputs in
+    the carried values' place replace them. Returns the other outputs.
+
+    The loop around it asks nothing else per call (no strategy scope test:
+    `carry` made it, and a loop of steps opens no scope between calls).
+    """
+    if carried.whole is not None:  # the step changed their structure
+      return self._call_whole(carried, args)
+    self._calls += 1
+    try:
+      out = carried.program(*carried.leaves, *args)
+      if type(out) is _Unplaced:
+        args = _placed(args, {}, self._strategy)[0]
+        out = carried.program(*carried.leaves, *args)
+    except ValueError as e:
+      mismatch = (None if isinstance(e, Error) else _foreign_argument(
+          carried.values() + tuple(args), {}, self._strategy))
+      if mismatch is None:
+        raise
+      raise mismatch from e
+    leaves, rest = out
+    if self._recompiling:
+      message, self._recompiling = self._recompiling, None
+      warnings.warn(message, UserWarning, stacklevel=2)
+    if leaves is None:  # returned whole: see `_trace_carried`
+      carried.leaves = None
+      return self._hold_whole(carried, rest)
+    carried.leaves = leaves
+    last = leaves[-1]
+    if self._watch and last:
+      self._watch_step(last[-1])
+    return rest
+
+  def _call_whole(self, carried: Carried, args: tuple) -> tuple:
+    """`call_carried` for values the step returns in another structure."""
+    return self._hold_whole(carried, self(*carried.whole, *args))
+
+  def _hold_whole(self, carried: Carried, out) -> tuple:
+    """Holds the carried values of `out` whole; returns its other outputs."""
+    k = len(carried.treedefs)
+    if not isinstance(out, (tuple, list)) or len(out) < k:
+      raise TypeError(
+          f"{self._name} must return its {k} carried value(s) first (as "
+          f"`state, totals = step(state, totals, batch)`), got "
+          f"{type(out).__name__}.")
+    carried.whole = tuple(out[:k])
+    return tuple(out[k:])
 
   def trace_step(self, args: tuple, kwargs: dict, *, check: bool = True):
     """Traces one call of the step into the running JAX trace.
@@ -307,6 +411,26 @@ class DistributedFunction:
     out = self._trace(args, kwargs, check=True)
     return _flat(out, args, self._options.donate_argnums,
                  whole=not self._watch)
+
+  def _trace_carried(self, treedefs: tuple, *flat_args):
+    """What a carried program traces (see `carry`): the step over the
+    carried values rebuilt from their leaves, then the other arguments;
+    returns `(leaves, rest)`: a list of leaves per carried output and the
+    other outputs, or `(None, outputs)` when the carried outputs' structure
+    differs from the values' (the loop then holds them whole)."""
+    k = len(treedefs)
+    args = tuple(treedef.unflatten(leaves) for treedef, leaves in
+                 zip(treedefs, flat_args[:k])) + flat_args[k:]
+    if _needs_placing(args):
+      return _UNPLACED
+    self._count_compilation()
+    self._compilations += 1
+    out = self._trace(args, {}, check=True)
+    if (isinstance(out, (tuple, list)) and len(out) >= k and all(
+        jax.tree_util.tree_structure(o) == treedef
+        for o, treedef in zip(out, treedefs))):
+      return [jax.tree_util.tree_leaves(o) for o in out[:k]], tuple(out[k:])
+    return None, out
 
   def _count_compilation(self) -> None:
     """Warns once, as TF's retracing warning does, when most recent calls of

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from jdist._src.core import placement
+from jdist._src.core.function import DistributedFunction
 from jdist._src.input.options import InputOptions
 from jdist._src.training import steps as steps_lib
 from jdist._src.training.callbacks import CallbackList, LazyLogs
@@ -251,6 +252,10 @@ class FitLoop:
     begin = cbs.overrides("on_train_batch_begin")
     grouped = self.steps_per_execution > 1
     per_step = self.batches_per_step
+    if not (logged or begin or grouped or per_step > 1 or
+            self._skipped is not None):
+      return self._run_plain(batches, bar)
+    step = _CarriedStep(self._train_function)
     for batch in batches:
       # As Keras: once per execution, begin with its first batch's index
       # and end with its last one's.
@@ -260,8 +265,7 @@ class FitLoop:
         self._check_whole_group(epoch, index, steps)
       if begin:
         cbs.call("on_train_batch_begin", index, {})
-      self._state, self.totals = self._train_function(self._state,
-                                                      self.totals, batch)
+      self._state, self.totals = step(self._state, self.totals, batch)
       self._step += steps // per_step
       if self._skipped is not None:
         self._skipped.record(self._state, index, steps)
@@ -276,6 +280,45 @@ class FitLoop:
       ran += steps
       if self.stop_training:
         break
+    return ran
+
+  def _run_plain(self, batches, bar: ProgressBar) -> int:
+    """`_run_epoch`'s loop when nothing reads a batch's index or logs (no
+    batch callbacks, no bar) and each call runs one batch and one optimizer
+    step: the step and little else per batch.
+
+    The state and totals go from one step to the next as the step returns
+    them, flat (`DistributedFunction.carry`): they are built as pytrees, and
+    the position moved, once, when the loop ends however it ends (nothing
+    reads them before).
+    """
+    train, ran = self._train_function, 0
+    self.last_execution = 1
+    carried = (train.carry(self._state, self.totals)
+               if isinstance(train, DistributedFunction) else None)
+    try:
+      if carried is None:
+        for batch in batches:
+          self._state, self.totals = train(self._state, self.totals, batch)
+          self._step += 1
+          ran += 1
+          if self.stop_training:
+            break
+      else:
+        call = train.call_carried
+        for batch in batches:
+          call(carried, batch)
+          self._step += 1
+          ran += 1
+          if self.stop_training:
+            break
+    finally:
+      if carried is not None:
+        self._state, self.totals = carried.values()
+      start = self.position
+      self.position = Position(start.epoch, start.batch + ran,
+                               start.consumed + ran)
+      bar.step(None, ran)
     return ran
 
   def _check_whole_group(self, epoch: int, index: int, batches: int) -> None:
@@ -310,6 +353,32 @@ class FitLoop:
         "first batch with a NaN loss (checkpoints of a NaN state are never "
         "written).",
         UserWarning, stacklevel=4)
+
+
+class _CarriedStep:
+  """`train(state, totals, batch) -> (state, totals)` through the train
+  function's carried program (`DistributedFunction.carry`), the one
+  `_run_plain` runs: whichever loop an epoch takes, fit compiles the step
+  once. The values are rebuilt after every call (callbacks read them), and
+  carried anew when a callback replaced them."""
+
+  def __init__(self, train):
+    self._train = train
+    self._flat = isinstance(train, DistributedFunction)
+    self._carried = None
+    self._held = None  # the (state, totals) the carried leaves are
+
+  def __call__(self, state, totals, batch):
+    train = self._train
+    if self._flat and (self._held is None or self._held[0] is not state or
+                       self._held[1] is not totals):
+      self._carried = train.carry(state, totals)
+      self._flat = self._carried is not None
+    if not self._flat:
+      return train(state, totals, batch)
+    train.call_carried(self._carried, batch)
+    self._held = self._carried.values()
+    return self._held
 
 
 def evaluate(test_function, state, batches, totals, read: Callable,
