@@ -89,7 +89,7 @@ def hand_written(model, tx, devices, global_batch):
     return (jax.device_put(params, rep), jax.device_put(opt, rep),
             jax.device_put(x, shard), jax.device_put(y, shard), None)
 
-  # The same CPU-deadlock guard jdist uses (jax#25861): wait for step k-1
+  # The same CPU-deadlock guard jdist uses: wait for step k-1
   # after dispatching step k, when a CPU mesh has several devices.
   throttle = devices[0].platform == "cpu" and len(devices) > 1
 

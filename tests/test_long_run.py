@@ -1,4 +1,4 @@
-"""5,000 steps on fake CPU devices finish (ARCHITECTURE.md, "CPU throttle": jax#25861).
+"""5,000 steps on fake CPU devices finish (ARCHITECTURE.md, "CPU throttle").
 
 Runs in a child process: the deadlock aborts the whole process after 40 s,
 which must fail this test, not kill the test runner.

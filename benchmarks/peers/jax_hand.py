@@ -4,7 +4,7 @@ What a JAX expert writes: `jax.jit(jax.shard_map(...))` over a one-axis mesh,
 mirrored parameters, the loss scaled by the global batch (autodiff sums the
 gradients), optax SGD, and each host batch placed with one `jax.device_put`
 to `NamedSharding(mesh, P("r"))`. On a CPU mesh of several devices it waits
-for step k-1 after dispatching step k, as jdist does (jax-ml/jax#25861).
+for step k-1 after dispatching step k, as jdist does.
 The gap between this row and jdist's is jdist's own cost.
 """
 

@@ -120,6 +120,7 @@ class Carried:
   only once at its end (`values`).
 
   Attributes:
+    program: the jitted step over the carried values' leaves.
     treedefs: the structure of each carried value.
     leaves: a list of leaves per carried value (None once held whole).
     whole: the values themselves, when the step returned them in another
@@ -157,7 +158,7 @@ class DistributedFunction:
                             **self._options.jit_options())
     self._lowerer = None
     self._lowering = False
-    # CPU collectives deadlock when many steps are in flight (jax#25861):
+    # CPU collectives deadlock when many steps are in flight:
     # waiting for step k-1 after dispatching step k avoids it at no cost.
     self._throttle = (strategy.devices[0].platform == "cpu" and
                       strategy.num_replicas_in_sync > 1)
