@@ -252,13 +252,8 @@ class DistributedFunction:
         args, kwargs = _placed(args, kwargs, self._strategy)
         out = self._program(*args, **kwargs)
     except ValueError as e:
-      # jit refuses arguments committed to other devices than the program's;
-      # say which argument, and why, when that is the cause.
-      mismatch = (None if isinstance(e, Error) else
-                  _foreign_argument(args, kwargs, self._strategy))
-      if mismatch is None:
-        raise
-      raise mismatch from e
+      self._explain_refused(e, args, kwargs)
+      raise
     if type(out) is _Flat:  # else jit returned the outputs themselves
       leaves = out.leaves
       if self._watch and leaves:
@@ -321,11 +316,8 @@ class DistributedFunction:
         args = _placed(args, {}, self._strategy)[0]
         out = carried.program(*carried.leaves, *args)
     except ValueError as e:
-      mismatch = (None if isinstance(e, Error) else _foreign_argument(
-          carried.values() + tuple(args), {}, self._strategy))
-      if mismatch is None:
-        raise
-      raise mismatch from e
+      self._explain_refused(e, carried.values() + tuple(args), {})
+      raise
     leaves, rest = out
     if self._recompiling:
       message, self._recompiling = self._recompiling, None
@@ -338,6 +330,16 @@ class DistributedFunction:
     if self._watch and last:
       self._watch_step(last[-1])
     return rest
+
+  def _explain_refused(self, error: ValueError, args: tuple,
+                       kwargs: dict) -> None:
+    """Raises the clear error for `error` when jit refused an argument
+    committed to other devices than the program's (which one, and why);
+    returns otherwise, for the caller to raise `error` itself."""
+    mismatch = (None if isinstance(error, Error) else
+                _foreign_argument(args, kwargs, self._strategy))
+    if mismatch is not None:
+      raise mismatch from error
 
   def _call_whole(self, carried: Carried, args: tuple) -> tuple:
     """`call_carried` for values the step returns in another structure."""

@@ -296,22 +296,15 @@ class FitLoop:
     self.last_execution = 1
     carried = (train.carry(self._state, self.totals)
                if isinstance(train, DistributedFunction) else None)
+    call = (self._call_train if carried is None else
+            functools.partial(train.call_carried, carried))
     try:
-      if carried is None:
-        for batch in batches:
-          self._state, self.totals = train(self._state, self.totals, batch)
-          self._step += 1
-          ran += 1
-          if self.stop_training:
-            break
-      else:
-        call = train.call_carried
-        for batch in batches:
-          call(carried, batch)
-          self._step += 1
-          ran += 1
-          if self.stop_training:
-            break
+      for batch in batches:
+        call(batch)
+        self._step += 1
+        ran += 1
+        if self.stop_training:
+          break
     finally:
       if carried is not None:
         self._state, self.totals = carried.values()
@@ -320,6 +313,11 @@ class FitLoop:
                                start.consumed + ran)
       bar.step(None, ran)
     return ran
+
+  def _call_train(self, batch) -> None:
+    """One train step on the loop's state and totals, called as usual."""
+    self._state, self.totals = self._train_function(self._state, self.totals,
+                                                    batch)
 
   def _check_whole_group(self, epoch: int, index: int, batches: int) -> None:
     """Refuses a trailing partial accumulation group (data whose length was
