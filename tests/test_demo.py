@@ -40,3 +40,32 @@ def test_the_digits_are_scikit_learns():
   images, labels = load_digits()
   assert images.shape == (1797, 8, 8, 1) and labels.dtype == np.int32
   np.testing.assert_array_equal(images.reshape(-1, 64), x)
+
+
+def test_the_digits_come_from_scikit_learns_loader_when_its_file_moved(
+    monkeypatch, tmp_path):
+  """A scikit-learn that keeps its data elsewhere: `load_digits` asks its
+  loader and returns the same arrays."""
+  import importlib.util
+  import types
+
+  from sklearn import datasets
+
+  from jdist.examples import data
+  real = importlib.util.find_spec
+
+  def find_spec(name, *args):
+    if name == "sklearn":  # an install whose package directory has no data
+      return types.SimpleNamespace(submodule_search_locations=[str(tmp_path)])
+    return real(name, *args)
+
+  monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+  asked = []
+  loader = datasets.load_digits
+  monkeypatch.setattr(datasets, "load_digits",
+                      lambda: asked.append(True) or loader())
+  x, y = data.load_digits(image=False)
+  assert asked == [True]
+  reference = loader()
+  np.testing.assert_array_equal(x, (reference.data / 16.0).astype(np.float32))
+  np.testing.assert_array_equal(y, reference.target)
