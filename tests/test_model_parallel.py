@@ -422,6 +422,12 @@ def test_sharded_adam_on_2x2_equals_one_device_a_quarter_per_device(
   run, step = _adam_train(strategy, tx, params, opt_state,
                           own_grads=own_grads)
   _assert_same(run, one_device_adam_run)
+  # Adam's update hides a gradient of the wrong scale (it divides by the
+  # gradient's own size): its moments do not.
+  for a, b in zip(jax.tree.leaves(run[1].value),
+                  jax.tree.leaves(one_device_adam_run[1]), strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
+                               atol=1e-9)
   params, opt_state, _ = run
   assert isinstance(opt_state, jdist.Sharded) and step.num_compilations == 1
   adam = opt_state.value[0]
