@@ -94,11 +94,16 @@ def train_sharded():
   from test_sharded_optimizer import _train  # the tests' custom loop
   tx = jdist.ShardedOptimizer(optax.adam(1e-2), strategy)
   state, losses, _ = _train(strategy, tx, digits()[:10], own_grads=True)
-  mu = state.opt_state.value[0].mu["Dense_0"]["kernel"]
+  from jax.experimental import multihost_utils
+  moments = state.opt_state.value[0].mu
+  mu = moments["Dense_0"]["kernel"]
   flat = jax.tree_util.tree_flatten_with_path(host(state.params))[0]
+  whole = jax.tree_util.tree_flatten_with_path(  # every process's blocks
+      multihost_utils.process_allgather(moments, tiled=True))[0]
   save(losses=np.array(losses), mu_blocks=np.array(
       [s.data.shape for s in mu.addressable_shards]),
-       **{jax.tree_util.keystr(p): v for p, v in flat})
+       **{jax.tree_util.keystr(p): v for p, v in flat},
+       **{"mu" + jax.tree_util.keystr(p): np.asarray(v) for p, v in whole})
 
 
 def per_process_shards():
