@@ -193,10 +193,17 @@ def loop_section(loop: dict) -> list:
     return line
 
   def split_line(split: dict, what: str) -> str:
-    return (f"{what}, median: {split['take'] * 1e3:.2f} ms in the `save` "
+    line = (f"{what}, median: {split['take'] * 1e3:.2f} ms in the `save` "
             "that takes it, "
             f"{split['write'] * 1e3:.2f} ms in the next `save`, which writes "
-            "it (or hands it to the writer thread).")
+            "it (or hands it to the writer thread)")
+    if "cpu_take" in split:
+      line += (f"; in CPU time of the loop's thread {split['cpu_take'] * 1e3:.3f}"
+               f" ms and {split['cpu_write'] * 1e3:.3f} ms")
+      if split.get("writer_cpu"):
+        line += (f", and {split['writer_cpu'] * 1e3:.3f} ms of the writer "
+                 "thread's")
+    return line + "."
 
   unreplicated = "unreplicated" in t
   runs = loop.get("runs", 1)

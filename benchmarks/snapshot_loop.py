@@ -23,8 +23,11 @@ median seconds on process 0 of the `save` that takes a snapshot (it starts
 the copy to the host, and to the next process) and of the next one, which
 has it written (copy, checksum, file, rename; and the replica: in the
 `save` itself when they are written on the loop's thread, as before issue
-22's writer thread), for each of the two managers; `jdist` is where the
-jdist it ran is (a checkout of another commit, for a comparison).
+22's writer thread), by the wall clock and in CPU time of the loop's thread
+(`cpu_take`, `cpu_write`), and the CPU time of the manager's writer thread
+per snapshot (`writer_cpu`: its time over a trial, over the trial's
+snapshots), for each of the two managers; `jdist` is where the jdist it ran
+is (a checkout of another commit, for a comparison).
 `--quick` runs 20 steps in 1 trial (a smoke run).
 """
 
@@ -86,7 +89,17 @@ split_leaf = jax.make_array_from_callback(
 
 
 # Seconds of the saves, in timed trials, of each manager.
-SPLIT = {k: {"take": [], "write": []} for k in ("snapshot", "unreplicated")}
+SPLIT = {k: {"take": [], "write": [], "cpu_take": [], "cpu_write": [],
+             "writer_cpu": []} for k in ("snapshot", "unreplicated")}
+
+
+def writer_seconds(manager) -> float:
+  """The CPU seconds of `manager`'s writer thread so far (a look inside:
+  its thread, started at its first snapshot), or 0."""
+  thread = manager._snapshots._writer._thread if manager else None
+  if thread is None:
+    return 0.0
+  return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
 
 def trial(manager, split=None) -> tuple:
@@ -94,16 +107,21 @@ def trial(manager, split=None) -> tuple:
   wall clock and in the main thread's CPU time."""
   state = params
   t, c = time.perf_counter(), time.thread_time()
+  writer = writer_seconds(manager)
   for i in range(STEPS):
     state, _ = step(state, batch)
     if manager is not None:
-      t0 = time.perf_counter()
+      t0, c0 = time.perf_counter(), time.thread_time()
       manager.save(i + 1, {"params": state, "split": split_leaf})
       # The save that takes a snapshot, and the next one, which writes it.
       part = {0: "take", 1: "write"}.get((i + 1) % EVERY)
       if part:
         split[part].append(time.perf_counter() - t0)
+        split[f"cpu_{part}"].append(time.thread_time() - c0)
   jax.block_until_ready(state)
+  if split is not None and writer:
+    split["writer_cpu"].append((writer_seconds(manager) - writer) /
+                               (STEPS // EVERY))
   return (time.perf_counter() - t) / STEPS, (time.thread_time() - c) / STEPS
 
 
@@ -132,7 +150,7 @@ for r in range(TRIALS):
     cpu[name].append(main)
 for manager in managers.values():
   manager.close()
-median = lambda v: sorted(v)[len(v) // 2]
+median = lambda v: sorted(v)[len(v) // 2] if v else 0.0
 if jax.process_index() == 0:
   for d in directories:
     shutil.rmtree(d, ignore_errors=True)
