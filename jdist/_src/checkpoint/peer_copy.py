@@ -25,8 +25,8 @@ The buffers are the size of the largest copy (known on every process from the
 state's shardings, so nothing is exchanged first), on one device per process,
 for the time of one copy: a snapshot briefly needs that much more device
 memory. The copy is dispatched when the snapshot is taken, after the step
-that computed it, and read back on the host when the part is written, so the
-loop does not wait for it.
+that computed it, and read back on the host by the writer thread when it
+writes the replica, so the loop does not wait for it.
 
 Example:
   >>> import jax.numpy as jnp
@@ -88,6 +88,4 @@ class PeerCopy:
     """
     whole = jax.make_array_from_single_device_arrays(
         (self.world * packed.shape[0],), self._sharding, [packed])
-    received = self._shift(whole).addressable_data(0)
-    received.copy_to_host_async()
-    return received
+    return self._shift(whole).addressable_data(0)

@@ -30,14 +30,14 @@ part holds the whole state, so any single part is enough.
 
 Writing: `write` takes the snapshot: one jitted program packs the blocks of
 this process into one buffer on its device (and those the next process
-lacks into another, `packing.py`), whose copies to the host and to the next
-process it starts (one dispatch, one transfer and one collective per
-snapshot, whatever the number of leaves; the layout of the blocks, the
-header and the program are worked out once per state layout); the buffers
-are copies, so a step that donates the state's arrays next does not touch
-them. The next `save` of the manager hands it
-to this `Snapshots`' writer, one background thread, which writes the part
-and the replica (it waits for the copies, then checksum, file, rename),
+lacks into another, `packing.py`), and starts the second's copy to the
+next process (one dispatch and one collective per snapshot, whatever the
+number of leaves; the layout of the blocks, the header and the program are
+worked out once per state layout); the buffers are copies, so a step that
+donates the state's arrays next does not touch them. The next `save` of
+the manager hands it to this `Snapshots`' writer, one background thread,
+which writes the part and the replica (it copies the two buffers to the
+host, one transfer each, then checksum, file, rename),
 while the loop goes on with its next steps; `restore` and `close` write it
 at once. At most one snapshot is in flight: `write` first waits for the one
 before it (written long ago at a snapshot every few steps), and so do
@@ -91,6 +91,7 @@ is marked experimental, "do not use without specific approval".
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 import queue
@@ -118,15 +119,23 @@ _PART = re.compile(
 _TMP = re.compile(r"\.tmp-(\d+)-(\d+)\.snap")  # the writer's rank and pid
 
 
-def _group(m) -> tuple:
-  return int(m[1]), int(m[2]), int(m[5])  # step, attempt, world
+@functools.lru_cache(maxsize=1024)
+def _parse(entry: str) -> tuple:
+  """`(group, rank, kind, pid)` of a directory entry: a part's (or a
+  replica's) `(step, attempt, world)`, process and "part" or "replica"
+  (else None each), and a temporary file's writer's pid (else None).
+  Cached: the writer looks at the same names snapshot after snapshot."""
+  m = _PART.fullmatch(entry)
+  if m:
+    return (int(m[1]), int(m[2]), int(m[5])), int(m[4]), m[3], None
+  tmp = _TMP.fullmatch(entry)
+  return None, None, None, (int(tmp[2]) if tmp else None)
 
 
 def _groups(entries) -> list:
   """`[((step, attempt, world), rank, kind)]` of the parts among `entries`
   (`kind`: "part" or "replica")."""
-  return [(_group(m), int(m[4]), m[3])
-          for m in map(_PART.fullmatch, entries) if m]
+  return [parsed[:3] for parsed in map(_parse, entries) if parsed[0]]
 
 
 def part_name(step: int, attempt: int, rank: int, world: int,
@@ -421,8 +430,10 @@ class Snapshots:
     It waits for the snapshot before it to be written (at most one in
     flight), then dispatches one program that packs this process's blocks
     into one buffer (and those the next process lacks into another,
-    `packing.py`), starts that buffer's copy to the host and, in a job of
-    several processes, the other's to the next process (`peer_copy.py`).
+    `packing.py`) and, in a job of several processes, the copy of the other
+    to the next process (`peer_copy.py`); the writer thread copies the
+    buffers to the host (off the loop's thread, where an accelerator's
+    transfer costs the loop nothing).
     The next `flush(wait=False)` (the manager's next `save`) hands the
     snapshot to the writer thread, which writes the part, and the replica
     of the part the process before sent; `flush()` (the manager's
@@ -443,8 +454,7 @@ class Snapshots:
         blocks[j] = b
     packed = copy = received = None
     if blocks:
-      packed, copy = program(blocks)
-      packed.copy_to_host_async()
+      packed, copy = program(blocks)  # (the writer copies them to the host)
     elif length:  # nothing of this process's for the next: its share of zeros
       copy = jax.device_put(np.zeros(length, np.uint8), target)
     if copy is not None:
@@ -595,9 +605,9 @@ class Snapshots:
     """Removes, of `entries`, the parts (and replicas) of the snapshots not
     in `keep`, and the temporary files of writers that died."""
     for entry in entries:
-      m, tmp = _PART.fullmatch(entry), _TMP.fullmatch(entry)
-      gone = ((m is not None and _group(m) not in keep)
-              or (tmp is not None and not liveness.pid_exists(int(tmp[2]))))
+      group, _, _, pid = _parse(entry)
+      gone = ((group is not None and group not in keep)
+              or (pid is not None and not liveness.pid_exists(pid)))
       if gone:
         try:
           os.unlink(os.path.join(self.directory, entry))
