@@ -18,7 +18,9 @@ round; process 0 ends with one JSON line: the seconds per step of each
 trial, `{"none": [...], "snapshot": [...], "unreplicated": [...]}`, by the
 wall clock and in CPU time of the main thread (`time.thread_time`: the
 loop's own work, which the load of other processes on the machine moves
-less than the wall clock; a background thread's is not in it), and the
+less than the wall clock; a background thread's is not in it) and of the
+whole process (`time.process_time`: its threads, the runtime's and the
+snapshots' writer's too; `process_cpu_seconds_per_step`), and the
 median seconds on process 0 of the `save` that takes a snapshot (it starts
 the copy to the host, and to the next process) and of the next one, which
 has it written (copy, checksum, file, rename; and the replica: in the
@@ -104,9 +106,9 @@ def writer_seconds(manager) -> float:
 
 def trial(manager, split=None) -> tuple:
   """Seconds per step of STEPS steps (the manager's `save` at each), by the
-  wall clock and in the main thread's CPU time."""
+  wall clock, in the main thread's CPU time and in the process's."""
   state = params
-  t, c = time.perf_counter(), time.thread_time()
+  t, c, pc = time.perf_counter(), time.thread_time(), time.process_time()
   writer = writer_seconds(manager)
   for i in range(STEPS):
     state, _ = step(state, batch)
@@ -122,7 +124,8 @@ def trial(manager, split=None) -> tuple:
   if split is not None and writer:
     split["writer_cpu"].append((writer_seconds(manager) - writer) /
                                (STEPS // EVERY))
-  return (time.perf_counter() - t) / STEPS, (time.thread_time() - c) / STEPS
+  return ((time.perf_counter() - t) / STEPS, (time.thread_time() - c) / STEPS,
+          (time.process_time() - pc) / STEPS)
 
 
 # One checkpoint directory for the job (every process names the same one);
@@ -138,6 +141,7 @@ managers["unreplicated"]._snapshots._peer = None
 names = ["none", *managers]
 times = {name: [] for name in names}
 cpu = {name: [] for name in names}
+process_cpu = {name: [] for name in names}
 trial(None)  # warm-up
 for name, manager in managers.items():
   trial(manager, SPLIT[name])
@@ -145,9 +149,10 @@ for name, manager in managers.items():
     v.clear()
 for r in range(TRIALS):
   for name in names[r % 3:] + names[:r % 3]:  # each first in turn
-    wall, main = trial(managers.get(name), SPLIT.get(name))
+    wall, main, process = trial(managers.get(name), SPLIT.get(name))
     times[name].append(wall)
     cpu[name].append(main)
+    process_cpu[name].append(process)
 for manager in managers.values():
   manager.close()
 median = lambda v: sorted(v)[len(v) // 2] if v else 0.0
@@ -158,6 +163,7 @@ if jax.process_index() == 0:
                     "jdist": os.path.dirname(os.path.dirname(jdist.__file__)),
                     "seconds_per_step": times,
                     "cpu_seconds_per_step": cpu,
+                    "process_cpu_seconds_per_step": process_cpu,
                     "snapshot_seconds": {k: median(v) for k, v in
                                          SPLIT["snapshot"].items()},
                     "unreplicated_seconds": {k: median(v) for k, v in
