@@ -21,9 +21,10 @@ loop's own work, which the load of other processes on the machine moves
 less than the wall clock; a background thread's is not in it) and of the
 whole process (`time.process_time`: its threads, the runtime's and the
 snapshots' writer's too; `process_cpu_seconds_per_step`), and the
-median seconds on process 0 of the `save` that takes a snapshot (it starts
-the copy to the host, and to the next process) and of the next one, which
-has it written (copy, checksum, file, rename; and the replica: in the
+median seconds on process 0 of the `save` that takes a snapshot (it packs
+the blocks, or before issue 22's packing started their copies to the host,
+and starts the copy to the next process) and of the next one, which has it
+written (copy to the host, checksum, file, rename; and the replica: in the
 `save` itself when they are written on the loop's thread, as before issue
 22's writer thread), by the wall clock and in CPU time of the loop's thread
 (`cpu_take`, `cpu_write`), and the CPU time of the manager's writer thread
