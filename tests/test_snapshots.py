@@ -3,7 +3,7 @@ snapshot restores exactly what the persistent checkpoint restores (also onto
 another number of devices, with optimizer state split over the replicas),
 only the newest snapshot is kept, and a snapshot that cannot be used leaves
 the restore to the persistent directory with a line that says why. The jobs
-of several processes are in tests/multiprocess/test_snapshots.py."""
+of several processes are in tests/multiprocess/test_snapshot_restarts.py."""
 
 import os
 
