@@ -132,7 +132,8 @@ def pooled(runs: list) -> dict:
   trial stays with the trials of its round), the medians of their `save`
   times."""
   loop = dict(runs[0], trials=sum(r["trials"] for r in runs), runs=len(runs))
-  for key in ("seconds_per_step", "cpu_seconds_per_step"):
+  for key in ("seconds_per_step", "cpu_seconds_per_step",
+              "process_cpu_seconds_per_step"):
     if all(key in r for r in runs):
       loop[key] = {k: [t for r in runs for t in r[key][k]]
                    for k in runs[0][key]}
@@ -175,7 +176,7 @@ def loop_section(loop: dict) -> list:
   round)."""
   t = loop["seconds_per_step"]
   cpu = loop.get("cpu_seconds_per_step")
-  med = {k: statistics.median(v) for k, v in t.items()}
+  process = loop.get("process_cpu_seconds_per_step") if cpu else None
 
   def paired(times: dict, name: str) -> float:
     return statistics.median(a / b for a, b in zip(times["none"], times[name]))
@@ -187,16 +188,24 @@ def loop_section(loop: dict) -> list:
   def row(name: str, what: str) -> str:
     line = (f"| {what} | {cells(t, name)} | "
             + ("1" if name == "none" else f"{paired(t, name):.3f}") + " |")
-    if cpu:
-      line += (f" {cells(cpu, name)} | "
-               + ("1" if name == "none" else f"{paired(cpu, name):.3f}") + " |")
+    for times in (cpu, process):
+      if times:
+        line += (f" {cells(times, name)} | " + (
+            "1" if name == "none" else f"{paired(times, name):.3f}") + " |")
     return line
 
   def split_line(split: dict, what: str) -> str:
-    return (f"{what}, median: {split['take'] * 1e3:.2f} ms in the `save` "
+    line = (f"{what}, median: {split['take'] * 1e3:.2f} ms in the `save` "
             "that takes it, "
             f"{split['write'] * 1e3:.2f} ms in the next `save`, which writes "
-            "it (or hands it to the writer thread).")
+            "it (or hands it to the writer thread)")
+    if "cpu_take" in split:
+      line += (f"; in CPU time of the loop's thread {split['cpu_take'] * 1e3:.3f}"
+               f" ms and {split['cpu_write'] * 1e3:.3f} ms")
+      if split.get("writer_cpu"):
+        line += (f", and {split['writer_cpu'] * 1e3:.3f} ms of the writer "
+                 "thread's")
+    return line + "."
 
   unreplicated = "unreplicated" in t
   runs = loop.get("runs", 1)
@@ -216,12 +225,18 @@ def loop_section(loop: dict) -> list:
          if unreplicated else "") + ", against no manager. Speed: the "
       "median of the rounds' ratios (no snapshot's time over the loop's)"
       + (", by the wall clock and in CPU time of the main thread "
-         "(`time.thread_time`: the loop's own work)" if cpu else "") + ":",
+         "(`time.thread_time`: the loop's own work)" if cpu else "")
+      + (" and of the whole process (`time.process_time`: also the "
+         "runtime's threads and the snapshots' writer)" if process else "")
+      + ":",
       "",
       "| loop | wall ms per step, median (fastest) | speed, wall |"
       + (" main thread CPU ms per step, median (least) | speed, CPU |"
-         if cpu else ""),
-      "|---|---|---|" + ("---|---|" if cpu else ""),
+         if cpu else "")
+      + (" process CPU ms per step, median (least) | speed, process CPU |"
+         if process else ""),
+      "|---|---|---|" + ("---|---|" if cpu else "")
+      + ("---|---|" if process else ""),
       row("none", "no snapshot"),
       row("snapshot", f"a snapshot every {loop['every']} steps"
           + (", replicated" if unreplicated else "")),
@@ -233,10 +248,11 @@ def loop_section(loop: dict) -> list:
     lines += ["", split_line(
         loop["snapshot_seconds"],
         "A snapshot on process 0" + (", replicated" if unreplicated else "")
-        + " (taking it starts the copies to the host"
-        + (" and to the other process" if unreplicated else "")
-        + "; writing it is the copy, the checksum, the file and its rename"
-        + (", and the replica's" if unreplicated else "") + ")")]
+        + " (taking it dispatches the copies of its blocks, to a buffer or "
+        "to the host"
+        + (", and to the other process" if unreplicated else "")
+        + "; writing it is the copy to the host, the checksum, the file and "
+        "its rename" + (", and the replica's" if unreplicated else "") + ")")]
   if loop.get("unreplicated_seconds"):
     lines += ["", split_line(loop["unreplicated_seconds"],
                              "Without the replica")]

@@ -18,13 +18,19 @@ round; process 0 ends with one JSON line: the seconds per step of each
 trial, `{"none": [...], "snapshot": [...], "unreplicated": [...]}`, by the
 wall clock and in CPU time of the main thread (`time.thread_time`: the
 loop's own work, which the load of other processes on the machine moves
-less than the wall clock; a background thread's is not in it), and the
-median seconds on process 0 of the `save` that takes a snapshot (it starts
-the copy to the host, and to the next process) and of the next one, which
-has it written (copy, checksum, file, rename; and the replica: in the
+less than the wall clock; a background thread's is not in it) and of the
+whole process (`time.process_time`: its threads, the runtime's and the
+snapshots' writer's too; `process_cpu_seconds_per_step`), and the
+median seconds on process 0 of the `save` that takes a snapshot (it packs
+the blocks, or before issue 22's packing started their copies to the host,
+and starts the copy to the next process) and of the next one, which has it
+written (copy to the host, checksum, file, rename; and the replica: in the
 `save` itself when they are written on the loop's thread, as before issue
-22's writer thread), for each of the two managers; `jdist` is where the
-jdist it ran is (a checkout of another commit, for a comparison).
+22's writer thread), by the wall clock and in CPU time of the loop's thread
+(`cpu_take`, `cpu_write`), and the CPU time of the manager's writer thread
+per snapshot (`writer_cpu`: its time over a trial, over the trial's
+snapshots), for each of the two managers; `jdist` is where the jdist it ran
+is (a checkout of another commit, for a comparison).
 `--quick` runs 20 steps in 1 trial (a smoke run).
 """
 
@@ -86,25 +92,41 @@ split_leaf = jax.make_array_from_callback(
 
 
 # Seconds of the saves, in timed trials, of each manager.
-SPLIT = {k: {"take": [], "write": []} for k in ("snapshot", "unreplicated")}
+SPLIT = {k: {"take": [], "write": [], "cpu_take": [], "cpu_write": [],
+             "writer_cpu": []} for k in ("snapshot", "unreplicated")}
+
+
+def writer_seconds(manager) -> float:
+  """The CPU seconds of `manager`'s writer thread so far (a look inside:
+  its thread, started at its first snapshot), or 0."""
+  thread = manager._snapshots._writer._thread if manager else None
+  if thread is None:
+    return 0.0
+  return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
 
 def trial(manager, split=None) -> tuple:
   """Seconds per step of STEPS steps (the manager's `save` at each), by the
-  wall clock and in the main thread's CPU time."""
+  wall clock, in the main thread's CPU time and in the process's."""
   state = params
-  t, c = time.perf_counter(), time.thread_time()
+  t, c, pc = time.perf_counter(), time.thread_time(), time.process_time()
+  writer = writer_seconds(manager)
   for i in range(STEPS):
     state, _ = step(state, batch)
     if manager is not None:
-      t0 = time.perf_counter()
+      t0, c0 = time.perf_counter(), time.thread_time()
       manager.save(i + 1, {"params": state, "split": split_leaf})
       # The save that takes a snapshot, and the next one, which writes it.
       part = {0: "take", 1: "write"}.get((i + 1) % EVERY)
       if part:
         split[part].append(time.perf_counter() - t0)
+        split[f"cpu_{part}"].append(time.thread_time() - c0)
   jax.block_until_ready(state)
-  return (time.perf_counter() - t) / STEPS, (time.thread_time() - c) / STEPS
+  if split is not None and writer:
+    split["writer_cpu"].append((writer_seconds(manager) - writer) /
+                               (STEPS // EVERY))
+  return ((time.perf_counter() - t) / STEPS, (time.thread_time() - c) / STEPS,
+          (time.process_time() - pc) / STEPS)
 
 
 # One checkpoint directory for the job (every process names the same one);
@@ -120,6 +142,7 @@ managers["unreplicated"]._snapshots._peer = None
 names = ["none", *managers]
 times = {name: [] for name in names}
 cpu = {name: [] for name in names}
+process_cpu = {name: [] for name in names}
 trial(None)  # warm-up
 for name, manager in managers.items():
   trial(manager, SPLIT[name])
@@ -127,12 +150,13 @@ for name, manager in managers.items():
     v.clear()
 for r in range(TRIALS):
   for name in names[r % 3:] + names[:r % 3]:  # each first in turn
-    wall, main = trial(managers.get(name), SPLIT.get(name))
+    wall, main, process = trial(managers.get(name), SPLIT.get(name))
     times[name].append(wall)
     cpu[name].append(main)
+    process_cpu[name].append(process)
 for manager in managers.values():
   manager.close()
-median = lambda v: sorted(v)[len(v) // 2]
+median = lambda v: sorted(v)[len(v) // 2] if v else 0.0
 if jax.process_index() == 0:
   for d in directories:
     shutil.rmtree(d, ignore_errors=True)
@@ -140,6 +164,7 @@ if jax.process_index() == 0:
                     "jdist": os.path.dirname(os.path.dirname(jdist.__file__)),
                     "seconds_per_step": times,
                     "cpu_seconds_per_step": cpu,
+                    "process_cpu_seconds_per_step": process_cpu,
                     "snapshot_seconds": {k: median(v) for k, v in
                                          SPLIT["snapshot"].items()},
                     "unreplicated_seconds": {k: median(v) for k, v in

@@ -355,7 +355,8 @@ def test_snapshot_loop_runs_and_renders():
   line = [l for l in done.stdout.splitlines() if l.startswith("[0] {")]
   loop = json.loads(line[-1][4:])
   assert loop["steps"] == 20 and loop["every"] == 10
-  for key in ("seconds_per_step", "cpu_seconds_per_step"):
+  for key in ("seconds_per_step", "cpu_seconds_per_step",
+              "process_cpu_seconds_per_step"):
     assert all(len(v) == 1 and v[0] > 0 for v in loop[key].values()), key
   times = _bench_module("elastic_times")
   text = "\n".join(times.loop_section(loop))
@@ -368,6 +369,8 @@ def test_snapshot_loop_runs_and_renders():
   assert two["trials"] == 2 and two["cpu_seconds_per_step"]["none"] == \
       cpu["none"] * 2
   assert "| a snapshot every 10 steps, replicated |" in text, text
+  process = loop["process_cpu_seconds_per_step"]["none"][0] * 1e3
+  assert f"| 1 | {process:.2f} ({process:.2f}) | 1 |" in text, text
   assert "| a snapshot every 10 steps, no replica |" in text, text
   split = loop["snapshot_seconds"]
   assert f"{split['write'] * 1e3:.2f} ms in the next `save`" in text, text

@@ -3,7 +3,7 @@ snapshot restores exactly what the persistent checkpoint restores (also onto
 another number of devices, with optimizer state split over the replicas),
 only the newest snapshot is kept, and a snapshot that cannot be used leaves
 the restore to the persistent directory with a line that says why. The jobs
-of several processes are in tests/multiprocess/test_snapshots.py."""
+of several processes are in tests/multiprocess/test_snapshot_restarts.py."""
 
 import os
 
@@ -159,14 +159,15 @@ def test_snapshots_need_a_launched_job(tmp_path, monkeypatch):
 
 
 def test_every_kind_of_leaf_comes_back_bit_for_bit(tmp_path, job):
-  """bfloat16, integers, booleans, a scalar, an empty array, a PRNG key,
-  and int4 (a byte per value in numpy, half a byte on the device) split
+  """bfloat16, integers, booleans, complex, a scalar, an empty array, a PRNG
+  key, and int4 (a byte per value in numpy, half a byte on the device) split
   over the devices."""
   strategy = strategy_on(2)
   state = strategy.replicate({
       "bf16": jax.numpy.arange(5, dtype=jax.numpy.bfloat16) / 3,
       "int": jax.numpy.arange(6, dtype=jax.numpy.int32).reshape(2, 3),
       "bool": jax.numpy.array([True, False]), "scalar": jax.numpy.float32(2.5),
+      "complex": jax.numpy.array([1 + 2j, -3.5j], jax.numpy.complex64),
       "empty": jax.numpy.zeros((0, 4)), "key": jax.random.key(7)})
   int4 = np.array([-8, -1, 0, 1, 7, 3, -2, 5], jax.numpy.int4)
   state["int4"] = jax.make_array_from_callback(
@@ -187,24 +188,25 @@ def test_every_kind_of_leaf_comes_back_bit_for_bit(tmp_path, job):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want), name)
 
 
-def test_a_step_that_donates_its_state_loses_one_snapshot_then_none(
-    tmp_path, job, capfd):
-  """The snapshot taken at a save is written at the next; a step that
-  donates the state deletes its arrays before: that snapshot is lost, with
-  a line, and the next ones are written when taken."""
+def test_a_step_that_donates_its_state_loses_no_snapshot(tmp_path, job, capfd):
+  """The snapshot taken at a save is written at the next, after a step that
+  donates the state (deletes its arrays): taking it packed a copy, so every
+  snapshot is written, with the values it was taken with."""
   strategy = strategy_on(2)
   step = strategy.function(lambda s: jax.tree.map(lambda x: x + 1, s),
                            donate_argnums=0)
-  state = strategy.replicate({"w": jax.numpy.zeros(3)})
+  state = strategy.replicate({"w": jax.numpy.zeros(3),
+                              "n": jax.numpy.arange(4, dtype=jax.numpy.int8)})
   with jdist.CheckpointManager(tmp_path / "ckpt", strategy=strategy,
-                               save_every=100, snapshot_every=1) as manager:
+                               save_every=100, snapshot_every=2) as manager:
     for i in range(1, 4):
       state = step(state)
       manager.save(i, state)
-    assert "the in-memory snapshot of step 1 was lost" in capfd.readouterr().err
-    assert manager.snapshot_step == 3  # written when taken
+    assert manager.snapshot_step == 2  # written at the save of step 3
     restored = manager.restore(jax.eval_shape(lambda: state))
-  np.testing.assert_array_equal(np.asarray(restored["w"]), [3.0, 3.0, 3.0])
+  assert "lost" not in capfd.readouterr().err
+  np.testing.assert_array_equal(np.asarray(restored["w"]), [2.0, 2.0, 2.0])
+  np.testing.assert_array_equal(np.asarray(restored["n"]), [2, 3, 4, 5])
 
 
 def test_a_leaf_that_is_not_an_array_is_refused_by_name(tmp_path, job):
@@ -246,3 +248,23 @@ def test_the_writer_threads_error_is_raised_at_the_next_call(tmp_path, job):
   manager.save(7, state)  # 6 handed to the writer, which fails
   with pytest.raises(NotADirectoryError):
     manager.close()
+
+
+def test_a_state_with_nan_is_not_written_and_the_one_before_stays(
+    tmp_path, job, capfd):
+  """A NaN in one leaf (after leaves of other types, before others of its
+  own): that snapshot is not written, a line names the leaf, and the
+  restore takes the snapshot before it."""
+  strategy = strategy_on(2)
+  good = strategy.replicate({"a": jax.numpy.arange(3, dtype=jax.numpy.int32),
+                             "b": jax.numpy.ones(4), "c": jax.numpy.ones(2)})
+  bad = dict(good, c=strategy.replicate(jax.numpy.array([1.0, np.nan])))
+  with jdist.CheckpointManager(tmp_path / "ckpt", strategy=strategy,
+                               save_every=100, snapshot_every=1) as manager:
+    manager.save(1, good)
+    manager.save(2, bad)
+    restored = manager.restore(good)
+    assert manager.latest_step == 1
+  assert ("not writing the in-memory snapshot of step 2: c has NaN or "
+          "infinite values" in capfd.readouterr().err)
+  np.testing.assert_array_equal(np.asarray(restored["c"]), [1.0, 1.0])

@@ -24,8 +24,8 @@ process RANK, after step STEP, does WHAT: `kill` (SIGKILL itself), `stop`
 then waits forever for the test to take its node away), `savekill` (SIGKILLs
 itself in the middle of `CheckpointManager.save` of checkpoint STEP, the
 step after which it is saved: see `kill_mid_save`), `snapkill` (the same,
-while it writes its part of the in-memory snapshot of step STEP: see
-`kill_mid_snapshot`).
+while it writes its part of the in-memory snapshot of step STEP, in the
+loop or in fit: see `arm_snapshot_kill`).
 
 It prints timestamped markers the tests read: `started <t> pid=<pid>` first,
 `imported <t>`, `initialized <t> world=<n> attempt=<k>`,
@@ -200,35 +200,33 @@ def kill_mid_save(step, directory):
     yield
 
 
-@contextlib.contextmanager
-def kill_mid_snapshot(step, manager):
-  """With a `snapkill` fault at `step`: SIGKILLs this process while its
-  part of the in-memory snapshot of `step` is being written: its temporary
-  file is there, complete, not yet renamed. The part is handed to the
-  manager's writer thread by the save after the one that took the snapshot
-  (the save of step `step + 1`, which this wraps), and written on that
-  thread: the hook wraps the module's file writer (a look inside the
-  manager), on every thread, until the kill."""
-  if my_fault(step - 1, ("snapkill",)) is None:
-    yield
+def arm_snapshot_kill(step):
+  """With a `snapkill` fault at `step`, called once the in-memory snapshot
+  of `step` is taken: SIGKILLs this process while its part of that
+  snapshot is being written (its temporary file is there, complete, not
+  yet renamed). The part is handed to the manager's writer thread by the
+  save (or fit's batch end) after the one that took it, and written on
+  that thread: the hook wraps the module's file writer (a look inside),
+  on every thread, until the kill."""
+  if my_fault(step, ("snapkill",)) is None:
     return
   from jdist._src.checkpoint import snapshots  # noqa: PLC0415 (test hook)
-  directory = manager._snapshots.directory
-  tmp = os.path.join(directory, f".tmp-{ME}-{os.getpid()}.snap")
+  tmp = f".tmp-{ME}-{os.getpid()}.snap"
   write_all = snapshots._write_all
 
   def killing_write_all(path, buffers):
     write_all(path, buffers)
     header = bytes(buffers[0])
-    if path == tmp and f'"step": {step - 1}, '.encode() in header and \
+    if os.path.basename(path) == tmp and \
+        f'"step": {step}, '.encode() in header and \
         f'"rank": {ME}, '.encode() in header:  # its part, not a replica
-      say(f"writing {os.path.basename(tmp)} {os.path.getsize(tmp)} "
+      directory = os.path.dirname(path)
+      say(f"writing {tmp} {os.path.getsize(path)} "
           f"{' '.join(sorted(os.listdir(directory)))}")
       announce("snapkill")
       os.kill(os.getpid(), signal.SIGKILL)
 
   snapshots._write_all = killing_write_all
-  yield
 
 
 @contextlib.contextmanager
@@ -261,6 +259,7 @@ class Markers(jdist.Callback):
   def on_train_batch_end(self, batch, logs=None):
     i = self.model.global_step - 1
     after_step(i, i == self.first)
+    arm_snapshot_kill(i + 1)  # (BackupAndRestore, before, took it)
 
 
 def run_fit() -> dict:
@@ -336,9 +335,9 @@ def run_loop() -> dict:
     jax.block_until_ready(state)
     # Every step: the manager saves at multiples of SAVE_EVERY and keeps a
     # snapshot at multiples of SNAPSHOT_EVERY.
-    with kill_mid_save(i + 1, manager.directory), \
-        kill_mid_snapshot(i + 1, manager):
+    with kill_mid_save(i + 1, manager.directory):
       manager.save(i + 1, saved(i + 1, state))
+    arm_snapshot_kill(i + 1)
     after_step(i, i == first)
   manager.close()
   return train.host_params(state)

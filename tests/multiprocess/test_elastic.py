@@ -136,15 +136,19 @@ def wait_for_file(path: str, launchers: list, timeout: float) -> str:
 def test_a_node_that_goes_away_leaves_the_job_to_the_others(tmp_path):
   """Four launchers, one per simulated host, on one rendezvous; the host of
   process 2 goes away at step 30 (its launcher is killed, and with it its
-  process): the job finishes on the other three, as `Trainer.fit` with
+  process): the job goes on on the other three, as `Trainer.fit` with
   `BackupAndRestore(save_freq=50, snapshot_every=10)`: no backup on disk
   before step 50, so it resumes from the in-memory snapshot of step 30 (the
-  end of the first epoch). (The custom loop with `jdist.CheckpointManager`
-  after a node went away: test_snapshot_restarts.py.)"""
+  end of the first epoch). Then process 1 dies while it writes its part of
+  fit's snapshot of step 40 (its temporary file is there): the job resumes
+  from that snapshot with process 1's part from its replica (on process 2),
+  or, when that snapshot lacks it, from step 30, and finishes with the
+  parameters of an uninterrupted run. (The custom loop with
+  `jdist.CheckpointManager`: test_snapshot_restarts.py.)"""
   with contextlib.ExitStack() as stack:
     launchers = harness.hosts_on_one_rendezvous(
         stack, [JOB, tmp_path, "--snapshot-every", 10, "--save-every", 50,
-                "0:2:30:park", "--fit"])
+                "0:2:30:park", "1:1:40:snapkill", "--fit"])
     host = launchers[0]
     doomed = int(wait_for_file(os.path.join(tmp_path, "parked-2"), launchers,
                                timeout=RUN_TIMEOUT))
@@ -159,15 +163,36 @@ def test_a_node_that_goes_away_leaves_the_job_to_the_others(tmp_path):
   assert re.search(r"jdist launch: attempt 0: node \d \(127\.0\.0\.1, process 2\) "
                    r"went away \(its launcher's connection closed\); restarting "
                    r"the job \(restart 1 of at most 3\)", hosted), output[-5000:]
+  assert re.search(r"jdist launch: attempt 1: process 1 of 3 failed \(killed "
+                   r"by SIGKILL\); restarting the job \(restart 2 of at most "
+                   r"3\)", output), output[-5000:]
+  writing = re.search(r"^\[1\] writing (\.tmp-1-\d+\.snap) \d+ (.*)$",
+                      output, re.M)
+  assert writing and writing.group(1) in writing.group(2).split(), output
+  # The snapshot of step 40 with process 1's part from its replica, or
+  # (lacking it: the launcher stopped process 2 before it wrote it) step 30.
+  lacks = re.search(r"^\[0\] jdist: the snapshot of step 40 \(attempt 1\) "
+                    r"lacks the parts of processes \[[\d, ]+\] of 3; not "
+                    r"using it\.$", output, re.M)
+  second, position = (30, "epoch 1, batch 30") if lacks else \
+      (40, "epoch 2, batch 10")
   resumed = [step for _, step, _ in markers(output, "resumed")]
-  assert sorted(resumed) == [0] * 4 + [30] * 3  # the snapshot of step 30
-  assert re.search(r"^\[0\] jdist: restored step 30 from the in-memory "
-                   r"snapshot in \S+, not from \S+/backup \(no checkpoint "
-                   r"there\)\.$", output, re.M), output[-5000:]
-  assert re.search(r"^\[0\] BackupAndRestore: resuming from step 30 \(epoch "
-                   r"1, batch 30\) in the in-memory snapshot in \S+\.$",
-                   output, re.M), output[-5000:]
+  assert sorted(resumed) == sorted([0] * 4 + [30] * 3 + [second] * 3)
+  restored = re.findall(r"^\[0\] jdist: restored step (\d+) from the "
+                        r"in-memory snapshot in \S+( \(the parts of processes "
+                        r"\[[\d, ]+\] of 3 from their replicas on the "
+                        r"processes after them\))?, not from "
+                        r"\S+/backup \(no checkpoint there\)\.$", output, re.M)
+  # (Process 0 of each attempt may run under another launcher.)
+  assert sorted(int(s) for s, _ in restored) == sorted([30, second]), restored
+  if not lacks:
+    assert any(s == "40" and "[1]" in copies for s, copies in restored)
+  for step, where in ((30, "epoch 1, batch 30"), (second, position)):
+    assert re.search(rf"^\[0\] BackupAndRestore: resuming from step {step} "
+                     rf"\({where}\) in the in-memory snapshot in \S+\.$",
+                     output, re.M), output[-5000:]
   assert not os.path.exists(os.path.join(tmp_path, "backup"))  # completed
-  worst = assert_finished(tmp_path, world=3, attempt=1, mode="fit")
-  print(f"{restart_report(output)}; final parameters within {worst:.1e}")
+  worst = assert_finished(tmp_path, world=3, attempt=2, mode="fit")
+  print(f"{restart_report(output)}; after the kill mid-snapshot, resumed "
+        f"from step {second}; final parameters within {worst:.1e}")
   assert harness.wait_gone(pids(output), timeout=5) == []

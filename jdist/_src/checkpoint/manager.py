@@ -32,6 +32,7 @@ import json
 import os
 from typing import Any
 
+import jax
 import numpy as np
 
 from jdist._src import current
@@ -146,6 +147,7 @@ class CheckpointManager:
     self._ckpt = Checkpointer(self.directory, max_to_keep=max_to_keep,
                               claim=True)
     self._snapshots = None
+    self._names = None  # (treedef, names) of the state snapshotted last
     if snapshot_every is not None:
       # One directory per manager of the job, named by its checkpoint directory.
       name = hashlib.sha256(self.directory.encode()).hexdigest()[:16]
@@ -233,18 +235,29 @@ class CheckpointManager:
       return None
     return os.path.join(self.directory, str(step))
 
-  def _snapshot(self, step: int, state: Any, meta: dict | None = None, *,
-                copy: bool = False) -> None:
+  def _snapshot(self, step: int, state: Any, meta: dict | None = None
+                ) -> None:
     """Takes the in-memory snapshot of `state` at `step` (written at the
-    next `save`, `restore`, `close` or `BackupManager.write_snapshot`), with `meta` (JSON) if
-    given; `copy`: of a copy of its arrays, for a caller whose next step
-    donates them (`BackupAndRestore`: fit's steps do)."""
-    names, stored, _, _ = ckpt_lib.storable_leaves(state)
-    if copy:
-      stored = placement.copy_arrays(stored)
+    next `save`, `restore`, `close` or `BackupManager.write_snapshot`), with
+    `meta` (JSON) if given."""
+    names, stored = self._stored(state)
     if meta is not None:
       names, stored = [*names, META_LEAF], [*stored, _meta_leaf(meta)]
     self._snapshots.write(step, names, stored)
+
+  def _stored(self, state: Any) -> tuple:
+    """`(names, stored)` of `state`, as `checkpointer.storable_leaves`
+    gives them; the names worked out once per tree structure (a state of
+    arrays on devices, no PRNG key: the usual one, at every snapshot)."""
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    if self._names is not None and self._names[0] == treedef and all(
+        isinstance(x, jax.Array) and isinstance(x.dtype, np.dtype)
+        for x in leaves):
+      return self._names[1], leaves
+    names, stored, whole, _ = ckpt_lib.storable_leaves(state)
+    if len(whole) == len(leaves) and all(a is b for a, b in zip(whole, leaves)):
+      self._names = (treedef, names)  # (flattened in the same order)
+    return names, stored
 
   def restore(self, like: Any, step: int | None = None) -> Any:
     """The newest usable checkpoint (or checkpoint `step`), shaped and
@@ -352,8 +365,9 @@ class CheckpointManager:
 class BackupManager(CheckpointManager):
   """The `CheckpointManager` of `jdist.BackupAndRestore`: its backups carry
   fit's metadata (position, logs, history, data state), on disk and in the
-  in-memory snapshots, and fit takes its snapshots from a callback, of a
-  copy of the state (fit's next step donates its arrays). Not public: a
+  in-memory snapshots, and fit takes its snapshots from a callback (fit's
+  next step donates the state's arrays: the snapshot packs a copy of them
+  when it is taken, `snapshots.py`). Not public: a
   custom loop uses `CheckpointManager`."""
 
   @property
@@ -368,9 +382,9 @@ class BackupManager(CheckpointManager):
     return None if self._snapshots is None else self._snapshots.directory
 
   def take_snapshot(self, step: int, state: Any, meta: dict) -> None:
-    """Takes the in-memory snapshot of a copy of `state` at `step`, with
+    """Takes the in-memory snapshot of `state` at `step`, with
     `meta` (JSON); the next `write_snapshot` (or `close`) writes it."""
-    self._snapshot(step, state, meta, copy=True)
+    self._snapshot(step, state, meta)
 
   def write_snapshot(self) -> None:
     """Hands the snapshot taken last, if not yet written, to the writer

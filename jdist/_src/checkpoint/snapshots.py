@@ -28,10 +28,16 @@ leaf from the blocks of the parts it sees and cuts its own shards out of it.
 With one CPU device per process and a replicated (mirrored) state, every
 part holds the whole state, so any single part is enough.
 
-Writing: `write` takes the snapshot (it starts the copy of the blocks to the
-host, and to the next process), and the next `save` of the manager hands it
-to this `Snapshots`' writer, one background thread, which writes the part
-and the replica (it waits for the copies, then checksum, file, rename),
+Writing: `write` takes the snapshot: one jitted program packs the blocks of
+this process into one buffer on its device (and those the next process
+lacks into another, `packing.py`), and starts the second's copy to the
+next process (one dispatch and one collective per snapshot, whatever the
+number of leaves; the layout of the blocks, the header and the program are
+worked out once per state layout); the buffers are copies, so a step that
+donates the state's arrays next does not touch them. The next `save` of
+the manager hands it to this `Snapshots`' writer, one background thread,
+which writes the part and the replica (it copies the two buffers to the
+host, one transfer each, then checksum, file, rename),
 while the loop goes on with its next steps; `restore` and `close` write it
 at once. At most one snapshot is in flight: `write` first waits for the one
 before it (written long ago at a snapshot every few steps), and so do
@@ -85,6 +91,7 @@ is marked experimental, "do not use without specific approval".
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 import queue
@@ -99,6 +106,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jdist._src.checkpoint import packing
 from jdist._src.checkpoint import peer_copy
 from jdist._src.multiprocess import liveness
 from jdist._src.multiprocess import runtime as runtime_lib
@@ -111,15 +119,23 @@ _PART = re.compile(
 _TMP = re.compile(r"\.tmp-(\d+)-(\d+)\.snap")  # the writer's rank and pid
 
 
-def _group(m) -> tuple:
-  return int(m[1]), int(m[2]), int(m[5])  # step, attempt, world
+@functools.lru_cache(maxsize=1024)
+def _parse(entry: str) -> tuple:
+  """`(group, rank, kind, pid)` of a directory entry: a part's (or a
+  replica's) `(step, attempt, world)`, process and "part" or "replica"
+  (else None each), and a temporary file's writer's pid (else None).
+  Cached: the writer looks at the same names snapshot after snapshot."""
+  m = _PART.fullmatch(entry)
+  if m:
+    return (int(m[1]), int(m[2]), int(m[5])), int(m[4]), m[3], None
+  tmp = _TMP.fullmatch(entry)
+  return None, None, None, (int(tmp[2]) if tmp else None)
 
 
 def _groups(entries) -> list:
   """`[((step, attempt, world), rank, kind)]` of the parts among `entries`
   (`kind`: "part" or "replica")."""
-  return [(_group(m), int(m[4]), m[3])
-          for m in map(_PART.fullmatch, entries) if m]
+  return [parsed[:3] for parsed in map(_parse, entries) if parsed[0]]
 
 
 def part_name(step: int, attempt: int, rank: int, world: int,
@@ -156,61 +172,110 @@ def _blocks(leaf, process: int) -> list:
   return blocks
 
 
-def _picker(leaf, blocks: list):
-  """A function that takes the data of `blocks` (this process's) out of a
-  leaf like `leaf`."""
+def _picker(leaf, blocks: list, target) -> tuple:
+  """`(pick, devices)`: a function that takes the data of `blocks` (this
+  process's) out of a leaf like `leaf`, and the device each is on (a block
+  whole on every device: the one on `target` if it is one of them)."""
   if not blocks:
-    return lambda x: []
+    return (lambda x: []), []
   if not isinstance(leaf, jax.Array):
-    return lambda x: [np.asarray(x)]
+    return (lambda x: [np.asarray(x)]), [None]
+  shards = leaf.addressable_shards
   if leaf.sharding.is_fully_replicated:
-    return lambda x: [x.addressable_data(0)]
-  at = {shard.device: i for i, shard in enumerate(leaf.addressable_shards)}
+    at = next((i for i, s in enumerate(shards) if s.device == target), 0)
+    if at == 0:
+      return (lambda x: [x.addressable_data(0)]), [shards[0].device]
+    return (lambda x: [x.addressable_shards[at].data]), [shards[at].device]
+  at = {shard.device: i for i, shard in enumerate(shards)}
   order = [at[device] for _, device in blocks]
-  return lambda x: [x.addressable_shards[i].data for i in order]
+  return (lambda x: [x.addressable_data(i) for i in order]), [
+      device for _, device in blocks]
 
 
 class _Layout:
   """A state's blocks on process `process` (with `but`, those process `but`
-  does not hold: what a replica on it needs): the header's description of
-  them (`entries`, JSON), their sizes, and (on this process) how to pick
-  them."""
+  does not hold: what a replica on it needs), in the order of its file: the
+  blocks of the leaves on devices first (one buffer, `packing.py`), then
+  those of the leaves on the host (whole). It holds the header's
+  description of them (`entries`, JSON), their sizes, and (on this process,
+  `target`: the device to pack them on) how to pick them: `picks`, `(leaf
+  index, pick)` of each leaf on devices, whose blocks are `keys` (`(leaf
+  index, bounds)`) on `devices`, and `host`, the indices of the leaves on
+  the host."""
 
   def __init__(self, names: list, leaves: list, process: int,
-               but: int | None = None):
-    self.picks, self.sizes, entries = [], [], []
+               but: int | None = None, target=None):
+    self.picks, self.sizes, self.names, entries = [], [], [], []
+    self.keys, self.devices, self.host = [], [], []
     mine = process == jax.process_index()
-    for name, leaf in zip(names, leaves):
+    order = sorted(range(len(leaves)),
+                   key=lambda i: not isinstance(leaves[i], jax.Array))
+    self.on_device = sum(isinstance(x, jax.Array) for x in leaves)
+    for i in order:
+      name, leaf = names[i], leaves[i]
       blocks = _blocks(leaf, process)
       if but is not None:
         held = [b for b, _ in _blocks(leaf, but)]
         blocks = [(b, d) for b, d in blocks if b not in held]
       dtype = np.dtype(leaf.dtype)
       inexact = bool(np.issubdtype(dtype, np.inexact))
-      self.picks.append((_picker(leaf, blocks) if mine else None, inexact))
+      if mine and blocks:
+        pick, devices = _picker(leaf, blocks, target)
+        if isinstance(leaf, jax.Array):
+          self.picks.append((i, pick))
+          self.keys += [(i, str(b)) for b, _ in blocks]
+          self.devices += devices
+        else:
+          self.host.append(i)
       nbytes = [dtype.itemsize * int(np.prod([hi - lo for lo, hi in b]))
                 for b, _ in blocks]
       self.sizes.append((dtype, inexact, nbytes))
+      self.names.append(name)
       entries.append({"name": name, "shape": list(np.shape(leaf)),
                       "dtype": str(dtype), "shards": [
                           {"bounds": b, "nbytes": n}
                           for (b, _), n in zip(blocks, nbytes)]})
     self.entries = json.dumps(entries)
     self.nbytes = sum(n for _, _, ns in self.sizes for n in ns)
+    self._runs = _runs(self.sizes[:self.on_device])  # (to check for NaN)
 
   def nonfinite(self, data) -> int | None:
-    """The index of the first leaf whose inexact values in `data` (bytes
-    laid out as this layout says) hold NaN or inf, or None."""
+    """The file-order index of the first leaf on devices whose inexact
+    values in `data` (their bytes, laid out as this layout says) hold NaN
+    or inf, or None. One sum per run of blocks of one type (NaN and inf
+    survive a sum); leaf by leaf only when one is not finite."""
+    if all(_finite(data, *run) for run in self._runs):
+      return None
     offset = 0
-    for i, (dtype, inexact, nbytes) in enumerate(self.sizes):
+    for i, (dtype, inexact, nbytes) in enumerate(self.sizes[:self.on_device]):
       for n in nbytes:
-        if inexact and n:
-          block = np.frombuffer(data, dtype, count=n // dtype.itemsize,
-                                offset=offset)
-          if not np.isfinite(block.sum(dtype=np.float64)):
-            return i  # (NaN and inf survive the sum.)
+        if inexact and not _finite(data, dtype, offset, n):
+          return i
         offset += n
     return None
+
+
+def _runs(sizes: list) -> list:
+  """`[(dtype, offset, nbytes)]`: the runs of consecutive inexact blocks of
+  one type among `sizes` (a layout's)."""
+  runs, offset = [], 0
+  for dtype, inexact, nbytes in sizes:
+    for n in nbytes:
+      if inexact and n:
+        if runs and runs[-1][0] == dtype and sum(runs[-1][1:]) == offset:
+          runs[-1][2] += n
+        else:
+          runs.append([dtype, offset, n])
+      offset += n
+  return runs
+
+
+def _finite(data, dtype: np.dtype, offset: int, nbytes: int) -> bool:
+  values = np.frombuffer(data, dtype, count=nbytes // dtype.itemsize,
+                         offset=offset)
+  wide = np.complex128 if np.issubdtype(dtype, np.complexfloating) else \
+      np.float64
+  return bool(np.isfinite(values.sum(dtype=wide)))
 
 
 def _write_all(path: str, buffers: list) -> None:
@@ -351,7 +416,7 @@ class Snapshots:
     # restored), and of the one before it.
     self.complete, self._before = None, None
     self._layouts_key, self._layouts = None, None
-    self._pending, self._at_once = None, False
+    self._pending = None
     self._writer = _Writer(f"jdist-snapshots-{self.rank}")
     self._peer = peer_copy.PeerCopy.for_this_job()
     # The processes whose parts the last agreement found only as replicas.
@@ -363,34 +428,39 @@ class Snapshots:
     """Takes snapshot `step` of `leaves` (every process calls it).
 
     It waits for the snapshot before it to be written (at most one in
-    flight), then starts the copy of this process's blocks to the host
-    and, in a job of several processes, to the next process
-    (`peer_copy.py`). The next `flush(wait=False)` (the manager's next
-    `save`) hands the snapshot to the writer thread, which writes the part,
-    and the replica of the part the process before sent; `flush()` (the
-    manager's `restore`, `close`) writes it at once. Either way the step
-    that computed it has been dispatched by then and the loop does not wait
-    for it. A step that donates its state deletes the arrays first: that
-    snapshot is lost (a line says so) and from then on each is written at
-    once, waiting for its step.
+    flight), then dispatches one program that packs this process's blocks
+    into one buffer (and those the next process lacks into another,
+    `packing.py`) and, in a job of several processes, the copy of the other
+    to the next process (`peer_copy.py`); the writer thread copies the
+    buffers to the host (off the loop's thread, where an accelerator's
+    transfer costs the loop nothing).
+    The next `flush(wait=False)` (the manager's next `save`) hands the
+    snapshot to the writer thread, which writes the part, and the replica
+    of the part the process before sent; `flush()` (the manager's
+    `restore`, `close`) writes it at once. Either way the step that
+    computed it has been dispatched by then and the loop does not wait for
+    it. The buffers are copies: a later step may donate the state's arrays.
 
     Raises:
       The error of the snapshot before it, if its writer failed.
     """
     self.flush()
-    mine, sent, before, length = self._layout(names, leaves)
-    blocks = [pick(leaf) for leaf, (pick, _) in zip(leaves, mine.picks)]
-    for block in (b for bs in blocks for b in bs):
-      if isinstance(block, jax.Array):
-        block.copy_to_host_async()
-    received = None
-    if self._peer is not None and length:
-      received = self._peer.send(
-          [b for leaf, (pick, _) in zip(leaves, sent.picks)
-           for b in pick(leaf)], length)
-    self._pending = (int(step), names, mine, blocks, before, received)
-    if self._at_once:
-      self.flush()
+    mine, before, plan = self._layout(names, leaves)
+    program, target, moves, length = plan
+    blocks = [b for i, pick in mine.picks for b in pick(leaves[i])]
+    if moves:  # blocks on this process's other devices
+      for j, b in zip(moves, jax.device_put([blocks[j] for j in moves],
+                                            target)):
+        blocks[j] = b
+    packed = copy = received = None
+    if blocks:
+      packed, copy = program(blocks)  # (the writer copies them to the host)
+    elif length:  # nothing of this process's for the next: its share of zeros
+      copy = jax.device_put(np.zeros(length, np.uint8), target)
+    if copy is not None:
+      received = self._peer.send(copy)
+    host = [np.asarray(leaves[i]) for i in mine.host]
+    self._pending = (int(step), mine, packed, host, before, received)
 
   def flush(self, wait: bool = True) -> bool | None:
     """Writes the part of the snapshot taken last, if not yet written, and
@@ -399,9 +469,8 @@ class Snapshots:
 
     Returns:
       None with `wait=False`, or if there was none to write; else whether
-      the last snapshot was written: not when its arrays were donated to a
-      later step, nor when they hold NaN or infinite values (the snapshot
-      before it stays the newest).
+      the last snapshot was written: not when it holds NaN or infinite
+      values (the snapshot before it stays the newest).
 
     Raises:
       The error of the writer thread's last snapshot, if it failed.
@@ -432,26 +501,24 @@ class Snapshots:
   def _write(self, pending: tuple) -> bool:
     """Writes snapshot `pending` (on the writer thread, or the training
     thread): see `flush`."""
-    step, names, layout, blocks, before, received = pending
-    if any(isinstance(b, jax.Array) and b.is_deleted()
-           for bs in blocks for b in bs):
-      self._at_once = True
-      say(f"the in-memory snapshot of step {step} was lost: the step after it "
-          "donated the state's arrays before they were written; from now on "
-          "each snapshot is written when it is taken.")
+    step, layout, packed, host, before, received = pending
+    data = np.zeros(0, np.uint8) if packed is None else np.asarray(packed)
+    bad = layout.nonfinite(data)
+    if bad is None:
+      bad = next((layout.on_device + k for k, h in enumerate(host)
+                  if np.issubdtype(h.dtype, np.inexact) and
+                  not _finite(np.ascontiguousarray(h), h.dtype, 0, h.nbytes)),
+                 None)
+    if bad is not None:
+      say(f"not writing the in-memory snapshot of step {step}: "
+          f"{layout.names[bad]} has NaN or infinite values; the one before "
+          "it stays the newest.")
       return False
-    arrays, crc = [], 0
-    for name, bs, (_, inexact) in zip(names, blocks, layout.picks):
-      for data in bs:
-        h = np.asarray(data)
-        if inexact and not np.isfinite(h.sum(dtype=np.float64)):
-          # (NaN and inf survive the sum.)
-          say(f"not writing the in-memory snapshot of step {step}: {name} has "
-              "NaN or infinite values; the one before it stays the newest.")
-          return False
-        raw = np.ascontiguousarray(h).reshape(-1).view(np.uint8)  # bfloat16 too
-        crc = zlib.crc32(raw, crc)
-        arrays.append(raw)
+    arrays = [data, *(np.ascontiguousarray(h).reshape(-1).view(np.uint8)
+                      for h in host)]  # (bfloat16 too)
+    crc = 0
+    for raw in arrays:
+      crc = zlib.crc32(raw, crc)
     group = (int(step), self.attempt, self.world)
     try:
       entries = os.listdir(self.directory)
@@ -501,33 +568,46 @@ class Snapshots:
     return {rank}
 
   def _layout(self, names: list, leaves: list) -> tuple:
-    """`(mine, sent, before, length)`: the layouts of this process's blocks
-    of `leaves`, of those of them the next process does not hold (its copy
-    of them), and of those of the process before it that this one does not
-    hold (the replica it writes), and the bytes of the largest copy (0: no
-    copy, as for a mirrored state); worked out once per shapes, dtypes and
-    shardings, so that a snapshot costs little more than its copies and its
-    files."""
-    key = tuple((np.shape(x), str(x.dtype), getattr(x, "sharding", None))
-                for x in leaves)
-    if self._layouts_key != key:
-      mine = _Layout(names, leaves, self.rank)
-      sent, before, length = None, None, 0
-      if self._peer is not None:
-        copies = [_Layout(names, leaves, p, but=(p + 1) % self.world)
-                  for p in range(self.world)]
-        sent, before = copies[self.rank], copies[self.rank - 1]
-        length = max(c.nbytes for c in copies)
-      self._layouts_key, self._layouts = key, (mine, sent, before, length)
+    """`(mine, before, plan)`: the layouts of this process's blocks of
+    `leaves` and of those of the process before it that this one does not
+    hold (the replica it writes; None in a job of one process), and `plan`:
+    `(program, target, moves, length)`, the `packing.packer` program, the
+    device it runs on, the positions of the blocks to move there first,
+    and the bytes each process sends the next (0: no copy, as for a
+    mirrored state). Worked out once per names, shapes, dtypes and
+    shardings, so that a snapshot costs little more than its copies and
+    its files."""
+    key = [(x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves]
+    if self._layouts_key is None or self._layouts_key != (names, key):
+      self._layouts_key = (list(names), key)
+      self._layouts = self._new_layout(names, leaves)
     return self._layouts
+
+  def _new_layout(self, names: list, leaves: list) -> tuple:
+    target = None if self._peer is None else self._peer.device
+    mine = _Layout(names, leaves, self.rank, target=target)
+    target = target or next(iter(mine.devices), None)
+    moves = [j for j, d in enumerate(mine.devices) if d != target]
+    before, sent, length = None, None, 0
+    if self._peer is not None:
+      copies = [_Layout(names, leaves, p, but=(p + 1) % self.world)
+                for p in range(self.world)]
+      before = copies[self.rank - 1]
+      length = max(c.nbytes for c in copies)
+      if length:
+        at = {k: j for j, k in enumerate(mine.keys)}
+        mine_sent = _Layout(names, leaves, self.rank,
+                            but=(self.rank + 1) % self.world, target=target)
+        sent = [at[k] for k in mine_sent.keys]
+    return mine, before, (packing.packer(sent, length), target, moves, length)
 
   def _remove(self, entries: list, keep: set) -> None:
     """Removes, of `entries`, the parts (and replicas) of the snapshots not
     in `keep`, and the temporary files of writers that died."""
     for entry in entries:
-      m, tmp = _PART.fullmatch(entry), _TMP.fullmatch(entry)
-      gone = ((m is not None and _group(m) not in keep)
-              or (tmp is not None and not liveness.pid_exists(int(tmp[2]))))
+      group, _, _, pid = _parse(entry)
+      gone = ((group is not None and group not in keep)
+              or (pid is not None and not liveness.pid_exists(pid)))
       if gone:
         try:
           os.unlink(os.path.join(self.directory, entry))

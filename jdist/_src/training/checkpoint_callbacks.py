@@ -317,8 +317,8 @@ class BackupAndRestore(Callback):
       self._manager.write_snapshot()  # the snapshot taken at an earlier batch
       if self.fit_loop.reached_multiple(self.snapshot_every):
         loop = self.fit_loop
-        # Of a copy: the next step donates the state's arrays, before the
-        # next batch's end writes the snapshot.
+        # (The next step donates the state's arrays: taking the snapshot
+        # packs a copy of them, which the next batch's end writes.)
         self._manager.take_snapshot(
             loop.global_step, trainer.strategy.state_placement.read(
                 trainer.state), loop.checkpoint_meta())
