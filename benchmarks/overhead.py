@@ -12,8 +12,11 @@ median over rounds of the ratio of steps per second.
 Per call, it also reports what each call costs the calling thread: its CPU
 time per step (the same rounds), and with `--instructions` the instructions
 one call executes on it, counted by valgrind's callgrind inside the loop of
-calls only (compilation and the device threads left out). Instructions are
-repeatable on a shared machine; times are not.
+calls only (compilation and the device threads left out; callgrind's
+instrumentation is turned on only after the warm-up, with
+`callgrind_control`, which makes a run several times shorter), on the
+device counts of `--devices` (default 2). Instructions are repeatable on a
+shared machine; times are not.
 
 Run inside a process with enough fake devices (benchmarks/run.py does this):
   XLA_FLAGS=--xla_force_host_platform_device_count=4 python benchmarks/overhead.py
@@ -172,32 +175,58 @@ def measure(name: str, n: int, *, batch: int, steps: int, rounds: int) -> dict:
           "jdist_thread_us": 1e6 * statistics.median(thread["jdist"])}
 
 
-def count_calls(which: str, calls: int) -> None:
-  """Runs `calls` steps of one implementation (MLP, batch 256, 2 devices)
+def count_calls(which: str, calls: int, n: int = 2) -> None:
+  """Runs `calls` steps of one implementation (MLP, batch 256, `n` devices)
   inside `functools.reduce`, the one function callgrind counts in."""
-  carry, step_once = _impls("mlp", 2, 256, (which,))[which]
+  carry, step_once = _impls("mlp", n, 256, (which,))[which]
+  if os.environ.get("JDIST_INSTRUMENT_LATE"):
+    _instrument_now()
   jax.block_until_ready(functools.reduce(lambda c, _: step_once(c),
                                          range(calls), carry))
 
 
-def instructions(calls: int) -> dict:
+def _instrument_now() -> None:
+  """Turns callgrind's instrumentation on in this process (started without
+  it, `--instr-atstart=no`: importing and compiling run at a fraction of
+  callgrind's cost). Callgrind reads the command while this process runs,
+  so it spins until the command has been answered."""
+  control = subprocess.Popen(["callgrind_control", "-i", "on",
+                              str(os.getpid())], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+  while control.poll() is None:
+    sum(range(1000))
+
+
+
+def instructions(calls: int, n: int = 2, keep: str | None = None) -> dict:
   """Instructions per call on the calling thread, hand-written and jdist,
-  counted by callgrind (None without valgrind)."""
+  counted by callgrind on `n` devices (None without valgrind).
+
+  Args:
+    keep: a directory to keep callgrind's files in (`callgrind_annotate`
+      them for the instructions per function), or None.
+  """
   valgrind = shutil.which("valgrind")
   if valgrind is None:
     return None
-  out = {"calls": calls}
+  out = {"calls": calls, "devices": n}
+  # Instrumentation turned on after the warm-up (import and compilation run
+  # uninstrumented, several times faster): see `_instrument_now`.
+  late = shutil.which("callgrind_control") is not None
   with tempfile.TemporaryDirectory() as tmp:
+    tmp = keep or tmp
     for which in ("hand", "jdist"):
       subprocess.run(
           [valgrind, "--tool=callgrind", "--separate-threads=yes",
+           *(["--instr-atstart=no"] if late else []),
            "--collect-atstart=no", "--toggle-collect=functools_reduce",
-           f"--callgrind-out-file={tmp}/{which}.%p", sys.executable,
-           __file__, "--count-calls", which, str(calls)],
+           f"--callgrind-out-file={tmp}/{which}-{n}.%p", sys.executable,
+           __file__, "--count-calls", which, str(calls), str(n)],
           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-          env=dict(os.environ, XLA_FLAGS=(
-              "--xla_force_host_platform_device_count=2")))
-      (main_thread,) = glob.glob(f"{tmp}/{which}.*-01")
+          env=dict(os.environ, JDIST_INSTRUMENT_LATE="1" if late else "",
+                   XLA_FLAGS=(
+                       f"--xla_force_host_platform_device_count={max(n, 2)}")))
+      (main_thread,) = glob.glob(f"{tmp}/{which}-{n}.*-01")
       with open(main_thread) as f:
         total = int(re.search(r"^summary: (\d+)", f.read(), re.M).group(1))
       out[which] = total / calls
@@ -208,24 +237,30 @@ def main(argv=None):
   parser = argparse.ArgumentParser()
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--json", action="store_true")
-  parser.add_argument("--devices", default="1,2,4", help="device counts, e.g. 1,2")
+  parser.add_argument("--devices", help="device counts, e.g. 1,2 (default "
+                      "1,2,4; with --instructions, 2)")
   parser.add_argument("--steps", type=int, help="steps per round, both models (tests)")
   parser.add_argument("--rounds", type=int, help="rounds, both models (tests)")
   parser.add_argument("--instructions", type=int, metavar="CALLS",
                       help="only count the calling thread's instructions per "
-                           "call over CALLS calls (MLP, 2 devices; valgrind)")
-  parser.add_argument("--count-calls", nargs=2, metavar=("WHICH", "CALLS"),
+                           "call over CALLS calls (MLP; valgrind)")
+  parser.add_argument("--keep-profiles", metavar="DIR",
+                      help="with --instructions: keep callgrind's files in DIR")
+  parser.add_argument("--count-calls", nargs=3, metavar=("WHICH", "CALLS", "N"),
                       help=argparse.SUPPRESS)  # what --instructions runs
   args = parser.parse_args(argv)
   if args.count_calls:
-    count_calls(args.count_calls[0], int(args.count_calls[1]))
+    count_calls(args.count_calls[0], *map(int, args.count_calls[1:]))
     return None
   if args.instructions:
-    result = instructions(args.instructions)
+    counts = [int(d) for d in (args.devices or "2").split(",")]
+    found = [instructions(args.instructions, n, args.keep_profiles)
+             for n in counts]
+    result = found[0] if len(found) == 1 else found
     print(json.dumps(result) if args.json else result)
     return result
   results = []
-  for n in (int(d) for d in args.devices.split(",")):
+  for n in (int(d) for d in (args.devices or "1,2,4").split(",")):
     if n > len(jax.local_devices()):
       continue
     results.append(measure("mlp", n, batch=256,

@@ -88,8 +88,9 @@ def main(argv=None) -> int:
   import jax
   load_before = _load()
   overhead = _run("overhead.py", 4, *extra)
-  per_call = None if args.quick else _run("overhead.py", 2, "--instructions",
-                                          str(PER_CALL_CALLS))
+  per_call = None if args.quick else _run(
+      "overhead.py", 4, "--instructions", str(PER_CALL_CALLS), "--devices",
+      PER_CALL_DEVICES)
   peers_result = ps_result = None
   if not args.no_peers:
     peer_args = extra + (("--peers-python", args.peers_python) if args.peers_python else ())
@@ -152,13 +153,14 @@ def main(argv=None) -> int:
 
 
 PER_CALL_CALLS = 300  # calls counted by callgrind, per implementation
+PER_CALL_DEVICES = "1,2,4"  # the device counts they are counted on
 FAULT_TRIALS = ("--trials", "2")  # README quotes the range of two
 FAULT_TRIALS_QUICK = ("--case", "backup path is a file")
 ELASTIC_QUICK = ("--case", "kill")
 BEFORE = HERE / "overhead_before.json"  # the same figures for an earlier engine
 
 
-def overhead_section(overhead: list, per_call: dict | None) -> list:
+def overhead_section(overhead: list, per_call: list | None) -> list:
   """The "per-step overhead" section of RESULTS.md (overhead.py)."""
   lines = [
       "## Per-step overhead: jdist vs the same step hand-written",
@@ -184,32 +186,39 @@ def overhead_section(overhead: list, per_call: dict | None) -> list:
                    ("mlp", 2)), None)
   lines += [
       "",
-      "**Per call** (the MLP on 2 devices): what one step call costs the "
-      "calling thread, hand-written and under jdist. Instructions: counted by "
-      f"valgrind's callgrind over {PER_CALL_CALLS} calls, in the loop of "
-      "calls only (repeatable on a shared machine). Microseconds: the calling "
-      "thread's CPU time per step in the rounds above (noisy: the fake "
-      "devices' threads share the cores). Before: jdist at commit "
-      f"{before['commit']} ({before['engine']}), measured by this script with "
-      f"`JDIST_BENCH_SOURCE` (`benchmarks/{BEFORE.name}`); now: this run.",
+      "**Per call** (the MLP): what one step call costs the calling thread, "
+      "hand-written and under jdist. Instructions: counted by valgrind's "
+      f"callgrind over {(per_call or [{}])[0].get('calls', PER_CALL_CALLS)} "
+      "calls, in the loop of calls only "
+      "(repeatable on a shared machine), on each device count. "
+      "Microseconds (2 devices): the calling thread's CPU time per step in "
+      "the rounds above (noisy: the fake devices' threads share the cores). "
+      f"Before: jdist at commit {before['commit']} ({before['engine']}), "
+      "measured by this script with `JDIST_BENCH_SOURCE` "
+      f"(`benchmarks/{BEFORE.name}`); now: this run.",
       "",
       "| per call | hand-written | jdist | jdist's extra |",
       "|---|---|---|---|",
   ]
-  rows = [(f"instructions, before ({before['commit']})", before["instructions"],
-           "hand", "jdist", "{:,.0f}"),
-          ("instructions, now", per_call, "hand", "jdist", "{:,.0f}"),
-          (f"calling thread us, before ({before['commit']})", before["mlp_2"],
-           "hand_thread_us", "jdist_thread_us", "{:.1f}"),
-          ("calling thread us, now", now_mlp2, "hand_thread_us",
-           "jdist_thread_us", "{:.1f}")]
+  rows = []
+  for label, found in ((f"before ({before['commit']})",
+                        before["instructions"]), ("now", per_call)):
+    for res in found or [None]:
+      devices = f", {res['devices']} dev" if res else ""
+      rows.append((f"instructions, {label}{devices}", res, "hand", "jdist",
+                   "{:,.0f}"))
+  rows += [(f"calling thread us, before ({before['commit']})", before["mlp_2"],
+            "hand_thread_us", "jdist_thread_us", "{:.1f}"),
+           ("calling thread us, now", now_mlp2, "hand_thread_us",
+            "jdist_thread_us", "{:.1f}")]
   for label, res, hand, jd, fmt in rows:
     if not res:
       lines.append(f"| {label} | not measured (no valgrind, or --quick) | | |")
       continue
     extra = res[jd] - res[hand]
     lines.append(f"| {label} | {fmt.format(res[hand])} | {fmt.format(res[jd])} "
-                 f"| +{fmt.format(extra)} ({res[jd] / res[hand]:.2f}x) |")
+                 f"| {extra:+,.{1 if '.1f' in fmt else 0}f} "
+                 f"({res[jd] / res[hand]:.2f}x) |")
   return lines
 
 

@@ -28,6 +28,24 @@ class _Stacks(threading.local):
 
 _stacks = _Stacks()
 
+# How many scopes and replica contexts are open, in all threads: while none
+# is, any step may be called (`may_call_step`'s answer without reading this
+# thread's stacks, one module attribute read per step call).
+open_count = 0
+_count_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _counted() -> Iterator[None]:
+  global open_count
+  with _count_lock:
+    open_count += 1
+  try:
+    yield
+  finally:
+    with _count_lock:
+      open_count -= 1
+
 
 @contextlib.contextmanager
 def strategy_scope(strategy) -> Iterator[Any]:
@@ -42,11 +60,12 @@ def strategy_scope(strategy) -> Iterator[Any]:
     raise ReplicaContextError(
         "strategy.scope() was entered inside a step (a replica context). Enter "
         "the scope outside the step, around the code that builds and runs it.")
-  scopes.append(strategy)
-  try:
-    yield strategy
-  finally:
-    scopes.pop()
+  with _counted():
+    scopes.append(strategy)
+    try:
+      yield strategy
+    finally:
+      scopes.pop()
 
 
 def current_scope_strategy():
@@ -59,11 +78,12 @@ def current_scope_strategy():
 def replica_scope(replica_context) -> Iterator[Any]:
   """Marks the block as one replica's step (used while tracing a step)."""
   replicas = _stacks.replicas
-  replicas.append(replica_context)
-  try:
-    yield replica_context
-  finally:
-    replicas.pop()
+  with _counted():
+    replicas.append(replica_context)
+    try:
+      yield replica_context
+    finally:
+      replicas.pop()
 
 
 def current_replica_context():
@@ -83,7 +103,8 @@ def tracing_step() -> bool:
 def may_call_step(strategy) -> bool:
   """Whether a step of `strategy` may be called here: outside every step (or
   in its `merge_call`), and in no other strategy's scope. Asked at every step
-  call, so it is cheap."""
+  call, so it is cheap; while `open_count` is 0 the answer is True without
+  asking (`if context.open_count and not context.may_call_step(...)`)."""
   stacks = _stacks
   if stacks.replicas and stacks.replicas[-1] is not None:
     return False

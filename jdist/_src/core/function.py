@@ -5,7 +5,8 @@ Each compilation plans the inputs (`plan.py`: what each argument's kind feeds
 the map), probes the outputs (`probe.py`: which vary over replicas, read from
 the traced types), then maps the step with the specs both give and wraps the
 results. Every later call with the same input structure is served by jit's
-C++ cache; the Python around it (`__call__`) is a few attribute tests, the
+C++ cache; the Python around it (`__call__`) is a few attribute tests (the
+scope test reads one module counter while no scope is open), the
 CPU throttle (`_watch_step`) and, when the throttle needs a leaf or a
 batch's validity is handed back, the outputs rebuilt from the flat leaves
 the program returns (`_Flat`); otherwise jit returns the outputs themselves.
@@ -241,7 +242,7 @@ class DistributedFunction:
     # Every step call runs this: keep it to attribute tests (ARCHITECTURE.md,
     # "One program, traced twice per compilation").
     self._calls += 1
-    if not context.may_call_step(self._strategy):
+    if context.open_count and not context.may_call_step(self._strategy):
       raise self._misplaced_call()
     if self._placement is not None:
       args, kwargs = self._placement.to_compute(args, kwargs,
