@@ -193,3 +193,16 @@ def test_a_metric_restored_from_its_sums_continues_the_epoch_exactly(
 def test_with_sums_says_what_it_needs():
   with pytest.raises(ValueError, match=r"'total' and 'count'.*metric.sums\(\)"):
     jdist.metrics.Mean().with_sums({"total": 3.0})
+
+
+def test_a_metric_that_saw_nothing_reads_zero_as_in_keras():
+  """Keras divides with no NaN: a fresh or reset Mean, an Accuracy of no
+  example, read 0.0, outside a step and inside one (where a replica's
+  metric has seen only padding)."""
+  assert float(jdist.metrics.Mean().result()) == 0.0
+  m = jdist.metrics.Mean().update(jnp.array([1.0, 3.0]))
+  assert float(m.result()) == 2.0 and float(m.reset().result()) == 0.0
+  assert float(jdist.metrics.SparseCategoricalAccuracy().result()) == 0.0
+  inside = jax.jit(lambda m: m.result())(jdist.metrics.Mean())
+  assert float(inside) == 0.0
+  assert float(jax.jit(lambda m: m.result())(m)) == 2.0

@@ -160,7 +160,8 @@ class Metric:
     return totals.read()
 
   def result(self) -> jax.Array:
-    """`total / count` over every example seen by every replica (NaN if none).
+    """`total / count` over every example seen by every replica (0.0 if
+    none, as in Keras).
 
     Outside a step it reads the replicas' sums; inside one it all-reduces
     them, so every replica gets the same result.
@@ -168,8 +169,15 @@ class Metric:
     return self.value_of(self.sums())
 
   def value_of(self, sums: dict):
-    """The result from sums `{"total", "count"}` over every replica."""
-    return sums["total"] / sums["count"]
+    """The result from sums `{"total", "count"}` over every replica (0.0
+    for a count of 0, as Keras divides: no NaN for a metric that saw
+    nothing)."""
+    total, count = sums["total"], sums["count"]
+    if isinstance(count, jax.core.Tracer):  # in a step (or the user's jit)
+      empty = count == 0
+      return jnp.where(empty, jnp.zeros_like(total),
+                       total / jnp.where(empty, jnp.ones_like(count), count))
+    return total / count if count else jnp.zeros_like(total)
 
   def reset(self) -> "Metric":
     """The same metric with its sums at zero (placed as before)."""
@@ -228,8 +236,8 @@ class Mean(Metric):
     3.0
     >>> float(m.update(jnp.array([3.0, 5.0]), sample_weight=[1.0, 0.0]).result())
     3.0
-    >>> float(m.reset().result())
-    nan
+    >>> float(m.reset().result())  # nothing seen: 0.0, as in Keras
+    0.0
   """
 
   name: str = "mean"
