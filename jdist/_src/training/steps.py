@@ -300,5 +300,4 @@ def read_sums(strategy, totals: dict) -> dict:
 def means(totals: dict, sums: dict) -> dict[str, float]:
   """`{name: value}`: each metric's result from its `read_sums` (the exact
   mean over the examples seen; 0 before any)."""
-  return {k: float(totals[k].value_of(v)) if v["count"] else 0.0
-          for k, v in sums.items()}
+  return {k: float(totals[k].value_of(v)) for k, v in sums.items()}
