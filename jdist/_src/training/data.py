@@ -5,8 +5,8 @@ Keras' `DataAdapter`) of host batches `{"x": ..., "y": ...}`; the Trainer
 reads all of them the same way. Three kinds:
 
 * `ArraySource`: arrays (or pytrees of arrays) with a batch size. Epoch `e` is
-  shuffled by a permutation drawn from `(seed, e)`, so any position can be
-  recomputed exactly on resume.
+  shuffled by a permutation drawn from `(seed, e)` (`epoch_order.py`), so
+  any position can be recomputed exactly on resume.
 * `IterableSource`: a re-iterable of batches (a list, a tf.data `Dataset`, a
   grain dataset): every epoch is a new pass; resuming starts the pass the
   saving run read for that epoch (its order, if the passes are seeded) and
@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdist._src.input import host
+from jdist._src.training import epoch_order, gather
 
 
 def _check_numeric(tree, what: str) -> None:
@@ -184,6 +185,8 @@ class ArraySource:
     self._data = data
     self._shuffle = shuffle
     self._seed = seed
+    # Epoch e's order: permutation(seed, e, n), the next epoch's drawn ahead.
+    self._orders = epoch_order.EpochOrders(seed, n) if shuffle else None
 
   def split(self, fraction: float, batch_size: int | None = None
             ) -> tuple["ArraySource", "ArraySource"]:
@@ -205,10 +208,7 @@ class ArraySource:
     return train, make(tail, False, batch_size or self.batch_size)
 
   def _order(self, epoch: int):
-    if not self._shuffle:
-      return None
-    return np.random.default_rng([self._seed, epoch]).permutation(
-        self.num_examples)
+    return None if self._orders is None else self._orders(epoch)
 
   def peek(self) -> dict:
     return jax.tree.map(lambda a: a[:self.batch_size], self._data)
@@ -220,17 +220,16 @@ class ArraySource:
 
   def batches(self, epoch: int, start: int = 0) -> Iterator[dict]:
     order, bs = self._order(epoch), self.batch_size
-    # fit pays this per step: the leaves are flattened once per epoch, and
-    # a shuffled batch is `take`n (the rows `a[idx]` gives, in less time
-    # for a 2-D array).
+    # fit pays this per step: the leaves are flattened once per epoch; a
+    # shuffled batch's rows (`a[idx]`) are taken ahead in a thread.
     leaves, treedef = jax.tree.flatten(self._data)
+    if order is not None:
+      for rows in gather.shuffled_rows(leaves, order, bs, start,
+                                       self.steps_per_epoch):
+        yield treedef.unflatten(rows)
+      return
     for i in range(start, self.steps_per_epoch):
-      if order is None:
-        rows = [a[i * bs:(i + 1) * bs] for a in leaves]
-      else:
-        idx = order[i * bs:(i + 1) * bs]
-        rows = [a.take(idx, axis=0) for a in leaves]
-      yield treedef.unflatten(rows)
+      yield treedef.unflatten([a[i * bs:(i + 1) * bs] for a in leaves])
 
   def state(self, consumed: int) -> dict:
     del consumed
