@@ -13,8 +13,8 @@ The loop never waits for the worker: a batch whose chunk is not taken yet
 (the first batches of an epoch, or a busy machine that leaves the worker no
 core) is taken by the loop itself, as it was without the worker. The
 batches are the same either way. The memory this holds is at most four
-chunks of about `CHUNK_BYTES` (the one read, and the next `AHEAD` being
-taken), bounded whatever the data's size.
+chunks of about `CHUNK_BYTES` or one batch (the one read, and the next
+`AHEAD` being taken): bounded whatever the data's size.
 """
 
 from __future__ import annotations
@@ -26,13 +26,14 @@ import numpy as np
 from jdist._src.training import epoch_order
 
 # About this many bytes of rows per chunk (at least a batch): enough
-# batches that handing a chunk over is paid rarely, few enough that the
-# chunks held stay small.
-CHUNK_BYTES = 1 << 20
+# batches that the GIL changes hands for a chunk rarely (the seed MLP's fit
+# ran its loop faster with 2 MiB chunks than with 1 MiB ones), few enough
+# that the chunks held stay small.
+CHUNK_BYTES = 2 << 20
 # Chunks submitted ahead of the one the loop reads: the worker needs the
 # GIL to start and end each take, which a busy loop gives up only now and
-# then (with two ahead, a quarter of the batches were still taken by the
-# loop in the seed MLP's fit; with three, one or two an epoch).
+# then (in the seed MLP's fit, with two ahead the loop still took up to a
+# quarter of the batches itself; with three, two or three an epoch).
 AHEAD = 3
 
 
@@ -68,24 +69,26 @@ def shuffled_rows(leaves: list, order: np.ndarray, batch_size: int,
   """
   bs, per = batch_size, batches_per_chunk(leaves, batch_size)
   pool = epoch_order.worker()
-  submit = lambda lo: pool.submit(
-      _take, leaves, order[lo * bs:min(lo + per, stop) * bs])
+
+  def submit(lo: int):
+    box = []  # the chunk's rows, once taken (a worker's error leaves it
+    # empty: the loop then takes each batch itself, and meets the error)
+    idx = order[lo * bs:min(lo + per, stop) * bs]
+    return box, pool.submit(lambda: box.append(_take(leaves, idx)))
+
   ahead = [submit(lo) for lo in range(start, stop, per)[:AHEAD]]
   try:
     for lo in range(start, stop, per):
-      future = ahead.pop(0)
+      box, future = ahead.pop(0)
       if lo + AHEAD * per < stop:
         ahead.append(submit(lo + AHEAD * per))
-      chunk = None
       for i in range(lo, min(lo + per, stop)):
-        if chunk is None and future.done():
-          chunk = future.result()
-        if chunk is None:  # not taken yet: take this batch here
-          yield _take(leaves, order[i * bs:(i + 1) * bs])
-        else:
+        if box:  # a list's truth: no lock taken per batch
           j = i - lo
-          yield [a[j * bs:(j + 1) * bs] for a in chunk]
+          yield [a[j * bs:(j + 1) * bs] for a in box[0]]
+        else:  # not taken yet: take this batch here
+          yield _take(leaves, order[i * bs:(i + 1) * bs])
       future.cancel()
   finally:
-    for future in ahead:
+    for _, future in ahead:
       future.cancel()
