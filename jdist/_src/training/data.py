@@ -4,13 +4,19 @@ Every kind of input is a `Source` (the protocol below, in the manner of
 Keras' `DataAdapter`) of host batches `{"x": ..., "y": ...}`; the Trainer
 reads all of them the same way. Three kinds:
 
-* `ArraySource`: arrays (or pytrees of arrays) with a batch size. Epoch `e` is
-  shuffled by a permutation drawn from `(seed, e)`, so any position can be
-  recomputed exactly on resume.
+* `ArraySource`: arrays (or pytrees of arrays) with a batch size. Pass `p`
+  over them is shuffled by a permutation drawn from `(seed, p)`, so any
+  position can be recomputed exactly on resume.
 * `IterableSource`: a re-iterable of batches (a list, a tf.data `Dataset`, a
-  grain dataset): every epoch is a new pass; resuming starts the pass the
+  grain dataset): every pass is a new iteration; resuming starts the pass the
   saving run read for that epoch (its order, if the passes are seeded) and
   skips the batches already trained on.
+
+An epoch is one pass, unless `steps_per_epoch` is shorter than a pass of known
+length: then, as in Keras, the next epoch continues the pass where the last
+one stopped, an epoch that reaches the pass's end stops there (shorter), and
+the epoch after it starts the next pass (`epoch_span`). Epoch `e`'s batches
+are a function of `e` alone, so a resume finds them again.
 * `IteratorSource`: a one-shot iterator (a generator, a grain
   `DatasetIterator`, a tf.data `Dataset` that repeats forever): epochs
   continue it. Resuming restores its `get_state()`/`set_state()` state if it
@@ -31,8 +37,8 @@ the input layer's (`input/`): this module only asks it the size.
 from __future__ import annotations
 
 import collections
-import itertools
 import math
+import warnings
 from typing import Any, Callable, Iterator, Protocol
 
 import jax
@@ -122,17 +128,68 @@ def to_xy(batch: Any, *, need_y: bool, class_weight=None) -> dict:
   return out
 
 
+def epoch_span(epoch: int, steps_per_epoch: int | None,
+               pass_length: int | None) -> tuple[int, int, int | None]:
+  """Which batches epoch `epoch` trains on, as Keras's epochs read them:
+  `(pass, first batch of it, number of batches)`.
+
+  Epochs of `steps_per_epoch` batches run through passes of `pass_length`
+  batches: the next epoch continues the pass, an epoch that reaches the
+  pass's end stops there, and the one after starts the next pass. An epoch
+  is a whole pass when either length is unknown or the epoch is not shorter.
+
+  Example:
+    >>> from jdist._src.training.data import epoch_span
+    >>> [epoch_span(e, 3, 7) for e in range(4)]
+    [(0, 0, 3), (0, 3, 3), (0, 6, 1), (1, 0, 3)]
+  """
+  if (steps_per_epoch is None or pass_length is None or
+      steps_per_epoch >= pass_length):
+    return epoch, 0, steps_per_epoch
+  per_pass = -(-pass_length // steps_per_epoch)
+  pass_index, j = divmod(epoch, per_pass)
+  first = j * steps_per_epoch
+  return pass_index, first, min(steps_per_epoch, pass_length - first)
+
+
+def epoch_lengths(steps_per_epoch: int | None, pass_length: int | None,
+                  epochs: range) -> set:
+  """The lengths of epochs `epochs` (`epoch_span`), the short one included
+  if one of them reaches the end of a pass: what a check on an epoch's
+  length must see."""
+  if (steps_per_epoch is None or pass_length is None or
+      steps_per_epoch >= pass_length):
+    return {steps_per_epoch} if len(epochs) else set()
+  per_pass = -(-pass_length // steps_per_epoch)
+  return {epoch_span(e, steps_per_epoch, pass_length)[2]
+          for e in epochs[:per_pass]}
+
+
+def _warn_short(steps_per_epoch: int, pass_length: int, count: int) -> None:
+  warnings.warn(
+      f"steps_per_epoch={steps_per_epoch} does not divide the data's "
+      f"{pass_length} batches: as in Keras, each epoch continues where the "
+      f"last stopped, and the epoch that reaches the end of the data stops "
+      f"there, after {count} batch(es); the next starts a new pass. Pass a "
+      f"steps_per_epoch that divides {pass_length} for epochs of one length.",
+      UserWarning, stacklevel=3)
+
+
 class Source(Protocol):
   """What `fit`, `evaluate` and `predict` read data through.
 
   Attributes:
     steps_per_epoch: batches per epoch, or None (until the data ends).
+    pass_length: batches in a pass over the data, or None (not known, or
+      the data cannot start again). Epochs shorter than a pass continue it
+      (`epoch_span`).
     one_shot: the batches come from an iterator that cannot start again:
       an epoch continues where the last one ended, and how many batches
       follow the first is known only by reading them.
   """
 
   steps_per_epoch: int | None
+  pass_length: int | None
   one_shot: bool
 
   def peek(self) -> dict:
@@ -153,7 +210,8 @@ class Source(Protocol):
 
 
 class ArraySource:
-  """Batches of in-memory arrays; epoch `e` shuffled from `(seed, e)`."""
+  """Batches of in-memory arrays; pass `p` over them shuffled from
+  `(seed, p)`."""
 
   one_shot = False
 
@@ -181,6 +239,7 @@ class ArraySource:
     self.batch_size = _check_batch_size(batch_size)
     self.num_examples = n
     self.steps_per_epoch = math.ceil(n / self.batch_size)
+    self.pass_length = self.steps_per_epoch
     self._data = data
     self._shuffle = shuffle
     self._seed = seed
@@ -204,10 +263,10 @@ class ArraySource:
     train.steps_per_epoch = min(train.steps_per_epoch, self.steps_per_epoch)
     return train, make(tail, False, batch_size or self.batch_size)
 
-  def _order(self, epoch: int):
+  def _order(self, pass_index: int):
     if not self._shuffle:
       return None
-    return np.random.default_rng([self._seed, epoch]).permutation(
+    return np.random.default_rng([self._seed, pass_index]).permutation(
         self.num_examples)
 
   def peek(self) -> dict:
@@ -219,12 +278,16 @@ class ArraySource:
       check(self._data["y"], lambda i: f"example {i} of y")
 
   def batches(self, epoch: int, start: int = 0) -> Iterator[dict]:
-    order, bs = self._order(epoch), self.batch_size
+    pass_index, first, count = epoch_span(epoch, self.steps_per_epoch,
+                                          self.pass_length)
+    if count < self.steps_per_epoch and start == 0:
+      _warn_short(self.steps_per_epoch, self.pass_length, count)
+    order, bs = self._order(pass_index), self.batch_size
     # fit pays this per step: the leaves are flattened once per epoch, and
     # a shuffled batch is `take`n (the rows `a[idx]` gives, in less time
     # for a 2-D array).
     leaves, treedef = jax.tree.flatten(self._data)
-    for i in range(start, self.steps_per_epoch):
+    for i in range(first + start, first + count):
       if order is None:
         rows = [a[i * bs:(i + 1) * bs] for a in leaves]
       else:
@@ -257,22 +320,28 @@ class IterableSource(_Batches):
   one_shot = False
 
   def __init__(self, iterable, *, steps_per_epoch: int | None, need_y: bool,
-               class_weight=None):
+               class_weight=None, pass_length: int | None = None):
     self._iterable = iterable
     self._need_y = need_y
     self._class_weight = class_weight
     self._first = None  # the first batch, once peeked
-    # The pass peek started: the first epoch continues it, so a dataset that
-    # reshuffles on each pass is not asked for a pass nobody trains on.
-    self._pending = None
+    # The pass being read: (its number, its iterator, batches read from it).
+    # peek starts it and the first epoch continues it, so a dataset that
+    # reshuffles on each pass is not asked for a pass nobody trains on; an
+    # epoch shorter than a pass leaves it to the next epoch.
+    self._open = None
     self._passes = 0  # passes started, peek's included
-    # Epoch e reads pass `_epoch_0_pass + e`; a checkpoint stores it, so a
-    # resumed run reads the pass the saving run read (the same order, for a
-    # dataset that reshuffles on each pass from a seed).
+    # Epoch e reads pass `_epoch_0_pass + epoch_span(e, ...)[0]`; a
+    # checkpoint stores it, so a resumed run reads the pass the saving run
+    # read (the same order, for a dataset that reshuffles on each pass from
+    # a seed).
     self._epoch_0_pass = None
     self._resume_epoch_0_pass = None
-    if steps_per_epoch is None and hasattr(iterable, "__len__"):
-      steps_per_epoch = len(iterable)
+    if pass_length is None and hasattr(iterable, "__len__"):
+      pass_length = len(iterable)
+    self.pass_length = pass_length
+    if steps_per_epoch is None:
+      steps_per_epoch = pass_length
     self.steps_per_epoch = steps_per_epoch
 
   def _xy(self, batch, index: int) -> dict:
@@ -284,7 +353,7 @@ class IterableSource(_Batches):
       it = self._new_pass()
       for batch in it:
         self._first = self._xy(batch, 0)
-        self._pending = it
+        self._open = [self._passes - 1, it, 1]
         break
       else:
         raise ValueError("The data is empty: it gave no batches.")
@@ -294,30 +363,46 @@ class IterableSource(_Batches):
     self._passes += 1
     return iter(self._iterable)
 
-  def _pass_for(self, epoch: int) -> tuple[Iterator, int]:
-    """Epoch `epoch`'s pass, and how many of its batches were read."""
+  def _pass_for(self, relative: int, at: int) -> list:
+    """The open pass for the epoch that reads pass `relative` (counted from
+    epoch 0's) from its batch `at` on: the one being read if it is that
+    pass and not past `at` (peek's first batch is kept), else a new one."""
     want = self._resume_epoch_0_pass
-    want = None if want is None else want + epoch
     self._resume_epoch_0_pass = None
-    it, self._pending = self._pending, None
-    if it is not None and want in (None, self._passes - 1):
-      read = 1
-    else:
+    if want is None:
+      want = self._epoch_0_pass
+    want = None if want is None else want + relative
+    open_, self._open = self._open, None
+    peeked = open_ is not None and open_[:1] + open_[2:] == [0, 1]
+    if (open_ is None or (want is not None and open_[0] != want) or
+        (open_[2] > at and not (peeked and at == 0))):
       while want is not None and self._passes < want:
         self._new_pass()  # passes the saving run read before this epoch's
-      it, read = self._new_pass(), 0
-    self._epoch_0_pass = self._passes - 1 - epoch
-    return it, read
+      open_ = [self._passes, self._new_pass(), 0]
+    self._epoch_0_pass = open_[0] - relative
+    return open_
 
   def batches(self, epoch: int, start: int = 0) -> Iterator[dict]:
-    it, read = self._pass_for(epoch)
-    if read and start == 0:
-      yield self._first
-    stop = self.steps_per_epoch
-    rest = itertools.islice(it, max(start - read, 0),
-                            None if stop is None else stop - read)
-    for i, batch in enumerate(rest, max(start, read)):
-      yield self._xy(batch, i)
+    relative, first, count = epoch_span(epoch, self.steps_per_epoch,
+                                        self.pass_length)
+    if count is not None and count < self.steps_per_epoch and start == 0:
+      _warn_short(self.steps_per_epoch, self.pass_length, count)
+    at, end = first + start, None if count is None else first + count
+    self._open = open_ = self._pass_for(relative, at)
+    if open_[:1] + open_[2:] == [0, 1] and at == 0:
+      yield self._first  # peek's, read from this pass already
+      at = 1
+    it = open_[1]
+    while open_[2] < at:  # batches before the epoch's (or the resume's)
+      if next(it, _END) is _END:
+        return
+      open_[2] += 1
+    while end is None or open_[2] < end:
+      batch = next(it, _END)
+      if batch is _END:
+        return
+      open_[2] += 1
+      yield self._xy(batch, open_[2] - 1)
 
   def state(self, consumed: int) -> dict:
     del consumed
@@ -334,6 +419,7 @@ class IteratorSource(_Batches):
   """A one-shot iterator, continued from epoch to epoch."""
 
   one_shot = True
+  pass_length = None  # (it cannot start again)
 
   def __init__(self, iterator, *, steps_per_epoch: int | None, need_y: bool,
                class_weight=None):
@@ -444,6 +530,7 @@ def _sample_weights(sample_weight, class_weight, y, n: int):
 
 
 _INFINITE = -1  # tf.data.INFINITE_CARDINALITY (UNKNOWN is -2)
+_END = object()  # what `next(it, _END)` gives at the end of a pass
 
 
 def _is_tf_dataset(x) -> bool:
@@ -481,10 +568,9 @@ def _tf_dataset_source(dataset, *, steps_per_epoch: int | None, need_y: bool,
     return IteratorSource(dataset.as_numpy_iterator(),
                           steps_per_epoch=steps_per_epoch, need_y=need_y,
                           class_weight=class_weight)
-  if steps_per_epoch is None and cardinality >= 0:
-    steps_per_epoch = cardinality
   return IterableSource(_NumpyPasses(dataset), steps_per_epoch=steps_per_epoch,
-                        need_y=need_y, class_weight=class_weight)
+                        need_y=need_y, class_weight=class_weight,
+                        pass_length=cardinality if cardinality >= 0 else None)
 
 
 def make_source(x, y=None, *, batch_size=None, steps_per_epoch=None,
