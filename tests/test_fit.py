@@ -192,14 +192,21 @@ def test_steps_per_epoch_shorter_than_the_data_continues_it_as_keras(split):
                 epochs=1, verbose=0)
   assert_states_close(trainer, reference)
   # A re-iterable of known length (a list, a grain MapDataset, a tf.data
-  # Dataset of known cardinality) is read the same way.
-  lengths.clear()
-  listed = trainer_on(2, **sgd)
-  with pytest.warns(UserWarning, match="does not divide the data's 7 batches"):
-    listed.fit(batches, epochs=5, steps_per_epoch=3, callbacks=[Count()],
-               verbose=0)
-  assert lengths == [3, 3, 1, 3, 3]
-  assert_states_close(listed, reference)
+  # Dataset of known cardinality) is read the same way, and one of unknown
+  # length too: its first pass continues until it runs out.
+
+  class Unsized:
+    def __iter__(self):
+      return iter(batches)
+
+  for data in (batches, Unsized()):
+    lengths.clear()
+    listed = trainer_on(2, **sgd)
+    with pytest.warns(UserWarning, match="the data's 7 batches"):
+      listed.fit(data, epochs=5, steps_per_epoch=3, callbacks=[Count()],
+                 verbose=0)
+    assert lengths == [3, 3, 1, 3, 3]
+    assert_states_close(listed, reference)
 
 
 class NnxNet(nnx.Module):

@@ -340,6 +340,7 @@ class IterableSource(_Batches):
     if pass_length is None and hasattr(iterable, "__len__"):
       pass_length = len(iterable)
     self.pass_length = pass_length
+    self._learned = False  # pass_length learned from a pass that ran out
     if steps_per_epoch is None:
       steps_per_epoch = pass_length
     self.steps_per_epoch = steps_per_epoch
@@ -382,10 +383,17 @@ class IterableSource(_Batches):
     self._epoch_0_pass = open_[0] - relative
     return open_
 
+  def _span(self, epoch: int) -> tuple[int, int, int | None]:
+    """`epoch_span`; while a pass's length is unknown, epochs of
+    `steps_per_epoch` batches continue the first pass."""
+    if self.pass_length is None and self.steps_per_epoch is not None:
+      return 0, epoch * self.steps_per_epoch, self.steps_per_epoch
+    return epoch_span(epoch, self.steps_per_epoch, self.pass_length)
+
   def batches(self, epoch: int, start: int = 0) -> Iterator[dict]:
-    relative, first, count = epoch_span(epoch, self.steps_per_epoch,
-                                        self.pass_length)
-    if count is not None and count < self.steps_per_epoch and start == 0:
+    relative, first, count = self._span(epoch)
+    if (count is not None and count < self.steps_per_epoch and start == 0 and
+        self.pass_length is not None):
       _warn_short(self.steps_per_epoch, self.pass_length, count)
     at, end = first + start, None if count is None else first + count
     self._open = open_ = self._pass_for(relative, at)
@@ -393,26 +401,38 @@ class IterableSource(_Batches):
       yield self._first  # peek's, read from this pass already
       at = 1
     it = open_[1]
-    while open_[2] < at:  # batches before the epoch's (or the resume's)
-      if next(it, _END) is _END:
-        return
-      open_[2] += 1
-    while end is None or open_[2] < end:
+    while open_[2] < at or end is None or open_[2] < end:
       batch = next(it, _END)
       if batch is _END:
-        return
+        break
       open_[2] += 1
-      yield self._xy(batch, open_[2] - 1)
+      if open_[2] > at:
+        yield self._xy(batch, open_[2] - 1)
+    else:
+      return
+    if self.pass_length is None and self.steps_per_epoch is not None:
+      # The pass ran out: now its length is known (as Keras learns it), and
+      # the epochs from here on follow `epoch_span`.
+      self.pass_length, self._learned = open_[2], True
+      if open_[2] <= first and start == 0:  # before this epoch's first batch
+        yield from self.batches(epoch)
+      elif start == 0:
+        _warn_short(self.steps_per_epoch, self.pass_length, open_[2] - first)
 
   def state(self, consumed: int) -> dict:
     del consumed
-    if self._epoch_0_pass is None:
-      return {}
-    return {"epoch_0_pass": self._epoch_0_pass}
+    out = {}
+    if self._epoch_0_pass is not None:
+      out["epoch_0_pass"] = self._epoch_0_pass
+    if self.pass_length is not None and self._learned:
+      out["pass_length"] = self.pass_length
+    return out
 
   def resume(self, state: dict, consumed: int) -> None:
     del consumed  # batches() skips them
     self._resume_epoch_0_pass = state.get("epoch_0_pass")
+    if state.get("pass_length") is not None and self.pass_length is None:
+      self.pass_length = state["pass_length"]
 
 
 class IteratorSource(_Batches):
