@@ -12,16 +12,18 @@ reads all of them the same way. Three kinds:
   saving run read for that epoch (its order, if the passes are seeded) and
   skips the batches already trained on.
 
-An epoch is one pass, unless `steps_per_epoch` is shorter than a pass of known
-length: then, as in Keras, the next epoch continues the pass where the last
-one stopped, an epoch that reaches the pass's end stops there (shorter), and
-the epoch after it starts the next pass (`epoch_span`). Epoch `e`'s batches
-are a function of `e` alone, so a resume finds them again.
 * `IteratorSource`: a one-shot iterator (a generator, a grain
   `DatasetIterator`, a tf.data `Dataset` that repeats forever): epochs
   continue it. Resuming restores its `get_state()`/`set_state()` state if it
   has them, and otherwise skips the batches already trained on from the start
   of a fresh iterator.
+
+An epoch is one pass, unless `steps_per_epoch` is shorter than a pass: then,
+as in Keras, the next epoch continues the pass where the last one stopped, an
+epoch that reaches the pass's end stops there (shorter), and the epoch after
+it starts the next pass (`epoch_span`; a re-iterable of unknown length tells
+its length when its first pass runs out). Epoch `e`'s batches are a function
+of `e` (and that length) alone, so a resume finds them again.
 
 A tf.data `Dataset` is recognised by its methods (jdist never imports
 TensorFlow) and read through `as_numpy_iterator()`, one call per pass, so a
