@@ -186,6 +186,11 @@ def test_steps_per_epoch_shorter_than_the_data_continues_it_as_keras(split):
     trainer.fit(x, y, batch_size=64, epochs=5, steps_per_epoch=3,
                 shuffle=False, callbacks=[Count()], verbose=0)
   assert lengths == [3, 3, 1, 3, 3] and trainer.global_step == 13
+  # A second fit from initial_epoch=1 continues where epoch 1 would: it says
+  # so (Keras's fit would start at the data's first batch).
+  with pytest.warns(UserWarning, match="starts at batch 3 of the data"):
+    trainer_on(2, **sgd).fit(x, y, batch_size=64, epochs=2, initial_epoch=1,
+                             steps_per_epoch=3, shuffle=False, verbose=0)
   batches = [(x[64 * i:64 * (i + 1)], y[64 * i:64 * (i + 1)]) for i in range(7)]
   reference = trainer_on(1, **sgd)
   reference.fit([batches[i] for i in [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4, 5]],

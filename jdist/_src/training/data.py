@@ -177,6 +177,23 @@ def _warn_short(steps_per_epoch: int, pass_length: int, count: int) -> None:
       UserWarning, stacklevel=3)
 
 
+def warn_mid_pass_start(source, initial_epoch: int) -> None:
+  """Says so when `fit(initial_epoch=...)` starts inside a pass: epoch `e`'s
+  batches are those of an uninterrupted fit's epoch `e`, where Keras starts
+  every `fit` call at the data's first batch."""
+  _, first, _ = epoch_span(initial_epoch, source.steps_per_epoch,
+                           source.pass_length)
+  if initial_epoch and first:
+    warnings.warn(
+        f"fit(initial_epoch={initial_epoch}) starts at batch {first} of the "
+        f"data: with steps_per_epoch={source.steps_per_epoch} over "
+        f"{source.pass_length} batches, epoch {initial_epoch + 1} trains on "
+        "what it would in one fit from epoch 1 (jdist's epochs are a "
+        "function of their number, so a second fit continues the first). "
+        "Keras starts every fit call at the data's first batch.",
+        UserWarning, stacklevel=3)
+
+
 class Source(Protocol):
   """What `fit`, `evaluate` and `predict` read data through.
 

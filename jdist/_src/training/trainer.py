@@ -575,6 +575,7 @@ class Trainer:
         steps=validation_steps, batch_size=validation_batch_size)
     _check_whole_groups(source, range(initial_epoch, epochs),
                         self._accumulation)
+    data_lib.warn_mid_pass_start(source, initial_epoch)
     _, static = self._prepare(source, "training data",
                               micro_batches=self._micro_batches)
     validate = None
