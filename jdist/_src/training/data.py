@@ -11,7 +11,6 @@ reads all of them the same way. Three kinds:
   grain dataset): every pass is a new iteration; resuming starts the pass the
   saving run read for that epoch (its order, if the passes are seeded) and
   skips the batches already trained on.
-
 * `IteratorSource`: a one-shot iterator (a generator, a grain
   `DatasetIterator`, a tf.data `Dataset` that repeats forever): epochs
   continue it. Resuming restores its `get_state()`/`set_state()` state if it
@@ -344,6 +343,7 @@ class IterableSource(_Batches):
     self._need_y = need_y
     self._class_weight = class_weight
     self._first = None  # the first batch, once peeked
+    self._peek_unread = False  # whether no epoch has read `_first` yet
     # The pass being read: (its number, its iterator, batches read from it).
     # peek starts it and the first epoch continues it, so a dataset that
     # reshuffles on each pass is not asked for a pass nobody trains on; an
@@ -374,6 +374,7 @@ class IterableSource(_Batches):
       for batch in it:
         self._first = self._xy(batch, 0)
         self._open = [self._passes - 1, it, 1]
+        self._peek_unread = True
         break
       else:
         raise ValueError("The data is empty: it gave no batches.")
@@ -383,24 +384,26 @@ class IterableSource(_Batches):
     self._passes += 1
     return iter(self._iterable)
 
-  def _pass_for(self, relative: int, at: int) -> list:
+  def _pass_for(self, relative: int, at: int) -> tuple[list, bool]:
     """The open pass for the epoch that reads pass `relative` (counted from
     epoch 0's) from its batch `at` on: the one being read if it is that
-    pass and not past `at` (peek's first batch is kept), else a new one."""
+    pass and not past `at` (or peek's, whose first batch is kept), else a
+    new one; and whether its first batch is peek's, not yet trained on."""
     want = self._resume_epoch_0_pass
     self._resume_epoch_0_pass = None
     if want is None:
       want = self._epoch_0_pass
     want = None if want is None else want + relative
     open_, self._open = self._open, None
-    peeked = open_ is not None and open_[:1] + open_[2:] == [0, 1]
+    peeked, self._peek_unread = self._peek_unread, False
     if (open_ is None or (want is not None and open_[0] != want) or
         (open_[2] > at and not (peeked and at == 0))):
+      peeked = False
       while want is not None and self._passes < want:
         self._new_pass()  # passes the saving run read before this epoch's
       open_ = [self._passes, self._new_pass(), 0]
     self._epoch_0_pass = open_[0] - relative
-    return open_
+    return open_, peeked
 
   def _span(self, epoch: int) -> tuple[int, int, int | None]:
     """`epoch_span`; while a pass's length is unknown, epochs of
@@ -415,8 +418,9 @@ class IterableSource(_Batches):
         self.pass_length is not None):
       _warn_short(self.steps_per_epoch, self.pass_length, count)
     at, end = first + start, None if count is None else first + count
-    self._open = open_ = self._pass_for(relative, at)
-    if open_[:1] + open_[2:] == [0, 1] and at == 0:
+    open_, peeked = self._pass_for(relative, at)
+    self._open = open_
+    if peeked and at == 0:
       yield self._first  # peek's, read from this pass already
       at = 1
     it = open_[1]
@@ -451,7 +455,7 @@ class IterableSource(_Batches):
     del consumed  # batches() skips them
     self._resume_epoch_0_pass = state.get("epoch_0_pass")
     if state.get("pass_length") is not None and self.pass_length is None:
-      self.pass_length = state["pass_length"]
+      self.pass_length, self._learned = state["pass_length"], True
 
 
 class IteratorSource(_Batches):
