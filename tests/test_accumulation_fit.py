@@ -106,6 +106,12 @@ def test_a_trailing_partial_group_fails_before_the_first_step(digits_flat):
   assert trainer.global_step == 0
   trainer.fit(x[:360], y[:360], batch_size=16, steps_per_epoch=20, verbose=0)
   assert trainer.global_step == 5
+  # Over two epochs the second continues through the data (as Keras's do)
+  # and stops at its end after 3 batches: refused before its first step.
+  with pytest.raises(ValueError, match=r"stops there after 3 batches"):
+    trainer.fit(x[:360], y[:360], batch_size=16, steps_per_epoch=20,
+                epochs=2, verbose=0)
+  assert trainer.global_step == 5
 
 
 def test_data_of_unknown_length_ending_mid_group_fails_loudly(data):

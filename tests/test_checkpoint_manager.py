@@ -4,8 +4,10 @@ steps, a restart that restores the newest checkpoint and finishes exactly as
 an uninterrupted run, on the same or another number of devices."""
 
 import os
+import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -135,3 +137,32 @@ def test_a_state_restores_from_its_shapes_alone(digits_flat, tmp_path):
   problems = jdist.testing.compare_trees(jax.device_get(saved),
                                          jax.device_get(restored), rtol=0, atol=0)
   assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("in_memory", [False, True])
+def test_a_prng_key_restores_from_its_shapes_alone(tmp_path, monkeypatch,
+                                                   in_memory):
+  """A state that carries a PRNG key (dropout's) restores into its shapes
+  alone, from disk and from an in-memory snapshot: the key comes back a
+  key, of its implementation, with its bits."""
+  kwargs = {}
+  if in_memory:  # as a process of a `jdist launch` job
+    monkeypatch.setenv("JDIST_RUN_ID", "testjob")
+    monkeypatch.setenv("JDIST_SNAPSHOT_ROOT", str(tmp_path / "shm"))
+    monkeypatch.setenv("JDIST_RESTART_COUNT", "0")
+    kwargs = {"snapshot_every": 1}
+  strategy = strategy_on(2)
+  saved = strategy.replicate({"w": jnp.arange(4.0),
+                              "dropout": jax.random.key(7, impl="rbg")})
+  with jdist.CheckpointManager(tmp_path / "c", strategy=strategy,
+                               **kwargs) as m:
+    m.save(1, saved)
+  if in_memory:  # the persistent checkpoint gone: only the snapshot is left
+    shutil.rmtree(tmp_path / "c" / "1")
+  with jdist.CheckpointManager(tmp_path / "c", strategy=strategy,
+                               **kwargs) as m:
+    restored = m.restore(jax.eval_shape(lambda: saved))
+  assert restored["dropout"].dtype == saved["dropout"].dtype
+  np.testing.assert_array_equal(jax.random.key_data(restored["dropout"]),
+                                jax.random.key_data(saved["dropout"]))
+  np.testing.assert_array_equal(restored["w"], saved["w"])

@@ -163,6 +163,57 @@ def test_validation_split_and_steps_per_epoch(split):
   assert history.history["val_loss"][-1] == pytest.approx(want["loss"], rel=1e-5)
 
 
+def test_steps_per_epoch_shorter_than_the_data_continues_it_as_keras(split):
+  """Keras's epochs over arrays with a shorter steps_per_epoch: each epoch
+  continues where the last stopped, the one that reaches the end of the data
+  stops there, the next starts a new pass (7 batches, 3 an epoch: 3, 3, 1, 3,
+  3 batches; what keras 3.15's fit gives). Trained on 2 devices, it equals
+  those batches in that order as one epoch on one device."""
+  (x, y), _ = split
+  x, y = x[:448], y[:448]  # 7 batches of 64
+  lengths = []
+
+  class Count(jdist.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+      lengths.append(0)
+
+    def on_train_batch_end(self, batch, logs=None):
+      lengths[-1] += 1
+
+  sgd = dict(optimizer=optax.sgd(0.1, momentum=0.9))
+  trainer = trainer_on(2, **sgd)
+  with pytest.warns(UserWarning, match="does not divide the data's 7 batches"):
+    trainer.fit(x, y, batch_size=64, epochs=5, steps_per_epoch=3,
+                shuffle=False, callbacks=[Count()], verbose=0)
+  assert lengths == [3, 3, 1, 3, 3] and trainer.global_step == 13
+  # A second fit from initial_epoch=1 continues where epoch 1 would: it says
+  # so (Keras's fit would start at the data's first batch).
+  with pytest.warns(UserWarning, match="starts at batch 3 of the data"):
+    trainer_on(2, **sgd).fit(x, y, batch_size=64, epochs=2, initial_epoch=1,
+                             steps_per_epoch=3, shuffle=False, verbose=0)
+  batches = [(x[64 * i:64 * (i + 1)], y[64 * i:64 * (i + 1)]) for i in range(7)]
+  reference = trainer_on(1, **sgd)
+  reference.fit([batches[i] for i in [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4, 5]],
+                epochs=1, verbose=0)
+  assert_states_close(trainer, reference)
+  # A re-iterable of known length (a list, a grain MapDataset, a tf.data
+  # Dataset of known cardinality) is read the same way, and one of unknown
+  # length too: its first pass continues until it runs out.
+
+  class Unsized:
+    def __iter__(self):
+      return iter(batches)
+
+  for data in (batches, Unsized()):
+    lengths.clear()
+    listed = trainer_on(2, **sgd)
+    with pytest.warns(UserWarning, match="the data's 7 batches"):
+      listed.fit(data, epochs=5, steps_per_epoch=3, callbacks=[Count()],
+                 verbose=0)
+    assert lengths == [3, 3, 1, 3, 3]
+    assert_states_close(listed, reference)
+
+
 class NnxNet(nnx.Module):
   def __init__(self, rngs, axis_name=None):
     self.dense = nnx.Linear(64, 32, rngs=rngs)
@@ -424,7 +475,7 @@ def test_shuffled_arrays_are_read_in_the_order_of_the_seed_and_epoch(
   whether the rows are taken ahead in the worker thread (in chunks of two
   batches here) or, the worker kept busy, by the loop itself."""
   import threading
-  from jdist._src.training import epoch_order, gather
+  from jdist._src.training import gather, shuffle_order
   (x, y), _ = split
   x, y = x[:320], y[:320]
   monkeypatch.setattr(gather, "CHUNK_BYTES", 2 * 64 * (x[0].nbytes + 4))
@@ -434,7 +485,7 @@ def test_shuffled_arrays_are_read_in_the_order_of_the_seed_and_epoch(
             for o in order for i in range(0, 320, 64)]),
       epochs=2, steps_per_epoch=5, verbose=0)
   busy = threading.Event()
-  epoch_order.worker().submit(busy.wait, 30)  # nothing taken ahead
+  shuffle_order.worker().submit(busy.wait, 30)  # nothing taken ahead
   try:
     by_loop = trainer_on(1, seed=7).fit(x, y, batch_size=64, epochs=2,
                                         verbose=0)

@@ -575,6 +575,52 @@ def stream(data):
   return out
 
 
+class SeededPasses:
+  """A re-iterable of unknown length (no `__len__`) whose every pass has its
+  own order, drawn from the pass's number, as a seeded reshuffling dataset
+  has."""
+
+  def __init__(self, x, y):
+    self.x, self.y, self.passes = x, y, 0
+
+  def __iter__(self):
+    order = np.random.default_rng(self.passes).permutation(len(self.x))
+    self.passes += 1
+    for i in range(0, len(self.x), 64):
+      yield self.x[order[i:i + 64]], self.y[order[i:i + 64]]
+
+
+@pytest.mark.filterwarnings("ignore:steps_per_epoch=6 does not divide")
+@pytest.mark.parametrize("kind", ["arrays", "unsized"])
+def test_resume_epochs_shorter_than_the_data(data, tmp_path, kind):
+  """Shuffled arrays, or a re-iterable of unknown length reshuffled per
+  pass, steps_per_epoch=6 over 16 batches (epochs of 6, 6 and 4 batches per
+  pass, as Keras's continue through the data; the re-iterable's length
+  learned when its first pass runs out), interrupted in the second pass:
+  the resumed run equals the uninterrupted one exactly."""
+  (x, y), _ = data
+  args = {"arrays": lambda: dict(x=x, y=y, batch_size=64),
+          "unsized": lambda: dict(x=SeededPasses(x, y))}[kind]
+  run = lambda trainer, callbacks: trainer.fit(
+      **args(), epochs=5, steps_per_epoch=6, callbacks=callbacks, verbose=0)
+  reference = make_trainer(2)
+  with pytest.warns(UserWarning, match="16 batches"):
+    ref_history = run(reference, [])
+  assert reference.global_step == 6 + 6 + 4 + 6 + 6
+  with pytest.raises(KeyboardInterrupt):
+    run(make_trainer(2), [Interrupt(20),
+                          jdist.BackupAndRestore(tmp_path, save_freq=3)])
+  backup = jdist.BackupAndRestore(tmp_path, save_freq=3)
+  trainer = make_trainer(2)
+  history = run(trainer, [backup])
+  assert backup.restored_step == 18 and trainer.global_step == 28
+  np.testing.assert_array_equal(history.history["loss"],
+                                ref_history.history["loss"])
+  for a, b in zip(jax.tree.leaves(reference.params),
+                  jax.tree.leaves(trainer.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.parametrize("kind", ["stateful", "generator"])
 def test_resume_a_one_shot_iterator(stream, tmp_path, kind):
   make = {"stateful": lambda: StatefulBatches(stream),

@@ -136,7 +136,11 @@ def nonfinite_leaves(state) -> list[str]:
 
 
 def _storable(leaves) -> list:
-  return [jax.random.key_data(x) if _is_key(x) else x for x in leaves]
+  """The leaves as stored: PRNG keys as their data (abstract keys, a
+  `jax.eval_shape` target's, as abstract data)."""
+  return [(jax.random.key_data(x) if isinstance(x, jax.Array) else
+           jax.eval_shape(jax.random.key_data, x)) if _is_key(x) else x
+          for x in leaves]
 
 
 def _arrays_only(names, leaves) -> None:
@@ -178,7 +182,7 @@ def placed(wholes: list, stored: list, leaves: list, treedef, mesh) -> Any:
     a = jax.make_array_from_callback(
         whole.shape, _target_sharding(like, replicated),
         lambda index, w=whole: w[index])
-    out.append(jax.random.wrap_key_data(a, impl=jax.random.key_impl(target))
+    out.append(jax.random.wrap_key_data(a, dtype=target.dtype)
                if _is_key(target) else a)
   return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -445,7 +449,7 @@ class Checkpointer:
     if not np.allclose(_checksums(got), meta.get("checksums", []),
                        rtol=1e-5, atol=1e-6, equal_nan=True):
       return None, "its arrays fail their checksums"
-    got = [jax.random.wrap_key_data(g, impl=jax.random.key_impl(t))
+    got = [jax.random.wrap_key_data(g, dtype=t.dtype)
            if _is_key(t) else g for g, t in zip(got, leaves)]
     return jax.tree_util.tree_unflatten(treedef, got), None
 

@@ -4,11 +4,11 @@ Every kind of input is a `Source` (the protocol below, in the manner of
 Keras' `DataAdapter`) of host batches `{"x": ..., "y": ...}`; the Trainer
 reads all of them the same way. Three kinds:
 
-* `ArraySource`: arrays (or pytrees of arrays) with a batch size. Epoch `e` is
-  shuffled by a permutation drawn from `(seed, e)` (`epoch_order.py`), so
-  any position can be recomputed exactly on resume.
+* `ArraySource`: arrays (or pytrees of arrays) with a batch size. Pass `p`
+  over them is shuffled by a permutation drawn from `(seed, p)`
+  (`shuffle_order.py`), so any position can be recomputed exactly on resume.
 * `IterableSource`: a re-iterable of batches (a list, a tf.data `Dataset`, a
-  grain dataset): every epoch is a new pass; resuming starts the pass the
+  grain dataset): every pass is a new iteration; resuming starts the pass the
   saving run read for that epoch (its order, if the passes are seeded) and
   skips the batches already trained on.
 * `IteratorSource`: a one-shot iterator (a generator, a grain
@@ -16,6 +16,13 @@ reads all of them the same way. Three kinds:
   continue it. Resuming restores its `get_state()`/`set_state()` state if it
   has them, and otherwise skips the batches already trained on from the start
   of a fresh iterator.
+
+An epoch is one pass, unless `steps_per_epoch` is shorter than a pass: then,
+as in Keras, the next epoch continues the pass where the last one stopped, an
+epoch that reaches the pass's end stops there (shorter), and the epoch after
+it starts the next pass (`epoch_span`; a re-iterable of unknown length tells
+its length when its first pass runs out). Epoch `e`'s batches are a function
+of `e` (and that length) alone, so a resume finds them again.
 
 A tf.data `Dataset` is recognised by its methods (jdist never imports
 TensorFlow) and read through `as_numpy_iterator()`, one call per pass, so a
@@ -31,8 +38,8 @@ the input layer's (`input/`): this module only asks it the size.
 from __future__ import annotations
 
 import collections
-import itertools
 import math
+import warnings
 from typing import Any, Callable, Iterator, Protocol
 
 import jax
@@ -40,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdist._src.input import host
-from jdist._src.training import epoch_order, gather
+from jdist._src.training import gather, shuffle_order
 
 
 def _check_numeric(tree, what: str) -> None:
@@ -123,17 +130,85 @@ def to_xy(batch: Any, *, need_y: bool, class_weight=None) -> dict:
   return out
 
 
+def epoch_span(epoch: int, steps_per_epoch: int | None,
+               pass_length: int | None) -> tuple[int, int, int | None]:
+  """Which batches epoch `epoch` trains on, as Keras's epochs read them:
+  `(pass, first batch of it, number of batches)`.
+
+  Epochs of `steps_per_epoch` batches run through passes of `pass_length`
+  batches: the next epoch continues the pass, an epoch that reaches the
+  pass's end stops there, and the one after starts the next pass. An epoch
+  is a whole pass when either length is unknown or the epoch is not shorter.
+
+  Example:
+    >>> from jdist._src.training.data import epoch_span
+    >>> [epoch_span(e, 3, 7) for e in range(4)]
+    [(0, 0, 3), (0, 3, 3), (0, 6, 1), (1, 0, 3)]
+  """
+  if (steps_per_epoch is None or pass_length is None or
+      steps_per_epoch >= pass_length):
+    return epoch, 0, steps_per_epoch
+  per_pass = -(-pass_length // steps_per_epoch)
+  pass_index, j = divmod(epoch, per_pass)
+  first = j * steps_per_epoch
+  return pass_index, first, min(steps_per_epoch, pass_length - first)
+
+
+def epoch_lengths(steps_per_epoch: int | None, pass_length: int | None,
+                  epochs: range) -> set:
+  """The lengths of epochs `epochs` (`epoch_span`), the short one included
+  if one of them reaches the end of a pass: what a check on an epoch's
+  length must see."""
+  if (steps_per_epoch is None or pass_length is None or
+      steps_per_epoch >= pass_length):
+    return {steps_per_epoch} if len(epochs) else set()
+  per_pass = -(-pass_length // steps_per_epoch)
+  return {epoch_span(e, steps_per_epoch, pass_length)[2]
+          for e in epochs[:per_pass]}
+
+
+def _warn_short(steps_per_epoch: int, pass_length: int, count: int) -> None:
+  warnings.warn(
+      f"steps_per_epoch={steps_per_epoch} does not divide the data's "
+      f"{pass_length} batches: as in Keras, each epoch continues where the "
+      f"last stopped, and the epoch that reaches the end of the data stops "
+      f"there, after {count} batch(es); the next starts a new pass. Pass a "
+      f"steps_per_epoch that divides {pass_length} for epochs of one length.",
+      UserWarning, stacklevel=3)
+
+
+def warn_mid_pass_start(source, initial_epoch: int) -> None:
+  """Says so when `fit(initial_epoch=...)` starts inside a pass: epoch `e`'s
+  batches are those of an uninterrupted fit's epoch `e`, where Keras starts
+  every `fit` call at the data's first batch."""
+  _, first, _ = epoch_span(initial_epoch, source.steps_per_epoch,
+                           source.pass_length)
+  if initial_epoch and first:
+    warnings.warn(
+        f"fit(initial_epoch={initial_epoch}) starts at batch {first} of the "
+        f"data: with steps_per_epoch={source.steps_per_epoch} over "
+        f"{source.pass_length} batches, epoch {initial_epoch + 1} trains on "
+        "what it would in one fit from epoch 1 (jdist's epochs are a "
+        "function of their number, so a second fit continues the first). "
+        "Keras starts every fit call at the data's first batch.",
+        UserWarning, stacklevel=3)
+
+
 class Source(Protocol):
   """What `fit`, `evaluate` and `predict` read data through.
 
   Attributes:
     steps_per_epoch: batches per epoch, or None (until the data ends).
+    pass_length: batches in a pass over the data, or None (not known, or
+      the data cannot start again). Epochs shorter than a pass continue it
+      (`epoch_span`).
     one_shot: the batches come from an iterator that cannot start again:
       an epoch continues where the last one ended, and how many batches
       follow the first is known only by reading them.
   """
 
   steps_per_epoch: int | None
+  pass_length: int | None
   one_shot: bool
 
   def peek(self) -> dict:
@@ -154,7 +229,8 @@ class Source(Protocol):
 
 
 class ArraySource:
-  """Batches of in-memory arrays; epoch `e` shuffled from `(seed, e)`."""
+  """Batches of in-memory arrays; pass `p` over them shuffled from
+  `(seed, p)`."""
 
   one_shot = False
 
@@ -182,11 +258,12 @@ class ArraySource:
     self.batch_size = _check_batch_size(batch_size)
     self.num_examples = n
     self.steps_per_epoch = math.ceil(n / self.batch_size)
+    self.pass_length = self.steps_per_epoch
     self._data = data
     self._shuffle = shuffle
     self._seed = seed
-    # Epoch e's order: permutation(seed, e, n), the next epoch's drawn ahead.
-    self._orders = epoch_order.EpochOrders(seed, n) if shuffle else None
+    # Pass p's order: permutation(seed, p, n), the next pass's drawn ahead.
+    self._orders = shuffle_order.PassOrders(seed, n) if shuffle else None
 
   def split(self, fraction: float, batch_size: int | None = None
             ) -> tuple["ArraySource", "ArraySource"]:
@@ -207,8 +284,8 @@ class ArraySource:
     train.steps_per_epoch = min(train.steps_per_epoch, self.steps_per_epoch)
     return train, make(tail, False, batch_size or self.batch_size)
 
-  def _order(self, epoch: int):
-    return None if self._orders is None else self._orders(epoch)
+  def _order(self, pass_index: int):
+    return None if self._orders is None else self._orders(pass_index)
 
   def peek(self) -> dict:
     return jax.tree.map(lambda a: a[:self.batch_size], self._data)
@@ -219,16 +296,20 @@ class ArraySource:
       check(self._data["y"], lambda i: f"example {i} of y")
 
   def batches(self, epoch: int, start: int = 0) -> Iterator[dict]:
-    order, bs = self._order(epoch), self.batch_size
+    pass_index, first, count = epoch_span(epoch, self.steps_per_epoch,
+                                          self.pass_length)
+    if count < self.steps_per_epoch and start == 0:
+      _warn_short(self.steps_per_epoch, self.pass_length, count)
+    order, bs = self._order(pass_index), self.batch_size
     # fit pays this per step: the leaves are flattened once per epoch; a
     # shuffled batch's rows (`a[idx]`) are taken ahead in a thread.
     leaves, treedef = jax.tree.flatten(self._data)
     if order is not None:
-      for rows in gather.shuffled_rows(leaves, order, bs, start,
-                                       self.steps_per_epoch):
+      for rows in gather.shuffled_rows(leaves, order, bs, first + start,
+                                       first + count):
         yield treedef.unflatten(rows)
       return
-    for i in range(start, self.steps_per_epoch):
+    for i in range(first + start, first + count):
       yield treedef.unflatten([a[i * bs:(i + 1) * bs] for a in leaves])
 
   def state(self, consumed: int) -> dict:
@@ -256,22 +337,30 @@ class IterableSource(_Batches):
   one_shot = False
 
   def __init__(self, iterable, *, steps_per_epoch: int | None, need_y: bool,
-               class_weight=None):
+               class_weight=None, pass_length: int | None = None):
     self._iterable = iterable
     self._need_y = need_y
     self._class_weight = class_weight
     self._first = None  # the first batch, once peeked
-    # The pass peek started: the first epoch continues it, so a dataset that
-    # reshuffles on each pass is not asked for a pass nobody trains on.
-    self._pending = None
+    self._peek_unread = False  # whether no epoch has read `_first` yet
+    # The pass being read: (its number, its iterator, batches read from it).
+    # peek starts it and the first epoch continues it, so a dataset that
+    # reshuffles on each pass is not asked for a pass nobody trains on; an
+    # epoch shorter than a pass leaves it to the next epoch.
+    self._open = None
     self._passes = 0  # passes started, peek's included
-    # Epoch e reads pass `_epoch_0_pass + e`; a checkpoint stores it, so a
-    # resumed run reads the pass the saving run read (the same order, for a
-    # dataset that reshuffles on each pass from a seed).
+    # Epoch e reads pass `_epoch_0_pass + epoch_span(e, ...)[0]`; a
+    # checkpoint stores it, so a resumed run reads the pass the saving run
+    # read (the same order, for a dataset that reshuffles on each pass from
+    # a seed).
     self._epoch_0_pass = None
     self._resume_epoch_0_pass = None
-    if steps_per_epoch is None and hasattr(iterable, "__len__"):
-      steps_per_epoch = len(iterable)
+    if pass_length is None and hasattr(iterable, "__len__"):
+      pass_length = len(iterable)
+    self.pass_length = pass_length
+    self._learned = False  # pass_length learned from a pass that ran out
+    if steps_per_epoch is None:
+      steps_per_epoch = pass_length
     self.steps_per_epoch = steps_per_epoch
 
   def _xy(self, batch, index: int) -> dict:
@@ -283,7 +372,8 @@ class IterableSource(_Batches):
       it = self._new_pass()
       for batch in it:
         self._first = self._xy(batch, 0)
-        self._pending = it
+        self._open = [self._passes - 1, it, 1]
+        self._peek_unread = True
         break
       else:
         raise ValueError("The data is empty: it gave no batches.")
@@ -293,46 +383,85 @@ class IterableSource(_Batches):
     self._passes += 1
     return iter(self._iterable)
 
-  def _pass_for(self, epoch: int) -> tuple[Iterator, int]:
-    """Epoch `epoch`'s pass, and how many of its batches were read."""
+  def _pass_for(self, relative: int, at: int) -> tuple[list, bool]:
+    """The open pass for the epoch that reads pass `relative` (counted from
+    epoch 0's) from its batch `at` on: the one being read if it is that
+    pass and not past `at` (or peek's, whose first batch is kept), else a
+    new one; and whether its first batch is peek's, not yet trained on."""
     want = self._resume_epoch_0_pass
-    want = None if want is None else want + epoch
     self._resume_epoch_0_pass = None
-    it, self._pending = self._pending, None
-    if it is not None and want in (None, self._passes - 1):
-      read = 1
-    else:
+    if want is None:
+      want = self._epoch_0_pass
+    want = None if want is None else want + relative
+    open_, self._open = self._open, None
+    peeked, self._peek_unread = self._peek_unread, False
+    if (open_ is None or (want is not None and open_[0] != want) or
+        (open_[2] > at and not (peeked and at == 0))):
+      peeked = False
       while want is not None and self._passes < want:
         self._new_pass()  # passes the saving run read before this epoch's
-      it, read = self._new_pass(), 0
-    self._epoch_0_pass = self._passes - 1 - epoch
-    return it, read
+      open_ = [self._passes, self._new_pass(), 0]
+    self._epoch_0_pass = open_[0] - relative
+    return open_, peeked
+
+  def _span(self, epoch: int) -> tuple[int, int, int | None]:
+    """`epoch_span`; while a pass's length is unknown, epochs of
+    `steps_per_epoch` batches continue the first pass."""
+    if self.pass_length is None and self.steps_per_epoch is not None:
+      return 0, epoch * self.steps_per_epoch, self.steps_per_epoch
+    return epoch_span(epoch, self.steps_per_epoch, self.pass_length)
 
   def batches(self, epoch: int, start: int = 0) -> Iterator[dict]:
-    it, read = self._pass_for(epoch)
-    if read and start == 0:
-      yield self._first
-    stop = self.steps_per_epoch
-    rest = itertools.islice(it, max(start - read, 0),
-                            None if stop is None else stop - read)
-    for i, batch in enumerate(rest, max(start, read)):
-      yield self._xy(batch, i)
+    relative, first, count = self._span(epoch)
+    if (count is not None and count < self.steps_per_epoch and start == 0 and
+        self.pass_length is not None):
+      _warn_short(self.steps_per_epoch, self.pass_length, count)
+    at, end = first + start, None if count is None else first + count
+    open_, peeked = self._pass_for(relative, at)
+    self._open = open_
+    if peeked and at == 0:
+      yield self._first  # peek's, read from this pass already
+      at = 1
+    it = open_[1]
+    while open_[2] < at or end is None or open_[2] < end:
+      batch = next(it, _END)
+      if batch is _END:
+        break
+      open_[2] += 1
+      if open_[2] > at:
+        yield self._xy(batch, open_[2] - 1)
+    else:
+      return
+    if self.pass_length is None and self.steps_per_epoch is not None:
+      # The pass ran out: now its length is known (as Keras learns it), and
+      # the epochs from here on follow `epoch_span`.
+      self.pass_length, self._learned = open_[2], True
+      if open_[2] <= first and start == 0:  # before this epoch's first batch
+        yield from self.batches(epoch)
+      elif start == 0:
+        _warn_short(self.steps_per_epoch, self.pass_length, open_[2] - first)
 
   def state(self, consumed: int) -> dict:
     del consumed
-    if self._epoch_0_pass is None:
-      return {}
-    return {"epoch_0_pass": self._epoch_0_pass}
+    out = {}
+    if self._epoch_0_pass is not None:
+      out["epoch_0_pass"] = self._epoch_0_pass
+    if self.pass_length is not None and self._learned:
+      out["pass_length"] = self.pass_length
+    return out
 
   def resume(self, state: dict, consumed: int) -> None:
     del consumed  # batches() skips them
     self._resume_epoch_0_pass = state.get("epoch_0_pass")
+    if state.get("pass_length") is not None and self.pass_length is None:
+      self.pass_length, self._learned = state["pass_length"], True
 
 
 class IteratorSource(_Batches):
   """A one-shot iterator, continued from epoch to epoch."""
 
   one_shot = True
+  pass_length = None  # (it cannot start again)
 
   def __init__(self, iterator, *, steps_per_epoch: int | None, need_y: bool,
                class_weight=None):
@@ -443,6 +572,7 @@ def _sample_weights(sample_weight, class_weight, y, n: int):
 
 
 _INFINITE = -1  # tf.data.INFINITE_CARDINALITY (UNKNOWN is -2)
+_END = object()  # what `next(it, _END)` gives at the end of a pass
 
 
 def _is_tf_dataset(x) -> bool:
@@ -480,10 +610,9 @@ def _tf_dataset_source(dataset, *, steps_per_epoch: int | None, need_y: bool,
     return IteratorSource(dataset.as_numpy_iterator(),
                           steps_per_epoch=steps_per_epoch, need_y=need_y,
                           class_weight=class_weight)
-  if steps_per_epoch is None and cardinality >= 0:
-    steps_per_epoch = cardinality
   return IterableSource(_NumpyPasses(dataset), steps_per_epoch=steps_per_epoch,
-                        need_y=need_y, class_weight=class_weight)
+                        need_y=need_y, class_weight=class_weight,
+                        pass_length=cardinality if cardinality >= 0 else None)
 
 
 def make_source(x, y=None, *, batch_size=None, steps_per_epoch=None,

@@ -108,6 +108,7 @@ class CreatorSource:
   """
 
   one_shot = True
+  pass_length = None  # (each worker's iterator continues from epoch to epoch)
 
   def __init__(self, creator: DatasetCreator, *, strategy,
                steps_per_epoch: int | None, class_weight=None,

@@ -4,7 +4,7 @@ A shuffled batch is its rows taken from the arrays in the epoch's order
 (`a.take(idx, axis=0)`). Those rows are scattered over the data, so taking
 them waits on memory, not on arithmetic: in a small model's `fit` it costs
 about a tenth of the step, on the thread that runs the steps. numpy takes
-rows without holding the GIL, so a worker thread (`epoch_order`'s) takes
+rows without holding the GIL, so a worker thread (`shuffle_order`'s) takes
 the next batches' rows, a chunk of batches at a time (one call per array
 and chunk), while the loop's thread runs the steps; the loop then only
 slices rows already taken.
@@ -23,7 +23,7 @@ from typing import Iterator
 
 import numpy as np
 
-from jdist._src.training import epoch_order
+from jdist._src.training import shuffle_order
 
 # About this many bytes of rows per chunk (at least a batch): enough
 # batches that the GIL changes hands for a chunk rarely (the seed MLP's fit
@@ -68,7 +68,7 @@ def shuffled_rows(leaves: list, order: np.ndarray, batch_size: int,
     [[20, 90, 50, 80], [60, 70]]
   """
   bs, per = batch_size, batches_per_chunk(leaves, batch_size)
-  pool = epoch_order.worker()
+  pool = shuffle_order.worker()
 
   def submit(lo: int):
     box = []  # the chunk's rows, once taken (a worker's error leaves it

@@ -20,6 +20,7 @@ import numpy as np
 from jdist._src.core import placement
 from jdist._src.core.function import DistributedFunction
 from jdist._src.input.options import InputOptions
+from jdist._src.training import data as data_lib
 from jdist._src.training import steps as steps_lib
 from jdist._src.training.callbacks import CallbackList, LazyLogs
 from jdist._src.training.history import History
@@ -201,6 +202,13 @@ class FitLoop:
 
   # --- the loop -------------------------------------------------------------
 
+  def epoch_length(self, epoch: int) -> int | None:
+    """Epoch `epoch`'s batches, when known (shorter than `steps_per_epoch`
+    for the epoch that reaches the end of a pass: `data.epoch_span`)."""
+    source = self.source
+    return data_lib.epoch_span(epoch, source.steps_per_epoch,
+                               source.pass_length)[2]
+
   def run(self, cbs: CallbackList, bar: ProgressBar):
     """Trains until the last epoch or a callback stops it; returns the state."""
     logs: dict = {}
@@ -210,7 +218,7 @@ class FitLoop:
       self.totals = self._make_totals(self._resume_sums if start else None)
       self._resume_sums = None
       cbs.call("on_epoch_begin", epoch, {})
-      bar.start_epoch(epoch, self.source.steps_per_epoch, initial=start)
+      bar.start_epoch(epoch, self.epoch_length(epoch), initial=start)
       if self._skipped is not None:
         self._skipped.start_epoch(self._state)
       if not self._run_epoch(epoch, start, cbs, bar) and start == 0:

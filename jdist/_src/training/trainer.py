@@ -539,7 +539,11 @@ class Trainer:
         (and data shorter than one batch is one short batch). None for
         batches and datasets, which are batched already (as in Keras).
       epochs: epochs to train (counting those before `initial_epoch`).
-      steps_per_epoch: batches per epoch (default: all of the data).
+      steps_per_epoch: batches per epoch (default: all of the data). Shorter
+        than the data, epochs continue through it as Keras's do: each
+        starts where the last stopped, the one that reaches the end of the
+        data stops there (a warning says so) and the next starts a new
+        (reshuffled) pass.
       validation_data: `(x_val, y_val)` or `(x_val, y_val, sample_weight)`
         arrays, or an iterable of batches, evaluated at the end of every
         epoch (logged as `val_*`).
@@ -569,7 +573,9 @@ class Trainer:
     source, val_source = data_lib.validation_source(
         source, validation_data, validation_split=validation_split,
         steps=validation_steps, batch_size=validation_batch_size)
-    _check_whole_groups(source.steps_per_epoch, self._accumulation)
+    _check_whole_groups(source, range(initial_epoch, epochs),
+                        self._accumulation)
+    data_lib.warn_mid_pass_start(source, initial_epoch)
     _, static = self._prepare(source, "training data",
                               micro_batches=self._micro_batches)
     validate = None
@@ -815,21 +821,35 @@ def _batches_per_call(steps_per_execution: int, accumulation: int) -> int:
   return steps_per_execution
 
 
-def _check_whole_groups(steps_per_epoch: int | None, k: int) -> None:
-  """Refuses, before the first step, an epoch whose known length leaves a
-  trailing partial accumulation group."""
-  if k == 1 or steps_per_epoch is None or steps_per_epoch % k == 0:
+def _check_whole_groups(source, epochs: range, k: int) -> None:
+  """Refuses, before the first step, an epoch among `epochs` whose known
+  length leaves a trailing partial accumulation group."""
+  if k == 1 or source.steps_per_epoch is None:
     return
-  whole = steps_per_epoch - steps_per_epoch % k
+  lengths = data_lib.epoch_lengths(source.steps_per_epoch, source.pass_length,
+                                   epochs)
+  n = next((n for n in sorted(lengths) if n % k), None)
+  if n is None:
+    return
+  whole = n - n % k
+  if n < source.steps_per_epoch:
+    what = (f"steps_per_epoch={source.steps_per_epoch} does not divide the "
+            f"data's {source.pass_length} batches: as in Keras, epochs "
+            f"continue through the data, and the one that reaches its end "
+            f"stops there after {n} batches, not a multiple of "
+            f"gradient_accumulation_steps={k}")
+  else:
+    what = (f"An epoch of this data is {n} batches, not a multiple of "
+            f"gradient_accumulation_steps={k}")
   raise ValueError(
-      f"An epoch of this data is {steps_per_epoch} batches, not a multiple of "
-      f"gradient_accumulation_steps={k}: its last {steps_per_epoch % k} "
-      "batch(es) would not make a whole optimizer step. Keras carries their "
-      "gradients into the next epoch; jdist applies whole groups only. Pass "
-      f"steps_per_epoch={whole} (each epoch then leaves out its last "
-      f"{steps_per_epoch % k} batch(es); shuffled arrays leave out other "
-      "examples every epoch), or a batch_size that makes the number of "
-      f"batches a multiple of {k}.")
+      f"{what}: its last {n % k} batch(es) would not make a whole optimizer "
+      "step. Keras carries their gradients into the next epoch; jdist "
+      "applies whole groups only. Pass a batch_size that makes the number "
+      f"of batches a multiple of {k}, or data of a multiple of {k} batches "
+      f"(steps_per_epoch={whole} for a single epoch; over several, epochs "
+      "continue through the data and the one that reaches its end is "
+      "shorter), or a steps_per_epoch that is a multiple of "
+      f"{k} and divides the data's batches.")
 
 
 def _weights_only(ckpt: Checkpointer, step: int | None) -> bool:
