@@ -208,8 +208,11 @@ def test_fit_overhead_runs_and_renders():
     (t,) = row["seconds"][loop]
     assert t > 0 and vs == pytest.approx(hand / t, rel=1e-9), row
     assert row["steps_per_s"][loop] == pytest.approx(steps / t, rel=1e-9)
+  cpu = row["loop_cpu_us_per_step"]  # the loop thread's CPU, not the time
+  assert set(cpu) == set(row["seconds"]) and all(v > 0 for v in cpu.values())
   text = "\n".join(_bench_module("fit_overhead").section(res))
   assert f"**{row['vs_hand']['fit']:.2f}x**" in text, text
+  assert " / ".join(f"{v:.0f}" for v in cpu.values()) in text, text
 
 
 @pytest.mark.multiprocess

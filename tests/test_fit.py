@@ -469,6 +469,33 @@ def test_a_second_fit_on_data_of_the_same_shape_traces_nothing(split):
     trainer.fit(x[:256, :63], y[:256], batch_size=64, verbose=0)
 
 
+def test_shuffled_arrays_are_read_in_the_order_of_the_seed_and_epoch(
+    split, monkeypatch):
+  """Epoch e reads default_rng([seed, e]).permutation(n): the same batches
+  whether the rows are taken ahead in the worker thread (in chunks of two
+  batches here) or, the worker kept busy, by the loop itself."""
+  import threading
+  from jdist._src.training import gather, shuffle_order
+  (x, y), _ = split
+  x, y = x[:320], y[:320]
+  monkeypatch.setattr(gather, "CHUNK_BYTES", 2 * 64 * (x[0].nbytes + 4))
+  order = [np.random.default_rng([7, e]).permutation(320) for e in (0, 1)]
+  by_hand = trainer_on(1, seed=7).fit(
+      iter([(x[o[i:i + 64]], y[o[i:i + 64]])
+            for o in order for i in range(0, 320, 64)]),
+      epochs=2, steps_per_epoch=5, verbose=0)
+  busy = threading.Event()
+  shuffle_order.worker().submit(busy.wait, 30)  # nothing taken ahead
+  try:
+    by_loop = trainer_on(1, seed=7).fit(x, y, batch_size=64, epochs=2,
+                                        verbose=0)
+  finally:
+    busy.set()
+  ahead = trainer_on(1, seed=7).fit(x, y, batch_size=64, epochs=2, verbose=0)
+  for history in (by_loop, ahead):
+    assert history.history == by_hand.history
+
+
 def test_callbacks_none_is_no_callbacks_as_in_keras(split):
   (x, y), _ = split
   trainer = trainer_on(2)

@@ -5,8 +5,8 @@ Keras' `DataAdapter`) of host batches `{"x": ..., "y": ...}`; the Trainer
 reads all of them the same way. Three kinds:
 
 * `ArraySource`: arrays (or pytrees of arrays) with a batch size. Pass `p`
-  over them is shuffled by a permutation drawn from `(seed, p)`, so any
-  position can be recomputed exactly on resume.
+  over them is shuffled by a permutation drawn from `(seed, p)`
+  (`shuffle_order.py`), so any position can be recomputed exactly on resume.
 * `IterableSource`: a re-iterable of batches (a list, a tf.data `Dataset`, a
   grain dataset): every pass is a new iteration; resuming starts the pass the
   saving run read for that epoch (its order, if the passes are seeded) and
@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdist._src.input import host
+from jdist._src.training import gather, shuffle_order
 
 
 def _check_numeric(tree, what: str) -> None:
@@ -261,6 +262,8 @@ class ArraySource:
     self._data = data
     self._shuffle = shuffle
     self._seed = seed
+    # Pass p's order: permutation(seed, p, n), the next pass's drawn ahead.
+    self._orders = shuffle_order.PassOrders(seed, n) if shuffle else None
 
   def split(self, fraction: float, batch_size: int | None = None
             ) -> tuple["ArraySource", "ArraySource"]:
@@ -282,10 +285,7 @@ class ArraySource:
     return train, make(tail, False, batch_size or self.batch_size)
 
   def _order(self, pass_index: int):
-    if not self._shuffle:
-      return None
-    return np.random.default_rng([self._seed, pass_index]).permutation(
-        self.num_examples)
+    return None if self._orders is None else self._orders(pass_index)
 
   def peek(self) -> dict:
     return jax.tree.map(lambda a: a[:self.batch_size], self._data)
@@ -301,17 +301,16 @@ class ArraySource:
     if count < self.steps_per_epoch and start == 0:
       _warn_short(self.steps_per_epoch, self.pass_length, count)
     order, bs = self._order(pass_index), self.batch_size
-    # fit pays this per step: the leaves are flattened once per epoch, and
-    # a shuffled batch is `take`n (the rows `a[idx]` gives, in less time
-    # for a 2-D array).
+    # fit pays this per step: the leaves are flattened once per epoch; a
+    # shuffled batch's rows (`a[idx]`) are taken ahead in a thread.
     leaves, treedef = jax.tree.flatten(self._data)
+    if order is not None:
+      for rows in gather.shuffled_rows(leaves, order, bs, first + start,
+                                       first + count):
+        yield treedef.unflatten(rows)
+      return
     for i in range(first + start, first + count):
-      if order is None:
-        rows = [a[i * bs:(i + 1) * bs] for a in leaves]
-      else:
-        idx = order[i * bs:(i + 1) * bs]
-        rows = [a.take(idx, axis=0) for a in leaves]
-      yield treedef.unflatten(rows)
+      yield treedef.unflatten([a[i * bs:(i + 1) * bs] for a in leaves])
 
   def state(self, consumed: int) -> dict:
     del consumed
