@@ -105,7 +105,7 @@ def packer(sent: list | None, length: int):
 
 
 def packer_across(mesh, specs: list, sent: list, length: int):
-  """The jitted program `leaves -> (mine, received)` over `mesh`, which has
+  """The jitted program `leaves -> mine + received` over `mesh`, which has
   one device per process: each device packs its blocks of `leaves` (sharded
   as `specs` say, one block per leaf) as `packer` does, and sends its copy
   to the device of the next process (a `ppermute` in the same program: one
@@ -119,9 +119,10 @@ def packer_across(mesh, specs: list, sent: list, length: int):
     length: the bytes of the copy.
 
   Returns:
-    A function of the list of leaves that returns two arrays over `mesh`,
-    one block per device: its `mine`, and the copy the device of the
-    process before it sent (each followed by its finite byte).
+    A function of the list of leaves that returns one array over `mesh`
+    whose block on each device is its `mine`, then the copy the device of
+    the process before it sent (each followed by its finite byte): one
+    buffer for the writer to copy to the host.
   """
   axes = tuple(mesh.axis_names)
   at = {d.process_index: i for i, d in enumerate(mesh.devices.flat)}
@@ -129,8 +130,8 @@ def packer_across(mesh, specs: list, sent: list, length: int):
 
   def body(*blocks):
     mine, copy = pack(list(blocks), sent, length)
-    return mine, lax.ppermute(copy, axes, ring)
+    return jnp.concatenate([mine, lax.ppermute(copy, axes, ring)])
 
   mapped = jax.shard_map(body, mesh=mesh, in_specs=tuple(specs),
-                         out_specs=(P(axes), P(axes)), check_vma=False)
+                         out_specs=P(axes), check_vma=False)
   return jax.jit(lambda leaves: mapped(*leaves))

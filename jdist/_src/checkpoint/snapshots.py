@@ -333,10 +333,16 @@ def _unpacked(packed) -> tuple:
   whether no value in it is NaN or infinite; `(empty, True)` for None."""
   if packed is None:
     return np.zeros(0, np.uint8), True
-  if not packed.is_fully_addressable:
-    packed = packed.addressable_data(0)
-  raw = np.asarray(packed)
+  raw = _host_bytes(packed)
   return raw[:-1], bool(raw[-1])
+
+
+def _host_bytes(x) -> np.ndarray:
+  """The bytes of `x` (this process's block of it, when it spans the
+  processes) on the host."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    x = x.addressable_data(0)
+  return np.asarray(x)
 
 
 def _checked(step: int, layout: "_Layout", packed, host: list) -> list | None:
@@ -413,6 +419,11 @@ class _Writer:
   @property
   def busy(self) -> bool:
     return not self._idle.is_set()
+
+  @property
+  def failed(self) -> bool:
+    """Whether the last job raised an error that `wait` has not raised."""
+    return self._error is not None
 
   def wait(self, timeout: float | None = None):
     """The last job's result (None if none, or not done in `timeout`);
@@ -520,10 +531,10 @@ class Snapshots:
     mine, before, plan = self._layout(names, leaves)
     program, target, moves, length, across = plan
     host = [np.asarray(leaves[i]) for i in mine.host]
-    if across:  # one program packs and sends (the writer takes this
-      # process's blocks of its two results)
-      packed, received = program([leaves[i] for i, _ in mine.picks])
-      self._pending = (int(step), mine, packed, host, before, received)
+    if across:  # one program packs and sends: one result, this process's
+      # part then the copy it received (the writer takes its block of it)
+      both = program([leaves[i] for i, _ in mine.picks])
+      self._pending = (int(step), mine, both, host, before, mine.nbytes + 1)
       return
     blocks = [b for i, pick in mine.picks for b in pick(leaves[i])]
     if moves:  # blocks on this process's other devices
@@ -555,9 +566,9 @@ class Snapshots:
     """
     pending, self._pending = self._pending, None
     if not wait:
-      if pending is None:
-        if not self._writer.busy:
-          self._writer.wait()  # raises the last one's error, if it failed
+      if pending is None:  # (the usual call: one look at an attribute)
+        if self._writer.failed:
+          self._writer.wait()  # raises the last one's error
         return None
       self._writer.wait()  # (none in flight: `write` waited for it)
       self._writer.start(lambda: self._write(pending))
@@ -580,6 +591,9 @@ class Snapshots:
     """Writes snapshot `pending` (on the writer thread, or the training
     thread): see `flush`."""
     step, layout, packed, host, before, received = pending
+    if isinstance(received, int):  # one buffer: the part, then the copy
+      both = _host_bytes(packed)
+      packed, received = both[:received], both[received:]
     arrays = _checked(step, layout, packed, host)
     if arrays is None:
       return False
