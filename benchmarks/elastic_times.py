@@ -295,7 +295,9 @@ def position_lines(loop: dict) -> list:
   lines = ["", "A step and its `save`, median ms, by the step's place "
            "among the " + str(every) + " of a snapshot (0: its `save` takes "
            "the snapshot; 1: its `save` hands it to the writer thread; 2: "
-           "the writer thread writes it beside this step):", "",
+           "the writer thread writes it beside this step; 1 is also a "
+           "trial's first step, whose dispatch returns before it has run, "
+           "so that its time shows in 2's, for every loop alike):", "",
            "| loop | " + " | ".join(str(p) for p in range(every))
            + " | sum |", "|---|" + "---|" * (every + 1)]
   for name, values in positions.items():

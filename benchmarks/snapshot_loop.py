@@ -16,28 +16,28 @@ process holds is what the replicas copy to the next process),
 and with the same manager without the replicas on the next process (the
 benchmark turns them off inside the manager: there is no option for it).
 TRIALS rounds of one trial of each, in an order that turns from round to
-round (a round lasts a few tens of milliseconds, so its trials meet the
-same load), after WARM_UP rounds not counted; process 0 ends with one JSON line: the seconds per step of each
-trial, `{"none": [...], "snapshot": [...], "unreplicated": [...]}`, by the
-wall clock and in CPU time of the main thread (`time.thread_time`: the
-loop's own work, which the load of other processes on the machine moves
-less than the wall clock; a background thread's is not in it) and of the
-whole process (`time.process_time`: its threads, the runtime's and the
-snapshots' writer's too; `process_cpu_seconds_per_step`), and the
-median seconds on process 0 of the `save` that takes a snapshot (it packs
-the blocks, or before issue 22's packing started their copies to the host,
-and starts the copy to the next process) and of the next one, which has it
-written (copy to the host, checksum, file, rename; and the replica: in the
-`save` itself when they are written on the loop's thread, as before issue
-22's writer thread), by the wall clock and in CPU time of the loop's thread
-(`cpu_take`, `cpu_write`), and the CPU time of the manager's writer thread
-per snapshot (`writer_cpu`: its time over a trial, over the trial's
-snapshots), for each of the two managers; `position_seconds`: for each
-loop, the median seconds of a step and its `save` by the step's place
-among the 10 of a snapshot (0: the step whose `save` takes it, 1: the next,
-whose `save` hands it to the writer thread, 2: the step the writer thread
-writes it beside); `jdist` is where the jdist it ran is (a checkout of
-another commit, for a comparison).
+round (a round lasts a few tens of milliseconds, so its trials meet the same
+load), after WARM_UP rounds not counted; process 0 ends with one JSON line:
+the seconds per step of each trial, `{"none": [...], "snapshot": [...],
+"unreplicated": [...]}`, by the wall clock and in CPU time of the main
+thread (`time.thread_time`: the loop's own work, which the load of other
+processes on the machine moves less than the wall clock; a background
+thread's is not in it) and of the whole process (`time.process_time`: its
+threads, the runtime's and the snapshots' writer's too;
+`process_cpu_seconds_per_step`), and the median seconds on process 0 of the
+`save` that takes a snapshot (it packs the blocks, or before issue 22's
+packing started their copies to the host, and starts the copy to the next
+process) and of the next one, which has it written (copy to the host,
+checksum, file, rename; and the replica: in the `save` itself when they are
+written on the loop's thread, as before issue 22's writer thread), by the
+wall clock and in CPU time of the loop's thread (`cpu_take`, `cpu_write`),
+and the CPU time of the manager's writer thread per snapshot (`writer_cpu`:
+its time over a trial, over the trial's snapshots), for each of the two
+managers; `position_seconds`: for each loop, the median seconds of a step
+and its `save` by the step's place among the 10 of a snapshot (0: the step
+whose `save` takes it, 1: the next, whose `save` hands it to the writer
+thread, 2: the step the writer thread writes it beside); `jdist` is where
+the jdist it ran is (a checkout of another commit, for a comparison).
 `--quick` runs 2 rounds after 1 (a smoke run).
 """
 

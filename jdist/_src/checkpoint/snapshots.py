@@ -53,22 +53,22 @@ is waited for a few seconds (the thread is a daemon, so a write stuck on a
 dead peer's copy does not hold the exit), and a part it did not finish is
 a temporary file that no reader takes (the rename makes it a part).
 
-Cleanup, when a part is written: a process removes every file but its
-last two snapshots' parts and replicas and the new one's: all processes
-have written the one before its last. It lists the directory once, at its
-first write (the files of earlier attempts, the temporary files of writers
-that died); after that it removes the files it wrote itself, by name. Why, with the writing in the
-background: a process's writer writes snapshot k only once its blocks are
-there, that is once the step that computed them has run, and that step
-needed every process's collectives; each process dispatches that step
-(later than snapshot k-1's step) after its `write` of snapshot k-1, which
-waited for its writer to finish snapshot k-2: so every process's part of
-k-2 is there. (When each part was written in the loop, in the `save` after
-its step, this held too, with one snapshot to spare; the rule is the
-same.) The process that
-completes a snapshot (its part and replica, and the files of the others it
-finds, hold all of its parts) removes the older ones it wrote, and, when
-its own files do not hold all the parts, those the other processes wrote. So at rest the directory holds the newest complete snapshot
+Cleanup, when a part is written: a process removes every file but its last
+two snapshots' parts and replicas and the new one's: all processes have
+written the one before its last. It lists the directory once, at its first
+write (the files of earlier attempts, the temporary files of writers that
+died); after that it removes the files it wrote itself, by name. Why, with
+the writing in the background: a process's writer writes snapshot k only
+once its blocks are there, that is once the step that computed them has run,
+and that step needed every process's collectives; each process dispatches
+that step (later than snapshot k-1's step) after its `write` of snapshot
+k-1, which waited for its writer to finish snapshot k-2: so every process's
+part of k-2 is there. (When each part was written in the loop, in the `save`
+after its step, this held too, with one snapshot to spare; the rule is the
+same.) The process that completes a snapshot (its part and replica, and the
+files of the others it finds, hold all of its parts) removes the older ones
+it wrote, and, when its own files do not hold all the parts, those the other
+processes wrote. So at rest the directory holds the newest complete snapshot
 (on one machine; across hosts, until the next two snapshots, also the ones
 before it), and the launcher removes the directory when the job ends.
 
@@ -691,9 +691,9 @@ class Snapshots:
     program, the device it runs on, the positions of the blocks to move
     there first, the bytes each process sends the next (0: no copy, as for
     a mirrored state), and whether the program is `packing.packer_across`'s
-    (it takes the leaves, and also makes the copy). Worked out once per names, shapes, dtypes and
-    shardings, so that a snapshot costs little more than its copies and
-    its files."""
+    (it takes the leaves, and also makes the copy). Worked out once per
+    names, shapes, dtypes and shardings, so that a snapshot costs little
+    more than its copies and its files."""
     key = [(x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves]
     if self._layouts_key is None or self._layouts_key != (names, key):
       self._layouts_key = (list(names), key)
