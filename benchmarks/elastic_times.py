@@ -141,6 +141,11 @@ def pooled(runs: list) -> dict:
     if all(r.get(key) for r in runs):
       loop[key] = {k: statistics.median(r[key][k] for r in runs)
                    for k in runs[0][key]}
+  if all(r.get("position_seconds") for r in runs):
+    loop["position_seconds"] = {
+        k: [statistics.median(p) for p in zip(*(r["position_seconds"][k]
+                                                for r in runs))]
+        for k in runs[0]["position_seconds"]}
   return loop
 
 
@@ -187,7 +192,9 @@ def loop_section(loop: dict) -> list:
 
   def row(name: str, what: str) -> str:
     line = (f"| {what} | {cells(t, name)} | "
-            + ("1" if name == "none" else f"{paired(t, name):.3f}") + " |")
+            + ("1 | 1 | 1" if name == "none" else
+               f"{paired(t, name):.3f} | {of_medians(t, name):.3f} | "
+               f"{of_totals(t, name):.3f}") + " |")
     for times in (cpu, process):
       if times:
         line += (f" {cells(times, name)} | " + (
@@ -230,12 +237,14 @@ def loop_section(loop: dict) -> list:
          "runtime's threads and the snapshots' writer)" if process else "")
       + ":",
       "",
-      "| loop | wall ms per step, median (fastest) | speed, wall |"
+      "| loop | wall ms per step, median (fastest) | speed, wall "
+      "(median of the rounds' ratios) | ratio of the medians | ratio of the "
+      "totals |"
       + (" main thread CPU ms per step, median (least) | speed, CPU |"
          if cpu else "")
       + (" process CPU ms per step, median (least) | speed, process CPU |"
          if process else ""),
-      "|---|---|---|" + ("---|---|" if cpu else "")
+      "|---|---|---|---|---|" + ("---|---|" if cpu else "")
       + ("---|---|" if process else ""),
       row("none", "no snapshot"),
       row("snapshot", f"a snapshot every {loop['every']} steps"
@@ -244,6 +253,15 @@ def loop_section(loop: dict) -> list:
   if unreplicated:
     lines.append(row("unreplicated", f"a snapshot every {loop['every']} "
                      "steps, no replica"))
+  lines += ["", "The 0.95x target reads the speed by the wall clock, the "
+            "median of the rounds' ratios: each ratio compares trials run "
+            "within a few milliseconds of each other, which the machine's "
+            "slow swings (a step's time moves by 2-4x from one moment to "
+            "another) leave alone. The ratio of the medians compares the "
+            "loops' typical trials, and the ratio of the totals (their "
+            "seconds summed over every round) is the speed over the whole "
+            "run, the long tails included."]
+  lines += position_lines(loop)
   if loop.get("snapshot_seconds"):
     lines += ["", split_line(
         loop["snapshot_seconds"],
@@ -256,6 +274,35 @@ def loop_section(loop: dict) -> list:
   if loop.get("unreplicated_seconds"):
     lines += ["", split_line(loop["unreplicated_seconds"],
                              "Without the replica")]
+  return lines
+
+
+def of_medians(times: dict, name: str) -> float:
+  return statistics.median(times["none"]) / statistics.median(times[name])
+
+
+def of_totals(times: dict, name: str) -> float:
+  return sum(times["none"]) / sum(times[name])
+
+
+def position_lines(loop: dict) -> list:
+  """The table of a step's median time (with its `save`) by its place
+  among the steps of a snapshot."""
+  positions = loop.get("position_seconds")
+  if not positions:
+    return []
+  every = loop["every"]
+  lines = ["", "A step and its `save`, median ms, by the step's place "
+           "among the " + str(every) + " of a snapshot (0: its `save` takes "
+           "the snapshot; 1: its `save` hands it to the writer thread; 2: "
+           "the writer thread writes it beside this step; 1 is also a "
+           "trial's first step, whose dispatch returns before it has run, "
+           "so that its time shows in 2's, for every loop alike):", "",
+           "| loop | " + " | ".join(str(p) for p in range(every))
+           + " | sum |", "|---|" + "---|" * (every + 1)]
+  for name, values in positions.items():
+    lines.append(f"| {name} | " + " | ".join(f"{v * 1e3:.2f}" for v in values)
+                 + f" | {sum(values) * 1e3:.2f} |")
   return lines
 
 

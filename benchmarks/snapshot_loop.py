@@ -5,7 +5,9 @@
 
 The seed MLP (64 features, Dense 16, Dense 10, a global batch of 64, plain
 SGD: multihost_overhead.py's step) in a custom loop over
-`jdist.MultiWorkerMirroredStrategy`, STEPS steps a trial, without a
+`jdist.MultiWorkerMirroredStrategy`, STEPS steps a trial (one snapshot's
+10 steps: each loop goes on from its own state and step across its
+trials, so every trial holds one snapshot taken and one written), without a
 `jdist.CheckpointManager`, with one made with `snapshot_every=10` (and no
 persistent save in the loop), whose `save` the loop calls at every step
 with the parameters (mirrored) and a leaf of as many values split over the
@@ -14,24 +16,29 @@ process holds is what the replicas copy to the next process),
 and with the same manager without the replicas on the next process (the
 benchmark turns them off inside the manager: there is no option for it).
 TRIALS rounds of one trial of each, in an order that turns from round to
-round; process 0 ends with one JSON line: the seconds per step of each
-trial, `{"none": [...], "snapshot": [...], "unreplicated": [...]}`, by the
-wall clock and in CPU time of the main thread (`time.thread_time`: the
-loop's own work, which the load of other processes on the machine moves
-less than the wall clock; a background thread's is not in it) and of the
-whole process (`time.process_time`: its threads, the runtime's and the
-snapshots' writer's too; `process_cpu_seconds_per_step`), and the
-median seconds on process 0 of the `save` that takes a snapshot (it packs
-the blocks, or before issue 22's packing started their copies to the host,
-and starts the copy to the next process) and of the next one, which has it
-written (copy to the host, checksum, file, rename; and the replica: in the
-`save` itself when they are written on the loop's thread, as before issue
-22's writer thread), by the wall clock and in CPU time of the loop's thread
-(`cpu_take`, `cpu_write`), and the CPU time of the manager's writer thread
-per snapshot (`writer_cpu`: its time over a trial, over the trial's
-snapshots), for each of the two managers; `jdist` is where the jdist it ran
-is (a checkout of another commit, for a comparison).
-`--quick` runs 20 steps in 1 trial (a smoke run).
+round (a round lasts a few tens of milliseconds, so its trials meet the same
+load), after WARM_UP rounds not counted; process 0 ends with one JSON line:
+the seconds per step of each trial, `{"none": [...], "snapshot": [...],
+"unreplicated": [...]}`, by the wall clock and in CPU time of the main
+thread (`time.thread_time`: the loop's own work, which the load of other
+processes on the machine moves less than the wall clock; a background
+thread's is not in it) and of the whole process (`time.process_time`: its
+threads, the runtime's and the snapshots' writer's too;
+`process_cpu_seconds_per_step`), and the median seconds on process 0 of the
+`save` that takes a snapshot (it packs the blocks, or before issue 22's
+packing started their copies to the host, and starts the copy to the next
+process) and of the next one, which has it written (copy to the host,
+checksum, file, rename; and the replica: in the `save` itself when they are
+written on the loop's thread, as before issue 22's writer thread), by the
+wall clock and in CPU time of the loop's thread (`cpu_take`, `cpu_write`),
+and the CPU time of the manager's writer thread per snapshot (`writer_cpu`:
+its time over a trial, over the trial's snapshots), for each of the two
+managers; `position_seconds`: for each loop, the median seconds of a step
+and its `save` by the step's place among the 10 of a snapshot (0: the step
+whose `save` takes it, 1: the next, whose `save` hands it to the writer
+thread, 2: the step the writer thread writes it beside); `jdist` is where
+the jdist it ran is (a checkout of another commit, for a comparison).
+`--quick` runs 2 rounds after 1 (a smoke run).
 """
 
 import json
@@ -53,8 +60,10 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 QUICK = "--quick" in sys.argv[1:]
-STEPS, TRIALS = (20, 1) if QUICK else (200, 21)
 EVERY = 10
+# A trial is one snapshot's EVERY steps: the loops take turns every few
+# milliseconds, so that a round's trials meet the same load.
+STEPS, TRIALS, WARM_UP = (EVERY, 2, 1) if QUICK else (EVERY, 600, 5)
 
 
 def init_params(key):
@@ -105,23 +114,29 @@ def writer_seconds(manager) -> float:
   return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
 
-def trial(manager, split=None) -> tuple:
-  """Seconds per step of STEPS steps (the manager's `save` at each), by the
-  wall clock, in the main thread's CPU time and in the process's."""
-  state = params
+def trial(name: str, split=None) -> tuple:
+  """Seconds per step of the next STEPS steps of loop `name` (the
+  manager's `save` at each), by the wall clock, in the main thread's CPU
+  time and in the process's; each step's seconds (and its `save`'s) go to
+  POSITIONS by its place among the EVERY steps of a snapshot."""
+  manager = managers.get(name)
+  state, done = carried[name]
   t, c, pc = time.perf_counter(), time.thread_time(), time.process_time()
   writer = writer_seconds(manager)
-  for i in range(STEPS):
+  for i in range(done, done + STEPS):
+    t0 = time.perf_counter()
     state, _ = step(state, batch)
     if manager is not None:
-      t0, c0 = time.perf_counter(), time.thread_time()
+      t1, c0 = time.perf_counter(), time.thread_time()
       manager.save(i + 1, {"params": state, "split": split_leaf})
       # The save that takes a snapshot, and the next one, which writes it.
       part = {0: "take", 1: "write"}.get((i + 1) % EVERY)
-      if part:
-        split[part].append(time.perf_counter() - t0)
+      if part and split is not None:
+        split[part].append(time.perf_counter() - t1)
         split[f"cpu_{part}"].append(time.thread_time() - c0)
+    POSITIONS[name][(i + 1) % EVERY].append(time.perf_counter() - t0)
   jax.block_until_ready(state)
+  carried[name] = (state, done + STEPS)
   if split is not None and writer:
     split["writer_cpu"].append((writer_seconds(manager) - writer) /
                                (STEPS // EVERY))
@@ -143,14 +158,17 @@ names = ["none", *managers]
 times = {name: [] for name in names}
 cpu = {name: [] for name in names}
 process_cpu = {name: [] for name in names}
-trial(None)  # warm-up
-for name, manager in managers.items():
-  trial(manager, SPLIT[name])
-  for v in SPLIT[name].values():
-    v.clear()
+carried = {name: (params, 0) for name in names}  # each loop's state, steps
+POSITIONS = {name: [[] for _ in range(EVERY)] for name in names}
+for _ in range(WARM_UP):
+  for name in names:
+    trial(name, SPLIT.get(name))
+for v in [*SPLIT["snapshot"].values(), *SPLIT["unreplicated"].values()]:
+  v.clear()
+POSITIONS.update({name: [[] for _ in range(EVERY)] for name in names})
 for r in range(TRIALS):
   for name in names[r % 3:] + names[:r % 3]:  # each first in turn
-    wall, main, process = trial(managers.get(name), SPLIT.get(name))
+    wall, main, process = trial(name, SPLIT.get(name))
     times[name].append(wall)
     cpu[name].append(main)
     process_cpu[name].append(process)
@@ -168,5 +186,8 @@ if jax.process_index() == 0:
                     "snapshot_seconds": {k: median(v) for k, v in
                                          SPLIT["snapshot"].items()},
                     "unreplicated_seconds": {k: median(v) for k, v in
-                                             SPLIT["unreplicated"].items()}}),
+                                             SPLIT["unreplicated"].items()},
+                    "position_seconds": {
+                        name: [median(v) for v in POSITIONS[name]]
+                        for name in names}}),
         flush=True)

@@ -12,13 +12,20 @@ per state layout. The buffers hold a copy of the blocks: a step that
 donates the state's arrays after the snapshot is taken does not touch them
 (the runtime runs the donating step after the program has read them). On an
 accelerator they briefly need as much more device memory as the part.
+Each buffer ends with one byte, 1 when none of the blocks' inexact values
+is NaN or infinite (the writer of the snapshot checks that byte instead of
+reading the values). When the state lies on a mesh of one device per
+process, `packer_across` packs and copies to the next process in one
+program over that mesh, which takes the leaves themselves: one dispatch per
+snapshot, and no per-block array to take out of the leaves on the loop's
+thread.
 
 Example:
   >>> import jax.numpy as jnp, numpy as np
   >>> from jdist._src.checkpoint.packing import packer
   >>> mine, sent = packer(None, 0)([jnp.arange(2, dtype=jnp.int16)])
-  >>> np.asarray(mine).tolist(), sent
-  ([0, 0, 1, 0], None)
+  >>> np.asarray(mine).tolist(), sent  # the bytes, then 1: all finite
+  ([0, 0, 1, 0, 1], None)
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 # The unsigned type of each width under a byte (int4, float4_e2m1fn, ...).
 _NARROW = {2: jnp.uint2, 4: jnp.uint4}
@@ -61,6 +69,24 @@ def _joined(data: list, length: int | None = None) -> jax.Array:
   return jnp.concatenate(data) if data else jnp.zeros(0, jnp.uint8)
 
 
+def finite_flag(blocks: list) -> jax.Array:
+  """One byte: 1 when no inexact value of `blocks` is NaN or infinite, else
+  0 (what the writer checks, without reading the values on the host)."""
+  checks = [jnp.isfinite(b).all() for b in blocks
+            if jnp.issubdtype(b.dtype, jnp.inexact) and b.size]
+  ok = jnp.stack(checks).all() if checks else jnp.bool_(True)
+  return ok.astype(jnp.uint8).reshape(1)
+
+
+def pack(blocks: list, sent: list | None, length: int) -> tuple:
+  """`(mine, copy)` of `blocks` (see `packer`), traced."""
+  data = [as_bytes(b) for b in blocks]
+  flag = finite_flag(blocks)
+  copy = None if sent is None else jnp.concatenate(
+      [_joined([data[i] for i in sent], length), flag])
+  return jnp.concatenate([_joined(data), flag]), copy
+
+
 def packer(sent: list | None, length: int):
   """The jitted program `blocks -> (mine, copy)` for one layout.
 
@@ -72,11 +98,40 @@ def packer(sent: list | None, length: int):
   Returns:
     A function of a list of arrays on one device that returns their bytes
     end to end (`mine`), and those of `blocks[i]` for `i` in `sent`, padded
-    to `length` (`copy`; None without `sent`).
+    to `length` (`copy`; None without `sent`), each followed by one byte,
+    1 when no inexact value of `blocks` is NaN or infinite, else 0.
   """
-  def pack(blocks: list) -> tuple:
-    data = [as_bytes(b) for b in blocks]
-    copy = None if sent is None else _joined([data[i] for i in sent],
-                                             max(length, 1))
-    return _joined(data), copy
-  return jax.jit(pack)
+  return jax.jit(lambda blocks: pack(blocks, sent, length))
+
+
+def packer_across(mesh, specs: list, sent: list, length: int):
+  """The jitted program `leaves -> mine + received` over `mesh`, which has
+  one device per process: each device packs its blocks of `leaves` (sharded
+  as `specs` say, one block per leaf) as `packer` does, and sends its copy
+  to the device of the next process (a `ppermute` in the same program: one
+  dispatch per snapshot for the packing and the copy).
+
+  Args:
+    mesh: the leaves' mesh, one device per process.
+    specs: each leaf's `PartitionSpec` on `mesh`.
+    sent: the positions of the blocks the next process lacks (the same on
+      every process).
+    length: the bytes of the copy.
+
+  Returns:
+    A function of the list of leaves that returns one array over `mesh`
+    whose block on each device is its `mine`, then the copy the device of
+    the process before it sent (each followed by its finite byte): one
+    buffer for the writer to copy to the host.
+  """
+  axes = tuple(mesh.axis_names)
+  at = {d.process_index: i for i, d in enumerate(mesh.devices.flat)}
+  ring = [(at[p], at[(p + 1) % len(at)]) for p in range(len(at))]
+
+  def body(*blocks):
+    mine, copy = pack(list(blocks), sent, length)
+    return jnp.concatenate([mine, lax.ppermute(copy, axes, ring)])
+
+  mapped = jax.shard_map(body, mesh=mesh, in_specs=tuple(specs),
+                         out_specs=P(axes), check_vma=False)
+  return jax.jit(lambda leaves: mapped(*leaves))

@@ -8,7 +8,9 @@ has packed the blocks of its part that the next process does not hold itself
 (of the state's addressable shards, one copy of each, as raw bytes) into one
 buffer on its first device (`packing.py`, in the program that packs its
 part), and a `ppermute` inside `jax.shard_map` moves every buffer to the next
-process's device. Every process sends once to one
+process's device (or, when the state lies on a mesh of one device per
+process, the same `ppermute` inside the program that packs it,
+`packing.packer_across`). Every process sends once to one
 peer and receives once: the cost is at most the size of a part per process
 and per snapshot, over the interconnect the training collectives use,
 whatever the number of processes; with a replicated (mirrored) state the

@@ -33,7 +33,12 @@ this process into one buffer on its device (and those the next process
 lacks into another, `packing.py`), and starts the second's copy to the
 next process (one dispatch and one collective per snapshot, whatever the
 number of leaves; the layout of the blocks, the header and the program are
-worked out once per state layout); the buffers are copies, so a step that
+worked out once per state layout). When the state's leaves lie on one mesh
+of one device per process (the usual multi-process job), the packing and
+the copy are one program over that mesh, dispatched with the leaves
+themselves (`packing.packer_across`). Each buffer ends with a byte that
+says whether its values are all finite, so the writer reads no value to
+check. The buffers are copies, so a step that
 donates the state's arrays next does not touch them. The next `save` of
 the manager hands it to this `Snapshots`' writer, one background thread,
 which writes the part and the replica (it copies the two buffers to the
@@ -48,19 +53,22 @@ is waited for a few seconds (the thread is a daemon, so a write stuck on a
 dead peer's copy does not hold the exit), and a part it did not finish is
 a temporary file that no reader takes (the rename makes it a part).
 
-Cleanup, when a part is written: a process removes every file but its
-last two snapshots' parts and replicas and the new one's: all processes
-have written the one before its last. Why, with the writing in the
-background: a process's writer writes snapshot k only once its blocks are
-there, that is once the step that computed them has run, and that step
-needed every process's collectives; each process dispatches that step
-(later than snapshot k-1's step) after its `write` of snapshot k-1, which
-waited for its writer to finish snapshot k-2: so every process's part of
-k-2 is there. (When each part was written in the loop, in the `save` after
-its step, this held too, with one snapshot to spare; the rule is the
-same.) The process that
-completes a snapshot (it sees all of its parts, or their replicas) removes
-the others. So at rest the directory holds the newest complete snapshot
+Cleanup, when a part is written: a process removes every file but its last
+two snapshots' parts and replicas and the new one's: all processes have
+written the one before its last. It lists the directory once, at its first
+write (the files of earlier attempts, the temporary files of writers that
+died); after that it removes the files it wrote itself, by name. Why, with
+the writing in the background: a process's writer writes snapshot k only
+once its blocks are there, that is once the step that computed them has run,
+and that step needed every process's collectives; each process dispatches
+that step (later than snapshot k-1's step) after its `write` of snapshot
+k-1, which waited for its writer to finish snapshot k-2: so every process's
+part of k-2 is there. (When each part was written in the loop, in the `save`
+after its step, this held too, with one snapshot to spare; the rule is the
+same.) The process that completes a snapshot (its part and replica, and the
+files of the others it finds, hold all of its parts) removes the older ones
+it wrote, and, when its own files do not hold all the parts, those the other
+processes wrote. So at rest the directory holds the newest complete snapshot
 (on one machine; across hosts, until the next two snapshots, also the ones
 before it), and the launcher removes the directory when the job ends.
 
@@ -105,6 +113,7 @@ import zlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
 from jdist._src.checkpoint import packing
 from jdist._src.checkpoint import peer_copy
@@ -255,6 +264,30 @@ class _Layout:
     return None
 
 
+def _one_program_mesh(leaves: list, mine: "_Layout", copies: list):
+  """The mesh over which one program can pack every process's blocks and
+  send each its copy (`packing.packer_across`), or None: every leaf on
+  devices is split (or not) over one mesh of one device per process, each
+  process holds one block of each, and every process sends the next the
+  blocks at the same positions, as many bytes (`copies`: the layouts of
+  what each process sends)."""
+  arrays = [leaves[i] for i, _ in mine.picks]
+  if (not arrays or len(mine.keys) != len(arrays)
+      or len(arrays) != sum(isinstance(x, jax.Array) for x in leaves)
+      or not all(isinstance(x.sharding, NamedSharding) for x in arrays)):
+    return None
+  mesh = arrays[0].sharding.mesh
+  processes = [d.process_index for d in mesh.devices.flat]
+  if (any(x.sharding.mesh != mesh for x in arrays)
+      or sorted(processes) != list(range(jax.process_count()))):
+    return None
+  positions = {tuple(j for j, (_, _, n) in enumerate(c.sizes) if n)
+               for c in copies}
+  if len(positions) != 1 or len({c.nbytes for c in copies}) != 1:
+    return None
+  return mesh
+
+
 def _runs(sizes: list) -> list:
   """`[(dtype, offset, nbytes)]`: the runs of consecutive inexact blocks of
   one type among `sizes` (a layout's)."""
@@ -292,6 +325,47 @@ def _write_all(path: str, buffers: list) -> None:
         views[0] = views[0][n:]
   finally:
     os.close(fd)
+
+
+def _unpacked(packed) -> tuple:
+  """`(data, finite)`: the bytes of a buffer `packing.py` made (this
+  process's block of it, when it spans the processes), and its last byte,
+  whether no value in it is NaN or infinite; `(empty, True)` for None."""
+  if packed is None:
+    return np.zeros(0, np.uint8), True
+  raw = _host_bytes(packed)
+  return raw[:-1], bool(raw[-1])
+
+
+def _host_bytes(x) -> np.ndarray:
+  """The bytes of `x` (this process's block of it, when it spans the
+  processes) on the host."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    x = x.addressable_data(0)
+  return np.asarray(x)
+
+
+def _checked(step: int, layout: "_Layout", packed, host: list) -> list | None:
+  """The arrays of a part to write (its bytes on devices, then its leaves
+  on the host), or None, with a line, when a value of it is NaN or
+  infinite (the packing program's byte says whether; the leaf is then
+  found on the host)."""
+  data, finite = _unpacked(packed)
+  bad = None if finite else layout.nonfinite(data)
+  if not finite and bad is None:
+    bad = 0
+  if bad is None:
+    bad = next((layout.on_device + k for k, h in enumerate(host)
+                if np.issubdtype(h.dtype, np.inexact) and
+                not _finite(np.ascontiguousarray(h), h.dtype, 0, h.nbytes)),
+               None)
+  if bad is not None:
+    say(f"not writing the in-memory snapshot of step {step}: "
+        f"{layout.names[bad]} has NaN or infinite values; the one before "
+        "it stays the newest.")
+    return None
+  return [data, *(np.ascontiguousarray(h).reshape(-1).view(np.uint8)
+                  for h in host)]  # (bfloat16 too)
 
 
 # How long a process's exit waits for a snapshot being written.
@@ -345,6 +419,11 @@ class _Writer:
   @property
   def busy(self) -> bool:
     return not self._idle.is_set()
+
+  @property
+  def failed(self) -> bool:
+    """Whether the last job raised an error that `wait` has not raised."""
+    return self._error is not None
 
   def wait(self, timeout: float | None = None):
     """The last job's result (None if none, or not done in `timeout`);
@@ -416,6 +495,10 @@ class Snapshots:
     # restored), and of the one before it.
     self.complete, self._before = None, None
     self._layouts_key, self._layouts = None, None
+    # The files this process wrote, by snapshot, since it last listed the
+    # directory (`_swept`: at its first write).
+    self._written: dict = {}
+    self._swept = False
     self._pending = None
     self._writer = _Writer(f"jdist-snapshots-{self.rank}")
     self._peer = peer_copy.PeerCopy.for_this_job()
@@ -446,7 +529,13 @@ class Snapshots:
     """
     self.flush()
     mine, before, plan = self._layout(names, leaves)
-    program, target, moves, length = plan
+    program, target, moves, length, across = plan
+    host = [np.asarray(leaves[i]) for i in mine.host]
+    if across:  # one program packs and sends: one result, this process's
+      # part then the copy it received (the writer takes its block of it)
+      both = program([leaves[i] for i, _ in mine.picks])
+      self._pending = (int(step), mine, both, host, before, mine.nbytes + 1)
+      return
     blocks = [b for i, pick in mine.picks for b in pick(leaves[i])]
     if moves:  # blocks on this process's other devices
       for j, b in zip(moves, jax.device_put([blocks[j] for j in moves],
@@ -455,11 +544,11 @@ class Snapshots:
     packed = copy = received = None
     if blocks:
       packed, copy = program(blocks)  # (the writer copies them to the host)
-    elif length:  # nothing of this process's for the next: its share of zeros
-      copy = jax.device_put(np.zeros(length, np.uint8), target)
+    elif length:  # nothing of this process's for the next: its share of
+      # zeros, and a 1: nothing in it is NaN
+      copy = jax.device_put(np.append(np.zeros(length, np.uint8), 1), target)
     if copy is not None:
       received = self._peer.send(copy)
-    host = [np.asarray(leaves[i]) for i in mine.host]
     self._pending = (int(step), mine, packed, host, before, received)
 
   def flush(self, wait: bool = True) -> bool | None:
@@ -477,9 +566,9 @@ class Snapshots:
     """
     pending, self._pending = self._pending, None
     if not wait:
-      if pending is None:
-        if not self._writer.busy:
-          self._writer.wait()  # raises the last one's error, if it failed
+      if pending is None:  # (the usual call: one look at an attribute)
+        if self._writer.failed:
+          self._writer.wait()  # raises the last one's error
         return None
       self._writer.wait()  # (none in flight: `write` waited for it)
       self._writer.start(lambda: self._write(pending))
@@ -502,43 +591,64 @@ class Snapshots:
     """Writes snapshot `pending` (on the writer thread, or the training
     thread): see `flush`."""
     step, layout, packed, host, before, received = pending
-    data = np.zeros(0, np.uint8) if packed is None else np.asarray(packed)
-    bad = layout.nonfinite(data)
-    if bad is None:
-      bad = next((layout.on_device + k for k, h in enumerate(host)
-                  if np.issubdtype(h.dtype, np.inexact) and
-                  not _finite(np.ascontiguousarray(h), h.dtype, 0, h.nbytes)),
-                 None)
-    if bad is not None:
-      say(f"not writing the in-memory snapshot of step {step}: "
-          f"{layout.names[bad]} has NaN or infinite values; the one before "
-          "it stays the newest.")
+    if isinstance(received, int):  # one buffer: the part, then the copy
+      both = _host_bytes(packed)
+      packed, received = both[:received], both[received:]
+    arrays = _checked(step, layout, packed, host)
+    if arrays is None:
       return False
-    arrays = [data, *(np.ascontiguousarray(h).reshape(-1).view(np.uint8)
-                      for h in host)]  # (bfloat16 too)
     crc = 0
     for raw in arrays:
       crc = zlib.crc32(raw, crc)
     group = (int(step), self.attempt, self.world)
-    try:
-      entries = os.listdir(self.directory)
-    except FileNotFoundError:  # removed by a launcher that left the job
-      os.makedirs(self.directory, exist_ok=True)
-      entries = []
     # The last two parts this process wrote, and `group`'s: every process
     # has written the one before the last (see the module's docstring).
     previous = self.complete
-    self._remove(entries, keep={group, previous, self._before})
+    self._keep_only({group, previous, self._before})
     self._put(group, self.rank, "part", crc, layout, arrays)
     if previous != group:
       self._before, self.complete = previous, group
     written = {self.rank}
     if before is not None:
       written |= self._put_replica(group, before, received)
-    written |= {r for g, r, _ in _groups(entries) if g == group}
-    if written == set(range(self.world)):
-      self._remove(entries, keep={group})  # the last part of `group` is in
+    mine = set(written)
+    written |= {r for r in range(self.world) if r not in written and (
+        os.path.exists(self._path(group, r, "part")) or
+        os.path.exists(self._path(group, r, "replica")))}
+    if written == set(range(self.world)):  # the last part of `group` is in
+      self._keep_only({group}, others=mine != written)
     return True
+
+  def _path(self, group, rank: int, kind: str) -> str:
+    return os.path.join(self.directory, part_name(*group[:2], rank, group[2],
+                                                  kind))
+
+  def _keep_only(self, keep: set, others: bool = False) -> None:
+    """Removes the files of the snapshots not in `keep`: at this process's
+    first write (and the first after `clear`), every such file in the
+    directory, and the temporary files of writers that died (one listing);
+    after it, those this process wrote (it knows their names: no listing);
+    with `others`, also those the other processes wrote of the snapshots
+    this process wrote (a process that cannot tell that the snapshot is
+    complete leaves its own to the one that can)."""
+    if not self._swept:
+      try:
+        entries = os.listdir(self.directory)
+      except FileNotFoundError:  # removed by a launcher that left the job
+        os.makedirs(self.directory, exist_ok=True)
+        entries = []
+      self._remove(entries, keep)
+      self._swept = True
+    for group in [g for g in self._written if g not in keep]:
+      paths = self._written.pop(group)
+      if others:
+        paths = [self._path(group, r, kind) for r in range(self.world)
+                 for kind in ("part", "replica")]
+      for path in paths:
+        try:
+          os.unlink(path)
+        except FileNotFoundError:
+          pass  # another process of this host removed it first
 
   def _put(self, group, rank: int, kind: str, crc: int, layout: "_Layout",
            arrays: list) -> None:
@@ -549,9 +659,15 @@ class Snapshots:
               f'"world": {world}, "crc32": {crc}, "leaves": '
               f'{layout.entries}}}').encode()
     tmp = os.path.join(self.directory, f".tmp-{self.rank}-{os.getpid()}.snap")
-    _write_all(tmp, [MAGIC + struct.pack("<Q", len(header)) + header, *arrays])
-    os.replace(tmp, os.path.join(self.directory,
-                                 part_name(step, attempt, rank, world, kind)))
+    buffers = [MAGIC + struct.pack("<Q", len(header)) + header, *arrays]
+    try:
+      _write_all(tmp, buffers)
+    except FileNotFoundError:  # removed by a launcher that left the job
+      os.makedirs(self.directory, exist_ok=True)
+      _write_all(tmp, buffers)
+    path = self._path(group, rank, kind)
+    os.replace(tmp, path)
+    self._written.setdefault(group, []).append(path)
 
   def _put_replica(self, group, layout: "_Layout", received) -> set:
     """Writes the part of the process before this one, as its replica:
@@ -560,10 +676,10 @@ class Snapshots:
     state), and returns `{its rank}`; nothing (`set()`) when they hold NaN
     or inf (that process does not write its part either)."""
     rank = (self.rank - 1) % self.world
-    data = (np.zeros(0, np.uint8) if received is None else
-            np.asarray(received)[:layout.nbytes])
-    if layout.nonfinite(data) is not None:
+    data, finite = _unpacked(received)
+    if not finite:
       return set()
+    data = data[:layout.nbytes]
     self._put(group, rank, "replica", zlib.crc32(data), layout, [data])
     return {rank}
 
@@ -571,12 +687,13 @@ class Snapshots:
     """`(mine, before, plan)`: the layouts of this process's blocks of
     `leaves` and of those of the process before it that this one does not
     hold (the replica it writes; None in a job of one process), and `plan`:
-    `(program, target, moves, length)`, the `packing.packer` program, the
-    device it runs on, the positions of the blocks to move there first,
-    and the bytes each process sends the next (0: no copy, as for a
-    mirrored state). Worked out once per names, shapes, dtypes and
-    shardings, so that a snapshot costs little more than its copies and
-    its files."""
+    `(program, target, moves, length, across)`, the `packing.packer`
+    program, the device it runs on, the positions of the blocks to move
+    there first, the bytes each process sends the next (0: no copy, as for
+    a mirrored state), and whether the program is `packing.packer_across`'s
+    (it takes the leaves, and also makes the copy). Worked out once per
+    names, shapes, dtypes and shardings, so that a snapshot costs little
+    more than its copies and its files."""
     key = [(x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves]
     if self._layouts_key is None or self._layouts_key != (names, key):
       self._layouts_key = (list(names), key)
@@ -599,7 +716,14 @@ class Snapshots:
         mine_sent = _Layout(names, leaves, self.rank,
                             but=(self.rank + 1) % self.world, target=target)
         sent = [at[k] for k in mine_sent.keys]
-    return mine, before, (packing.packer(sent, length), target, moves, length)
+        mesh = _one_program_mesh(leaves, mine, copies)
+        if mesh is not None:
+          specs = [leaves[i].sharding.spec for i, _ in mine.picks]
+          return mine, before, (packing.packer_across(mesh, specs, sent,
+                                                      length),
+                                target, [], length, True)
+    return mine, before, (packing.packer(sent, length), target, moves,
+                          length, False)
 
   def _remove(self, entries: list, keep: set) -> None:
     """Removes, of `entries`, the parts (and replicas) of the snapshots not
@@ -620,6 +744,7 @@ class Snapshots:
     such as `agree`)."""
     self._remove(os.listdir(self.directory), keep=set())
     self.complete = self._before = None
+    self._written, self._swept = {}, False
 
   # --- finding the newest complete snapshot ---------------------------------------
 
