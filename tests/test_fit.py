@@ -485,15 +485,23 @@ def test_shuffled_arrays_are_read_in_the_order_of_the_seed_and_epoch(
             for o in order for i in range(0, 320, 64)]),
       epochs=2, steps_per_epoch=5, verbose=0)
   busy = threading.Event()
+
+  class Release(jdist.Callback):  # the worker kept busy until training ends
+    def on_train_end(self, logs=None):
+      busy.set()
+
   shuffle_order.worker().submit(busy.wait, 30)  # nothing taken ahead
   try:
     by_loop = trainer_on(1, seed=7).fit(x, y, batch_size=64, epochs=2,
-                                        verbose=0)
+                                        callbacks=[Release()], verbose=0)
   finally:
     busy.set()
   ahead = trainer_on(1, seed=7).fit(x, y, batch_size=64, epochs=2, verbose=0)
   for history in (by_loop, ahead):
     assert history.history == by_hand.history
+  # fit ends its worker thread: none of jdist's stays behind it.
+  assert not [t for t in threading.enumerate()
+              if t.name.startswith("jdist-shuffle")]
 
 
 def test_callbacks_none_is_no_callbacks_as_in_keras(split):

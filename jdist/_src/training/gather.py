@@ -68,13 +68,13 @@ def shuffled_rows(leaves: list, order: np.ndarray, batch_size: int,
     [[20, 90, 50, 80], [60, 70]]
   """
   bs, per = batch_size, batches_per_chunk(leaves, batch_size)
-  pool = shuffle_order.worker()
 
   def submit(lo: int):
-    box = []  # the chunk's rows, once taken (a worker's error leaves it
-    # empty: the loop then takes each batch itself, and meets the error)
+    box = []  # the chunk's rows, once taken (a worker's error, or a
+    # shutdown that cancelled it, leaves it empty: the loop then takes each
+    # batch itself, and meets the error)
     idx = order[lo * bs:min(lo + per, stop) * bs]
-    return box, pool.submit(lambda: box.append(_take(leaves, idx)))
+    return box, shuffle_order.submit(lambda: box.append(_take(leaves, idx)))
 
   ahead = [submit(lo) for lo in range(start, stop, per)[:AHEAD]]
   try:
@@ -88,7 +88,9 @@ def shuffled_rows(leaves: list, order: np.ndarray, batch_size: int,
           yield [a[j * bs:(j + 1) * bs] for a in box[0]]
         else:  # not taken yet: take this batch here
           yield _take(leaves, order[i * bs:(i + 1) * bs])
-      future.cancel()
+      if future is not None:
+        future.cancel()
   finally:
     for _, future in ahead:
-      future.cancel()
+      if future is not None:
+        future.cancel()

@@ -25,6 +25,7 @@ from jdist._src.training import loop
 from jdist._src.training import mixed_precision
 from jdist._src.training import model as model_lib
 from jdist._src.training import objectives
+from jdist._src.training import shuffle_order
 from jdist._src.training import steps as steps_lib
 from jdist._src.training.callbacks import CallbackList
 from jdist._src.checkpoint.checkpointer import Checkpointer
@@ -610,6 +611,7 @@ class Trainer:
     finally:
       self._stopped = fit_loop.stop_training
       self._fit_loop = None
+      shuffle_order.shutdown()  # the worker of shuffled arrays' rows
       bar.close()
       cbs.close()
     if isinstance(self._model, model_lib.NnxModel):
