@@ -358,7 +358,6 @@ class IterableSource(_Batches):
     if pass_length is None and hasattr(iterable, "__len__"):
       pass_length = len(iterable)
     self.pass_length = pass_length
-    self._learned = False  # pass_length learned from a pass that ran out
     if steps_per_epoch is None:
       steps_per_epoch = pass_length
     self.steps_per_epoch = steps_per_epoch
@@ -435,7 +434,7 @@ class IterableSource(_Batches):
     if self.pass_length is None and self.steps_per_epoch is not None:
       # The pass ran out: now its length is known (as Keras learns it), and
       # the epochs from here on follow `epoch_span`.
-      self.pass_length, self._learned = open_[2], True
+      self.pass_length = open_[2]
       if open_[2] <= first and start == 0:  # before this epoch's first batch
         yield from self.batches(epoch)
       elif start == 0:
@@ -446,7 +445,7 @@ class IterableSource(_Batches):
     out = {}
     if self._epoch_0_pass is not None:
       out["epoch_0_pass"] = self._epoch_0_pass
-    if self.pass_length is not None and self._learned:
+    if self.pass_length is not None:  # (a resume needs it when learned)
       out["pass_length"] = self.pass_length
     return out
 
@@ -454,7 +453,7 @@ class IterableSource(_Batches):
     del consumed  # batches() skips them
     self._resume_epoch_0_pass = state.get("epoch_0_pass")
     if state.get("pass_length") is not None and self.pass_length is None:
-      self.pass_length, self._learned = state["pass_length"], True
+      self.pass_length = state["pass_length"]
 
 
 class IteratorSource(_Batches):
