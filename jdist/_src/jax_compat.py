@@ -103,6 +103,24 @@ try:
 except ImportError:  # pragma: no cover - depends on the jax version
   _pxla = None
 
+try:
+  from jax._src.array import ArrayImpl as _ArrayImpl
+except ImportError:  # pragma: no cover - depends on the jax version
+  _ArrayImpl = None
+
+
+def array_type() -> type | None:
+  """The class of the arrays jax's computations return (`ArrayImpl`).
+
+  `jax.Array` is an abstract base whose `isinstance` test goes through
+  Python (`abc`); a step's every call asks whether its last output is a
+  concrete array (not a tracer), and `type(x) is array_type()` answers that
+  at the cost of an identity test. None if this JAX has no such class (the
+  caller then takes its general path).
+  """
+  return _ArrayImpl
+
+
 _index_maps: dict = {}  # (sharding, shape) -> the shards' indices
 
 
