@@ -65,6 +65,7 @@ x, y = load_digits(image=True)
 x_train, y_train, x_test, y_test = x[:1437], y[:1437], x[1437:], y[1437:]
 EPOCHS, BATCH = 6, 64
 SIZES = [64, 256, 1024]  # the global batches timed in "When do more devices help?"
+TIMED_STEPS = 5  # steps per timed loop there and in jdist.diagnose
 print(x_train.shape, x_test.shape)
 
 # %% [markdown]
@@ -213,7 +214,7 @@ assert fit_vs_one < 1e-4, "fit on all devices should train as on one"
 # on the machine you are running.
 
 # %%
-def step_seconds(strat, global_batch, repeats=5):
+def step_seconds(strat, global_batch, repeats=TIMED_STEPS):
     step = strat.function(train_step.__wrapped__)
     st = strat.replicate((params, tx.init(params)))
     xb = np.resize(x_train, (global_batch,) + x_train.shape[1:])
@@ -248,6 +249,6 @@ print("platform:", jax.devices()[0].platform)
 
 # %%
 diagnosis = jdist.diagnose(train_step, (params, tx.init(params)),
-                           batches(x_train, y_train, BATCH)[:6], steps=5)
+                           batches(x_train, y_train, BATCH)[:TIMED_STEPS + 1], steps=TIMED_STEPS)
 print(diagnosis)
 print("bottleneck:", diagnosis.bottleneck, "| speedup:", round(diagnosis.speedup, 2))
