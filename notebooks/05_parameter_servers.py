@@ -59,6 +59,9 @@ apply_fn = lambda params, x: model.apply({"params": params}, x)
 accuracy = lambda params: float(np.mean(np.argmax(apply_fn(params, x_test), -1) == y_test))
 print(jax.devices())
 
+# %% tags=["parameters"]
+STEPS = 400  # the steps scheduled in sections 2 and 3
+
 # %% [markdown]
 # ## 1. A cluster in this process
 #
@@ -107,15 +110,15 @@ def step_fn(iterator):                            # runs on a worker
     return strategy.reduce("sum", loss)
 
 start = time.perf_counter()
-losses = [coordinator.schedule(step_fn, args=(per_worker_iterator,)) for _ in range(400)]
-print(f"scheduled 400 steps in {time.perf_counter() - start:.3f} s; done yet? {coordinator.done()}")
+losses = [coordinator.schedule(step_fn, args=(per_worker_iterator,)) for _ in range(STEPS)]
+print(f"scheduled {STEPS} steps in {time.perf_counter() - start:.3f} s; done yet? {coordinator.done()}")
 coordinator.join()
 print(f"all done after {time.perf_counter() - start:.2f} s")
 curve = coordinator.fetch(losses)
 print(f"loss: first 20 steps {np.mean(curve[:20]):.3f}, last 20 {np.mean(curve[-20:]):.3f}")
 print(f"updates applied per server: {state.version()}")
 print(f"test accuracy: {accuracy(coordinator.fetch(state)[0]):.3f}")
-assert set(state.version().values()) == {400} and np.mean(curve[-20:]) < np.mean(curve[:20]) / 2
+assert set(state.version().values()) == {STEPS} and np.mean(curve[-20:]) < np.mean(curve[:20]) / 2
 
 # %% [markdown]
 # ## 3. How asynchronous is it?
@@ -139,7 +142,7 @@ assert set(state.version().values()) == {400} and np.mean(curve[-20:]) < np.mean
 # %%
 rng = np.random.default_rng(0)
 batches = [{"x": x_train[i], "y": y_train[i]}
-           for i in (rng.choice(1400, 32, replace=False) for _ in range(400))]
+           for i in (rng.choice(1400, 32, replace=False) for _ in range(STEPS))]
 
 def train(strategy):
     step = strategy.function(classifier_step(apply_fn, tx))

@@ -45,7 +45,8 @@ def test_notebook_is_paired_and_stripped(path):
 # cell after the one tagged "parameters". The notebooks' own checks still
 # hold (01: fit on all devices equals fit on one, at every epoch).
 PARAMETERS = {"01_mirrored_quickstart":
-              "EPOCHS, SIZES, TIMED_STEPS = 3, [64, 256], 2"}
+              "EPOCHS, SIZES, TIMED_STEPS = 3, [64, 256], 2",
+              "05_parameter_servers": "STEPS = 200"}
 
 
 def test_parameters_name_a_parameters_cell():
