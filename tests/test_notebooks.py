@@ -99,6 +99,12 @@ def test_notebook_runs(path, tmp_path):
   # machine (test_parameter_server_elastic's, in the other pytest worker),
   # where `ray.init(num_cpus=...)` is an error.
   env["RAY_ADDRESS"] = "local"
+  # The notebooks' scratch directories (`tempfile.mkdtemp`: a user keeps
+  # them to look at) go to the test's own, which pytest removes. Not Ray's:
+  # its socket paths under a longer temporary directory could pass the
+  # 107-byte limit of a Unix socket's path.
+  if "import ray" not in path.with_suffix(".py").read_text():
+    env["TMPDIR"] = str(tmp_path)
   # raises CellExecutionError, naming the cell, on any error
   client.execute(env=env)
   errors = [o for c in nb.cells if c.cell_type == "code"
