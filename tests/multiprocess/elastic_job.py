@@ -219,7 +219,7 @@ def arm_snapshot_kill(step):
     header = bytes(buffers[0])
     if os.path.basename(path) == tmp and \
         f'"step": {step}, '.encode() in header and \
-        f'"rank": {ME}, '.encode() in header:  # its part, not a replica
+        f'"rank": {ME}, '.encode() in header:  # its file (its part)
       directory = os.path.dirname(path)
       say(f"writing {tmp} {os.path.getsize(path)} "
           f"{' '.join(sorted(os.listdir(directory)))}")

@@ -121,37 +121,41 @@ from jdist._src.multiprocess import liveness
 from jdist._src.multiprocess import runtime as runtime_lib
 
 MAGIC = b"JDSNAP1\n"
-# A process's own part, or the replica of process <rank>'s part that the
-# next process holds.
-_PART = re.compile(
-    r"step-(\d+)\.attempt-(\d+)\.(part|replica)-(\d+)-of-(\d+)\.snap")
+# The file of process <rank>: its part, and (in a job of several processes)
+# the replica of the part of the process before it.
+_PART = re.compile(r"step-(\d+)\.attempt-(\d+)\.part-(\d+)-of-(\d+)\.snap")
 _TMP = re.compile(r"\.tmp-(\d+)-(\d+)\.snap")  # the writer's rank and pid
 
 
 @functools.lru_cache(maxsize=1024)
 def _parse(entry: str) -> tuple:
-  """`(group, rank, kind, pid)` of a directory entry: a part's (or a
-  replica's) `(step, attempt, world)`, process and "part" or "replica"
-  (else None each), and a temporary file's writer's pid (else None).
-  Cached: the writer looks at the same names snapshot after snapshot."""
+  """`(group, rank, pid)` of a directory entry: a process's file's
+  snapshot `(step, attempt, world)` and process (else None each), and a
+  temporary file's writer's pid (else None). Cached: the writer looks at
+  the same names snapshot after snapshot."""
   m = _PART.fullmatch(entry)
   if m:
-    return (int(m[1]), int(m[2]), int(m[5])), int(m[4]), m[3], None
+    return (int(m[1]), int(m[2]), int(m[4])), int(m[3]), None
   tmp = _TMP.fullmatch(entry)
-  return None, None, None, (int(tmp[2]) if tmp else None)
+  return None, None, (int(tmp[2]) if tmp else None)
 
 
 def _groups(entries) -> list:
-  """`[((step, attempt, world), rank, kind)]` of the parts among `entries`
-  (`kind`: "part" or "replica")."""
-  return [parsed[:3] for parsed in map(_parse, entries) if parsed[0]]
+  """`[((step, attempt, world), rank)]` of the processes' files among
+  `entries`."""
+  return [parsed[:2] for parsed in map(_parse, entries) if parsed[0]]
 
 
-def part_name(step: int, attempt: int, rank: int, world: int,
-              kind: str = "part") -> str:
-  """The file of process `rank`'s part (`kind="replica"`: of its replica,
-  which process `(rank + 1) % world` writes)."""
-  return f"step-{step:012d}.attempt-{attempt}.{kind}-{rank}-of-{world}.snap"
+def part_name(step: int, attempt: int, rank: int, world: int) -> str:
+  """The file of process `rank` of snapshot `step`: its part, and in a job
+  of several processes the replica of process `(rank - 1) % world`'s."""
+  return f"step-{step:012d}.attempt-{attempt}.part-{rank}-of-{world}.snap"
+
+
+def held(rank: int, world: int) -> tuple:
+  """The processes whose parts the file of process `rank` holds: its own,
+  and the one before it (its replica)."""
+  return (rank,) if world == 1 else (rank, (rank - 1) % world)
 
 
 def say(message: str) -> None:
@@ -215,6 +219,7 @@ class _Layout:
   def __init__(self, names: list, leaves: list, process: int,
                but: int | None = None, target=None):
     self.picks, self.sizes, self.names, entries = [], [], [], []
+    self.header = b""  # (`Snapshots._layout` sets it)
     self.keys, self.devices, self.host = [], [], []
     mine = process == jax.process_index()
     order = sorted(range(len(leaves)),
@@ -312,17 +317,16 @@ def _finite(data, dtype: np.dtype, offset: int, nbytes: int) -> bool:
 
 
 def _write_all(path: str, buffers: list) -> None:
-  """Writes `buffers` to a new file `path` (few system calls)."""
+  """Writes `buffers` (of bytes, one dimension: `bytes`, uint8 arrays) to a
+  new file `path`: open, one `writev` (more only when the system writes
+  less at once), close."""
   fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
   try:
-    views = [memoryview(b).cast("B") for b in buffers]
-    while views:
-      n = os.writev(fd, views)
-      while views and n >= len(views[0]):
-        n -= len(views[0])
-        views.pop(0)
-      if views and n:
-        views[0] = views[0][n:]
+    written = os.writev(fd, buffers)
+    if written < sum(map(len, buffers)):  # (rare) the rest, where it stopped
+      rest = memoryview(b"".join(buffers))[written:]
+      while rest:
+        rest = rest[os.write(fd, rest):]
   finally:
     os.close(fd)
 
@@ -333,7 +337,7 @@ def _unpacked(packed) -> tuple:
   whether no value in it is NaN or infinite; `(empty, True)` for None."""
   if packed is None:
     return np.zeros(0, np.uint8), True
-  raw = _host_bytes(packed)
+  raw = packed if type(packed) is np.ndarray else _host_bytes(packed)
   return raw[:-1], bool(raw[-1])
 
 
@@ -351,6 +355,8 @@ def _checked(step: int, layout: "_Layout", packed, host: list) -> list | None:
   infinite (the packing program's byte says whether; the leaf is then
   found on the host)."""
   data, finite = _unpacked(packed)
+  if finite and not host:  # the usual case
+    return [data]
   bad = None if finite else layout.nonfinite(data)
   if not finite and bad is None:
     bad = 0
@@ -366,6 +372,22 @@ def _checked(step: int, layout: "_Layout", packed, host: list) -> list | None:
     return None
   return [data, *(np.ascontiguousarray(h).reshape(-1).view(np.uint8)
                   for h in host)]  # (bfloat16 too)
+
+
+def _replica(step: int, layout: "_Layout", received) -> np.ndarray | None:
+  """The bytes of the replica to write (the blocks of the part of the
+  process before this one that this one does not hold, `layout`), from
+  those the copy brought; None, with a line, when a value of them is NaN
+  or infinite (that process does not write its part either)."""
+  data, finite = _unpacked(received)
+  if not finite:
+    bad = layout.nonfinite(data)
+    say(f"not writing the in-memory snapshot of step {step}: "
+        f"{layout.names[bad or 0]} has NaN or infinite values (in the part "
+        "of the process before this one); the one before it stays the "
+        "newest.")
+    return None
+  return data[:layout.nbytes]
 
 
 # How long a process's exit waits for a snapshot being written.
@@ -482,6 +504,7 @@ class Snapshots:
 
   def __init__(self, directory: str, *, attempt: int = 0):
     self.directory = directory
+    self._prefix = os.path.join(directory, "")  # (of its files' paths)
     self.attempt = int(attempt)
     self.rank, self.world = jax.process_index(), jax.process_count()
     os.makedirs(directory, mode=0o700, exist_ok=True)
@@ -597,31 +620,35 @@ class Snapshots:
     arrays = _checked(step, layout, packed, host)
     if arrays is None:
       return False
+    if before is not None:  # the replica of the part of the process before
+      data = _replica(step, before, received)
+      if data is None:
+        return False
+      arrays.append(data)
     crc = 0
     for raw in arrays:
       crc = zlib.crc32(raw, crc)
     group = (int(step), self.attempt, self.world)
-    # The last two parts this process wrote, and `group`'s: every process
+    # The last two snapshots this process wrote, and `group`: every process
     # has written the one before the last (see the module's docstring).
     previous = self.complete
     self._keep_only({group, previous, self._before})
-    self._put(group, self.rank, "part", crc, layout, arrays)
+    self._put(group, crc, layout.header, arrays)
     if previous != group:
       self._before, self.complete = previous, group
-    written = {self.rank}
-    if before is not None:
-      written |= self._put_replica(group, before, received)
-    mine = set(written)
-    written |= {r for r in range(self.world) if r not in written and (
-        os.path.exists(self._path(group, r, "part")) or
-        os.path.exists(self._path(group, r, "replica")))}
-    if written == set(range(self.world)):  # the last part of `group` is in
-      self._keep_only({group}, others=mine != written)
+    mine = set(held(self.rank, self.world))
+    found = set(mine)
+    for r in range(self.world):  # part r: in file r, or in r + 1's
+      for k in () if r in found else (r, (r + 1) % self.world):
+        if os.path.exists(self._path(group, k)):
+          found.update(held(k, self.world))
+          break
+    if len(found) == self.world:  # the last part of `group` is in
+      self._keep_only({group}, others=mine != found)
     return True
 
-  def _path(self, group, rank: int, kind: str) -> str:
-    return os.path.join(self.directory, part_name(*group[:2], rank, group[2],
-                                                  kind))
+  def _path(self, group, rank: int) -> str:
+    return self._prefix + part_name(*group[:2], rank, group[2])
 
   def _keep_only(self, keep: set, others: bool = False) -> None:
     """Removes the files of the snapshots not in `keep`: at this process's
@@ -640,48 +667,30 @@ class Snapshots:
       self._remove(entries, keep)
       self._swept = True
     for group in [g for g in self._written if g not in keep]:
-      paths = self._written.pop(group)
+      paths = [self._written.pop(group)]
       if others:
-        paths = [self._path(group, r, kind) for r in range(self.world)
-                 for kind in ("part", "replica")]
+        paths = [self._path(group, r) for r in range(self.world)]
       for path in paths:
         try:
           os.unlink(path)
         except FileNotFoundError:
           pass  # another process of this host removed it first
 
-  def _put(self, group, rank: int, kind: str, crc: int, layout: "_Layout",
-           arrays: list) -> None:
-    """Writes process `rank`'s part (or its replica) of snapshot `group`:
-    under a temporary name, renamed when complete."""
-    step, attempt, world = group
-    header = (f'{{"step": {step}, "attempt": {attempt}, "rank": {rank}, '
-              f'"world": {world}, "crc32": {crc}, "leaves": '
-              f'{layout.entries}}}').encode()
-    tmp = os.path.join(self.directory, f".tmp-{self.rank}-{os.getpid()}.snap")
-    buffers = [MAGIC + struct.pack("<Q", len(header)) + header, *arrays]
+  def _put(self, group, crc: int, header: bytes, arrays: list) -> None:
+    """Writes this process's file of snapshot `group` (`header`: its
+    layout's, after the step and checksum; `arrays`: its data): under a
+    temporary name, renamed when complete."""
+    header = b'{"step": %d, "crc32": %d, %s' % (group[0], crc, header)
+    head = b"".join((MAGIC, struct.pack("<Q", len(header)), header))
+    tmp = f"{self._prefix}.tmp-{self.rank}-{os.getpid()}.snap"
     try:
-      _write_all(tmp, buffers)
+      _write_all(tmp, [head, *arrays])
     except FileNotFoundError:  # removed by a launcher that left the job
       os.makedirs(self.directory, exist_ok=True)
-      _write_all(tmp, buffers)
-    path = self._path(group, rank, kind)
+      _write_all(tmp, [head, *arrays])
+    path = self._path(group, self.rank)
     os.replace(tmp, path)
-    self._written.setdefault(group, []).append(path)
-
-  def _put_replica(self, group, layout: "_Layout", received) -> set:
-    """Writes the part of the process before this one, as its replica:
-    the blocks of it that this process does not hold, from the bytes the
-    copy brought (`layout`: those blocks; none, and no copy, for a mirrored
-    state), and returns `{its rank}`; nothing (`set()`) when they hold NaN
-    or inf (that process does not write its part either)."""
-    rank = (self.rank - 1) % self.world
-    data, finite = _unpacked(received)
-    if not finite:
-      return set()
-    data = data[:layout.nbytes]
-    self._put(group, rank, "replica", zlib.crc32(data), layout, [data])
-    return {rank}
+    self._written[group] = path
 
   def _layout(self, names: list, leaves: list) -> tuple:
     """`(mine, before, plan)`: the layouts of this process's blocks of
@@ -691,13 +700,21 @@ class Snapshots:
     program, the device it runs on, the positions of the blocks to move
     there first, the bytes each process sends the next (0: no copy, as for
     a mirrored state), and whether the program is `packing.packer_across`'s
-    (it takes the leaves, and also makes the copy). Worked out once per
-    names, shapes, dtypes and shardings, so that a snapshot costs little
-    more than its copies and its files."""
+    (it takes the leaves, and also makes the copy); `mine.header`: the
+    header of this process's file, after its step and checksum. Worked out
+    once per names, shapes, dtypes and shardings, so that a snapshot costs
+    little more than its copies and its file."""
     key = [(x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves]
     if self._layouts_key is None or self._layouts_key != (names, key):
       self._layouts_key = (list(names), key)
       self._layouts = self._new_layout(names, leaves)
+      mine, before, _ = self._layouts
+      replica = "" if before is None else (
+          f', "replica": {{"rank": {(self.rank - 1) % self.world}, '
+          f'"leaves": {before.entries}}}')
+      mine.header = (f'"attempt": {self.attempt}, "rank": {self.rank}, '
+                     f'"world": {self.world}, "leaves": {mine.entries}'
+                     f'{replica}}}').encode()
     return self._layouts
 
   def _new_layout(self, names: list, leaves: list) -> tuple:
@@ -726,10 +743,10 @@ class Snapshots:
                           length, False)
 
   def _remove(self, entries: list, keep: set) -> None:
-    """Removes, of `entries`, the parts (and replicas) of the snapshots not
-    in `keep`, and the temporary files of writers that died."""
+    """Removes, of `entries`, the files of the snapshots not in `keep`, and
+    the temporary files of writers that died."""
     for entry in entries:
-      group, _, _, pid = _parse(entry)
+      group, _, pid = _parse(entry)
       gone = ((group is not None and group not in keep)
               or (pid is not None and not liveness.pid_exists(pid)))
       if gone:
@@ -750,11 +767,13 @@ class Snapshots:
 
   def _seen(self) -> dict:
     """`{(step, attempt, world): ({ranks}, {ranks})}`: the processes whose
-    parts, and whose replicas, are on this host."""
+    parts, and whose replicas, are on this host (the file of process k
+    holds its part and the replica of process k - 1's)."""
     seen: dict = {}
-    for group, rank, kind in _groups(os.listdir(self.directory)):
+    for group, rank in _groups(os.listdir(self.directory)):
       parts, replicas = seen.setdefault(group, (set(), set()))
-      (parts if kind == "part" else replicas).add(rank)
+      parts.add(rank)
+      replicas.update(held(rank, group[2])[1:])
     return seen
 
   def agree(self, newest_checkpoint: int | None = None) -> tuple:
@@ -781,31 +800,31 @@ class Snapshots:
       for step, attempt, world, ps, rs in seen:
         parts.setdefault((step, attempt, world), set()).update(ps)
         replicas.setdefault((step, attempt, world), set()).update(rs)
-    held = {g: parts[g] | replicas[g] for g in parts}
-    complete = [g for g, r in held.items() if r == set(range(g[2]))]
+    holding = {g: parts[g] | replicas[g] for g in parts}
+    complete = [g for g, r in holding.items() if r == set(range(g[2]))]
     best = max(complete, default=None)
     self.from_replicas = ([] if best is None else
                           sorted(replicas[best] - parts[best]))
-    newer = sorted(g for g in held if best is None or g[0] > best[0])
+    newer = sorted(g for g in holding if best is None or g[0] > best[0])
     notes = [f"the snapshot of step {s} (attempt {a}) lacks the parts of "
-             f"processes {sorted(set(range(w)) - held[(s, a, w)])} of {w}"
+             f"processes {sorted(set(range(w)) - holding[(s, a, w)])} of {w}"
              for s, a, w in newer]
     return best, "; ".join(notes), max(disk, default=None)
 
   # --- reading ------------------------------------------------------------------
 
   def _parts(self, group) -> list:
-    """The files of `group` on this host to read: each process's part, or
-    its replica where the part is not here; this process's own first."""
-    step, attempt, world = group
-    ranks = sorted(range(world), key=lambda r: r != self.rank)  # its own first
-    paths = []
-    for r in ranks:
-      for kind in ("part", "replica"):
-        path = os.path.join(self.directory,
-                            part_name(step, attempt, r, world, kind))
+    """The files of `group` on this host to read, this process's own
+    first: each process's part is in its file, or where that is not here,
+    as its replica in the next process's file."""
+    world = group[2]
+    paths, found = [], set()
+    for r in sorted(range(world), key=lambda r: r != self.rank):  # own first
+      for k in () if r in found else (r, (r + 1) % world):
+        path = self._path(group, k)
         if os.path.exists(path):
           paths.append(path)
+          found.update(held(k, world))
           break
     return paths
 
@@ -858,8 +877,9 @@ class Snapshots:
 
 
 def _fill(raw: bytes, described: dict, full: dict, covered: dict) -> str | None:
-  """Copies a part's blocks into `full` (marking `covered`); what is wrong
-  with it, or None."""
+  """Copies the blocks of a process's file (its part, and the replica it
+  holds) into `full` (marking `covered`); what is wrong with it, or
+  None."""
   if not raw.startswith(MAGIC) or len(raw) < len(MAGIC) + 8:
     return "is not a snapshot part"
   (n,) = struct.unpack("<Q", raw[len(MAGIC):len(MAGIC) + 8])
@@ -871,11 +891,13 @@ def _fill(raw: bytes, described: dict, full: dict, covered: dict) -> str | None:
   data = memoryview(raw)[start:]
   if zlib.crc32(data) != header.get("crc32"):
     return "fails its checksum"
-  saved = {e["name"]: [e["shape"], e["dtype"]] for e in header["leaves"]}
-  if saved != {k: [list(s), str(_dtype(d))] for k, (s, d) in described.items()}:
+  entries = [*header["leaves"], *header.get("replica", {}).get("leaves", [])]
+  wanted = {k: [list(s), str(_dtype(d))] for k, (s, d) in described.items()}
+  if any(wanted.get(e["name"]) != [e["shape"], e["dtype"]] for e in entries
+         ) or {e["name"] for e in header["leaves"]} != set(wanted):
     return "holds another state (other leaves, shapes or dtypes)"
   offset = 0
-  for e in header["leaves"]:
+  for e in entries:
     dtype = _dtype(e["dtype"])
     for shard in e["shards"]:
       where = tuple(slice(a, b) for a, b in shard["bounds"])
