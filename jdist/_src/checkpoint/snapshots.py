@@ -4,19 +4,20 @@ Every `snapshot_every` steps each process writes the blocks of the state it
 holds (its addressable shards, one copy of each) to one file in the job's
 snapshot directory under /dev/shm (`multiprocess/snapshot_dir.py`): host
 memory that outlives the training processes, so a restarted job resumes
-without reading the persistent directory. A part is written under a temporary
-name and renamed when complete (tmpfs needs no fsync), so a reader never sees
-half a part; its header holds a CRC-32 of its data.
+without reading the persistent directory. A file is written under a
+temporary name and renamed when complete (tmpfs needs no fsync), so a reader
+never sees half a file; its header holds a CRC-32 of its data.
 
 Files, one per process and snapshot:
-`step-<step>.attempt-<attempt>.part-<rank>-of-<world>.snap`, and in a job of
-several processes, one more: the replica of the part of the process before
-it, `...replica-<rank - 1 mod world>-of-<world>.snap`, which holds the
-blocks of that part this process does not hold itself (its own part, next
-to it, holds the others), brought over by `peer_copy.py` through the JAX
-runtime. A
-snapshot (a step, written by the processes of one attempt) is complete when
-the part of each of its `world` processes, or its replica, is there.
+`step-<step>.attempt-<attempt>.part-<rank>-of-<world>.snap`. It holds the
+process's part and, in a job of several processes, after it, the replica of
+the part of the process before it (`rank - 1 mod world`): the blocks of that
+part this process does not hold itself (its own part, next to them, holds
+the others), brought over by `peer_copy.py` through the JAX runtime. One
+file, so one open, write and rename a snapshot, and the part and the replica
+appear together. A snapshot (a step, written by the processes of one
+attempt) is complete when the part of each of its `world` processes is
+there, in its own file or, as its replica, in the next process's.
 Restoring is collective: the processes exchange which parts and replicas
 each sees (through the runtime's key-value store), take the newest complete
 snapshot, read it (a process's part where its host has it, else its
@@ -41,8 +42,8 @@ says whether its values are all finite, so the writer reads no value to
 check. The buffers are copies, so a step that
 donates the state's arrays next does not touch them. The next `save` of
 the manager hands it to this `Snapshots`' writer, one background thread,
-which writes the part and the replica (it copies the two buffers to the
-host, one transfer each, then checksum, file, rename),
+which writes the process's file (it copies the buffers to the host, then
+checksum, file, rename),
 while the loop goes on with its next steps; `restore` and `close` write it
 at once. At most one snapshot is in flight: `write` first waits for the one
 before it (written long ago at a snapshot every few steps), and so do
@@ -53,8 +54,8 @@ is waited for a few seconds (the thread is a daemon, so a write stuck on a
 dead peer's copy does not hold the exit), and a part it did not finish is
 a temporary file that no reader takes (the rename makes it a part).
 
-Cleanup, when a part is written: a process removes every file but its last
-two snapshots' parts and replicas and the new one's: all processes have
+Cleanup, when a file is written: a process removes every file but its last
+two snapshots' and the new one's: all processes have
 written the one before its last. It lists the directory once, at its first
 write (the files of earlier attempts, the temporary files of writers that
 died); after that it removes the files it wrote itself, by name. Why, with
@@ -65,18 +66,19 @@ that step (later than snapshot k-1's step) after its `write` of snapshot
 k-1, which waited for its writer to finish snapshot k-2: so every process's
 part of k-2 is there. (When each part was written in the loop, in the `save`
 after its step, this held too, with one snapshot to spare; the rule is the
-same.) The process that completes a snapshot (its part and replica, and the
-files of the others it finds, hold all of its parts) removes the older ones
-it wrote, and, when its own files do not hold all the parts, those the other
-processes wrote. So at rest the directory holds the newest complete snapshot
+same.) The process that completes a snapshot (its file, and the files of
+the others it finds, hold all of its parts; at 2 processes its own file
+does, and it looks for no other) removes the older ones it wrote, and,
+when its own file does not hold all the parts, those the other processes
+wrote. So at rest the directory holds the newest complete snapshot
 (on one machine; across hosts, until the next two snapshots, also the ones
 before it), and the launcher removes the directory when the job ends.
 
 What survives: on one machine, every process's part is in the one /dev/shm,
 so a process that dies leaves its part to its successor (a process killed
-before its writer renamed its part, a few milliseconds after the `save`
-that handed it over, leaves that snapshot to its replica, or to the one
-before). Across hosts, each
+before its writer renamed its file, a few milliseconds after the `save`
+that handed it over, leaves that snapshot to its replica, in the next
+process's file, or to the one before). Across hosts, each
 host holds its own processes' parts and the replicas of the processes
 before them: a host that goes away takes its parts with it, and the next
 host's replicas stand in for them, so the job resumes from memory on the
@@ -84,7 +86,7 @@ hosts that are left. Two neighbouring hosts (in process order) that go away
 together take a part and its replica: the snapshot is incomplete, and the
 job resumes from the persistent directory. The copies hold what the next
 process lacks: with a replicated (mirrored) state, nothing (the replica is
-a header, no copy is made: replicating costs one small file); with state
+a line of the header, no copy is made: replicating costs nothing); with state
 split over the processes, each process's blocks once (benchmarks/RESULTS.md
 says what it costs).
 
@@ -541,11 +543,12 @@ class Snapshots:
     buffers to the host (off the loop's thread, where an accelerator's
     transfer costs the loop nothing).
     The next `flush(wait=False)` (the manager's next `save`) hands the
-    snapshot to the writer thread, which writes the part, and the replica
-    of the part the process before sent; `flush()` (the manager's
-    `restore`, `close`) writes it at once. Either way the step that
-    computed it has been dispatched by then and the loop does not wait for
-    it. The buffers are copies: a later step may donate the state's arrays.
+    snapshot to the writer thread, which writes this process's file: the
+    part, and the replica of the part the process before sent; `flush()`
+    (the manager's `restore`, `close`) writes it at once. Either way the
+    step that computed it has been dispatched by then and the loop does not
+    wait for it. The buffers are copies: a later step may donate the
+    state's arrays.
 
     Raises:
       The error of the snapshot before it, if its writer failed.
@@ -575,9 +578,10 @@ class Snapshots:
     self._pending = (int(step), mine, packed, host, before, received)
 
   def flush(self, wait: bool = True) -> bool | None:
-    """Writes the part of the snapshot taken last, if not yet written, and
-    the replica of the part of the process before this one; with
-    `wait=False`, hands them to the writer thread and returns at once.
+    """Writes this process's file of the snapshot taken last, if not yet
+    written (the part, and the replica of the part of the process before
+    this one); with `wait=False`, hands it to the writer thread and returns
+    at once.
 
     Returns:
       None with `wait=False`, or if there was none to write; else whether
