@@ -214,8 +214,8 @@ def arm_snapshot_kill(step):
   tmp = f".tmp-{ME}-{os.getpid()}.snap"
   write_all = snapshots._write_all
 
-  def killing_write_all(path, buffers):
-    write_all(path, buffers)
+  def killing_write_all(path, buffers, *spare):
+    written = write_all(path, buffers, *spare)
     header = bytes(buffers[0])
     if os.path.basename(path) == tmp and \
         f'"step": {step}, '.encode() in header and \
@@ -225,6 +225,7 @@ def arm_snapshot_kill(step):
           f"{' '.join(sorted(os.listdir(directory)))}")
       announce("snapkill")
       os.kill(os.getpid(), signal.SIGKILL)
+    return written
 
   snapshots._write_all = killing_write_all
 

@@ -14,8 +14,12 @@ process's part and, in a job of several processes, after it, the replica of
 the part of the process before it (`rank - 1 mod world`): the blocks of that
 part this process does not hold itself (its own part, next to them, holds
 the others), brought over by `peer_copy.py` through the JAX runtime. One
-file, so one open, write and rename a snapshot, and the part and the replica
-appear together. A snapshot (a step, written by the processes of one
+file, so one write and rename a snapshot, and the part and the replica
+appear together. A process keeps its files open; when one's snapshot is
+old, it does not remove it but renames it back to its temporary name and
+writes the next snapshot over it (its spare: no file made or removed, no
+page of memory taken anew; at most `SPARE_BYTES`, a larger file is
+removed; `close` and `clear` remove the spare). A snapshot (a step, written by the processes of one
 attempt) is complete when the part of each of its `world` processes is
 there, in its own file or, as its replica, in the next process's.
 Restoring is collective: the processes exchange which parts and replicas
@@ -318,19 +322,28 @@ def _finite(data, dtype: np.dtype, offset: int, nbytes: int) -> bool:
   return bool(np.isfinite(values.sum(dtype=wide)))
 
 
-def _write_all(path: str, buffers: list) -> None:
+def _write_all(path: str, buffers: list, spare: tuple | None = None) -> tuple:
   """Writes `buffers` (of bytes, one dimension: `bytes`, uint8 arrays) to a
-  new file `path`: open, one `writev` (more only when the system writes
-  less at once), close."""
-  fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+  new file `path`, or, with `spare` (`(fd, size)` of a file open under that
+  name), over that file (no file made, no page of memory taken anew), cut
+  to their length; one `writev` (more only when the system writes less at
+  once). Returns `(fd, size)`: the file stays open, to be written over
+  again once its snapshot is old (`Snapshots._retire`)."""
+  fd, size = spare or (os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC,
+                                0o600), 0)
   try:
-    written = os.writev(fd, buffers)
-    if written < sum(map(len, buffers)):  # (rare) the rest, where it stopped
+    total = sum(map(len, buffers))
+    written = os.pwritev(fd, buffers, 0)
+    if written < total:  # (rare) the rest, from where it stopped
       rest = memoryview(b"".join(buffers))[written:]
       while rest:
-        rest = rest[os.write(fd, rest):]
-  finally:
+        rest = rest[os.pwrite(fd, rest, total - len(rest)):]
+    if total < size:
+      os.ftruncate(fd, total)
+  except BaseException:
     os.close(fd)
+    raise
+  return fd, total
 
 
 def _unpacked(packed) -> tuple:
@@ -391,6 +404,10 @@ def _replica(step: int, layout: "_Layout", received) -> np.ndarray | None:
     return None
   return data[:layout.nbytes]
 
+
+# The largest file a process keeps as its spare, to write the next snapshot
+# over (a larger one is removed: the spare holds as much memory as the file).
+SPARE_BYTES = 1 << 20
 
 # How long a process's exit waits for a snapshot being written.
 EXIT_WAIT_SECONDS = 10.0
@@ -482,6 +499,11 @@ def _wait_at_exit() -> None:
             file=sys.stderr, flush=True)
 
 
+def _close(fd: int | None) -> None:
+  if fd is not None:
+    os.close(fd)
+
+
 def _dtype(name: str) -> np.dtype:
   return np.dtype(jnp.dtype(name))  # also bfloat16 and the other ml_dtypes
 
@@ -522,7 +544,11 @@ class Snapshots:
     self._layouts_key, self._layouts = None, None
     # The files this process wrote, by snapshot, since it last listed the
     # directory (`_swept`: at its first write).
+    # (`{group: (path, fd, size)}`, each file kept open: once old, it
+    # becomes the spare, `(fd, size)`, that the next snapshot is written
+    # over.)
     self._written: dict = {}
+    self._spare = None
     self._swept = False
     self._pending = None
     self._writer = _Writer(f"jdist-snapshots-{self.rank}")
@@ -613,6 +639,7 @@ class Snapshots:
       self.flush()
     finally:
       self._writer.stop()
+      self._close_files()
 
   def _write(self, pending: tuple) -> bool:
     """Writes snapshot `pending` (on the writer thread, or the training
@@ -671,30 +698,70 @@ class Snapshots:
       self._remove(entries, keep)
       self._swept = True
     for group in [g for g in self._written if g not in keep]:
-      paths = [self._written.pop(group)]
-      if others:
-        paths = [self._path(group, r) for r in range(self.world)]
-      for path in paths:
+      path, fd, size = self._written.pop(group)
+      if (not others and self._spare is None and fd is not None
+          and size <= SPARE_BYTES):
+        self._retire(path, fd, size)
+        continue
+      _close(fd)
+      for path in ([path] if not others else
+                   [self._path(group, r) for r in range(self.world)]):
         try:
           os.unlink(path)
         except FileNotFoundError:
           pass  # another process of this host removed it first
+
+  def _retire(self, path: str, fd: int, size: int) -> None:
+    """Makes this process's file of an old snapshot its spare: renamed to
+    its temporary name (which no reader takes), kept open, and written
+    over with the next snapshot (`_put`): no file made or removed, and no
+    page of memory taken anew, a snapshot."""
+    try:
+      os.rename(path, self._tmp())
+      self._spare = (fd, size)
+    except FileNotFoundError:  # the directory was removed
+      os.close(fd)
+
+  def _tmp(self) -> str:
+    """The temporary name of the file this process is writing."""
+    return f"{self._prefix}.tmp-{self.rank}-{os.getpid()}.snap"
 
   def _put(self, group, crc: int, header: bytes, arrays: list) -> None:
     """Writes this process's file of snapshot `group` (`header`: its
     layout's, after the step and checksum; `arrays`: its data): under a
     temporary name, renamed when complete."""
     header = b'{"step": %d, "crc32": %d, %s' % (group[0], crc, header)
-    head = b"".join((MAGIC, struct.pack("<Q", len(header)), header))
-    tmp = f"{self._prefix}.tmp-{self.rank}-{os.getpid()}.snap"
+    buffers = [MAGIC + struct.pack("<Q", len(header)) + header, *arrays]
+    tmp, path = self._tmp(), self._path(group, self.rank)
+    spare, self._spare = self._spare, None
     try:
-      _write_all(tmp, [head, *arrays])
+      fd, size = _write_all(tmp, buffers, spare)
     except FileNotFoundError:  # removed by a launcher that left the job
       os.makedirs(self.directory, exist_ok=True)
-      _write_all(tmp, [head, *arrays])
-    path = self._path(group, self.rank)
-    os.replace(tmp, path)
-    self._written[group] = path
+      fd, size = _write_all(tmp, buffers)
+    try:
+      os.replace(tmp, path)
+    except FileNotFoundError:  # the spare, removed with the directory
+      os.close(fd)
+      os.makedirs(self.directory, exist_ok=True)
+      fd, size = _write_all(tmp, buffers)
+      os.replace(tmp, path)
+    self._written[group] = (path, fd, size)
+
+  def _close_files(self) -> None:
+    """Closes the files this process keeps open (it forgets them), and
+    removes its spare."""
+    if self._spare is not None:
+      os.close(self._spare[0])
+      try:
+        os.unlink(self._tmp())
+      except FileNotFoundError:
+        pass  # (the directory was removed)
+    for _, fd, _ in self._written.values():
+      _close(fd)
+    self._spare = None
+    self._written = {k: (path, None, 0) for k, (path, _, _) in
+                     self._written.items()}
 
   def _layout(self, names: list, leaves: list) -> tuple:
     """`(mine, before, plan)`: the layouts of this process's blocks of
@@ -763,6 +830,7 @@ class Snapshots:
     """Removes the snapshots on this host (every process calls it, after
     a collective that every process enters once it has written its last,
     such as `agree`)."""
+    self._close_files()
     self._remove(os.listdir(self.directory), keep=set())
     self.complete = self._before = None
     self._written, self._swept = {}, False
