@@ -125,9 +125,10 @@ def test_an_unusable_snapshot_leaves_the_restore_to_disk(
     last = f.read(1)
     f.seek(-1, os.SEEK_END)
     f.write(bytes([last[0] ^ 1]))
-  # A newer snapshot that process 1 of 2 never finished.
+  # A newer snapshot that process 1 of 3 never finished (the file of
+  # process 0 holds its part and the replica of process 2's).
   folder = os.path.dirname(part)
-  with open(os.path.join(folder, "step-000000000020.attempt-0.part-0-of-2.snap"),
+  with open(os.path.join(folder, "step-000000000020.attempt-0.part-0-of-3.snap"),
             "wb") as f:
     f.write(b"JDSNAP1\n")
   with open(os.path.join(folder, ".tmp-1-999999999.snap"), "wb") as f:
@@ -139,7 +140,7 @@ def test_an_unusable_snapshot_leaves_the_restore_to_disk(
     restored = manager.restore(like)
     err = capfd.readouterr().err
     assert ("the snapshot of step 20 (attempt 0) lacks the parts of processes "
-            "[1] of 2" in err), err
+            "[1] of 3" in err), err
     assert ("the in-memory snapshot of step 10 cannot be used: "
             "step-000000000010.attempt-0.part-0-of-1.snap fails its checksum; "
             f"restoring from the checkpoint of step 10 in {tmp_path / 'ckpt'}"

@@ -214,17 +214,18 @@ def arm_snapshot_kill(step):
   tmp = f".tmp-{ME}-{os.getpid()}.snap"
   write_all = snapshots._write_all
 
-  def killing_write_all(path, buffers):
-    write_all(path, buffers)
+  def killing_write_all(path, buffers, *spare):
+    written = write_all(path, buffers, *spare)
     header = bytes(buffers[0])
     if os.path.basename(path) == tmp and \
         f'"step": {step}, '.encode() in header and \
-        f'"rank": {ME}, '.encode() in header:  # its part, not a replica
+        f'"rank": {ME}, '.encode() in header:  # its file (its part)
       directory = os.path.dirname(path)
       say(f"writing {tmp} {os.path.getsize(path)} "
           f"{' '.join(sorted(os.listdir(directory)))}")
       announce("snapkill")
       os.kill(os.getpid(), signal.SIGKILL)
+    return written
 
   snapshots._write_all = killing_write_all
 

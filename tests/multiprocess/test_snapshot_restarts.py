@@ -28,7 +28,7 @@ import test_elastic as elastic
 pytestmark = pytest.mark.multiprocess
 
 SNAPSHOTS = ["--snapshot-every", 10, "--save-every", 50]
-PART_30 = "step-000000000030.attempt-0.{}-{}-of-4.snap"
+PART_30 = "step-000000000030.attempt-0.part-{}-of-4.snap"
 
 
 def snapshot_dir(output: str) -> str:
@@ -126,11 +126,11 @@ def test_a_job_that_fails_leaves_no_snapshot(tmp_path):
 def test_a_node_that_goes_away_with_its_memory_resumes_from_the_replicas(
     tmp_path):
   """Four launchers on one rendezvous (one machine: one /dev/shm); process
-  2's goes away after step 30, and with it what its host held: its parts
-  and the replicas of process 1's (the test removes them). The 3 others
-  resume from the snapshot of step 30, with process 2's part from its
-  replica on process 3 (and the probe, a leaf split over the processes,
-  comes back)."""
+  2's goes away after step 30, and with it what its host held: its files
+  (each its part and the replica of process 1's; the test removes them).
+  The 3 others resume from the snapshot of step 30, with process 2's part
+  from its replica on process 3 (and the probe, a leaf split over the
+  processes, comes back)."""
   with contextlib.ExitStack() as stack:
     launchers = harness.hosts_on_one_rendezvous(
         stack, [elastic.JOB, tmp_path, *SNAPSHOTS, "0:2:30:park"])
@@ -138,17 +138,17 @@ def test_a_node_that_goes_away_with_its_memory_resumes_from_the_replicas(
     doomed = int(elastic.wait_for_file(os.path.join(tmp_path, "parked-2"),
                                        launchers, timeout=elastic.RUN_TIMEOUT))
     folder = snapshot_dir(host.output())
-    # Process 3 writes the replica of process 2's part of step 30 in the
-    # save after step 30 (process 2 has, its own part and the replica of 1).
-    replica = os.path.join(folder, PART_30.format("replica", 2))
+    # Process 3's file of step 30, with the replica of process 2's part, is
+    # written after the save after step 30 (process 2 has written its own,
+    # with its part and the replica of process 1's).
+    replica = os.path.join(folder, PART_30.format(3))
     deadline = time.monotonic() + 60
     while not os.path.exists(replica):
       assert time.monotonic() < deadline, os.listdir(folder)
       time.sleep(0.05)
     gone = [f for f in os.listdir(folder) if re.fullmatch(
-        r"step-\d+\.attempt-0\.(part-2|replica-1)-of-4\.snap", f)]
-    assert {PART_30.format("part", 2), PART_30.format("replica", 1)} <= \
-        set(gone), os.listdir(folder)
+        r"step-\d+\.attempt-0\.part-2-of-4\.snap", f)]
+    assert PART_30.format(2) in gone, os.listdir(folder)
     for name in gone:
       os.unlink(os.path.join(folder, name))
     os.kill(doomed, signal.SIGKILL)

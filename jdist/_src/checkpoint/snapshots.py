@@ -4,19 +4,24 @@ Every `snapshot_every` steps each process writes the blocks of the state it
 holds (its addressable shards, one copy of each) to one file in the job's
 snapshot directory under /dev/shm (`multiprocess/snapshot_dir.py`): host
 memory that outlives the training processes, so a restarted job resumes
-without reading the persistent directory. A part is written under a temporary
-name and renamed when complete (tmpfs needs no fsync), so a reader never sees
-half a part; its header holds a CRC-32 of its data.
+without reading the persistent directory. A file is written under a
+temporary name and renamed when complete (tmpfs needs no fsync), so a reader
+never sees half a file; its header holds a CRC-32 of its data.
 
 Files, one per process and snapshot:
-`step-<step>.attempt-<attempt>.part-<rank>-of-<world>.snap`, and in a job of
-several processes, one more: the replica of the part of the process before
-it, `...replica-<rank - 1 mod world>-of-<world>.snap`, which holds the
-blocks of that part this process does not hold itself (its own part, next
-to it, holds the others), brought over by `peer_copy.py` through the JAX
-runtime. A
-snapshot (a step, written by the processes of one attempt) is complete when
-the part of each of its `world` processes, or its replica, is there.
+`step-<step>.attempt-<attempt>.part-<rank>-of-<world>.snap`. It holds the
+process's part and, in a job of several processes, after it, the replica of
+the part of the process before it (`rank - 1 mod world`): the blocks of that
+part this process does not hold itself (its own part, next to them, holds
+the others), brought over by `peer_copy.py` through the JAX runtime. One
+file, so one write and rename a snapshot, and the part and the replica
+appear together. A process keeps its files open; when one's snapshot is
+old, it does not remove it but renames it back to its temporary name and
+writes the next snapshot over it (its spare: no file made or removed, no
+page of memory taken anew; at most `SPARE_BYTES`, a larger file is
+removed; `close` and `clear` remove the spare). A snapshot (a step, written by the processes of one
+attempt) is complete when the part of each of its `world` processes is
+there, in its own file or, as its replica, in the next process's.
 Restoring is collective: the processes exchange which parts and replicas
 each sees (through the runtime's key-value store), take the newest complete
 snapshot, read it (a process's part where its host has it, else its
@@ -41,8 +46,8 @@ says whether its values are all finite, so the writer reads no value to
 check. The buffers are copies, so a step that
 donates the state's arrays next does not touch them. The next `save` of
 the manager hands it to this `Snapshots`' writer, one background thread,
-which writes the part and the replica (it copies the two buffers to the
-host, one transfer each, then checksum, file, rename),
+which writes the process's file (it copies the buffers to the host, then
+checksum, file, rename),
 while the loop goes on with its next steps; `restore` and `close` write it
 at once. At most one snapshot is in flight: `write` first waits for the one
 before it (written long ago at a snapshot every few steps), and so do
@@ -53,8 +58,8 @@ is waited for a few seconds (the thread is a daemon, so a write stuck on a
 dead peer's copy does not hold the exit), and a part it did not finish is
 a temporary file that no reader takes (the rename makes it a part).
 
-Cleanup, when a part is written: a process removes every file but its last
-two snapshots' parts and replicas and the new one's: all processes have
+Cleanup, when a file is written: a process removes every file but its last
+two snapshots' and the new one's: all processes have
 written the one before its last. It lists the directory once, at its first
 write (the files of earlier attempts, the temporary files of writers that
 died); after that it removes the files it wrote itself, by name. Why, with
@@ -65,18 +70,19 @@ that step (later than snapshot k-1's step) after its `write` of snapshot
 k-1, which waited for its writer to finish snapshot k-2: so every process's
 part of k-2 is there. (When each part was written in the loop, in the `save`
 after its step, this held too, with one snapshot to spare; the rule is the
-same.) The process that completes a snapshot (its part and replica, and the
-files of the others it finds, hold all of its parts) removes the older ones
-it wrote, and, when its own files do not hold all the parts, those the other
-processes wrote. So at rest the directory holds the newest complete snapshot
+same.) The process that completes a snapshot (its file, and the files of
+the others it finds, hold all of its parts; at 2 processes its own file
+does, and it looks for no other) removes the older ones it wrote, and,
+when its own file does not hold all the parts, those the other processes
+wrote. So at rest the directory holds the newest complete snapshot
 (on one machine; across hosts, until the next two snapshots, also the ones
 before it), and the launcher removes the directory when the job ends.
 
 What survives: on one machine, every process's part is in the one /dev/shm,
 so a process that dies leaves its part to its successor (a process killed
-before its writer renamed its part, a few milliseconds after the `save`
-that handed it over, leaves that snapshot to its replica, or to the one
-before). Across hosts, each
+before its writer renamed its file, a few milliseconds after the `save`
+that handed it over, leaves that snapshot to its replica, in the next
+process's file, or to the one before). Across hosts, each
 host holds its own processes' parts and the replicas of the processes
 before them: a host that goes away takes its parts with it, and the next
 host's replicas stand in for them, so the job resumes from memory on the
@@ -84,7 +90,7 @@ hosts that are left. Two neighbouring hosts (in process order) that go away
 together take a part and its replica: the snapshot is incomplete, and the
 job resumes from the persistent directory. The copies hold what the next
 process lacks: with a replicated (mirrored) state, nothing (the replica is
-a header, no copy is made: replicating costs one small file); with state
+a line of the header, no copy is made: replicating costs nothing); with state
 split over the processes, each process's blocks once (benchmarks/RESULTS.md
 says what it costs).
 
@@ -121,37 +127,41 @@ from jdist._src.multiprocess import liveness
 from jdist._src.multiprocess import runtime as runtime_lib
 
 MAGIC = b"JDSNAP1\n"
-# A process's own part, or the replica of process <rank>'s part that the
-# next process holds.
-_PART = re.compile(
-    r"step-(\d+)\.attempt-(\d+)\.(part|replica)-(\d+)-of-(\d+)\.snap")
+# The file of process <rank>: its part, and (in a job of several processes)
+# the replica of the part of the process before it.
+_PART = re.compile(r"step-(\d+)\.attempt-(\d+)\.part-(\d+)-of-(\d+)\.snap")
 _TMP = re.compile(r"\.tmp-(\d+)-(\d+)\.snap")  # the writer's rank and pid
 
 
 @functools.lru_cache(maxsize=1024)
 def _parse(entry: str) -> tuple:
-  """`(group, rank, kind, pid)` of a directory entry: a part's (or a
-  replica's) `(step, attempt, world)`, process and "part" or "replica"
-  (else None each), and a temporary file's writer's pid (else None).
-  Cached: the writer looks at the same names snapshot after snapshot."""
+  """`(group, rank, pid)` of a directory entry: a process's file's
+  snapshot `(step, attempt, world)` and process (else None each), and a
+  temporary file's writer's pid (else None). Cached: the writer looks at
+  the same names snapshot after snapshot."""
   m = _PART.fullmatch(entry)
   if m:
-    return (int(m[1]), int(m[2]), int(m[5])), int(m[4]), m[3], None
+    return (int(m[1]), int(m[2]), int(m[4])), int(m[3]), None
   tmp = _TMP.fullmatch(entry)
-  return None, None, None, (int(tmp[2]) if tmp else None)
+  return None, None, (int(tmp[2]) if tmp else None)
 
 
 def _groups(entries) -> list:
-  """`[((step, attempt, world), rank, kind)]` of the parts among `entries`
-  (`kind`: "part" or "replica")."""
-  return [parsed[:3] for parsed in map(_parse, entries) if parsed[0]]
+  """`[((step, attempt, world), rank)]` of the processes' files among
+  `entries`."""
+  return [parsed[:2] for parsed in map(_parse, entries) if parsed[0]]
 
 
-def part_name(step: int, attempt: int, rank: int, world: int,
-              kind: str = "part") -> str:
-  """The file of process `rank`'s part (`kind="replica"`: of its replica,
-  which process `(rank + 1) % world` writes)."""
-  return f"step-{step:012d}.attempt-{attempt}.{kind}-{rank}-of-{world}.snap"
+def part_name(step: int, attempt: int, rank: int, world: int) -> str:
+  """The file of process `rank` of snapshot `step`: its part, and in a job
+  of several processes the replica of process `(rank - 1) % world`'s."""
+  return f"step-{step:012d}.attempt-{attempt}.part-{rank}-of-{world}.snap"
+
+
+def held(rank: int, world: int) -> tuple:
+  """The processes whose parts the file of process `rank` holds: its own,
+  and the one before it (its replica)."""
+  return (rank,) if world == 1 else (rank, (rank - 1) % world)
 
 
 def say(message: str) -> None:
@@ -215,6 +225,7 @@ class _Layout:
   def __init__(self, names: list, leaves: list, process: int,
                but: int | None = None, target=None):
     self.picks, self.sizes, self.names, entries = [], [], [], []
+    self.header = b""  # (`Snapshots._layout` sets it)
     self.keys, self.devices, self.host = [], [], []
     mine = process == jax.process_index()
     order = sorted(range(len(leaves)),
@@ -311,20 +322,28 @@ def _finite(data, dtype: np.dtype, offset: int, nbytes: int) -> bool:
   return bool(np.isfinite(values.sum(dtype=wide)))
 
 
-def _write_all(path: str, buffers: list) -> None:
-  """Writes `buffers` to a new file `path` (few system calls)."""
-  fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+def _write_all(path: str, buffers: list, spare: tuple | None = None) -> tuple:
+  """Writes `buffers` (of bytes, one dimension: `bytes`, uint8 arrays) to a
+  new file `path`, or, with `spare` (`(fd, size)` of a file open under that
+  name), over that file (no file made, no page of memory taken anew), cut
+  to their length; one `writev` (more only when the system writes less at
+  once). Returns `(fd, size)`: the file stays open, to be written over
+  again once its snapshot is old (`Snapshots._retire`)."""
+  fd, size = spare or (os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC,
+                                0o600), 0)
   try:
-    views = [memoryview(b).cast("B") for b in buffers]
-    while views:
-      n = os.writev(fd, views)
-      while views and n >= len(views[0]):
-        n -= len(views[0])
-        views.pop(0)
-      if views and n:
-        views[0] = views[0][n:]
-  finally:
+    total = sum(map(len, buffers))
+    written = os.pwritev(fd, buffers, 0)
+    if written < total:  # (rare) the rest, from where it stopped
+      rest = memoryview(b"".join(buffers))[written:]
+      while rest:
+        rest = rest[os.pwrite(fd, rest, total - len(rest)):]
+    if total < size:
+      os.ftruncate(fd, total)
+  except BaseException:
     os.close(fd)
+    raise
+  return fd, total
 
 
 def _unpacked(packed) -> tuple:
@@ -333,7 +352,7 @@ def _unpacked(packed) -> tuple:
   whether no value in it is NaN or infinite; `(empty, True)` for None."""
   if packed is None:
     return np.zeros(0, np.uint8), True
-  raw = _host_bytes(packed)
+  raw = packed if type(packed) is np.ndarray else _host_bytes(packed)
   return raw[:-1], bool(raw[-1])
 
 
@@ -351,6 +370,8 @@ def _checked(step: int, layout: "_Layout", packed, host: list) -> list | None:
   infinite (the packing program's byte says whether; the leaf is then
   found on the host)."""
   data, finite = _unpacked(packed)
+  if finite and not host:  # the usual case
+    return [data]
   bad = None if finite else layout.nonfinite(data)
   if not finite and bad is None:
     bad = 0
@@ -367,6 +388,26 @@ def _checked(step: int, layout: "_Layout", packed, host: list) -> list | None:
   return [data, *(np.ascontiguousarray(h).reshape(-1).view(np.uint8)
                   for h in host)]  # (bfloat16 too)
 
+
+def _replica(step: int, layout: "_Layout", received) -> np.ndarray | None:
+  """The bytes of the replica to write (the blocks of the part of the
+  process before this one that this one does not hold, `layout`), from
+  those the copy brought; None, with a line, when a value of them is NaN
+  or infinite (that process does not write its part either)."""
+  data, finite = _unpacked(received)
+  if not finite:
+    bad = layout.nonfinite(data)
+    say(f"not writing the in-memory snapshot of step {step}: "
+        f"{layout.names[bad or 0]} has NaN or infinite values (in the part "
+        "of the process before this one); the one before it stays the "
+        "newest.")
+    return None
+  return data[:layout.nbytes]
+
+
+# The largest file a process keeps as its spare, to write the next snapshot
+# over (a larger one is removed: the spare holds as much memory as the file).
+SPARE_BYTES = 1 << 20
 
 # How long a process's exit waits for a snapshot being written.
 EXIT_WAIT_SECONDS = 10.0
@@ -458,6 +499,11 @@ def _wait_at_exit() -> None:
             file=sys.stderr, flush=True)
 
 
+def _close(fd: int | None) -> None:
+  if fd is not None:
+    os.close(fd)
+
+
 def _dtype(name: str) -> np.dtype:
   return np.dtype(jnp.dtype(name))  # also bfloat16 and the other ml_dtypes
 
@@ -482,6 +528,7 @@ class Snapshots:
 
   def __init__(self, directory: str, *, attempt: int = 0):
     self.directory = directory
+    self._prefix = os.path.join(directory, "")  # (of its files' paths)
     self.attempt = int(attempt)
     self.rank, self.world = jax.process_index(), jax.process_count()
     os.makedirs(directory, mode=0o700, exist_ok=True)
@@ -497,7 +544,11 @@ class Snapshots:
     self._layouts_key, self._layouts = None, None
     # The files this process wrote, by snapshot, since it last listed the
     # directory (`_swept`: at its first write).
+    # (`{group: (path, fd, size)}`, each file kept open: once old, it
+    # becomes the spare, `(fd, size)`, that the next snapshot is written
+    # over.)
     self._written: dict = {}
+    self._spare = None
     self._swept = False
     self._pending = None
     self._writer = _Writer(f"jdist-snapshots-{self.rank}")
@@ -518,11 +569,12 @@ class Snapshots:
     buffers to the host (off the loop's thread, where an accelerator's
     transfer costs the loop nothing).
     The next `flush(wait=False)` (the manager's next `save`) hands the
-    snapshot to the writer thread, which writes the part, and the replica
-    of the part the process before sent; `flush()` (the manager's
-    `restore`, `close`) writes it at once. Either way the step that
-    computed it has been dispatched by then and the loop does not wait for
-    it. The buffers are copies: a later step may donate the state's arrays.
+    snapshot to the writer thread, which writes this process's file: the
+    part, and the replica of the part the process before sent; `flush()`
+    (the manager's `restore`, `close`) writes it at once. Either way the
+    step that computed it has been dispatched by then and the loop does not
+    wait for it. The buffers are copies: a later step may donate the
+    state's arrays.
 
     Raises:
       The error of the snapshot before it, if its writer failed.
@@ -552,9 +604,10 @@ class Snapshots:
     self._pending = (int(step), mine, packed, host, before, received)
 
   def flush(self, wait: bool = True) -> bool | None:
-    """Writes the part of the snapshot taken last, if not yet written, and
-    the replica of the part of the process before this one; with
-    `wait=False`, hands them to the writer thread and returns at once.
+    """Writes this process's file of the snapshot taken last, if not yet
+    written (the part, and the replica of the part of the process before
+    this one); with `wait=False`, hands it to the writer thread and returns
+    at once.
 
     Returns:
       None with `wait=False`, or if there was none to write; else whether
@@ -586,6 +639,7 @@ class Snapshots:
       self.flush()
     finally:
       self._writer.stop()
+      self._close_files()
 
   def _write(self, pending: tuple) -> bool:
     """Writes snapshot `pending` (on the writer thread, or the training
@@ -597,31 +651,35 @@ class Snapshots:
     arrays = _checked(step, layout, packed, host)
     if arrays is None:
       return False
+    if before is not None:  # the replica of the part of the process before
+      data = _replica(step, before, received)
+      if data is None:
+        return False
+      arrays.append(data)
     crc = 0
     for raw in arrays:
       crc = zlib.crc32(raw, crc)
     group = (int(step), self.attempt, self.world)
-    # The last two parts this process wrote, and `group`'s: every process
+    # The last two snapshots this process wrote, and `group`: every process
     # has written the one before the last (see the module's docstring).
     previous = self.complete
     self._keep_only({group, previous, self._before})
-    self._put(group, self.rank, "part", crc, layout, arrays)
+    self._put(group, crc, layout.header, arrays)
     if previous != group:
       self._before, self.complete = previous, group
-    written = {self.rank}
-    if before is not None:
-      written |= self._put_replica(group, before, received)
-    mine = set(written)
-    written |= {r for r in range(self.world) if r not in written and (
-        os.path.exists(self._path(group, r, "part")) or
-        os.path.exists(self._path(group, r, "replica")))}
-    if written == set(range(self.world)):  # the last part of `group` is in
-      self._keep_only({group}, others=mine != written)
+    mine = set(held(self.rank, self.world))
+    found = set(mine)
+    for r in range(self.world):  # part r: in file r, or in r + 1's
+      for k in () if r in found else (r, (r + 1) % self.world):
+        if os.path.exists(self._path(group, k)):
+          found.update(held(k, self.world))
+          break
+    if len(found) == self.world:  # the last part of `group` is in
+      self._keep_only({group}, others=mine != found)
     return True
 
-  def _path(self, group, rank: int, kind: str) -> str:
-    return os.path.join(self.directory, part_name(*group[:2], rank, group[2],
-                                                  kind))
+  def _path(self, group, rank: int) -> str:
+    return self._prefix + part_name(*group[:2], rank, group[2])
 
   def _keep_only(self, keep: set, others: bool = False) -> None:
     """Removes the files of the snapshots not in `keep`: at this process's
@@ -640,48 +698,70 @@ class Snapshots:
       self._remove(entries, keep)
       self._swept = True
     for group in [g for g in self._written if g not in keep]:
-      paths = self._written.pop(group)
-      if others:
-        paths = [self._path(group, r, kind) for r in range(self.world)
-                 for kind in ("part", "replica")]
-      for path in paths:
+      path, fd, size = self._written.pop(group)
+      if (not others and self._spare is None and fd is not None
+          and size <= SPARE_BYTES):
+        self._retire(path, fd, size)
+        continue
+      _close(fd)
+      for path in ([path] if not others else
+                   [self._path(group, r) for r in range(self.world)]):
         try:
           os.unlink(path)
         except FileNotFoundError:
           pass  # another process of this host removed it first
 
-  def _put(self, group, rank: int, kind: str, crc: int, layout: "_Layout",
-           arrays: list) -> None:
-    """Writes process `rank`'s part (or its replica) of snapshot `group`:
-    under a temporary name, renamed when complete."""
-    step, attempt, world = group
-    header = (f'{{"step": {step}, "attempt": {attempt}, "rank": {rank}, '
-              f'"world": {world}, "crc32": {crc}, "leaves": '
-              f'{layout.entries}}}').encode()
-    tmp = os.path.join(self.directory, f".tmp-{self.rank}-{os.getpid()}.snap")
-    buffers = [MAGIC + struct.pack("<Q", len(header)) + header, *arrays]
+  def _retire(self, path: str, fd: int, size: int) -> None:
+    """Makes this process's file of an old snapshot its spare: renamed to
+    its temporary name (which no reader takes), kept open, and written
+    over with the next snapshot (`_put`): no file made or removed, and no
+    page of memory taken anew, a snapshot."""
     try:
-      _write_all(tmp, buffers)
+      os.rename(path, self._tmp())
+      self._spare = (fd, size)
+    except FileNotFoundError:  # the directory was removed
+      os.close(fd)
+
+  def _tmp(self) -> str:
+    """The temporary name of the file this process is writing."""
+    return f"{self._prefix}.tmp-{self.rank}-{os.getpid()}.snap"
+
+  def _put(self, group, crc: int, header: bytes, arrays: list) -> None:
+    """Writes this process's file of snapshot `group` (`header`: its
+    layout's, after the step and checksum; `arrays`: its data): under a
+    temporary name, renamed when complete."""
+    header = b'{"step": %d, "crc32": %d, %s' % (group[0], crc, header)
+    buffers = [MAGIC + struct.pack("<Q", len(header)) + header, *arrays]
+    tmp, path = self._tmp(), self._path(group, self.rank)
+    spare, self._spare = self._spare, None
+    try:
+      fd, size = _write_all(tmp, buffers, spare)
     except FileNotFoundError:  # removed by a launcher that left the job
       os.makedirs(self.directory, exist_ok=True)
-      _write_all(tmp, buffers)
-    path = self._path(group, rank, kind)
-    os.replace(tmp, path)
-    self._written.setdefault(group, []).append(path)
+      fd, size = _write_all(tmp, buffers)
+    try:
+      os.replace(tmp, path)
+    except FileNotFoundError:  # the spare, removed with the directory
+      os.close(fd)
+      os.makedirs(self.directory, exist_ok=True)
+      fd, size = _write_all(tmp, buffers)
+      os.replace(tmp, path)
+    self._written[group] = (path, fd, size)
 
-  def _put_replica(self, group, layout: "_Layout", received) -> set:
-    """Writes the part of the process before this one, as its replica:
-    the blocks of it that this process does not hold, from the bytes the
-    copy brought (`layout`: those blocks; none, and no copy, for a mirrored
-    state), and returns `{its rank}`; nothing (`set()`) when they hold NaN
-    or inf (that process does not write its part either)."""
-    rank = (self.rank - 1) % self.world
-    data, finite = _unpacked(received)
-    if not finite:
-      return set()
-    data = data[:layout.nbytes]
-    self._put(group, rank, "replica", zlib.crc32(data), layout, [data])
-    return {rank}
+  def _close_files(self) -> None:
+    """Closes the files this process keeps open (it forgets them), and
+    removes its spare."""
+    if self._spare is not None:
+      os.close(self._spare[0])
+      try:
+        os.unlink(self._tmp())
+      except FileNotFoundError:
+        pass  # (the directory was removed)
+    for _, fd, _ in self._written.values():
+      _close(fd)
+    self._spare = None
+    self._written = {k: (path, None, 0) for k, (path, _, _) in
+                     self._written.items()}
 
   def _layout(self, names: list, leaves: list) -> tuple:
     """`(mine, before, plan)`: the layouts of this process's blocks of
@@ -691,13 +771,21 @@ class Snapshots:
     program, the device it runs on, the positions of the blocks to move
     there first, the bytes each process sends the next (0: no copy, as for
     a mirrored state), and whether the program is `packing.packer_across`'s
-    (it takes the leaves, and also makes the copy). Worked out once per
-    names, shapes, dtypes and shardings, so that a snapshot costs little
-    more than its copies and its files."""
+    (it takes the leaves, and also makes the copy); `mine.header`: the
+    header of this process's file, after its step and checksum. Worked out
+    once per names, shapes, dtypes and shardings, so that a snapshot costs
+    little more than its copies and its file."""
     key = [(x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves]
     if self._layouts_key is None or self._layouts_key != (names, key):
       self._layouts_key = (list(names), key)
       self._layouts = self._new_layout(names, leaves)
+      mine, before, _ = self._layouts
+      replica = "" if before is None else (
+          f', "replica": {{"rank": {(self.rank - 1) % self.world}, '
+          f'"leaves": {before.entries}}}')
+      mine.header = (f'"attempt": {self.attempt}, "rank": {self.rank}, '
+                     f'"world": {self.world}, "leaves": {mine.entries}'
+                     f'{replica}}}').encode()
     return self._layouts
 
   def _new_layout(self, names: list, leaves: list) -> tuple:
@@ -726,10 +814,10 @@ class Snapshots:
                           length, False)
 
   def _remove(self, entries: list, keep: set) -> None:
-    """Removes, of `entries`, the parts (and replicas) of the snapshots not
-    in `keep`, and the temporary files of writers that died."""
+    """Removes, of `entries`, the files of the snapshots not in `keep`, and
+    the temporary files of writers that died."""
     for entry in entries:
-      group, _, _, pid = _parse(entry)
+      group, _, pid = _parse(entry)
       gone = ((group is not None and group not in keep)
               or (pid is not None and not liveness.pid_exists(pid)))
       if gone:
@@ -742,6 +830,7 @@ class Snapshots:
     """Removes the snapshots on this host (every process calls it, after
     a collective that every process enters once it has written its last,
     such as `agree`)."""
+    self._close_files()
     self._remove(os.listdir(self.directory), keep=set())
     self.complete = self._before = None
     self._written, self._swept = {}, False
@@ -750,11 +839,13 @@ class Snapshots:
 
   def _seen(self) -> dict:
     """`{(step, attempt, world): ({ranks}, {ranks})}`: the processes whose
-    parts, and whose replicas, are on this host."""
+    parts, and whose replicas, are on this host (the file of process k
+    holds its part and the replica of process k - 1's)."""
     seen: dict = {}
-    for group, rank, kind in _groups(os.listdir(self.directory)):
+    for group, rank in _groups(os.listdir(self.directory)):
       parts, replicas = seen.setdefault(group, (set(), set()))
-      (parts if kind == "part" else replicas).add(rank)
+      parts.add(rank)
+      replicas.update(held(rank, group[2])[1:])
     return seen
 
   def agree(self, newest_checkpoint: int | None = None) -> tuple:
@@ -781,31 +872,31 @@ class Snapshots:
       for step, attempt, world, ps, rs in seen:
         parts.setdefault((step, attempt, world), set()).update(ps)
         replicas.setdefault((step, attempt, world), set()).update(rs)
-    held = {g: parts[g] | replicas[g] for g in parts}
-    complete = [g for g, r in held.items() if r == set(range(g[2]))]
+    holding = {g: parts[g] | replicas[g] for g in parts}
+    complete = [g for g, r in holding.items() if r == set(range(g[2]))]
     best = max(complete, default=None)
     self.from_replicas = ([] if best is None else
                           sorted(replicas[best] - parts[best]))
-    newer = sorted(g for g in held if best is None or g[0] > best[0])
+    newer = sorted(g for g in holding if best is None or g[0] > best[0])
     notes = [f"the snapshot of step {s} (attempt {a}) lacks the parts of "
-             f"processes {sorted(set(range(w)) - held[(s, a, w)])} of {w}"
+             f"processes {sorted(set(range(w)) - holding[(s, a, w)])} of {w}"
              for s, a, w in newer]
     return best, "; ".join(notes), max(disk, default=None)
 
   # --- reading ------------------------------------------------------------------
 
   def _parts(self, group) -> list:
-    """The files of `group` on this host to read: each process's part, or
-    its replica where the part is not here; this process's own first."""
-    step, attempt, world = group
-    ranks = sorted(range(world), key=lambda r: r != self.rank)  # its own first
-    paths = []
-    for r in ranks:
-      for kind in ("part", "replica"):
-        path = os.path.join(self.directory,
-                            part_name(step, attempt, r, world, kind))
+    """The files of `group` on this host to read, this process's own
+    first: each process's part is in its file, or where that is not here,
+    as its replica in the next process's file."""
+    world = group[2]
+    paths, found = [], set()
+    for r in sorted(range(world), key=lambda r: r != self.rank):  # own first
+      for k in () if r in found else (r, (r + 1) % world):
+        path = self._path(group, k)
         if os.path.exists(path):
           paths.append(path)
+          found.update(held(k, world))
           break
     return paths
 
@@ -858,8 +949,9 @@ class Snapshots:
 
 
 def _fill(raw: bytes, described: dict, full: dict, covered: dict) -> str | None:
-  """Copies a part's blocks into `full` (marking `covered`); what is wrong
-  with it, or None."""
+  """Copies the blocks of a process's file (its part, and the replica it
+  holds) into `full` (marking `covered`); what is wrong with it, or
+  None."""
   if not raw.startswith(MAGIC) or len(raw) < len(MAGIC) + 8:
     return "is not a snapshot part"
   (n,) = struct.unpack("<Q", raw[len(MAGIC):len(MAGIC) + 8])
@@ -871,11 +963,13 @@ def _fill(raw: bytes, described: dict, full: dict, covered: dict) -> str | None:
   data = memoryview(raw)[start:]
   if zlib.crc32(data) != header.get("crc32"):
     return "fails its checksum"
-  saved = {e["name"]: [e["shape"], e["dtype"]] for e in header["leaves"]}
-  if saved != {k: [list(s), str(_dtype(d))] for k, (s, d) in described.items()}:
+  entries = [*header["leaves"], *header.get("replica", {}).get("leaves", [])]
+  wanted = {k: [list(s), str(_dtype(d))] for k, (s, d) in described.items()}
+  if any(wanted.get(e["name"]) != [e["shape"], e["dtype"]] for e in entries
+         ) or {e["name"] for e in header["leaves"]} != set(wanted):
     return "holds another state (other leaves, shapes or dtypes)"
   offset = 0
-  for e in header["leaves"]:
+  for e in entries:
     dtype = _dtype(e["dtype"])
     for shard in e["shards"]:
       where = tuple(slice(a, b) for a, b in shard["bounds"])
