@@ -3,6 +3,7 @@
 import doctest
 import importlib
 import pkgutil
+import tempfile
 
 import pytest
 
@@ -24,6 +25,8 @@ def test_there_are_examples():
 @pytest.mark.parametrize("name", MODULES)
 def test_examples(name, tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)  # examples that write files write them here
+  # and their `tempfile.mkdtemp()` directories too (pytest removes them)
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
   module = importlib.import_module(name)
   finder = doctest.DocTestFinder(exclude_empty=True)
   runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS |
