@@ -109,6 +109,23 @@ def test_only_the_newest_snapshot_is_kept_and_disk_saves_are_rarer(
   assert [p.split(".part")[0] for p in _parts(job)] == ["step-000000000030.attempt-0"]
 
 
+def test_snapshots_written_over_an_old_file_come_back_exact(tmp_path, job):
+  """From the third snapshot on, a process writes each over its file of an
+  old one (its spare): the values restored are the last snapshot's."""
+  strategy = strategy_on(2)
+  with jdist.CheckpointManager(tmp_path / "ckpt", strategy=strategy,
+                               save_every=100, snapshot_every=1) as manager:
+    for step in range(1, 7):
+      state = strategy.replicate({"w": np.arange(6, dtype=np.float32) * step,
+                                  "n": np.int32(step)})
+      assert manager.save(step, state) is None
+    restored = manager.restore(state)
+    assert manager.latest_step == 6
+  np.testing.assert_array_equal(np.asarray(restored["w"]),
+                                np.arange(6, dtype=np.float32) * 6)
+  assert int(restored["n"]) == 6
+
+
 def test_an_unusable_snapshot_leaves_the_restore_to_disk(
     digits_flat, tmp_path, job, capfd):
   """A part that fails its checksum, and a newer snapshot of which a part
