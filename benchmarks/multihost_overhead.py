@@ -185,6 +185,10 @@ if "jdist step, monitor off" in med:
   say(f"monitor bookkeeping: {med['jdist step'] - med[off]:+.1f} us/step median, "
       f"{best['jdist step'] - best[off]:+.1f} min")
 say(f"first call (trace + program check + compile): {first_call * 1e3:.0f} ms")
+if checks:
+  total, t_text, size = checks[0]
+  report["program_check_ms"] = {"total": total * 1e3, "jaxpr_text": t_text * 1e3,
+                                "jaxpr_chars": size}
 for total, t_text, size in checks:
   # Every process reports: the later one to arrive waits least (no skew).
   print(f"[process {ME}] program check: {total * 1e3:.1f} ms, of which printing "
@@ -196,6 +200,8 @@ if jax.process_count() > 1:
     t = time.perf_counter()
     strategy.runtime.exchange(f"bench/{i}/", "x", timeout=60, what="a benchmark")
     lat.append((time.perf_counter() - t) * 1e6)
+  report["exchange_us"] = {"median": statistics.median(lat), "min": min(lat),
+                          "window": agreement.WINDOW}
   say(f"one key-value exchange (both processes): median {statistics.median(lat):.0f}"
       f" us, min {min(lat):.0f} us; per step at the default window of "
       f"{agreement.WINDOW}: ~{statistics.median(lat) / agreement.WINDOW:.0f} us")
@@ -214,6 +220,7 @@ if jax.process_count() > 1:
 
   iterate(8)
   res = {w: statistics.median(iterate(w) for _ in range(3)) for w in (8, 1, 400)}
+  report["agreement_us_per_step"] = {str(w): v for w, v in res.items()}
   say("input agreement, us per step of distribute_datasets_from_function "
       "(200 steps, no training):")
   for w, v in res.items():
@@ -275,6 +282,9 @@ if jax.process_count() > 1:
     for fingerprinted in (False, True):
       runs_[fingerprinted].append(iterate_global(fingerprinted))
   med_ = {k: statistics.median(v) for k, v in runs_.items()}
+  report["global_batches_us"] = {
+      ("with" if k else "without"): {"median": med_[k], "min": min(v)}
+      for k, v in runs_.items()}
   say("experimental_distribute_dataset across processes, us per batch "
       f"(200 batches of 64, no training; median of {TRIALS}, min):")
   say(f"  without the fingerprint {med_[False]:7.1f} ({min(runs_[False]):.1f})")

@@ -33,6 +33,7 @@ import elastic_times  # noqa: E402  (its RESULTS.md section)
 import fault_times  # noqa: E402  (its RESULTS.md section)
 import fit_overhead  # noqa: E402  (its RESULTS.md section)
 import model_parallel  # noqa: E402  (its RESULTS.md section)
+import provenance  # noqa: E402  (a launched run's provenance)
 import ps  # noqa: E402  (its RESULTS.md section)
 import step_model  # noqa: E402  (issue 12's sections)
 
@@ -59,6 +60,28 @@ def _run(script: str, devices: int, *args: str, timeout: float = 3600,
   if proc.returncode:
     raise RuntimeError(f"{script} failed with code {proc.returncode} (see above)")
   return json.loads(out.strip().splitlines()[-1])
+
+
+def _run_launched(script: str, processes: int, devices: int, *args: str,
+                  timeout: float = 1800) -> dict:
+  """`script` under `jdist launch` (`processes` x `devices`), its process
+  0's last line of output read as JSON (the launcher prefixes each line with
+  its rank), with the run's provenance."""
+  command = [sys.executable, "-m", "jdist.launch", "-n", str(processes),
+             "--devices-per-process", str(devices), str(HERE / script),
+             "--json", *args]
+  st = provenance.stamp()
+  st["command"] = (f"python -m jdist.launch -n {processes} "
+                   f"--devices-per-process {devices} benchmarks/{script}"
+                   + "".join(f" {a}" for a in args))
+  env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+  env.pop("XLA_FLAGS", None)  # the launcher sets each process's devices
+  out = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True,
+                       timeout=timeout)
+  if out.returncode:
+    raise RuntimeError(f"{script} failed with code {out.returncode} (see above)")
+  last = [l for l in out.stdout.splitlines() if l.startswith("[0] {")][-1]
+  return {**json.loads(last[len("[0] "):]), "provenance": provenance.finish(st)}
 
 
 def _load() -> str:
@@ -140,6 +163,11 @@ def main(argv=None) -> int:
   if ps_result is not None:
     lines += [""] + ps.section(ps_result)
   lines += [""] + fit_overhead.section(_run("fit_overhead.py", 4, *extra))
+  try:
+    multihost = _run_launched("multihost_overhead.py", 2, 2, *extra)
+  except (RuntimeError, subprocess.TimeoutExpired, ValueError, IndexError) as e:
+    multihost = {"error": str(e)}
+  lines += [""] + multihost_section(multihost)
   if not args.no_faults:
     lines += [""] + fault_times.section(_run(
         "fault_times.py", 4, *(FAULT_TRIALS_QUICK if args.quick else FAULT_TRIALS)))
@@ -219,6 +247,70 @@ def overhead_section(overhead: list, per_call: list | None) -> list:
     lines.append(f"| {label} | {fmt.format(res[hand])} | {fmt.format(res[jd])} "
                  f"| {extra:+,.{1 if '.1f' in fmt else 0}f} "
                  f"({res[jd] / res[hand]:.2f}x) |")
+  return lines
+
+
+def _us(figure: dict) -> str:
+  return f"{figure['median']:,.1f} ({figure['min']:,.1f})"
+
+
+def multihost_section(res: dict) -> list:
+  """The "multi-process overhead" section of RESULTS.md
+  (multihost_overhead.py under `jdist launch`)."""
+  lines = ["## Multi-process overhead: what jdist adds across processes", ""]
+  if "error" in res:
+    return lines + [f"Not measured: {res['error']}"]
+  times = res["us_per_step"]
+  hand, jd = times["hand-written jit+shard_map"], times["jdist step"]
+  lines += [
+      provenance.line(res["provenance"]),
+      "",
+      f"{res['where']}, MultiWorkerMirroredStrategy; a tiny MLP step (64 "
+      "features, Dense 16, Dense 10, batch 64) against the same step "
+      "hand-written with `jax.jit` + `shard_map` (the same throttle), "
+      f"{res['steps']} steps a trial, {res['trials']} alternating trial(s): "
+      "median (minimum) microseconds.",
+      "",
+      "| what | us |",
+      "|---|---|",
+  ]
+  for name, figure in times.items():
+    lines.append(f"| {name}, per step | {_us(figure)} |")
+  lines.append(f"| jdist / hand-written speed (medians) | "
+               f"**{res['jdist_vs_hand']:.3f}** |")
+  off = times.get("jdist step, monitor off")
+  if off is not None:
+    lines.append(f"| the step monitor's bookkeeping, per step | "
+                 f"{jd['median'] - off['median']:+,.1f} "
+                 f"({jd['min'] - off['min']:+,.1f}) |")
+  check = res.get("program_check_ms")
+  lines.append(f"| first call (trace, program check, compile), ms | "
+               f"{res['first_call_ms']:,.0f} |")
+  if check:
+    lines.append(f"| of which the program check, ms (printing the jaxpr) | "
+                 f"{check['total']:.1f} ({check['jaxpr_text']:.1f}) |")
+  exchange = res.get("exchange_us")
+  if exchange:
+    agreement = res["agreement_us_per_step"]
+    w = str(exchange["window"])
+    lines += [
+        f"| one key-value exchange of the processes | {_us(exchange)} |",
+        f"| input agreement per step at its window of {w} (window {w} "
+        f"minus no agreement) | {agreement[w] - agreement['400']:+,.1f} |",
+    ]
+  glob = res.get("global_batches_us")
+  if glob:
+    extra = glob["with"]["median"] - glob["without"]["median"]
+    lines.append(
+        "| a global batch's fingerprint, per batch of "
+        "experimental_distribute_dataset across the processes | "
+        f"{extra:+,.1f} ({extra / glob['without']['median'] * 100:+.1f}% of "
+        f"{glob['without']['median']:,.0f}) |")
+  for name, figure in res["fingerprint_us"].items():
+    lines.append(f"| the fingerprint alone: {name} | {_us(figure)} |")
+  if not exchange:
+    lines += ["", "One process: the cross-process rows (key-value exchange, "
+              "input agreement, global batches) are not measured."]
   return lines
 
 

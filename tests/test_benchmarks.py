@@ -231,6 +231,15 @@ def test_multihost_overhead_runs_alone():
   assert res["first_call_ms"] > 0
   assert len(res["fingerprint_us"]) == 3
   assert all(t["median"] > 0 for t in res["fingerprint_us"].values())
+  # make bench's section (it runs the script under `jdist launch`).
+  res["provenance"] = {"command": "here", "date": "today", "machine": "this",
+                       "load_before": "0"}
+  text = "\n".join(_bench_module("run").multihost_section(res))
+  assert f"| jdist / hand-written speed (medians) | **{res['jdist_vs_hand']:.3f}** |" in text
+  assert "the cross-process rows (key-value exchange, input agreement, " \
+      "global batches) are not measured" in text, text
+  assert "Not measured: boom" in "\n".join(
+      _bench_module("run").multihost_section({"error": "boom"}))
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
