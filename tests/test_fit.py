@@ -329,6 +329,38 @@ def test_progress_bar_is_tqdm_auto(split, monkeypatch):
                                                      ("Epoch 2/2", 2)]
 
 
+def test_progress_bar_shows_each_steps_own_logs(split, monkeypatch):
+  """The bar reads the logs of the step it has just counted, before the
+  next step donates the state they come from: redrawn at every step (as a
+  slow step would have it), it shows the loss a batch-end callback gets."""
+  import tqdm.auto
+  from jdist._src.training import progress
+  shown = {}
+
+  class Recording(tqdm.auto.tqdm):
+    def set_postfix(self, ordered_dict=None, refresh=True, **kwargs):
+      epoch = int(self.desc.split()[1].split("/")[0])  # "Epoch 2/2"
+      shown.setdefault(4 * (epoch - 1) + self.n,
+                       ordered_dict["loss"])
+      super().set_postfix(ordered_dict, refresh=refresh, **kwargs)
+
+  class Losses(jdist.Callback):
+    losses = []
+
+    def on_train_batch_end(self, batch, logs=None):
+      self.losses.append(f"{logs['loss']:.4g}")
+
+  monkeypatch.setattr(tqdm.auto, "tqdm", Recording)
+  monkeypatch.setattr(progress, "TICK", 0.0)
+  monkeypatch.setattr(progress, "REFRESH", 0.0)
+  (x, y), _ = split
+  trainer_on(2).fit(x[:256], y[:256], batch_size=64, epochs=2)
+  trainer_on(2).fit(x[:256], y[:256], batch_size=64, epochs=2, verbose=0,
+                    callbacks=[Losses()])
+  assert len(Losses.losses) == 8 and len(set(Losses.losses)) > 4
+  assert [shown[n] for n in range(1, 9)] == Losses.losses
+
+
 # --- bad input: a clear error before any step runs ---------------------------
 
 

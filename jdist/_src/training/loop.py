@@ -256,13 +256,15 @@ class FitLoop:
         batches = batches.group(self.steps_per_execution)
     # The batch logs' reader keeps what the logs need of each step's state
     # (the next step donates it): made only when something may read them.
-    logged = cbs.overrides("on_train_batch_end") or bar.reads_logs
+    # The bar alone reads them only when it redraws: the plain loop serves it.
+    logged = cbs.overrides("on_train_batch_end")
     begin = cbs.overrides("on_train_batch_begin")
     grouped = self.steps_per_execution > 1
     per_step = self.batches_per_step
     if not (logged or begin or grouped or per_step > 1 or
             self._skipped is not None):
       return self._run_plain(batches, bar)
+    logged = logged or bar.reads_logs
     step = _CarriedStep(self._train_function)
     for batch in batches:
       # As Keras: once per execution, begin with its first batch's index
@@ -291,26 +293,32 @@ class FitLoop:
     return ran
 
   def _run_plain(self, batches, bar: ProgressBar) -> int:
-    """`_run_epoch`'s loop when nothing reads a batch's index or logs (no
-    batch callbacks, no bar) and each call runs one batch and one optimizer
-    step: the step and little else per batch.
+    """`_run_epoch`'s loop when no callback reads a batch's index or logs
+    and each call runs one batch and one optimizer step: the step and little
+    else per batch.
 
     The state and totals go from one step to the next as the step returns
     them, flat (`DistributedFunction.carry`): they are built as pytrees, and
     the position moved, once, when the loop ends however it ends (nothing
-    reads them before).
+    reads them before), or when the progress bar redraws (`bar.due()`, a few
+    times a second): then the logs it shows are read at once, before the
+    next step donates the state they come from.
     """
-    train, ran = self._train_function, 0
+    train, ran, drawn = self._train_function, 0, 0
     self.last_execution = 1
     carried = (train.carry(self._state, self.totals)
                if isinstance(train, DistributedFunction) else None)
     call = (self._call_train if carried is None else
             functools.partial(train.call_carried, carried))
+    draws = bar.reads_logs
     try:
       for batch in batches:
         call(batch)
         self._step += 1
         ran += 1
+        if draws and bar.due():
+          bar.step(self._logs_now(carried), ran - drawn)
+          drawn = ran
         if self.stop_training:
           break
     finally:
@@ -319,8 +327,18 @@ class FitLoop:
       start = self.position
       self.position = Position(start.epoch, start.batch + ran,
                                start.consumed + ran)
-      bar.step(None, ran)
+      bar.advance(ran - drawn)
     return ran
+
+  def _logs_now(self, carried) -> LazyLogs:
+    """The logs of the step that just ran, for the bar to read before the
+    next one, if it shows them (the plain loop's carried state and totals
+    are rebuilt to read them)."""
+    def read() -> dict:
+      state, totals = (carried.values() if carried is not None else
+                       (self._state, self.totals))
+      return self._read_logs(state)(totals)
+    return LazyLogs(read)
 
   def _call_train(self, batch) -> None:
     """One train step on the loop's state and totals, called as usual."""

@@ -1,8 +1,10 @@
 """The progress bar of `fit`: one tqdm bar per epoch, on process 0 only.
 
-`tqdm.auto` draws a widget in notebooks and text in a terminal. Losses and
-metrics are read from the devices at most every `refresh` seconds, so the bar
-costs no synchronisation on most steps.
+`tqdm.auto` draws a widget in notebooks and text in a terminal. The loop
+hands the bar its steps when it is `due` (at most every `TICK` seconds, as
+tqdm redraws at most that often), and losses and metrics are read from the
+devices at most every `refresh` seconds: on most steps the bar costs one
+clock read, no synchronisation.
 """
 
 from __future__ import annotations
@@ -11,6 +13,11 @@ import sys
 import time
 
 from jdist._src.training.callbacks import is_chief
+
+# Seconds between the bar's redraws at most (tqdm's own `mininterval`), and
+# between its reads of the logs from the devices.
+TICK = 0.1
+REFRESH = 0.5
 
 
 def _fmt(logs) -> dict:
@@ -29,17 +36,19 @@ def resolve_verbose(verbose) -> int:
 class ProgressBar:
   """Shows an epoch's steps, steps per second, loss and metrics."""
 
-  def __init__(self, verbose, epochs: int, *, refresh: float = 0.5):
+  def __init__(self, verbose, epochs: int, *, refresh: float | None = None):
     self.verbose = resolve_verbose(verbose)
     self.epochs = epochs
-    self.refresh = refresh
+    self.refresh = REFRESH if refresh is None else refresh
     self._bar = None
     self._shown = 0.0
     self._start = 0.0
     self._steps = 0
+    self._ticked = 0.0
 
   def start_epoch(self, epoch: int, total: int | None, initial: int = 0):
     self._start, self._steps, self._shown = time.perf_counter(), 0, 0.0
+    self._ticked = 0.0
     if self.verbose == 1:
       from tqdm.auto import tqdm
       self._bar = tqdm(total=total, initial=initial, unit="step",
@@ -51,17 +60,30 @@ class ProgressBar:
     """Whether `step` may read the logs it is given (a bar is drawn)."""
     return self.verbose == 1
 
+  def due(self) -> bool:
+    """Whether the bar would redraw now (`TICK` seconds since it last took
+    steps): a loop that hands it steps only then costs it a clock read a
+    step."""
+    return time.perf_counter() - self._ticked >= TICK
+
   def step(self, logs, steps: int = 1) -> None:
-    """`steps` steps done; `logs` (a lazy mapping) is read only when shown
-    (never unless `reads_logs`: then it may be None)."""
+    """`steps` steps done; `logs` (a lazy mapping) is read only when shown,
+    at once (never unless `reads_logs`: then it may be None)."""
     self._steps += steps
     if self._bar is None:
       return
     self._bar.update(steps)
-    now = time.perf_counter()
+    now = self._ticked = time.perf_counter()
     if now - self._shown >= self.refresh:
       self._shown = now
       self._bar.set_postfix(_fmt(logs), refresh=False)
+
+  def advance(self, steps: int) -> None:
+    """`steps` steps done, their logs not shown (the epoch's end shows
+    them)."""
+    self._steps += steps
+    if self._bar is not None and steps:
+      self._bar.update(steps)
 
   def end_epoch(self, epoch: int, logs: dict) -> None:
     if self._bar is not None:
