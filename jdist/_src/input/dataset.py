@@ -386,14 +386,17 @@ class DistributedIterator:
           "may shrink at the end of the data but not grow: keep the global "
           "batch size fixed.")
     b = self._size // n
-    local = self._placer.local_rows
+    local = self._placer.local_rows  # None: this process holds every row
     # Views, no copies, unless the batch is short.
-    rows = [host.pad(x, self._size).reshape((n, b) + x.shape[1:])[local]
-            for x in leaves]
+    rows = [(x if size == self._size else host.pad(x, self._size)).reshape(
+        (n, b) + x.shape[1:]) for x in leaves]
+    if local is not None:
+      rows = [x[local] for x in rows]
     if size == self._size:
       valid = self._placer.full_mask(len(self._placer.local_ids), b)
     else:
-      valid = (np.arange(self._size) < size).reshape(n, b)[local]
+      valid = (np.arange(self._size) < size).reshape(n, b)
+      valid = valid if local is None else valid[local]
     # Across processes, each keeps its rows of the same global batch: the
     # agreement compares the batches they read.
     fingerprint = (None if self._agreement is None

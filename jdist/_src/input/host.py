@@ -41,7 +41,11 @@ def batch_size_of(batch: Any, what: str) -> int:
       axes differ; the message names them.
   """
   leaves = jax.tree.leaves(batch)
-  sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in leaves}
+  # A numpy array's own shape: `np.shape` dispatches through numpy's
+  # array-function protocol, at every batch.
+  sizes = {(shape[0] if shape else None) for shape in
+           (leaf.shape if type(leaf) is np.ndarray else np.shape(leaf)
+            for leaf in leaves)}
   if len(sizes) == 1 and None not in sizes:
     return sizes.pop()
   return _batch_size_error(batch, what)
@@ -120,9 +124,12 @@ class Placer:
     self.local_ids = placement.local_replica_ids(strategy.mesh,
                                                  strategy.axis_name)
     ids = self.local_ids
-    # This process's replicas: a slice (a view of the batch) when contiguous.
+    # This process's replicas: a slice (a view of the batch) when contiguous,
+    # None when they are all of them (one process: the batch as it is).
     contiguous = ids == tuple(range(ids[0], ids[-1] + 1))
     self.local_rows = slice(ids[0], ids[-1] + 1) if contiguous else list(ids)
+    if len(ids) == strategy.num_replicas_in_sync:
+      self.local_rows = None
     self._full = {}        # (rows, b) -> host validity of a full batch
     self._full_masks = {}  # (rows, b) -> the host mask of a full batch
 
