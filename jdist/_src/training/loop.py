@@ -410,15 +410,23 @@ def evaluate(test_function, state, batches, totals, read: Callable,
   """Accumulates loss and metrics over `batches`; returns their exact means."""
   cbs.call("on_test_begin", {})
   bar.start_epoch(0, total)
+  # Per-batch logs are made for a callback that reads them, or for the bar
+  # when it redraws (read at once: the next batch may donate the totals).
+  logged = cbs.overrides("on_test_batch_end")
   try:
-    ran = 0
+    ran = drawn = 0
     for i, batch in enumerate(batches):
       cbs.call("on_test_batch_begin", i, {})
       totals = test_function(state, totals, batch)
-      logs = LazyLogs(functools.partial(read, totals))
-      cbs.call("on_test_batch_end", i, logs)
-      bar.step(logs)
       ran += 1
+      due = bar.due()
+      if logged or due:
+        logs = LazyLogs(functools.partial(read, totals))
+        cbs.call("on_test_batch_end", i, logs)
+        if due:
+          bar.step(logs, ran - drawn)
+          drawn = ran
+    bar.advance(ran - drawn)
     if not ran:
       raise ValueError(
           "The evaluation data gave no batches (a one-shot iterator used up "

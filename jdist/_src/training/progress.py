@@ -61,10 +61,10 @@ class ProgressBar:
     return self.verbose == 1
 
   def due(self) -> bool:
-    """Whether the bar would redraw now (`TICK` seconds since it last took
-    steps): a loop that hands it steps only then costs it a clock read a
-    step."""
-    return time.perf_counter() - self._ticked >= TICK
+    """Whether a drawn bar would redraw now (`TICK` seconds since it last
+    took steps): a loop that hands it steps only then costs it a clock read
+    a step."""
+    return self._bar is not None and time.perf_counter() - self._ticked >= TICK
 
   def step(self, logs, steps: int = 1) -> None:
     """`steps` steps done; `logs` (a lazy mapping) is read only when shown,
