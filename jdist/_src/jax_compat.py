@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.extend
 import numpy as np
 # Private modules, each used by one function below (see its docstring).
 from jax._src import cloud_tpu_init
@@ -50,6 +51,52 @@ try:
   from jax._src.lax.parallel import all_gather_invariant
 except ImportError:  # pragma: no cover - depends on the jax version
   all_gather_invariant = None
+
+# --- rewriting a traced function ------------------------------------------------
+
+# Primitives whose body is inlined by `eval_jaxpr_rewriting` (a call of a
+# jitted function: inlining it computes the same, XLA inlines it too).
+_CALLS = ("jit", "pjit", "closed_call", "core_call")
+
+
+def eval_jaxpr_rewriting(closed_jaxpr, args, rules: dict) -> list:
+  """Evaluates a traced function (`jax.make_jaxpr`'s result) on `args` (its
+  flat inputs), binding `rules[primitive](*inputs, **params)` instead of each
+  primitive that `rules` names; inside the current trace, so the result is
+  traced into the caller's program.
+
+  Calls of jitted functions are inlined, so a rule also applies inside them.
+  Other primitives with a body (a scan, a cond, `jax.checkpoint`, custom
+  derivatives) are bound as they are: a rule does not reach into them.
+
+  Private: JAX's public API evaluates a jaxpr (`jax.core.eval_jaxpr`) but
+  offers no way to replace one primitive; this is its loop, whose bind
+  parameters (`get_bind_params`) and equation context (`eqn.ctx`) are
+  internal.
+  """
+  jaxpr = closed_jaxpr.jaxpr
+  env: dict = {}
+
+  def read(v):
+    return v.val if isinstance(v, jax.extend.core.Literal) else env[v]
+
+  env.update(zip(jaxpr.constvars, closed_jaxpr.consts))
+  env.update(zip(jaxpr.invars, args))
+  for eqn in jaxpr.eqns:
+    inputs = [read(v) for v in eqn.invars]
+    body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    if eqn.primitive.name in _CALLS and hasattr(body, "consts"):
+      outputs = eval_jaxpr_rewriting(body, inputs, rules)
+    else:
+      bind = rules.get(eqn.primitive, eqn.primitive.bind)
+      params = (eqn.params if eqn.primitive in rules else
+                eqn.primitive.get_bind_params(eqn.params))
+      with eqn.ctx.manager:
+        outputs = bind(*inputs, **params)
+      if not eqn.primitive.multiple_results:
+        outputs = [outputs]
+    env.update(zip(eqn.outvars, outputs))
+  return [read(v) for v in jaxpr.outvars]
 
 # --- the distributed runtime ------------------------------------------------------
 
