@@ -59,6 +59,7 @@ def canonical_convolutions(fn: Callable) -> Callable:
   Example:
     >>> import jax, jax.numpy as jnp
     >>> from jax import lax
+    >>> from jdist._src.ops.conv_layout import canonical_convolutions
     >>> def f(x, w):
     ...   return lax.conv_general_dilated(x, w, (1, 1), "SAME",
     ...                                   dimension_numbers=("NCHW", "OIHW", "NCHW"))
