@@ -59,14 +59,34 @@ except ImportError:  # pragma: no cover - depends on the jax version
 _CALLS = ("jit", "pjit", "closed_call", "core_call")
 
 
+def _call_body(eqn):
+  """The closed jaxpr an equation calls, if it is a call of a jitted
+  function; else None."""
+  body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+  return body if eqn.primitive.name in _CALLS and hasattr(body, "consts") \
+      else None
+
+
+def _uses(jaxpr, primitives) -> bool:
+  """Whether `jaxpr` binds one of `primitives`, itself or in a call."""
+  for eqn in jaxpr.eqns:
+    body = _call_body(eqn)
+    if eqn.primitive in primitives or (
+        body is not None and _uses(body.jaxpr, primitives)):
+      return True
+  return False
+
+
 def eval_jaxpr_rewriting(closed_jaxpr, args, rules: dict) -> list:
   """Evaluates a traced function (`jax.make_jaxpr`'s result) on `args` (its
   flat inputs), binding `rules[primitive](*inputs, **params)` instead of each
   primitive that `rules` names; inside the current trace, so the result is
   traced into the caller's program.
 
-  Calls of jitted functions are inlined, so a rule also applies inside them.
-  Other primitives with a body (a scan, a cond, `jax.checkpoint`, custom
+  Calls of jitted functions that use a primitive of `rules` are inlined, so
+  the rule applies inside them too; the others stay calls (a function
+  without such a primitive is traced into the same program). Other
+  primitives with a body (a scan, a cond, `jax.checkpoint`, custom
   derivatives) are bound as they are: a rule does not reach into them.
 
   Private: JAX's public API evaluates a jaxpr (`jax.core.eval_jaxpr`) but
@@ -84,8 +104,8 @@ def eval_jaxpr_rewriting(closed_jaxpr, args, rules: dict) -> list:
   env.update(zip(jaxpr.invars, args))
   for eqn in jaxpr.eqns:
     inputs = [read(v) for v in eqn.invars]
-    body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-    if eqn.primitive.name in _CALLS and hasattr(body, "consts"):
+    body = _call_body(eqn)
+    if body is not None and _uses(body.jaxpr, rules):
       outputs = eval_jaxpr_rewriting(body, inputs, rules)
     else:
       bind = rules.get(eqn.primitive, eqn.primitive.bind)
