@@ -57,24 +57,46 @@ except ImportError:  # pragma: no cover - depends on the jax version
 # Primitives whose body is inlined by `eval_jaxpr_rewriting` (a call of a
 # jitted function: inlining it computes the same, XLA inlines it too).
 _CALLS = ("jit", "pjit", "closed_call", "core_call")
+# `jax.checkpoint`'s primitive (its body is rewritten, the primitive kept:
+# what it saves for the backward pass and recomputes does not change).
+_CHECKPOINT = "remat2"
 
 
-def _call_body(eqn):
-  """The closed jaxpr an equation calls, if it is a call of a jitted
-  function; else None."""
+def _body(eqn):
+  """The jaxpr an equation runs as its body, if it is a call of a jitted
+  function (a closed jaxpr) or a `jax.checkpoint` (an open one); else
+  None."""
+  name = eqn.primitive.name
   body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-  return body if eqn.primitive.name in _CALLS and hasattr(body, "consts") \
-      else None
+  if name in _CALLS and hasattr(body, "consts"):
+    return body
+  if name == _CHECKPOINT and hasattr(body, "eqns"):
+    return body
+  return None
 
 
 def _uses(jaxpr, primitives) -> bool:
-  """Whether `jaxpr` binds one of `primitives`, itself or in a call."""
+  """Whether `jaxpr` binds one of `primitives`, itself or in a body that
+  `eval_jaxpr_rewriting` reaches into."""
   for eqn in jaxpr.eqns:
-    body = _call_body(eqn)
-    if eqn.primitive in primitives or (
-        body is not None and _uses(body.jaxpr, primitives)):
+    body = _body(eqn)
+    if eqn.primitive in primitives or (body is not None and _uses(
+        getattr(body, "jaxpr", body), primitives)):
       return True
   return False
+
+
+def _rewritten_checkpoint(eqn, inputs, rules) -> list | None:
+  """A `jax.checkpoint` equation bound with its body rewritten by `rules`;
+  None if the rewritten body needs constants (the primitive takes none)."""
+  body = jax.extend.core.ClosedJaxpr(eqn.params["jaxpr"], ())
+  new = jax.make_jaxpr(
+      lambda *xs: eval_jaxpr_rewriting(body, xs, rules))(*inputs)
+  if new.consts:
+    return None
+  params = dict(eqn.primitive.get_bind_params(eqn.params), jaxpr=new.jaxpr)
+  with eqn.ctx.manager:
+    return eqn.primitive.bind(*inputs, **params)
 
 
 def eval_jaxpr_rewriting(closed_jaxpr, args, rules: dict) -> list:
@@ -85,9 +107,10 @@ def eval_jaxpr_rewriting(closed_jaxpr, args, rules: dict) -> list:
 
   Calls of jitted functions that use a primitive of `rules` are inlined, so
   the rule applies inside them too; the others stay calls (a function
-  without such a primitive is traced into the same program). Other
-  primitives with a body (a scan, a cond, `jax.checkpoint`, custom
-  derivatives) are bound as they are: a rule does not reach into them.
+  without such a primitive is traced into the same program). A
+  `jax.checkpoint` keeps its primitive, its body rewritten. Other
+  primitives with a body (a scan, a cond, custom derivatives) are bound as
+  they are: a rule does not reach into them.
 
   Private: JAX's public API evaluates a jaxpr (`jax.core.eval_jaxpr`) but
   offers no way to replace one primitive; this is its loop, whose bind
@@ -104,10 +127,13 @@ def eval_jaxpr_rewriting(closed_jaxpr, args, rules: dict) -> list:
   env.update(zip(jaxpr.invars, args))
   for eqn in jaxpr.eqns:
     inputs = [read(v) for v in eqn.invars]
-    body = _call_body(eqn)
-    if body is not None and _uses(body.jaxpr, rules):
-      outputs = eval_jaxpr_rewriting(body, inputs, rules)
-    else:
+    body = _body(eqn)
+    outputs = None
+    if body is not None and _uses(getattr(body, "jaxpr", body), rules):
+      outputs = (eval_jaxpr_rewriting(body, inputs, rules)
+                 if hasattr(body, "consts") else
+                 _rewritten_checkpoint(eqn, inputs, rules))
+    if outputs is None:
       bind = rules.get(eqn.primitive, eqn.primitive.bind)
       params = (eqn.params if eqn.primitive in rules else
                 eqn.primitive.get_bind_params(eqn.params))

@@ -52,9 +52,9 @@ def canonical_convolutions(fn: Callable) -> Callable:
   """`fn` with each of its convolutions in XLA:CPU's fast layout.
 
   Traces `fn` on its arguments and evaluates the trace with every
-  convolution (those inside jitted functions too) replaced by
-  `canonical_convolution`. Convolutions inside other nested bodies (a scan,
-  `jax.checkpoint`, a custom derivative) are left as they are.
+  convolution (those inside jitted functions and `jax.checkpoint` too)
+  replaced by `canonical_convolution`. Convolutions inside other nested
+  bodies (a scan, a cond, a custom derivative) are left as they are.
 
   Example:
     >>> import jax, jax.numpy as jnp
