@@ -75,12 +75,16 @@ def _body(eqn):
   return None
 
 
-def _uses(jaxpr, primitives) -> bool:
-  """Whether `jaxpr` binds one of `primitives`, itself or in a body that
-  `eval_jaxpr_rewriting` reaches into."""
+def uses_primitives(jaxpr, primitives) -> bool:
+  """Whether a jaxpr binds one of `primitives`, itself or in a body that
+  `eval_jaxpr_rewriting` reaches into (jitted calls, `jax.checkpoint`).
+
+  Private for the same reason as `eval_jaxpr_rewriting`: the equations'
+  bodies are internal parameters.
+  """
   for eqn in jaxpr.eqns:
     body = _body(eqn)
-    if eqn.primitive in primitives or (body is not None and _uses(
+    if eqn.primitive in primitives or (body is not None and uses_primitives(
         getattr(body, "jaxpr", body), primitives)):
       return True
   return False
@@ -129,7 +133,8 @@ def eval_jaxpr_rewriting(closed_jaxpr, args, rules: dict) -> list:
     inputs = [read(v) for v in eqn.invars]
     body = _body(eqn)
     outputs = None
-    if body is not None and _uses(getattr(body, "jaxpr", body), rules):
+    if body is not None and uses_primitives(getattr(body, "jaxpr", body),
+                                            rules):
       outputs = (eval_jaxpr_rewriting(body, inputs, rules)
                  if hasattr(body, "consts") else
                  _rewritten_checkpoint(eqn, inputs, rules))

@@ -54,7 +54,8 @@ def canonical_convolutions(fn: Callable) -> Callable:
   Traces `fn` on its arguments and evaluates the trace with every
   convolution (those inside jitted functions and `jax.checkpoint` too)
   replaced by `canonical_convolution`. Convolutions inside other nested
-  bodies (a scan, a cond, a custom derivative) are left as they are.
+  bodies (a scan, a cond, a custom derivative) are left as they are. A
+  function without convolutions is traced once more, as written.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -67,11 +68,13 @@ def canonical_convolutions(fn: Callable) -> Callable:
     >>> bool(jnp.allclose(canonical_convolutions(f)(x, w), f(x, w)))
     True
   """
+  rules = {lax.conv_general_dilated_p: canonical_convolution}
+
   def rewritten(*args):
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-    out = jax_compat.eval_jaxpr_rewriting(
-        closed, jax.tree.leaves(args),
-        {lax.conv_general_dilated_p: canonical_convolution})
+    if not jax_compat.uses_primitives(closed.jaxpr, rules):
+      return fn(*args)  # nothing to rewrite: traced as written
+    out = jax_compat.eval_jaxpr_rewriting(closed, jax.tree.leaves(args), rules)
     return jax.tree.unflatten(jax.tree.structure(out_shape), out)
 
   return rewritten
