@@ -181,7 +181,8 @@ def test_convolutions_in_the_micro_batches_loop_run_fast_on_cpu():
           "y": rng.integers(0, 10, 32).astype(np.int32)}
   strategy = strategy_on(2)
   batch = next(iter(strategy.experimental_distribute_dataset([data])))
-  params = strategy.replicate(model.init(jax.random.key(0), data["x"])["params"])
+  params = strategy.replicate(
+      model.init(jax.random.key(0), data["x"])["params"])
 
   def step(k, remat):
     apply = lambda p, x: model.apply({"params": p}, x)

@@ -55,7 +55,9 @@ class MultiStepFunction(DistributedFunction):
     self._step = step
     self._batches_per_step = batches_per_step
 
-  def _trace(self, args: tuple, kwargs: dict, *, check: bool):
+  def _trace(self, args: tuple, kwargs: dict, *, check: bool,
+             in_loop: bool = False):
+    del in_loop  # this is the loop: the step is traced into its body
     if kwargs:
       raise TypeError(
           f"A multi-step {self._name} takes positional arguments only: the "
@@ -70,7 +72,8 @@ class MultiStepFunction(DistributedFunction):
     layout = []
 
     def body(carried, i):
-      out = self._step.trace_step(carried + (group.batch(i),), {}, check=check)
+      out = self._step.trace_step(carried + (group.batch(i),), {}, check=check,
+                                  in_loop=True)
       new, extras, single = _split(out, carried, self._name)
       new = _like(new, carried)
       _check_carry(new, carried, self._name)

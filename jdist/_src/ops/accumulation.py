@@ -50,10 +50,10 @@ import numpy as np
 from jax import lax
 
 from jdist._src.core import context
+from jdist._src.core import conv_layout
 from jdist._src.core import in_step
 from jdist._src.core.replica_context import ReplicaContext
 from jdist._src.core.validity import Validity
-from jdist._src.ops import conv_layout
 
 
 def check_steps(num_micro_batches) -> int:
@@ -124,15 +124,6 @@ def merge_micro_batches(tree):
   return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), tree)
 
 
-def _runs_on_cpu(ctx: ReplicaContext | None) -> bool:
-  """Whether the step being traced runs on CPU devices: its strategy's, or
-  outside a step JAX's default backend."""
-  if ctx is None:
-    return jax.default_backend() == "cpu"
-  devices = np.asarray(ctx.strategy.mesh.devices).flat
-  return all(d.platform == "cpu" for d in devices)
-
-
 def scan_micro_batches(loss_fn: Callable, params, carry, batch, *,
                        num_micro_batches: int, num_batches: int = 1,
                        sum_over_replicas: bool = True):
@@ -168,7 +159,7 @@ def scan_micro_batches(loss_fn: Callable, params, carry, batch, *,
     return (loss, (carry, jax.tree.map(lambda a: a[None], aux))), grads
   micro = _split(batch, k)
   ctx = context.current_replica_context()
-  if _runs_on_cpu(ctx):
+  if conv_layout.runs_on_cpu(None if ctx is None else ctx.strategy):
     grad_fn = conv_layout.canonical_convolutions(grad_fn)
   masks = None
   if ctx is not None:

@@ -12,7 +12,9 @@ rows as 4 micro-batches in a scan: 1.25 s against 0.035 s).
 `canonical_convolutions(fn)` computes what `fn` computes, with every
 convolution written in that order, between explicit transposes (the ones the
 compiler pass would have added), so it runs fast inside a loop too. It is
-meant for CPU: other backends choose their convolutions' layouts themselves.
+meant for CPU (`runs_on_cpu`): other backends choose their convolutions'
+layouts themselves. Its users: the micro-batches' gradient of
+`jdist.accumulate_gradients` and the step that `jdist.multi_step` scans.
 """
 
 from __future__ import annotations
@@ -21,9 +23,19 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jdist._src import jax_compat
+
+
+def runs_on_cpu(strategy=None) -> bool:
+  """Whether a strategy's devices are all CPUs (without one: whether JAX's
+  default backend is the CPU), read when a step is traced."""
+  if strategy is None:
+    return jax.default_backend() == "cpu"
+  devices = np.asarray(strategy.mesh.devices).flat
+  return all(d.platform == "cpu" for d in devices)
 
 
 def canonical_convolution(lhs, rhs, *, dimension_numbers, **params):
@@ -60,10 +72,10 @@ def canonical_convolutions(fn: Callable) -> Callable:
   Example:
     >>> import jax, jax.numpy as jnp
     >>> from jax import lax
-    >>> from jdist._src.ops.conv_layout import canonical_convolutions
-    >>> def f(x, w):
-    ...   return lax.conv_general_dilated(x, w, (1, 1), "SAME",
-    ...                                   dimension_numbers=("NCHW", "OIHW", "NCHW"))
+    >>> from jdist._src.core.conv_layout import canonical_convolutions
+    >>> def f(x, w):  # NCHW images, OIHW kernels
+    ...   return lax.conv_general_dilated(
+    ...       x, w, (1, 1), "SAME", dimension_numbers=("NCHW", "OIHW", "NCHW"))
     >>> x, w = jnp.ones((2, 3, 5, 5)), jnp.ones((4, 3, 3, 3))
     >>> bool(jnp.allclose(canonical_convolutions(f)(x, w), f(x, w)))
     True
