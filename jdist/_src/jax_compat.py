@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.extend
 import numpy as np
 # Private modules, each used by one function below (see its docstring).
 from jax._src import cloud_tpu_init
@@ -50,6 +51,103 @@ try:
   from jax._src.lax.parallel import all_gather_invariant
 except ImportError:  # pragma: no cover - depends on the jax version
   all_gather_invariant = None
+
+# --- rewriting a traced function ------------------------------------------------
+
+# Primitives whose body is inlined by `eval_jaxpr_rewriting` (a call of a
+# jitted function: inlining it computes the same, XLA inlines it too).
+_CALLS = ("jit", "pjit", "closed_call", "core_call")
+# `jax.checkpoint`'s primitive (its body is rewritten, the primitive kept:
+# what it saves for the backward pass and recomputes does not change).
+_CHECKPOINT = "remat2"
+
+
+def _body(eqn):
+  """The jaxpr an equation runs as its body, if it is a call of a jitted
+  function (a closed jaxpr) or a `jax.checkpoint` (an open one); else
+  None."""
+  name = eqn.primitive.name
+  body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+  if name in _CALLS and hasattr(body, "consts"):
+    return body
+  if name == _CHECKPOINT and hasattr(body, "eqns"):
+    return body
+  return None
+
+
+def uses_primitives(jaxpr, primitives) -> bool:
+  """Whether a jaxpr binds one of `primitives`, itself or in a body that
+  `eval_jaxpr_rewriting` reaches into (jitted calls, `jax.checkpoint`).
+
+  Private for the same reason as `eval_jaxpr_rewriting`: the equations'
+  bodies are internal parameters.
+  """
+  for eqn in jaxpr.eqns:
+    body = _body(eqn)
+    if eqn.primitive in primitives or (body is not None and uses_primitives(
+        getattr(body, "jaxpr", body), primitives)):
+      return True
+  return False
+
+
+def _rewritten_checkpoint(eqn, inputs, rules) -> list | None:
+  """A `jax.checkpoint` equation bound with its body rewritten by `rules`;
+  None if the rewritten body needs constants (the primitive takes none)."""
+  body = jax.extend.core.ClosedJaxpr(eqn.params["jaxpr"], ())
+  new = jax.make_jaxpr(
+      lambda *xs: eval_jaxpr_rewriting(body, xs, rules))(*inputs)
+  if new.consts:
+    return None
+  params = dict(eqn.primitive.get_bind_params(eqn.params), jaxpr=new.jaxpr)
+  with eqn.ctx.manager:
+    return eqn.primitive.bind(*inputs, **params)
+
+
+def eval_jaxpr_rewriting(closed_jaxpr, args, rules: dict) -> list:
+  """Evaluates a traced function (`jax.make_jaxpr`'s result) on `args` (its
+  flat inputs), binding `rules[primitive](*inputs, **params)` instead of each
+  primitive that `rules` names; inside the current trace, so the result is
+  traced into the caller's program.
+
+  Calls of jitted functions that use a primitive of `rules` are inlined, so
+  the rule applies inside them too; the others stay calls (a function
+  without such a primitive is traced into the same program). A
+  `jax.checkpoint` keeps its primitive, its body rewritten. Other
+  primitives with a body (a scan, a cond, custom derivatives) are bound as
+  they are: a rule does not reach into them.
+
+  Private: JAX's public API evaluates a jaxpr (`jax.core.eval_jaxpr`) but
+  offers no way to replace one primitive; this is its loop, whose bind
+  parameters (`get_bind_params`) and equation context (`eqn.ctx`) are
+  internal.
+  """
+  jaxpr = closed_jaxpr.jaxpr
+  env: dict = {}
+
+  def read(v):
+    return v.val if isinstance(v, jax.extend.core.Literal) else env[v]
+
+  env.update(zip(jaxpr.constvars, closed_jaxpr.consts))
+  env.update(zip(jaxpr.invars, args))
+  for eqn in jaxpr.eqns:
+    inputs = [read(v) for v in eqn.invars]
+    body = _body(eqn)
+    outputs = None
+    if body is not None and uses_primitives(getattr(body, "jaxpr", body),
+                                            rules):
+      outputs = (eval_jaxpr_rewriting(body, inputs, rules)
+                 if hasattr(body, "consts") else
+                 _rewritten_checkpoint(eqn, inputs, rules))
+    if outputs is None:
+      bind = rules.get(eqn.primitive, eqn.primitive.bind)
+      params = (eqn.params if eqn.primitive in rules else
+                eqn.primitive.get_bind_params(eqn.params))
+      with eqn.ctx.manager:
+        outputs = bind(*inputs, **params)
+      if not eqn.primitive.multiple_results:
+        outputs = [outputs]
+    env.update(zip(eqn.outvars, outputs))
+  return [read(v) for v in jaxpr.outvars]
 
 # --- the distributed runtime ------------------------------------------------------
 

@@ -25,6 +25,7 @@ import jax
 
 from jdist._src import jax_compat
 from jdist._src.core import context
+from jdist._src.core import conv_layout
 from jdist._src.core import kinds
 from jdist._src.core import probe
 from jdist._src.core.plan import InputPlan
@@ -376,7 +377,8 @@ class DistributedFunction:
     carried.whole = tuple(out[:k])
     return tuple(out[k:])
 
-  def trace_step(self, args: tuple, kwargs: dict, *, check: bool = True):
+  def trace_step(self, args: tuple, kwargs: dict, *, check: bool = True,
+                 in_loop: bool = False):
     """Traces one call of the step into the running JAX trace.
 
     For programs that run the step inside a larger one (`jdist.multi_step`
@@ -386,11 +388,14 @@ class DistributedFunction:
     Args:
       args, kwargs: the step's arguments (traced values).
       check: take part in the multi-process program check.
+      in_loop: the trace is a loop's body: on CPU the step's convolutions
+        are written in the layout XLA:CPU runs fast inside loops too
+        (`conv_layout.canonical_convolutions`).
 
     Returns:
       The step's outputs.
     """
-    return self._trace(args, kwargs, check=check)
+    return self._trace(args, kwargs, check=check, in_loop=in_loop)
 
   def _watch_step(self, last) -> None:
     """The CPU throttle and the multi-process watch of a dispatched step.
@@ -483,7 +488,8 @@ class DistributedFunction:
           "instead of changing the shape), and pass numbers as arrays, not "
           "as static arguments.")
 
-  def _trace(self, args: tuple, kwargs: dict, *, check: bool):
+  def _trace(self, args: tuple, kwargs: dict, *, check: bool,
+             in_loop: bool = False):
     """Plans, probes and maps one call (traced); subclasses trace more."""
     strategy = self._strategy
     axis = strategy.axis_name
@@ -513,6 +519,8 @@ class DistributedFunction:
           stack.enter_context(context.untyped_replica())
         return outputs.local_results(run_replica(*local)[0], axis)
 
+    if in_loop and conv_layout.runs_on_cpu(strategy):
+      local_results = conv_layout.canonical_convolutions(local_results)
     results = jax.shard_map(
         local_results, mesh=strategy.mesh, in_specs=plan.specs,
         out_specs=outputs.out_specs(axis), axis_names={axis},

@@ -168,8 +168,10 @@ def _device_time_or_note(strategy, fn, state, batch, k: int):
 def _device_time(strategy, fn, state, batch, k: int) -> float:
   """Seconds per step with K steps in one compiled program (no dispatch)."""
   inner = strategy.function(fn)
+  # Traced as a loop's body (`in_loop`): on CPU its convolutions are then
+  # written in the layout XLA:CPU runs fast in loops too, as in one call.
   many = jax.jit(lambda s, b: jax.lax.fori_loop(
-      0, k, lambda i, c: inner(c, b)[0], s))
+      0, k, lambda i, c: inner.trace_step((c, b), {}, in_loop=True)[0], s))
   _block(many(state, batch))
   start = time.perf_counter()
   _block(many(state, batch))
