@@ -142,8 +142,9 @@ def model_section(rows: list) -> list:
            "dispatch = (t_1 - t_32) * 32/31, device time c(N) = t_32 - "
            "dispatch/32. compute and S/B are fitted on N = 1 and 2; N = 4 is "
            "predicted and compared with the measurement.", ""]
-  # The MLP only: the CNN's step is compute-bound here, and multi_step's scan
-  # of it ran far slower per step on XLA:CPU (RESULTS.md's CNN table).
+  # The MLP only: the CNN's step is compute-bound here (and RESULTS.md's CNN
+  # rows of multi_step predate its convolutions' fast layout inside loops on
+  # XLA:CPU, `core/conv_layout.py`: the scan then ran them ~30x slower).
   for model in ("mlp",):
     times = _times(rows, model)
     if not {1, 2} <= set(times):
