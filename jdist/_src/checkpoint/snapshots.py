@@ -531,6 +531,8 @@ class Snapshots:
     self._prefix = os.path.join(directory, "")  # (of its files' paths)
     self.attempt = int(attempt)
     self.rank, self.world = jax.process_index(), jax.process_count()
+    # The temporary name of the file this process is writing.
+    self._tmp = f"{self._prefix}.tmp-{self.rank}-{os.getpid()}.snap"
     os.makedirs(directory, mode=0o700, exist_ok=True)
     for path in (os.path.dirname(directory), directory):
       if hasattr(os, "getuid") and os.stat(path).st_uid != os.getuid():
@@ -646,7 +648,7 @@ class Snapshots:
     thread): see `flush`."""
     step, layout, packed, host, before, received = pending
     if isinstance(received, int):  # one buffer: the part, then the copy
-      both = _host_bytes(packed)
+      both = np.asarray(packed.addressable_data(0))  # (spans the processes)
       packed, received = both[:received], both[received:]
     arrays = _checked(step, layout, packed, host)
     if arrays is None:
@@ -717,22 +719,20 @@ class Snapshots:
     over with the next snapshot (`_put`): no file made or removed, and no
     page of memory taken anew, a snapshot."""
     try:
-      os.rename(path, self._tmp())
+      os.rename(path, self._tmp)
       self._spare = (fd, size)
     except FileNotFoundError:  # the directory was removed
       os.close(fd)
-
-  def _tmp(self) -> str:
-    """The temporary name of the file this process is writing."""
-    return f"{self._prefix}.tmp-{self.rank}-{os.getpid()}.snap"
 
   def _put(self, group, crc: int, header: bytes, arrays: list) -> None:
     """Writes this process's file of snapshot `group` (`header`: its
     layout's, after the step and checksum; `arrays`: its data): under a
     temporary name, renamed when complete."""
-    header = b'{"step": %d, "crc32": %d, %s' % (group[0], crc, header)
-    buffers = [MAGIC + struct.pack("<Q", len(header)) + header, *arrays]
-    tmp, path = self._tmp(), self._path(group, self.rank)
+    head = b'{"step": %d, "crc32": %d, "attempt": %d, "rank": %d, ' % (
+        group[0], crc, self.attempt, self.rank)
+    buffers = [MAGIC + struct.pack("<Q", len(head) + len(header)) + head,
+               header, *arrays]
+    tmp, path = self._tmp, self._path(group, self.rank)
     spare, self._spare = self._spare, None
     try:
       fd, size = _write_all(tmp, buffers, spare)
@@ -754,7 +754,7 @@ class Snapshots:
     if self._spare is not None:
       os.close(self._spare[0])
       try:
-        os.unlink(self._tmp())
+        os.unlink(self._tmp)
       except FileNotFoundError:
         pass  # (the directory was removed)
     for _, fd, _ in self._written.values():
@@ -783,8 +783,7 @@ class Snapshots:
       replica = "" if before is None else (
           f', "replica": {{"rank": {(self.rank - 1) % self.world}, '
           f'"leaves": {before.entries}}}')
-      mine.header = (f'"attempt": {self.attempt}, "rank": {self.rank}, '
-                     f'"world": {self.world}, "leaves": {mine.entries}'
+      mine.header = (f'"world": {self.world}, "leaves": {mine.entries}'
                      f'{replica}}}').encode()
     return self._layouts
 
