@@ -38,7 +38,9 @@ this process into one buffer on its device (and those the next process
 lacks into another, `packing.py`), and starts the second's copy to the
 next process (one dispatch and one collective per snapshot, whatever the
 number of leaves; the layout of the blocks, the header and the program are
-worked out once per state layout). When the state's leaves lie on one mesh
+worked out once per state layout: a snapshot fills in only the header's
+step, checksum, attempt and rank, in a short buffer written before the
+rest). When the state's leaves lie on one mesh
 of one device per process (the usual multi-process job), the packing and
 the copy are one program over that mesh, dispatched with the leaves
 themselves (`packing.packer_across`). Each buffer ends with a byte that
@@ -726,7 +728,8 @@ class Snapshots:
 
   def _put(self, group, crc: int, header: bytes, arrays: list) -> None:
     """Writes this process's file of snapshot `group` (`header`: its
-    layout's, after the step and checksum; `arrays`: its data): under a
+    layout's, after the step, checksum, attempt and rank, which go in a
+    short buffer of their own before it; `arrays`: its data): under a
     temporary name, renamed when complete."""
     head = b'{"step": %d, "crc32": %d, "attempt": %d, "rank": %d, ' % (
         group[0], crc, self.attempt, self.rank)
@@ -772,7 +775,8 @@ class Snapshots:
     there first, the bytes each process sends the next (0: no copy, as for
     a mirrored state), and whether the program is `packing.packer_across`'s
     (it takes the leaves, and also makes the copy); `mine.header`: the
-    header of this process's file, after its step and checksum. Worked out
+    header of this process's file after its step, checksum, attempt and
+    rank (which `_put` fills in). Worked out
     once per names, shapes, dtypes and shardings, so that a snapshot costs
     little more than its copies and its file."""
     key = [(x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves]
