@@ -38,7 +38,9 @@ this process into one buffer on its device (and those the next process
 lacks into another, `packing.py`), and starts the second's copy to the
 next process (one dispatch and one collective per snapshot, whatever the
 number of leaves; the layout of the blocks, the header and the program are
-worked out once per state layout). When the state's leaves lie on one mesh
+worked out once per state layout: a snapshot fills in only the header's
+step, checksum, attempt and rank, in a short buffer written before the
+rest). When the state's leaves lie on one mesh
 of one device per process (the usual multi-process job), the packing and
 the copy are one program over that mesh, dispatched with the leaves
 themselves (`packing.packer_across`). Each buffer ends with a byte that
@@ -531,6 +533,8 @@ class Snapshots:
     self._prefix = os.path.join(directory, "")  # (of its files' paths)
     self.attempt = int(attempt)
     self.rank, self.world = jax.process_index(), jax.process_count()
+    # The temporary name of the file this process is writing.
+    self._tmp = f"{self._prefix}.tmp-{self.rank}-{os.getpid()}.snap"
     os.makedirs(directory, mode=0o700, exist_ok=True)
     for path in (os.path.dirname(directory), directory):
       if hasattr(os, "getuid") and os.stat(path).st_uid != os.getuid():
@@ -646,7 +650,7 @@ class Snapshots:
     thread): see `flush`."""
     step, layout, packed, host, before, received = pending
     if isinstance(received, int):  # one buffer: the part, then the copy
-      both = _host_bytes(packed)
+      both = np.asarray(packed.addressable_data(0))  # (spans the processes)
       packed, received = both[:received], both[received:]
     arrays = _checked(step, layout, packed, host)
     if arrays is None:
@@ -717,22 +721,21 @@ class Snapshots:
     over with the next snapshot (`_put`): no file made or removed, and no
     page of memory taken anew, a snapshot."""
     try:
-      os.rename(path, self._tmp())
+      os.rename(path, self._tmp)
       self._spare = (fd, size)
     except FileNotFoundError:  # the directory was removed
       os.close(fd)
 
-  def _tmp(self) -> str:
-    """The temporary name of the file this process is writing."""
-    return f"{self._prefix}.tmp-{self.rank}-{os.getpid()}.snap"
-
   def _put(self, group, crc: int, header: bytes, arrays: list) -> None:
     """Writes this process's file of snapshot `group` (`header`: its
-    layout's, after the step and checksum; `arrays`: its data): under a
+    layout's, after the step, checksum, attempt and rank, which go in a
+    short buffer of their own before it; `arrays`: its data): under a
     temporary name, renamed when complete."""
-    header = b'{"step": %d, "crc32": %d, %s' % (group[0], crc, header)
-    buffers = [MAGIC + struct.pack("<Q", len(header)) + header, *arrays]
-    tmp, path = self._tmp(), self._path(group, self.rank)
+    head = b'{"step": %d, "crc32": %d, "attempt": %d, "rank": %d, ' % (
+        group[0], crc, self.attempt, self.rank)
+    buffers = [MAGIC + struct.pack("<Q", len(head) + len(header)) + head,
+               header, *arrays]
+    tmp, path = self._tmp, self._path(group, self.rank)
     spare, self._spare = self._spare, None
     try:
       fd, size = _write_all(tmp, buffers, spare)
@@ -754,7 +757,7 @@ class Snapshots:
     if self._spare is not None:
       os.close(self._spare[0])
       try:
-        os.unlink(self._tmp())
+        os.unlink(self._tmp)
       except FileNotFoundError:
         pass  # (the directory was removed)
     for _, fd, _ in self._written.values():
@@ -772,7 +775,8 @@ class Snapshots:
     there first, the bytes each process sends the next (0: no copy, as for
     a mirrored state), and whether the program is `packing.packer_across`'s
     (it takes the leaves, and also makes the copy); `mine.header`: the
-    header of this process's file, after its step and checksum. Worked out
+    header of this process's file after its step, checksum, attempt and
+    rank (which `_put` fills in). Worked out
     once per names, shapes, dtypes and shardings, so that a snapshot costs
     little more than its copies and its file."""
     key = [(x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves]
@@ -783,8 +787,7 @@ class Snapshots:
       replica = "" if before is None else (
           f', "replica": {{"rank": {(self.rank - 1) % self.world}, '
           f'"leaves": {before.entries}}}')
-      mine.header = (f'"attempt": {self.attempt}, "rank": {self.rank}, '
-                     f'"world": {self.world}, "leaves": {mine.entries}'
+      mine.header = (f'"world": {self.world}, "leaves": {mine.entries}'
                      f'{replica}}}').encode()
     return self._layouts
 
