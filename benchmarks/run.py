@@ -38,15 +38,11 @@ import ps  # noqa: E402  (its RESULTS.md section)
 import step_model  # noqa: E402  (issue 12's sections)
 
 
-def _run(script: str, devices: int, *args: str, timeout: float = 3600,
-         env: dict | None = None) -> list:
-  env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-             **(env or {}))
-  # Progress goes to stderr, which is shown as it comes; the result is the
-  # last line of stdout. On a timeout the child gets SIGTERM, then SIGKILL.
-  proc = subprocess.Popen([sys.executable, str(HERE / script), "--json", *args],
-                          env=env, stdout=subprocess.PIPE, text=True)
+def _output(command: list, env: dict, what: str, timeout: float) -> str:
+  """`command`'s standard output. Progress goes to stderr, which is shown as
+  it comes. On a timeout the child gets SIGTERM (a launcher then stops its
+  ranks, a benchmark its workers), then SIGKILL."""
+  proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True)
   try:
     out, _ = proc.communicate(timeout=timeout)
   finally:
@@ -58,7 +54,18 @@ def _run(script: str, devices: int, *args: str, timeout: float = 3600,
         proc.kill()
         proc.wait()
   if proc.returncode:
-    raise RuntimeError(f"{script} failed with code {proc.returncode} (see above)")
+    raise RuntimeError(f"{what} failed with code {proc.returncode} (see above)")
+  return out
+
+
+def _run(script: str, devices: int, *args: str, timeout: float = 3600,
+         env: dict | None = None) -> list:
+  """`script` on `devices` fake CPU devices; its last line of stdout as JSON."""
+  env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+             **(env or {}))
+  out = _output([sys.executable, str(HERE / script), "--json", *args], env,
+                script, timeout)
   return json.loads(out.strip().splitlines()[-1])
 
 
@@ -76,11 +83,8 @@ def _run_launched(script: str, processes: int, devices: int, *args: str,
                    + "".join(f" {a}" for a in args))
   env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
   env.pop("XLA_FLAGS", None)  # the launcher sets each process's devices
-  out = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True,
-                       timeout=timeout)
-  if out.returncode:
-    raise RuntimeError(f"{script} failed with code {out.returncode} (see above)")
-  last = [l for l in out.stdout.splitlines() if l.startswith("[0] {")][-1]
+  out = _output(command, env, script, timeout)
+  last = [l for l in out.splitlines() if l.startswith("[0] {")][-1]
   return {**json.loads(last[len("[0] "):]), "provenance": provenance.finish(st)}
 
 
