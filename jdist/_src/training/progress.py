@@ -69,10 +69,9 @@ class ProgressBar:
   def step(self, logs, steps: int = 1) -> None:
     """`steps` steps done; `logs` (a lazy mapping) is read only when shown,
     at once (never unless `reads_logs`: then it may be None)."""
-    self._steps += steps
+    self.advance(steps)
     if self._bar is None:
       return
-    self._bar.update(steps)
     now = self._ticked = time.perf_counter()
     if now - self._shown >= self.refresh:
       self._shown = now
