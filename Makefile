@@ -22,10 +22,16 @@ LIBTPU := libtpu==0.0.42.1
 
 .PHONY: demo test bench dist clean
 
+# The venv's packages go in with uv (from the registry, like pip): on this
+# 2-core machine it sets up the venv in ~60 s where pip takes ~100 s. It
+# compiles the bytecode as pip does (imports stay fast where Python may not
+# write it). Where uv cannot be had, pip does the same install.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test,examples]"
+	($(PY) -m pip install --quiet uv && \
+	  $(PY) -m uv pip install --python $(PY) --quiet --compile-bytecode \
+	    -e ".[test,examples]") || \
+	  $(PY) -m pip install --quiet -e ".[test,examples]"
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
