@@ -47,8 +47,12 @@ def ray_cluster():
     warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called",
                             category=RuntimeWarning)
     # "local": a cluster of its own, never one another test file started.
+    # No idle worker processes started ahead: the workers' own environment
+    # (XLA_FLAGS) takes new ones anyway.
     ray.init(address="local", num_cpus=4, include_dashboard=False,
-             log_to_driver=False, configure_logging=False)
+             log_to_driver=False, configure_logging=False, _system_config={
+                 "enable_worker_prestart": False,
+                 "prestart_worker_first_driver": False})
   yield
   ray.shutdown()
 
@@ -67,10 +71,10 @@ def wait_for(predicate, timeout=60.0):
   return False
 
 
-def warm_up(coordinator, iterator, step_fn) -> int:
-  """Runs steps until both workers have compiled the step; returns how many."""
+def warm_up(coordinator, iterator, step_fn, workers=2) -> int:
+  """Runs steps until every worker has compiled the step; returns how many."""
   warm, ran = 0, set()
-  while len(ran) < 2:
+  while len(ran) < workers:
     got = coordinator.fetch([coordinator.schedule(step_fn, args=(iterator,))
                              for _ in range(10)])
     warm += 10
@@ -100,10 +104,12 @@ TIMEOUT = 5
 SLACK = 1.5
 
 
-def start(timeout_seconds):
-  """A Ray cluster of two workers and one server, and its coordinator."""
+def start(timeout_seconds, num_workers=2):
+  """A Ray cluster of `num_workers` workers and one server, and its
+  coordinator."""
   strategy = jdist.ParameterServerStrategy(
-      jdist.cluster_resolver.LocalClusterResolver(num_workers=2, num_ps=1),
+      jdist.cluster_resolver.LocalClusterResolver(num_workers=num_workers,
+                                                  num_ps=1),
       backend="ray", timeout_seconds=timeout_seconds)
   return strategy, jdist.ClusterCoordinator(strategy)
 
@@ -339,10 +345,12 @@ def test_parameter_server_killed_join_raises_within_timeout(digits_split,
 
 
 def test_parameter_server_stopped_is_an_error_within_the_timeout(digits_split):
-  cluster = start(timeout_seconds=3)  # a cluster of its own: this breaks it
+  # A cluster of its own (this breaks it), with one worker: a stopped server
+  # fails each worker's call the same way.
+  cluster = start(timeout_seconds=3, num_workers=1)
   COORDINATORS.append(cluster[1])
   strategy, coordinator, state, iterator, step_fn = setup(digits_split, cluster)
-  warm_up(coordinator, iterator, step_fn)
+  warm_up(coordinator, iterator, step_fn, workers=1)
   server = actor_pids("ParameterServer")[0]
   os.kill(server, signal.SIGSTOP)
   try:
