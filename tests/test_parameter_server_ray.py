@@ -218,6 +218,19 @@ def test_tutorial_program_and_fit_on_ray(digits_split, clusters):
   assert want > 0.85 and abs(got - want) <= 0.03, (got, want)
 
 
+def kill_once_it_ran(pid, results, timeout=60.0):
+  """Kills `pid` with SIGKILL once it has run one of `results` (each step
+  returns the pid that ran it); gives up after `timeout`."""
+  waiting, deadline = list(results), time.monotonic() + timeout
+  while waiting and time.monotonic() < deadline:
+    done = [r for r in waiting if r.done()]
+    if any(r.fetch()[2] == pid for r in done):
+      os.kill(pid, signal.SIGKILL)
+      return
+    waiting = [r for r in waiting if r not in done]
+    time.sleep(0.01)
+
+
 def test_worker_killed_mid_run(digits_split, clusters):
   # A restart takes longer than timeout_seconds on a loaded machine (close to
   # a minute measured): the worker must still come back, not be lost.
@@ -228,10 +241,15 @@ def test_worker_killed_mid_run(digits_split, clusters):
   victim = before[0]
   results = [coordinator.schedule(step_fn, args=(iterator,))
              for _ in range(400)]
-  threading.Timer(0.5, os.kill, (victim, signal.SIGKILL)).start()
+  # Killed once it has run one of them (after a fixed 0.5 s, on a loaded
+  # machine it had not, now and then).
+  killer = threading.Thread(target=kill_once_it_ran, args=(victim, results),
+                            daemon=True)
+  killer.start()
   began = time.monotonic()
   coordinator.join()
   took = time.monotonic() - began
+  killer.join(60.0)
   losses, _, ran_on = zip(*coordinator.fetch(results))  # every one ran
   assert all(np.isfinite(losses))
   assert state.version()[0] >= warm + 400  # at least once each
