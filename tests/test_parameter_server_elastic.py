@@ -45,8 +45,12 @@ def forking():
 def cluster():
   from ray.cluster_utils import Cluster
   with forking():
+    # No idle worker processes started ahead: the workers' own environment
+    # (XLA_FLAGS) takes new ones anyway.
     nodes = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "include_dashboard": False})
+        "num_cpus": 2, "include_dashboard": False, "_system_config": {
+            "enable_worker_prestart": False,
+            "prestart_worker_first_driver": False}})
     ray.init(address=nodes.address, log_to_driver=False,
              configure_logging=False)
   yield nodes

@@ -2,9 +2,15 @@
 
 A local Ray cluster (`ray.init(num_cpus=4)` on this 2-core machine) runs the
 parameter servers and workers as actors, each a process of its own; failures
-are real: a worker's or a server's process is killed with SIGKILL, found the
-way an operator would find it (its process title, `ray::<actor class>`, among
-this Ray cluster's processes: `ray_processes.py`).
+are real: a worker's or a server's process is killed with SIGKILL or stopped
+with SIGSTOP (alive but silent), found the way an operator would find it (its
+process title, `ray::<actor class>`, among this Ray cluster's processes:
+`ray_processes.py`).
+
+Starting the actors costs about 10 s on a loaded machine, so the tests share
+one set (`Clusters`): those that lose a worker leave it running (Ray restarts
+the worker), the one that kills the server takes it, and the one that stops
+the server (a timeout of its own) starts another.
 """
 
 import logging
@@ -41,8 +47,12 @@ def ray_cluster():
     warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called",
                             category=RuntimeWarning)
     # "local": a cluster of its own, never one another test file started.
+    # No idle worker processes started ahead: the workers' own environment
+    # (XLA_FLAGS) takes new ones anyway.
     ray.init(address="local", num_cpus=4, include_dashboard=False,
-             log_to_driver=False, configure_logging=False)
+             log_to_driver=False, configure_logging=False, _system_config={
+                 "enable_worker_prestart": False,
+                 "prestart_worker_first_driver": False})
   yield
   ray.shutdown()
 
@@ -61,10 +71,10 @@ def wait_for(predicate, timeout=60.0):
   return False
 
 
-def warm_up(coordinator, iterator, step_fn) -> int:
-  """Runs steps until both workers have compiled the step; returns how many."""
+def warm_up(coordinator, iterator, step_fn, workers=2) -> int:
+  """Runs steps until every worker has compiled the step; returns how many."""
   warm, ran = 0, set()
-  while len(ran) < 2:
+  while len(ran) < workers:
     got = coordinator.fetch([coordinator.schedule(step_fn, args=(iterator,))
                              for _ in range(10)])
     warm += 10
@@ -83,16 +93,73 @@ def accuracy(params, split) -> float:
   return float(np.mean(np.argmax(apply_fn(params, x), -1) == y))
 
 
-def setup(digits_split, **kwargs):
-  """The tutorial's program: state, a per-worker dataset, a step function."""
-  (x, y), _ = digits_split
+# The cluster most tests share (starting one is three processes importing
+# JAX: about 10 s on a loaded machine). 5 s, not 3: with the cores overloaded
+# (two busy loops, the other pytest worker), a worker that was not stopped
+# went 3 s without an answer too, and was lost with it.
+TIMEOUT = 5
+# Slack on top of the timeout for the error to cross from the worker's process
+# to the coordinator on a loaded machine (measured: under 0.2 s); a wait of
+# twice the timeout, the failure being fixed, would exceed it.
+SLACK = 1.5
+
+
+def start(timeout_seconds, num_workers=2):
+  """A Ray cluster of `num_workers` workers and one server, and its
+  coordinator."""
   strategy = jdist.ParameterServerStrategy(
-      jdist.cluster_resolver.LocalClusterResolver(num_workers=2, num_ps=1),
-      backend="ray", **kwargs)
+      jdist.cluster_resolver.LocalClusterResolver(num_workers=num_workers,
+                                                  num_ps=1),
+      backend="ray", timeout_seconds=timeout_seconds)
+  return strategy, jdist.ClusterCoordinator(strategy)
+
+
+def shut_down(coordinator):
+  """Shuts the cluster down: none of its actors or threads is left."""
+  pids = actors_left()
+  coordinator.shutdown()
+  assert wait_gone(pids, timeout=10.0) == [] and actors_left() == []
+  assert not [t for t in threading.enumerate() if t.name.startswith("jdist-")]
+
+
+class Clusters:
+  """The module's shared cluster: `healthy()` starts it once and hands it to
+  every test that leaves it running (its workers may be killed: Ray restarts
+  them); `take()` hands it to a test that breaks it, and the next `healthy()`
+  starts another. Tests do not depend on each other's order."""
+
+  def __init__(self):
+    self._current = None
+
+  def healthy(self):
+    if self._current is None:
+      self._current = start(TIMEOUT)
+    return self._current
+
+  def take(self):
+    taken, self._current = self.healthy(), None
+    COORDINATORS.append(taken[1])  # shut down after the test
+    return taken
+
+  def close(self):
+    if self._current is not None:
+      shut_down(self._current[1])
+
+
+@pytest.fixture(scope="module")
+def clusters(ray_cluster):
+  shared = Clusters()
+  yield shared
+  shared.close()
+
+
+def setup(digits_split, cluster):
+  """The tutorial's program on `cluster` (a strategy and its coordinator):
+  state, a per-worker dataset, a step function."""
+  (x, y), _ = digits_split
+  strategy, coordinator = cluster
   tx = optax.sgd(0.1)
   train_step = strategy.function(classifier_step(apply_fn, tx))
-  coordinator = jdist.ClusterCoordinator(strategy)
-  COORDINATORS.append(coordinator)
   params = MODEL.init(jax.random.key(0), x[:1])["params"]
   state = strategy.replicate((params, tx.init(params)))
 
@@ -115,8 +182,9 @@ def setup(digits_split, **kwargs):
   return strategy, coordinator, state, iterator, step_fn
 
 
-def test_tutorial_program_and_fit_on_ray(digits_split):
-  strategy, coordinator, state, iterator, step_fn = setup(digits_split)
+def test_tutorial_program_and_fit_on_ray(digits_split, clusters):
+  strategy, coordinator, state, iterator, step_fn = setup(
+      digits_split, clusters.healthy())
   assert len(actor_pids("TrainingWorker")) == 2
   assert len(actor_pids("ParameterServer")) == 1
   results = [coordinator.schedule(step_fn, args=(iterator,))
@@ -148,26 +216,40 @@ def test_tutorial_program_and_fit_on_ray(digits_split):
   # Asynchronous updates are a little stale: as good as one device, within
   # 0.03 (a one-sided "> 0.8" after 2 epochs fell to 0.78 once in CI).
   assert want > 0.85 and abs(got - want) <= 0.03, (got, want)
-  pids = actors_left()
-  coordinator.shutdown()
-  assert wait_gone(pids, timeout=10.0) == [] and actors_left() == []
-  assert not [t for t in threading.enumerate() if t.name.startswith("jdist-")]
 
 
-def test_worker_killed_mid_run(digits_split):
+def kill_once_it_ran(pid, results, timeout=60.0):
+  """Kills `pid` with SIGKILL once it has run one of `results` (each step
+  returns the pid that ran it); gives up after `timeout`."""
+  waiting, deadline = list(results), time.monotonic() + timeout
+  while waiting and time.monotonic() < deadline:
+    done = [r for r in waiting if r.done()]
+    if any(r.fetch()[2] == pid for r in done):
+      os.kill(pid, signal.SIGKILL)
+      return
+    waiting = [r for r in waiting if r not in done]
+    time.sleep(0.01)
+
+
+def test_worker_killed_mid_run(digits_split, clusters):
   # A restart takes longer than timeout_seconds on a loaded machine (close to
   # a minute measured): the worker must still come back, not be lost.
   strategy, coordinator, state, iterator, step_fn = setup(
-      digits_split, timeout_seconds=15)
+      digits_split, clusters.healthy())
   warm = warm_up(coordinator, iterator, step_fn)
   before = actor_pids("TrainingWorker")
   victim = before[0]
   results = [coordinator.schedule(step_fn, args=(iterator,))
              for _ in range(400)]
-  threading.Timer(0.5, os.kill, (victim, signal.SIGKILL)).start()
-  start = time.monotonic()
+  # Killed once it has run one of them (after a fixed 0.5 s, on a loaded
+  # machine it had not, now and then).
+  killer = threading.Thread(target=kill_once_it_ran, args=(victim, results),
+                            daemon=True)
+  killer.start()
+  began = time.monotonic()
   coordinator.join()
-  took = time.monotonic() - start
+  took = time.monotonic() - began
+  killer.join(60.0)
   losses, _, ran_on = zip(*coordinator.fetch(results))  # every one ran
   assert all(np.isfinite(losses))
   assert state.version()[0] >= warm + 400  # at least once each
@@ -194,14 +276,63 @@ def test_worker_killed_mid_run(digits_split):
   assert all(int(made) == ran for _, made, ran in after)
   assert accuracy(state.read()[0], digits_split) > 0.8
   print(f"400 steps with a worker killed: {took:.1f} s")
-  pids = actors_left()
-  coordinator.shutdown()
-  assert wait_gone(pids, timeout=10.0) == [] and actors_left() == []
 
 
-def test_parameter_server_killed_join_raises_within_timeout(digits_split):
+def test_unpicklable_function_is_a_clear_error(clusters):
+  _, coordinator = clusters.healthy()
+  lock = threading.Lock()
+  with pytest.raises(TypeError, match="must be picklable"):
+    coordinator.schedule(lambda: lock.locked())
+  remote = coordinator.schedule(lambda: ZeroDivisionError)
+  assert remote.fetch() is ZeroDivisionError
+
+  def fails():
+    return 1 / 0
+
+  coordinator.schedule(fails)
+  with pytest.raises(ZeroDivisionError) as info:
+    coordinator.join()
+  assert "Raised on a Ray worker" in "".join(getattr(info.value, "__notes__", []))
+
+
+def test_worker_stopped_is_lost_and_its_functions_run_elsewhere(digits_split,
+                                                                clusters,
+                                                                caplog):
   strategy, coordinator, state, iterator, step_fn = setup(
-      digits_split, timeout_seconds=10)
+      digits_split, clusters.healthy())
+  warm = warm_up(coordinator, iterator, step_fn)
+  victim = actor_pids("TrainingWorker")[0]
+  results = [coordinator.schedule(step_fn, args=(iterator,))
+             for _ in range(40)]
+  os.kill(victim, signal.SIGSTOP)
+  stopped = time.monotonic()
+  with caplog.at_level(logging.WARNING, logger="jdist"):
+    coordinator.join()
+  took = time.monotonic() - stopped
+  print(f"join returned {took:.2f} s after a worker was stopped")
+  # Silent for TIMEOUT: lost (killed for Ray to restart), its functions rerun.
+  assert took < TIMEOUT * 1.5 + SLACK, took
+  losses, _, ran_on = zip(*coordinator.fetch(results))  # every one ran
+  assert all(np.isfinite(losses))
+  assert state.version()[0] >= warm + 40  # at least once each
+  assert wait_gone([victim]) == []  # the stopped process was killed
+  lost = [r for r in caplog.records if r.name.startswith("jdist")]
+  assert len(lost) == 1, [r.getMessage() for r in lost]
+  message = lost[0].getMessage()
+  assert message.startswith("Worker "), message
+  assert f"did not answer for timeout_seconds={TIMEOUT}" in message
+  assert " scheduled function(s) it had run again" in message
+  # Ray restarts it (a new process importing JAX: up to a minute loaded).
+  assert wait_for(lambda: len(actor_pids("TrainingWorker")) == 2, 120)
+
+
+def test_parameter_server_killed_join_raises_within_timeout(digits_split,
+                                                           clusters):
+  # The shared cluster, which this breaks (the next test starts another);
+  # shutting it down leaves none of its actors or threads, after every
+  # program the other tests ran on it.
+  strategy, coordinator, state, iterator, step_fn = setup(
+      digits_split, clusters.take())
   coordinator.schedule(step_fn, args=(iterator,))
   coordinator.join()
   server = actor_pids("ParameterServer")[0]
@@ -222,57 +353,30 @@ def test_parameter_server_killed_join_raises_within_timeout(digits_split):
       time.sleep(0.001)
     coordinator.join()
   took = time.monotonic() - killed[0]
-  assert took < 10
+  assert took < TIMEOUT
   print(f"join raised {took:.2f} s after the server was killed")
   with pytest.raises(jdist.ParameterServerError):
     coordinator.schedule(step_fn, args=(iterator,))
   with pytest.raises(jdist.ParameterServerError):
     state.read(wait=False)
-  pids = actors_left()
-  coordinator.shutdown()
-  assert wait_gone(pids, timeout=10.0) == [] and actors_left() == []
-
-
-def test_unpicklable_function_is_a_clear_error(digits_split):
-  strategy = jdist.ParameterServerStrategy(
-      jdist.cluster_resolver.LocalClusterResolver(num_workers=1, num_ps=1),
-      backend="ray")
-  coordinator = jdist.ClusterCoordinator(strategy)
-  COORDINATORS.append(coordinator)
-  lock = threading.Lock()
-  with pytest.raises(TypeError, match="must be picklable"):
-    coordinator.schedule(lambda: lock.locked())
-  remote = coordinator.schedule(lambda: ZeroDivisionError)
-  assert remote.fetch() is ZeroDivisionError
-
-  def fails():
-    return 1 / 0
-
-  coordinator.schedule(fails)
-  with pytest.raises(ZeroDivisionError) as info:
-    coordinator.join()
-  assert "Raised on a Ray worker" in "".join(getattr(info.value, "__notes__", []))
-  coordinator.shutdown()
-
-
-# --- hangs: a process stopped (SIGSTOP), alive but silent ---------------------------
-
-# Slack on top of the timeout for the error to cross from the worker's process
-# to the coordinator on a loaded machine (measured: under 0.2 s); a wait of
-# twice the timeout, the failure being fixed, would exceed it.
-SLACK = 1.5
+  shut_down(coordinator)
 
 
 def test_parameter_server_stopped_is_an_error_within_the_timeout(digits_split):
-  strategy, coordinator, state, iterator, step_fn = setup(
-      digits_split, timeout_seconds=3)
-  warm_up(coordinator, iterator, step_fn)
+  # A cluster of its own (this breaks it), with one worker: a stopped server
+  # fails each worker's call the same way.
+  cluster = start(timeout_seconds=3, num_workers=1)
+  COORDINATORS.append(cluster[1])
+  strategy, coordinator, state, iterator, step_fn = setup(digits_split, cluster)
+  warm_up(coordinator, iterator, step_fn, workers=1)
   server = actor_pids("ParameterServer")[0]
   os.kill(server, signal.SIGSTOP)
   try:
     stopped = time.monotonic()
+    # LocalClusterResolver gives the workers the first addresses: server 0 of
+    # a one-worker cluster is localhost:1.
     with pytest.raises(jdist.ParameterServerError,
-                       match=r"Parameter server 0 \(localhost:2\) did not "
+                       match=r"Parameter server 0 \(localhost:1\) did not "
                              r"answer within timeout_seconds=3"):
       for _ in range(10):
         coordinator.schedule(step_fn, args=(iterator,))
@@ -288,42 +392,4 @@ def test_parameter_server_stopped_is_an_error_within_the_timeout(digits_split):
     assert time.monotonic() - started < 3 + SLACK
   finally:
     os.kill(server, signal.SIGCONT)
-  pids = actors_left()
-  coordinator.shutdown()
-  assert wait_gone(pids, timeout=10.0) == [] and actors_left() == []
-
-
-def test_worker_stopped_is_lost_and_its_functions_run_elsewhere(digits_split,
-                                                                caplog):
-  # 5 s, not 3: with the cores overloaded (two busy loops, the other
-  # pytest worker), the worker that was not stopped went 3 s without an
-  # answer too, and was lost with it.
-  strategy, coordinator, state, iterator, step_fn = setup(
-      digits_split, timeout_seconds=5)
-  warm = warm_up(coordinator, iterator, step_fn)
-  victim = actor_pids("TrainingWorker")[0]
-  results = [coordinator.schedule(step_fn, args=(iterator,))
-             for _ in range(40)]
-  os.kill(victim, signal.SIGSTOP)
-  stopped = time.monotonic()
-  with caplog.at_level(logging.WARNING, logger="jdist"):
-    coordinator.join()
-  took = time.monotonic() - stopped
-  print(f"join returned {took:.2f} s after a worker was stopped")
-  # Silent for 5 s: lost (killed for Ray to restart), its functions rerun.
-  assert took < 5 * 1.5 + SLACK, took
-  losses, _, ran_on = zip(*coordinator.fetch(results))  # every one ran
-  assert all(np.isfinite(losses))
-  assert state.version()[0] >= warm + 40  # at least once each
-  assert wait_gone([victim]) == []  # the stopped process was killed
-  lost = [r for r in caplog.records if r.name.startswith("jdist")]
-  assert len(lost) == 1, [r.getMessage() for r in lost]
-  message = lost[0].getMessage()
-  assert message.startswith("Worker "), message
-  assert "did not answer for timeout_seconds=5" in message
-  assert " scheduled function(s) it had run again" in message
-  # Ray restarts it (a new process importing JAX: up to a minute loaded).
-  assert wait_for(lambda: len(actor_pids("TrainingWorker")) == 2, 120)
-  pids = actors_left()
-  coordinator.shutdown()
-  assert wait_gone(pids, timeout=10.0) == [] and actors_left() == []
+  shut_down(coordinator)
