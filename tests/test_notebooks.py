@@ -88,7 +88,8 @@ def test_notebook_runs(path, tmp_path):
   # with the parameters above every notebook spends more of its time
   # compiling than running steps (the kernel's CPU seconds at the default
   # level -> level 0, runs alternating on the loaded machine: 01 26-27 ->
-  # 18-22, 02 19 -> 14, 05 23 -> 17, 03 19-20 -> 17-20; 06 was at level 0).
+  # 18-22, 02 19-26 -> 14-17, 05 23-31 -> 17-23, 03 17-20 -> 16-20; 06 was
+  # at level 0 already).
   env = dict(os.environ)
   # A notebook's `ray.init()` starts its own cluster: without an address it
   # joins one that `ray start` or `ray.cluster_utils.Cluster` runs on this
