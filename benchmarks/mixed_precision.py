@@ -131,7 +131,10 @@ def cpu_steps(x, y, batch_sizes, rounds: int, block: int) -> dict:
       step = strategy.function(lambda p, o, b, body=body: body(
           p, o, b, jdist.compute_average_loss))
       params = strategy.replicate(params0)
-      opt_state = tx.init(params)
+      # Mirrored as the steps return it: the lowered program is the one the
+      # calls run (an unplaced step count compiled a second program, in the
+      # first timed block).
+      opt_state = strategy.replicate(tx.init(params0))
       compiled = step.lower(params, opt_state, placed).compile()
       per_replica = batch // strategy.num_replicas_in_sync
       row[name] = dict(_memory(compiled), residual_bytes=residual_bytes(

@@ -93,6 +93,16 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+def _jax_xla_flags(replicas: int) -> str:
+  """XLA_FLAGS for a worker on this environment's JAX: the caller's flags
+  (none under `make bench`; the tests' optimization level) with the worker's
+  device count. The peers' own venvs get the device count alone."""
+  flag = "--xla_force_host_platform_device_count"
+  keep = [f for f in os.environ.get("XLA_FLAGS", "").split()
+          if not f.startswith(flag)]
+  return " ".join(keep + [f"{flag}={replicas}"])
+
+
 class Worker:
   """One framework's process(es) for one replica count; rank 0 answers."""
 
@@ -110,6 +120,7 @@ class Worker:
     base.pop("PYTHONPATH", None)
     if not fw.peer:  # jdist from this checkout, even if not installed
       base["PYTHONPATH"] = str(REPO)
+      base["XLA_FLAGS"] = _jax_xla_flags(replicas)
     ranks = range(replicas) if fw.multiprocess else range(1)
     if fw.multiprocess:
       base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),

@@ -59,6 +59,10 @@ def new_trainer(strat):
                              loss=jdist.losses.SparseCategoricalCrossentropy(from_logits=True),
                              metrics=["accuracy"], seed=0)
 
+# %% tags=["parameters"]
+EPOCHS = 4     # each fit's epochs (23 steps each)
+CRASH_AT = 57  # the step at which section 2's first run crashes (in epoch 3)
+
 # %% [markdown]
 # ## 1. `ModelCheckpoint`: keep the best epoch
 #
@@ -68,7 +72,7 @@ def new_trainer(strat):
 # %%
 best_dir = workdir / "best"
 trainer = new_trainer(strategy)
-history = trainer.fit(x_train, y_train, batch_size=64, epochs=4,
+history = trainer.fit(x_train, y_train, batch_size=64, epochs=EPOCHS,
                       validation_data=(x_test, y_test), verbose=0,
                       callbacks=[jdist.ModelCheckpoint(best_dir, monitor="val_accuracy",
                                                        save_best_only=True, verbose=1)])
@@ -78,15 +82,15 @@ print("checkpoints on disk:", sorted(p.name for p in best_dir.iterdir()))
 # %% [markdown]
 # ## 2. An interrupted `fit` that resumes
 #
-# First, the reference: 4 epochs without interruption. Then the same training
-# with `BackupAndRestore` (a backup every 10 steps), killed by a simulated crash
-# in the middle of epoch 3. A **new** trainer (as after a restart) with the same
+# First, the reference: `EPOCHS` (4) epochs without interruption. Then the same
+# training with `BackupAndRestore` (a backup every 10 steps), killed by a
+# simulated crash at step `CRASH_AT` (57, in the middle of epoch 3). A **new** trainer (as after a restart) with the same
 # backup directory picks up from the last backup: the step, the optimizer state,
 # the random stream and the position in the shuffled data all come back.
 
 # %%
 reference = new_trainer(strategy)
-ref_history = reference.fit(x_train, y_train, batch_size=64, epochs=4, verbose=0)
+ref_history = reference.fit(x_train, y_train, batch_size=64, epochs=EPOCHS, verbose=0)
 
 class Crash(jdist.Callback):
     """Stands in for a machine failure at a given step."""
@@ -100,8 +104,8 @@ class Crash(jdist.Callback):
 backup_dir = workdir / "backup"
 first = new_trainer(strategy)
 try:
-    first.fit(x_train, y_train, batch_size=64, epochs=4, verbose=0,
-              callbacks=[jdist.BackupAndRestore(backup_dir, save_freq=10), Crash(at_step=57)])
+    first.fit(x_train, y_train, batch_size=64, epochs=EPOCHS, verbose=0,
+              callbacks=[jdist.BackupAndRestore(backup_dir, save_freq=10), Crash(at_step=CRASH_AT)])
 except RuntimeError as e:
     print("first run stopped:", e, "| backups:", sorted(p.name for p in backup_dir.iterdir()))
 else:
@@ -109,7 +113,7 @@ else:
 
 resumed = new_trainer(strategy)
 restore = jdist.BackupAndRestore(backup_dir, save_freq=10)
-res_history = resumed.fit(x_train, y_train, batch_size=64, epochs=4, verbose=0,
+res_history = resumed.fit(x_train, y_train, batch_size=64, epochs=EPOCHS, verbose=0,
                           callbacks=[restore])
 print("resumed from step", restore.restored_step, "and finished at step", resumed.global_step)
 
@@ -119,17 +123,17 @@ print("final parameters identical to the uninterrupted run:", same)
 print("loss per epoch, uninterrupted:", np.round(ref_history.history["loss"], 6))
 print("loss per epoch, resumed:      ", np.round(res_history.history["loss"], 6))
 assert same, "resume was not exact"
-assert restore.restored_step == 50 and resumed.global_step == reference.global_step
+assert restore.restored_step == CRASH_AT // 10 * 10 and resumed.global_step == reference.global_step
 np.testing.assert_allclose(res_history.history["loss"], ref_history.history["loss"], rtol=1e-6)
 
 # %%
 import matplotlib.pyplot as plt
 steps_per_epoch = int(np.ceil(len(x_train) / 64))
 fig, ax = plt.subplots(figsize=(6, 3.5))
-epochs = np.arange(1, 5)
+epochs = np.arange(1, EPOCHS + 1)
 ax.plot(epochs, ref_history.history["loss"], "o-", label="uninterrupted", linewidth=2)
 ax.plot(epochs, res_history.history["loss"], "x--", label="crashed and resumed", markersize=10)
-ax.axvline(57 / steps_per_epoch + 1, color="red", alpha=0.4, label="crash (step 57)")
+ax.axvline(CRASH_AT / steps_per_epoch + 1, color="red", alpha=0.4, label=f"crash (step {CRASH_AT})")
 ax.set_xlabel("epoch"); ax.set_ylabel("training loss"); ax.legend()
 ax.set_title("BackupAndRestore: the resumed run is the same run")
 plt.show()

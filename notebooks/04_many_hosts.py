@@ -109,7 +109,9 @@ print(script.read_text())
 
 # %%
 def launch(*args, timeout=300):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = dict(os.environ)  # XLA's flags pass on, but the launcher sets each one's devices
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                if not f.startswith("--xla_force_host_platform_device_count"))
     env["PYTHONPATH"] = os.pathsep.join([str(workdir), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, "-m", "jdist.launch", *map(str, args)],
                           capture_output=True, text=True, timeout=timeout, env=env)

@@ -11,8 +11,8 @@ which every process the tests start gets too, in `XLA_FLAGS` or through
 `JDIST_TEST_XLA_FLAGS`): it compiles the suite's many small programs about a
 third faster, and what the tests check (equality with one device, exact
 resumes, errors) holds at any level. The benchmarks measure at the default
-level, and most notebooks run at it (test_notebooks.py: they train for
-epochs, which level 0 slows down more than it speeds up their compiling). `JDIST_TEST_XLA_FLAGS=` (empty) runs the suite at the default level.
+level. The notebooks' kernels compile at level 0 too (test_notebooks.py:
+their runs in the suite compile more than they train). `JDIST_TEST_XLA_FLAGS=` (empty) runs the suite at the default level.
 """
 
 import os

@@ -50,13 +50,16 @@ def _build_wheel(out: pathlib.Path) -> pathlib.Path:
 
 
 def _fresh_venv(where: pathlib.Path) -> pathlib.Path:
-  venv.EnvBuilder(with_pip=True).create(where)
+  # Without a pip of its own (ensurepip: 4 s of CPU): the setup cell's
+  # `python -m pip` is the test environment's, found through the path file
+  # below, and installs into the running interpreter's prefix, the venv.
+  venv.EnvBuilder(with_pip=False).create(where)
   python = where / "bin" / "python"
   site = subprocess.run([str(python), "-c", "import sysconfig; print("
                          "sysconfig.get_paths()['purelib'])"],
                         capture_output=True, text=True, check=True).stdout.strip()
   ours = [p for p in sys.path if p.endswith("site-packages")]
-  # The dependencies only (jax, flax, ...): a plain path line does not run
+  # The dependencies only (jax, flax, pip, ...): a plain path line does not run
   # the .pth files there, so an editable jdist of this checkout stays out.
   pathlib.Path(site, "_test_dependencies.pth").write_text("\n".join(ours))
   return python
