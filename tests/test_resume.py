@@ -30,6 +30,7 @@ from conftest import Interrupt, strategy_on
 LOSS = jdist.losses.SparseCategoricalCrossentropy(from_logits=True)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD = os.path.join(ROOT, "tests", "train_child.py")
+UNINTERRUPTED = ["--save-freq", "16"]  # a relaunch: fewer backups (train_child.py)
 
 
 @pytest.fixture(scope="module")
@@ -308,7 +309,7 @@ def test_crash_while_finalising_a_checkpoint_keeps_the_previous(reference,
   assert sorted(os.listdir(backup)) == ["4", "8.orbax-checkpoint-tmp",
                                         "jdist.lock"]
 
-  resumed = run_child([str(backup), str(out)])
+  resumed = run_child([str(backup), str(out), *UNINTERRUPTED])
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert "which no longer runs; taking it over" in resumed.stderr
   assert "resuming from step 4 " in resumed.stderr
@@ -350,7 +351,7 @@ def test_sigterm_saves_exits_0_and_the_relaunch_finishes_exactly(
   assert 6 <= stopped < 48
   assert f"preempted; saved step {stopped} " in stderr
 
-  resumed = run_child([str(backup), str(out)])
+  resumed = run_child([str(backup), str(out), *UNINTERRUPTED])
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert f"resuming from step {stopped} " in resumed.stderr
   assert f"ran {48 - stopped} steps" in resumed.stdout
@@ -361,7 +362,8 @@ def start_paused(backup, out, go):
   """A training job that stops after step 2 until the file `go` exists."""
   proc = subprocess.Popen(
       [sys.executable, CHILD, str(backup), str(out), "--pause-at", "2",
-       "--until", str(go)], env=dict(os.environ, PYTHONPATH=ROOT),
+       "--until", str(go), *UNINTERRUPTED],
+      env=dict(os.environ, PYTHONPATH=ROOT),
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   for line in proc.stdout:
     if line.strip() == "step 2":
@@ -406,7 +408,7 @@ def test_sigint_keeps_the_backups_and_the_relaunch_finishes_exactly(
   saved = sorted(int(d) for d in os.listdir(backup) if d.isdigit())
   assert saved and saved[-1] in (4, 8)  # 8 if Ctrl-C came during its save
 
-  resumed = run_child([str(backup), str(out)])
+  resumed = run_child([str(backup), str(out), *UNINTERRUPTED])
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert f"resuming from step {saved[-1]} " in resumed.stderr
   assert_params_equal(reference, out)
@@ -474,7 +476,7 @@ def test_a_full_disk_is_one_clear_error_and_the_relaunch_finishes_exactly(
   """Once about 500 lines of orbax's threads; backups every 4 steps."""
   out = str(tmp_path / "params.npz")
   (code, stdout, stderr), resumed = on_tmpfs(
-      tmp_path, [("size=300k", [out]), ("size=64m", [out])])
+      tmp_path, [("size=300k", [out]), ("size=64m", [out, *UNINTERRUPTED])])
   assert code == 1
   last = assert_one_clear_error(stderr, "jdist.CheckpointError: Could not save "
                                 "checkpoint step ")

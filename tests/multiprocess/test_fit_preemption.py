@@ -27,6 +27,7 @@ pytestmark = pytest.mark.multiprocess
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHILD = os.path.join(ROOT, "tests", "train_child.py")
 STEPS = 48  # 3 epochs of 16 steps
+UNINTERRUPTED = ["--save-freq", "16"]  # a relaunch: fewer backups (train_child.py)
 
 
 def free_port() -> int:
@@ -38,7 +39,7 @@ def free_port() -> int:
 class Job:
   """Two processes of tests/train_child.py; output in files, killed on exit."""
 
-  def __init__(self, tmp_path, name, backup, out, mode="plain"):
+  def __init__(self, tmp_path, name, backup, out, mode="plain", extra=()):
     port = free_port()
     env = dict(os.environ, PYTHONPATH=ROOT)
     self.logs, self.procs = [], []
@@ -48,7 +49,8 @@ class Job:
       self.logs.append((stdout, stderr))
       self.procs.append(subprocess.Popen(
           [sys.executable, CHILD, str(backup), str(out), "--mode", mode,
-           "--processes", "2", "--process-id", str(i), "--port", str(port)],
+           "--processes", "2", "--process-id", str(i), "--port", str(port),
+           *extra],
           env=env, stdout=stdout, stderr=stderr, text=True))
 
   def out(self, i) -> str:
@@ -111,7 +113,7 @@ def complete_steps(backup) -> list:
 
 
 def finish(tmp_path, backup, out, resume_at):
-  job = Job(tmp_path, "relaunch", backup, out)
+  job = Job(tmp_path, "relaunch", backup, out, extra=UNINTERRUPTED)
   try:
     codes = job.wait(timeout=180)
     assert codes == [0, 0], job.err(0)[-3000:] + job.err(1)[-3000:]
@@ -182,7 +184,8 @@ def test_a_second_job_on_the_same_backup_is_refused_on_every_process(
   backup, out, go = tmp_path / "backup", tmp_path / "params.npz", tmp_path / "go"
   first = subprocess.Popen(
       [sys.executable, CHILD, str(backup), str(out), "--pause-at", "2",
-       "--until", str(go)], env=dict(os.environ, PYTHONPATH=ROOT),
+       "--until", str(go), *UNINTERRUPTED],
+      env=dict(os.environ, PYTHONPATH=ROOT),
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   second = None
   try:
