@@ -33,7 +33,8 @@ from conftest import Interrupt, strategy_on
 LOSS = jdist.losses.SparseCategoricalCrossentropy(from_logits=True)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD = os.path.join(ROOT, "tests", "train_child.py")
-UNINTERRUPTED = ["--save-freq", "16"]  # a relaunch: fewer backups (train_child.py)
+# Jobs the test does not interrupt back up less often (train_child.py).
+UNINTERRUPTED = ["--save-freq", "16"]
 
 
 @pytest.fixture(scope="module")

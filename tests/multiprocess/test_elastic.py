@@ -84,8 +84,8 @@ def test_a_killed_process_costs_one_restart_and_a_stuck_one_is_found(
   in the next attempt process 2 stops itself (SIGSTOP) at step 40; in the
   one after, process 1 hangs, alive, after its step 54: its peers, a batch
   ahead, wait in the input agreement of the window of 8 batches that starts
-  after their first 16 steps of the attempt (at step 56). The job ends with the
-  parameters of an uninterrupted run.
+  after their first 16 steps of the attempt (at step 56). The job ends with
+  the parameters of an uninterrupted run.
   """
   r = harness.run_launcher(["--nnodes", 3, "--max-restarts", 3,
                             "--stuck-timeout", 5, "--devices-per-process", 1,

@@ -28,7 +28,8 @@ pytestmark = pytest.mark.multiprocess
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHILD = os.path.join(ROOT, "tests", "train_child.py")
 STEPS = 48  # 3 epochs of 16 steps
-UNINTERRUPTED = ["--save-freq", "16"]  # a relaunch: fewer backups (train_child.py)
+# Jobs the test does not interrupt back up less often (train_child.py).
+UNINTERRUPTED = ["--save-freq", "16"]
 
 
 def free_port() -> int:
