@@ -1,7 +1,10 @@
 """Checkpoints and BackupAndRestore: resume exactly, on any device count.
 
-In-process tests interrupt `fit` with an exception; the crash and SIGTERM
-tests run tests/train_child.py as a separate process (4 fake devices).
+In-process tests interrupt `fit` with an exception; the crash and signal
+tests run tests/train_child.py as a separate process (4 fake devices) and
+relaunch its training in this process (`relaunch`), from the backups the
+child left (a full disk relaunches the child: its backups are on a tmpfs
+that only the child's mount namespace sees).
 """
 
 import functools
@@ -30,6 +33,8 @@ from conftest import Interrupt, strategy_on
 LOSS = jdist.losses.SparseCategoricalCrossentropy(from_logits=True)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD = os.path.join(ROOT, "tests", "train_child.py")
+# Jobs the test does not interrupt back up less often (train_child.py).
+UNINTERRUPTED = ["--save-freq", "16"]
 
 
 @pytest.fixture(scope="module")
@@ -282,6 +287,26 @@ def run_child(args, timeout=180):
                         capture_output=True, text=True)
 
 
+def relaunch(data, backup, capfd):
+  """train_child.py's training relaunched in this process, from the backups
+  in `backup`: a new Trainer, as the relaunched script builds it (on the 4
+  devices the child had); it completes its 48 steps. Returns the trainer,
+  its BackupAndRestore and what was printed to stderr."""
+  capfd.readouterr()
+  restore = jdist.BackupAndRestore(backup, save_freq=16)
+  (x, y), _ = data
+  trainer = make_trainer(4)
+  trainer.fit(x, y, batch_size=64, epochs=3, verbose=0, callbacks=[restore])
+  assert trainer.global_step == 48 and int(trainer.state.step) == 48
+  return trainer, restore, capfd.readouterr().err
+
+
+def assert_same_params(reference, trainer):
+  for a, b in zip(jax.tree.leaves(reference[0].params),
+                  jax.tree.leaves(trainer.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def final_params(path):
   with np.load(path) as f:
     return [f[f"p{i}"] for i in range(len(f.files))]
@@ -297,8 +322,8 @@ def assert_params_equal(reference, path):
 
 
 @pytest.mark.multiprocess
-def test_crash_while_finalising_a_checkpoint_keeps_the_previous(reference,
-                                                                tmp_path):
+def test_crash_while_finalising_a_checkpoint_keeps_the_previous(
+    data, reference, tmp_path, capfd):
   backup, out = tmp_path / "backup", tmp_path / "params.npz"
   crashed = run_child([str(backup), str(out), "--mode", "crash-in-finalize"])
   assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-2000:]
@@ -308,12 +333,10 @@ def test_crash_while_finalising_a_checkpoint_keeps_the_previous(reference,
   assert sorted(os.listdir(backup)) == ["4", "8.orbax-checkpoint-tmp",
                                         "jdist.lock"]
 
-  resumed = run_child([str(backup), str(out)])
-  assert resumed.returncode == 0, resumed.stderr[-3000:]
-  assert "which no longer runs; taking it over" in resumed.stderr
-  assert "resuming from step 4 " in resumed.stderr
-  assert "ran 44 steps" in resumed.stdout and "done 48 48" in resumed.stdout
-  assert_params_equal(reference, out)
+  trainer, restore, err = relaunch(data, backup, capfd)
+  assert "which no longer runs; taking it over" in err
+  assert "resuming from step 4 " in err and restore.restored_step == 4
+  assert_same_params(reference, trainer)
 
 
 def signalled(backup, out, *signals):
@@ -339,7 +362,7 @@ def signalled(backup, out, *signals):
 
 @pytest.mark.multiprocess
 def test_sigterm_saves_exits_0_and_the_relaunch_finishes_exactly(
-    reference, tmp_path):
+    data, reference, tmp_path, capfd):
   """SIGTERM, and a second one 50 ms later (an impatient scheduler): still
   one preemption, one save, exit 0. (A single SIGTERM to
   a job of two processes: multiprocess/test_fit_preemption.py.)"""
@@ -350,18 +373,18 @@ def test_sigterm_saves_exits_0_and_the_relaunch_finishes_exactly(
   assert 6 <= stopped < 48
   assert f"preempted; saved step {stopped} " in stderr
 
-  resumed = run_child([str(backup), str(out)])
-  assert resumed.returncode == 0, resumed.stderr[-3000:]
-  assert f"resuming from step {stopped} " in resumed.stderr
-  assert f"ran {48 - stopped} steps" in resumed.stdout
-  assert_params_equal(reference, out)
+  trainer, restore, err = relaunch(data, backup, capfd)
+  assert f"resuming from step {stopped} " in err
+  assert restore.restored_step == stopped
+  assert_same_params(reference, trainer)
 
 
 def start_paused(backup, out, go):
   """A training job that stops after step 2 until the file `go` exists."""
   proc = subprocess.Popen(
       [sys.executable, CHILD, str(backup), str(out), "--pause-at", "2",
-       "--until", str(go)], env=dict(os.environ, PYTHONPATH=ROOT),
+       "--until", str(go), *UNINTERRUPTED],
+      env=dict(os.environ, PYTHONPATH=ROOT),
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   for line in proc.stdout:
     if line.strip() == "step 2":
@@ -372,23 +395,28 @@ def start_paused(backup, out, go):
 
 @pytest.mark.multiprocess
 def test_a_second_trainer_on_the_same_backup_is_refused_before_any_step(
-    reference, tmp_path):
-  """Once, the second job adopted the first one's backup, then deleted it."""
+    data, reference, tmp_path):
+  """Once, the second job adopted the first one's backup, then deleted it.
+  The first job is a child process; the second trains in this process."""
   backup, out, go = tmp_path / "backup", tmp_path / "params.npz", tmp_path / "go"
   first = start_paused(backup, out, go)
   try:
-    second = run_child([str(backup), str(tmp_path / "other.npz")])
+    second = make_trainer(4)
+    (x, y), _ = data
+    with pytest.raises(jdist.CheckpointInUseError) as refused:
+      second.fit(x, y, batch_size=64, epochs=3, verbose=0,
+                 callbacks=[jdist.BackupAndRestore(backup, save_freq=4)])
     go.touch()
     stdout, stderr = first.communicate(timeout=120)
   finally:
     if first.poll() is None:
       first.kill()
       first.communicate()
-  assert second.returncode == 1 and "step " not in second.stdout
-  assert (f"jdist.CheckpointInUseError: The checkpoint directory {backup} is "
-          f"in use by another running job: process {first.pid} on host "
-          f"{socket.gethostname()}") in second.stderr
-  assert "that process is running on this machine" in second.stderr
+  assert second.global_step == 0
+  assert (f"The checkpoint directory {backup} is in use by another running "
+          f"job: process {first.pid} on host {socket.gethostname()}"
+          ) in str(refused.value)
+  assert "that process is running on this machine" in str(refused.value)
   # The first job never noticed: it ends as if alone, and cleans up.
   assert first.returncode == 0, stderr[-3000:]
   assert "done 48 48" in stdout and not os.path.exists(backup)
@@ -397,7 +425,7 @@ def test_a_second_trainer_on_the_same_backup_is_refused_before_any_step(
 
 @pytest.mark.multiprocess
 def test_sigint_keeps_the_backups_and_the_relaunch_finishes_exactly(
-    reference, tmp_path):
+    data, reference, tmp_path, capfd):
   backup, out = tmp_path / "backup", tmp_path / "params.npz"
   code, _, stderr = signalled(backup, out, signal.SIGINT)  # Ctrl-C
   assert code == -signal.SIGINT
@@ -406,10 +434,10 @@ def test_sigint_keeps_the_backups_and_the_relaunch_finishes_exactly(
   saved = sorted(int(d) for d in os.listdir(backup) if d.isdigit())
   assert saved and saved[-1] in (4, 8)  # 8 if Ctrl-C came during its save
 
-  resumed = run_child([str(backup), str(out)])
-  assert resumed.returncode == 0, resumed.stderr[-3000:]
-  assert f"resuming from step {saved[-1]} " in resumed.stderr
-  assert_params_equal(reference, out)
+  trainer, restore, err = relaunch(data, backup, capfd)
+  assert f"resuming from step {saved[-1]} " in err
+  assert restore.restored_step == saved[-1]
+  assert_same_params(reference, trainer)
 
 
 # --- a full disk, a read-only directory, a failed restore: one clear message ---
@@ -474,7 +502,7 @@ def test_a_full_disk_is_one_clear_error_and_the_relaunch_finishes_exactly(
   """Once about 500 lines of orbax's threads; backups every 4 steps."""
   out = str(tmp_path / "params.npz")
   (code, stdout, stderr), resumed = on_tmpfs(
-      tmp_path, [("size=300k", [out]), ("size=64m", [out])])
+      tmp_path, [("size=300k", [out]), ("size=64m", [out, *UNINTERRUPTED])])
   assert code == 1
   last = assert_one_clear_error(stderr, "jdist.CheckpointError: Could not save "
                                 "checkpoint step ")

@@ -3,12 +3,20 @@
     python tests/train_child.py BACKUP_DIR OUT.npz
         [--mode slow|crash-in-finalize|file-size-limit]
         [--processes N --process-id I --port P] [--pause-at K --until PATH]
+        [--save-freq N]
 
 Trains the MLP on 1,000 digits for 3 epochs of 16 steps on 4 replicas (4 fake
-devices, or N processes with 4/N each) with BackupAndRestore every 4 steps,
-prints "step K" after each step and a line per epoch (process 0), logs epochs
-to OUT.npz.csv (process 0, appending) and writes the final parameters to
-OUT.npz. With --pause-at, it waits after step K until the file PATH exists.
+devices, or N processes with 4/N each) with BackupAndRestore every 4 steps
+(every N with --save-freq), prints "step K" after each step and a line per
+epoch (process 0), logs epochs to OUT.npz.csv (process 0, appending) and
+writes the final parameters to OUT.npz. With --pause-at, it waits after step
+K until the file PATH exists.
+
+The tests run a job that is not interrupted (a relaunch) with
+`--save-freq 16`: a backup costs more than several steps, and what they
+check of such a job (the step it resumed at, the steps it ran, its final
+parameters, the backups deleted at its end) does not depend on how often it
+saves.
 """
 
 import argparse
@@ -27,6 +35,7 @@ parser.add_argument("--process-id", type=int, default=0)
 parser.add_argument("--port", type=int, default=0)
 parser.add_argument("--pause-at", type=int, default=0)
 parser.add_argument("--until", default="")
+parser.add_argument("--save-freq", type=int, default=4)
 args = parser.parse_args()
 # Ctrl-C as from a terminal, even when the test runs where SIGINT is ignored
 # (a background job: its children inherit that, and Python keeps it so).
@@ -96,7 +105,7 @@ x, y = load_digits(image=False)
 trainer = jdist.Trainer(MLP(), optimizer=optax.adam(1e-2),
                         loss=jdist.losses.SparseCategoricalCrossentropy(from_logits=True),
                         metrics=["accuracy"], strategy=strategy, seed=0)
-backup = jdist.BackupAndRestore(args.backup, save_freq=4)
+backup = jdist.BackupAndRestore(args.backup, save_freq=args.save_freq)
 try:
   trainer.fit(x[:1000], y[:1000], batch_size=64, epochs=3, verbose=2,
               callbacks=[Progress(), jdist.TerminateOnNaN(), backup,

@@ -42,8 +42,12 @@ def free_port() -> int:
 
 
 def base_env(devices: int = 2, **extra) -> dict:
+  # (JDIST_TESTS_* stay: a process that imports the tests' conftest, as
+  # worker.py's `train_sharded` does, then uses the suite's compilation
+  # cache instead of making a directory of its own that it would leave.)
   env = {k: v for k, v in os.environ.items()
-         if not k.startswith(("JDIST_", "TF_CONFIG", "XLA_FLAGS"))}
+         if not k.startswith(("JDIST_", "TF_CONFIG", "XLA_FLAGS"))
+         or k.startswith("JDIST_TESTS_")}
   env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
              PYTHONPATH=os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]),
              XLA_FLAGS=xla_flags(devices))

@@ -75,52 +75,48 @@ def restart_report(output: str) -> str:
   return found.group(1)
 
 
-def test_a_killed_process_costs_one_restart(tmp_path):
-  """SIGKILL of process 2 at step 30: the job restarts on 4 processes from the
-  checkpoint saved after 30 steps (one step lost) and ends with the
-  parameters of an uninterrupted run."""
-  r = harness.run_launcher(["--nnodes", "2:4", "--max-restarts", 3,
-                            "--devices-per-process", 1, JOB, tmp_path,
-                            "0:2:30:kill"], timeout=RUN_TIMEOUT)
+def test_a_killed_process_costs_one_restart_and_a_stuck_one_is_found(
+    tmp_path):
+  """One job, three faults, each checked as if it were the only one.
+
+  SIGKILL of process 2 at step 30: the job restarts on its 3 processes from
+  the checkpoint saved after 30 steps (one step lost). `--stuck-timeout 5`:
+  in the next attempt process 2 stops itself (SIGSTOP) at step 40; in the
+  one after, process 1 hangs, alive, after its step 54: its peers, a batch
+  ahead, wait in the input agreement of the window of 8 batches that starts
+  after their first 16 steps of the attempt (at step 56). The job ends with
+  the parameters of an uninterrupted run.
+  """
+  r = harness.run_launcher(["--nnodes", 3, "--max-restarts", 3,
+                            "--stuck-timeout", 5, "--devices-per-process", 1,
+                            JOB, tmp_path, "0:2:30:kill", "1:2:40:stop",
+                            "2:1:54:hang"], timeout=RUN_TIMEOUT)
   assert r.returncode == 0, r.output[-5000:]
-  assert ("jdist launch: attempt 0: process 2 of 4 failed (killed by SIGKILL); "
+  assert ("jdist launch: attempt 0: process 2 of 3 failed (killed by SIGKILL); "
           "restarting the job (restart 1 of at most 3)." in r.stderr), r.stderr
-  assert "jdist launch: the job completed after 1 restart" in r.stderr
+  assert "jdist launch: the job completed after 3 restarts" in r.stderr
   resumed = [step for _, step, _ in markers(r.stdout, "resumed")]
-  assert sorted(resumed) == [0] * 4 + [30] * 4  # 1 step lost (30)
+  # 1 step lost at each fault (30, 40, 54: the checkpoints of 30, 40, 50).
+  assert sorted(resumed) == [0] * 3 + [30] * 3 + [40] * 3 + [50] * 3
   # The checkpoint directory's lock, left by attempt 0, is this job's.
   assert "in attempt 0 of this job, which has ended; taking it over" in r.stderr
-  assert_finished(tmp_path, world=4, attempt=1)
-  assert harness.wait_gone(pids(r.stdout), timeout=5) == []
-  print(restart_report(r.stdout))
-
-
-def test_a_stuck_process_is_found_within_the_timeout(tmp_path):
-  """`--stuck-timeout 5`: process 2 stops itself (SIGSTOP) at step 30; in
-  the next attempt process 1 hangs, alive, after its step 44: its peers, a
-  batch ahead, wait in the input agreement of the window of 8 batches that
-  starts at their 16th step of the attempt (step 46)."""
-  r = harness.run_launcher(["--nnodes", 3, "--max-restarts", 2,
-                            "--stuck-timeout", 5, "--devices-per-process", 1,
-                            JOB, tmp_path, "0:2:30:stop", "1:1:44:hang"],
-                           timeout=RUN_TIMEOUT)
-  assert r.returncode == 0, r.output[-5000:]
   stopped = re.search(
-      r"attempt 0: process 2 of 3 failed \(stuck: stopped by a signal \(SIGSTOP "
+      r"attempt 1: process 2 of 3 failed \(stuck: stopped by a signal \(SIGSTOP "
       r"or a debugger\) for (\d+\.\d) s, last seen after \d+ steps?\); "
-      r"restarting the job \(restart 1 of at most 2\)", r.stderr)
+      r"restarting the job \(restart 2 of at most 3\)", r.stderr)
   # Found by the launcher: JAX's heartbeats would end its peers at 10 s. Its
   # peers' wait in the next step can reach the timeout first (their wait
   # starts when they enter it, the stop is seen at the agent's next look).
   assert stopped and 4.5 <= float(stopped.group(1)) < 10, r.stderr
   hung = re.search(
-      r"attempt 1: process 1 of 3 failed \(stuck: did not reach the input "
+      r"attempt 2: process 1 of 3 failed \(stuck: did not reach the input "
       r"agreement of dataset .*, where processes 0, 2 waited (\d+\.\d) s for "
       r"it; it is alive, busy or blocked elsewhere, last seen after 15 steps\)",
       r.stderr)
   assert hung and 5 <= float(hung.group(1)) < 10, r.stderr
-  assert_finished(tmp_path, world=3, attempt=2)
+  assert_finished(tmp_path, world=3, attempt=3)
   assert harness.wait_gone(pids(r.stdout), timeout=5) == []
+  print(restart_report(r.stdout))
 
 
 def wait_for_file(path: str, launchers: list, timeout: float) -> str:

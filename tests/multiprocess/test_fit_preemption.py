@@ -1,9 +1,10 @@
 """Two real training processes (2 fake CPU devices each) on 127.0.0.1.
 
-SIGTERM to one process: both save at the same step and exit 0, and the
-relaunch ends with the parameters of an uninterrupted run. kill -9 of one
-process: the relaunch resumes from the last complete backup and applies
-exactly the missing optimizer steps. The job is tests/train_child.py.
+kill -9 of one process: the relaunch resumes from the last complete backup
+and applies exactly the missing optimizer steps. SIGTERM to one process (of
+that relaunch): both save at the same step and exit 0, and the relaunch
+ends with the parameters of an uninterrupted run. The job is
+tests/train_child.py.
 """
 
 import os
@@ -27,6 +28,8 @@ pytestmark = pytest.mark.multiprocess
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHILD = os.path.join(ROOT, "tests", "train_child.py")
 STEPS = 48  # 3 epochs of 16 steps
+# Jobs the test does not interrupt back up less often (train_child.py).
+UNINTERRUPTED = ["--save-freq", "16"]
 
 
 def free_port() -> int:
@@ -38,7 +41,7 @@ def free_port() -> int:
 class Job:
   """Two processes of tests/train_child.py; output in files, killed on exit."""
 
-  def __init__(self, tmp_path, name, backup, out, mode="plain"):
+  def __init__(self, tmp_path, name, backup, out, mode="plain", extra=()):
     port = free_port()
     env = dict(os.environ, PYTHONPATH=ROOT)
     self.logs, self.procs = [], []
@@ -48,7 +51,8 @@ class Job:
       self.logs.append((stdout, stderr))
       self.procs.append(subprocess.Popen(
           [sys.executable, CHILD, str(backup), str(out), "--mode", mode,
-           "--processes", "2", "--process-id", str(i), "--port", str(port)],
+           "--processes", "2", "--process-id", str(i), "--port", str(port),
+           *extra],
           env=env, stdout=stdout, stderr=stderr, text=True))
 
   def out(self, i) -> str:
@@ -111,7 +115,7 @@ def complete_steps(backup) -> list:
 
 
 def finish(tmp_path, backup, out, resume_at):
-  job = Job(tmp_path, "relaunch", backup, out)
+  job = Job(tmp_path, "relaunch", backup, out, extra=UNINTERRUPTED)
   try:
     codes = job.wait(timeout=180)
     assert codes == [0, 0], job.err(0)[-3000:] + job.err(1)[-3000:]
@@ -129,25 +133,16 @@ def finish(tmp_path, backup, out, resume_at):
   assert lines[0].startswith("epoch,") and [l[0] for l in lines[1:]] == list("012")
 
 
-def test_sigterm_to_one_process(reference, tmp_path):
-  backup, out = tmp_path / "backup", tmp_path / "params.npz"
-  job = Job(tmp_path, "first", backup, out, mode="slow")
-  try:
-    job.wait_for(1, "step 6\n")
-    job.procs[1].send_signal(signal.SIGTERM)
-    codes = job.wait(timeout=120)
-    assert codes == [0, 0], job.err(0)[-3000:] + job.err(1)[-3000:]
-    stops = [int(job.out(i).split("exit at step ")[1].split()[0]) for i in range(2)]
-  finally:
-    job.close()
-  assert stops[0] == stops[1] and 6 <= stops[0] < STEPS  # one agreed step
-  assert f"preempted; saved step {stops[0]} " in job.err(0)
-  assert complete_steps(backup)[-1] == stops[0]
-  finish(tmp_path, backup, out, resume_at=stops[0])
-  assert_params_match(reference, out)
+def test_kill_9_then_sigterm_to_one_process(reference, tmp_path, digits_flat):
+  """One job, two faults, each checked as if it were the only one.
 
-
-def test_kill_9_of_one_process(reference, tmp_path, digits_flat):
+  kill -9 of process 1 after step 10: the backups of steps 4 and 8 are
+  complete, and resume (below, also in one process on 2 devices). The
+  relaunch resumes from the newest; SIGTERM to its process 1 two steps
+  later: both processes save at one agreed step and exit 0. The relaunch
+  after that resumes there, applies exactly the missing optimizer steps and
+  ends with the parameters of an uninterrupted run.
+  """
   backup, out = tmp_path / "backup", tmp_path / "params.npz"
   job = Job(tmp_path, "first", backup, out, mode="slow")
   try:
@@ -159,7 +154,22 @@ def test_kill_9_of_one_process(reference, tmp_path, digits_flat):
   saved = complete_steps(backup)
   assert saved and saved[-1] >= 8 and saved[-1] % 4 == 0
   shutil.copytree(backup, tmp_path / "copy")
-  finish(tmp_path, backup, out, resume_at=saved[-1])
+
+  job = Job(tmp_path, "second", backup, out, mode="slow")
+  try:
+    job.wait_for(1, f"step {saved[-1] + 2}\n")
+    job.procs[1].send_signal(signal.SIGTERM)
+    codes = job.wait(timeout=120)
+    assert codes == [0, 0], job.err(0)[-3000:] + job.err(1)[-3000:]
+    stops = [int(job.out(i).split("exit at step ")[1].split()[0]) for i in range(2)]
+  finally:
+    job.close()
+  assert f"resuming from step {saved[-1]} " in job.err(0)
+  # One agreed step.
+  assert stops[0] == stops[1] and saved[-1] + 2 <= stops[0] < STEPS
+  assert f"preempted; saved step {stops[0]} " in job.err(0)
+  assert complete_steps(backup)[-1] == stops[0]
+  finish(tmp_path, backup, out, resume_at=stops[0])
   assert_params_match(reference, out)
 
   # The two processes' backup also resumes in one process on 2 devices.
@@ -182,7 +192,8 @@ def test_a_second_job_on_the_same_backup_is_refused_on_every_process(
   backup, out, go = tmp_path / "backup", tmp_path / "params.npz", tmp_path / "go"
   first = subprocess.Popen(
       [sys.executable, CHILD, str(backup), str(out), "--pause-at", "2",
-       "--until", str(go)], env=dict(os.environ, PYTHONPATH=ROOT),
+       "--until", str(go), *UNINTERRUPTED],
+      env=dict(os.environ, PYTHONPATH=ROOT),
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   second = None
   try:

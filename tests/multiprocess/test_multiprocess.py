@@ -43,14 +43,23 @@ def assert_all_failed(results, pattern, *, within):
     assert re.search(pattern, r.stderr), f"process {rank}:\n{r.stderr[-3000:]}"
 
 
-def test_training_matches_one_device(tmp_path, digits_flat):
-  """The conformance training via `jdist launch -n 2 --devices-per-process 2`
-  ends where one device does."""
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """The directory of the trainings' results (worker.py's `train_all`: each
+  training of the four tests below, one after the other, in one job of
+  `jdist launch -n 2 --devices-per-process 2`)."""
+  out = tmp_path_factory.mktemp("trained")
   r = harness.run_launcher(["-n", 2, "--devices-per-process", 2, harness.WORKER,
-                            "train_global", tmp_path], timeout=RUN_TIMEOUT)
+                            "train_all", out], timeout=RUN_TIMEOUT)
   assert r.returncode == 0, r.output[-5000:]
   assert "[0] " in r.stdout and "[1] " in r.stdout
-  assert_trained_like_one_device(tmp_path, "train_global", digits_flat)
+  return out
+
+
+def test_training_matches_one_device(trained, digits_flat):
+  """The conformance training via `jdist launch -n 2 --devices-per-process 2`
+  ends where one device does."""
+  assert_trained_like_one_device(trained, "train_global", digits_flat)
 
 
 def one_device():
@@ -76,27 +85,19 @@ def assert_trained_like_one_device(tmp_path, mode, digits_flat):
     np.testing.assert_array_equal(v, p1[k])
 
 
-def test_replicas_alternating_between_processes_train_alike(tmp_path,
+def test_replicas_alternating_between_processes_train_alike(trained,
                                                             digits_flat):
   """A TPU pod's ring may alternate hosts: each process feeds replicas that
   are not contiguous (0 and 2, 1 and 3), and the result is unchanged."""
-  results = harness.run_workers("train_interleaved", tmp_path,
-                                timeout=RUN_TIMEOUT)
-  for r in results:
-    assert r.returncode == 0, r.output[-5000:]
-  assert_trained_like_one_device(tmp_path, "train_interleaved",
-                                         digits_flat)
+  assert_trained_like_one_device(trained, "train_interleaved", digits_flat)
 
 
-def test_sharded_optimizer_state_across_processes(tmp_path, digits_flat):
+def test_sharded_optimizer_state_across_processes(trained, digits_flat):
   """ZeRO-2 over 2 processes x 2 devices: each device keeps a quarter of
   adam's state, and training equals adam on one device (its moments too:
   adam's update alone would hide a gradient of the wrong scale)."""
   from test_sharded_optimizer import _train
-  results = harness.run_workers("train_sharded", tmp_path, timeout=RUN_TIMEOUT)
-  for rank, r in enumerate(results):
-    assert r.returncode == 0, f"process {rank}:\n{r.output[-5000:]}"
-  p0, p1 = (np.load(tmp_path / f"train_sharded-{i}.npz") for i in (0, 1))
+  p0, p1 = (np.load(trained / f"train_sharded-{i}.npz") for i in (0, 1))
   assert p0["mu_blocks"].tolist() == [[16, 32]] * 2  # this process's 2 blocks
   x, y = digits_flat
   data = batches(x[:1280], y[:1280], 64)[:10]
@@ -120,12 +121,9 @@ def test_sharded_optimizer_state_across_processes(tmp_path, digits_flat):
     np.testing.assert_array_equal(v, p1[k])
 
 
-def test_per_process_inputs_that_end_at_different_steps(tmp_path, digits_flat):
+def test_per_process_inputs_that_end_at_different_steps(trained, digits_flat):
   """Process 0 has 400 examples, process 1 160: 13 steps on both, none lost."""
-  results = harness.run_workers("train_per_process", tmp_path, timeout=RUN_TIMEOUT)
-  for r in results:
-    assert r.returncode == 0, r.output[-5000:]
-  p0, p1 = (np.load(tmp_path / f"train_per_process-{i}.npz") for i in (0, 1))
+  p0, p1 = (np.load(trained / f"train_per_process-{i}.npz") for i in (0, 1))
   assert int(p0["steps"]) == int(p1["steps"]) == 13
   assert int(p0["seen"]) == int(p1["seen"]) == 560
   # The same per-replica batches in one process: step j takes process 0's

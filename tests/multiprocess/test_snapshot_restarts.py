@@ -37,21 +37,25 @@ def snapshot_dir(output: str) -> str:
   return found.group(1)
 
 
-def assert_resumed_from_memory(output: str, out_dir, step: int, world: int,
-                               replicas: str = "", maybe: bool = False):
-  """The restart resumed at `step`, read from the in-memory snapshot (with
-  `replicas`, a pattern of the processes whose parts came from their
-  replicas, as the line names them; with `maybe`, or none), not from the
-  checkpoint directory (whose first checkpoint is at step 50)."""
+def assert_resumed_from_memory(output: str, out_dir, world: int,
+                               restores: list):
+  """Each restart resumed where `restores` says, read from the in-memory
+  snapshot, not from the checkpoint directory (whose first checkpoint is at
+  step 50). `restores`: per restart, `(step, replicas, maybe)`: `replicas`,
+  a pattern of the processes whose parts came from their replicas, as the
+  line names them (with `maybe`, or none)."""
   resumed = [s for _, s, _ in elastic.markers(output, "resumed")]
-  assert sorted(resumed) == [0] * 4 + [step] * world, output[-5000:]
-  copies = (rf" \(the parts of processes {replicas} of 4 from their "
+  want = [0] * 4 + [step for step, _, _ in restores for _ in range(world)]
+  assert sorted(resumed) == sorted(want), output[-5000:]
+  lines = re.findall(r"^\[0\] jdist: restored step (\d+) from the in-memory "
+                     r"snapshot in \S+(.*), not from \S+ \(no checkpoint "
+                     r"there\)\.$", output, re.M)
+  assert [int(step) for step, _ in lines] == [s for s, _, _ in restores], \
+      output[-5000:]
+  for (_, copies), (_, replicas, maybe) in zip(lines, restores):
+    want = (rf" \(the parts of processes {replicas} of 4 from their "
             r"replicas on the processes after them\)" if replicas else "")
-  if maybe:
-    copies = f"(?:{copies})?"
-  assert re.search(rf"^\[0\] jdist: restored step {step} from the in-memory "
-                   rf"snapshot in \S+{copies}, not from \S+ \(no checkpoint "
-                   r"there\)\.$", output, re.M), output[-5000:]
+    assert re.fullmatch(f"(?:{want})?" if maybe else want, copies), lines
   ckpts = os.path.join(out_dir, "checkpoints")
   assert sorted(d for d in os.listdir(ckpts) if d.isdigit()) == ["50"]
 
@@ -62,52 +66,46 @@ def assert_nothing_left(output: str):
   assert harness.wait_gone(elastic.pids(output), timeout=5) == []
 
 
-def test_a_killed_process_resumes_from_the_snapshot_in_memory(tmp_path):
+def test_killed_processes_resume_from_the_snapshots_in_memory(tmp_path):
+  """Attempt 0: SIGKILL of process 2 after step 30; attempt 1 resumes from
+  the snapshot of step 30. Attempt 1: process 2 dies while it writes its
+  part of the snapshot of step 40 (its temporary file is there). Process 3
+  had its replica (copied when the snapshot was taken) and writes it unless
+  the launcher stops it first: attempt 2 resumes from the snapshot of step
+  40 with process 2's part from its replica, or, when that snapshot lacks
+  process 2's part, from step 30. (One job for both faults: each restart is
+  checked as if it were the only one.)"""
   r = harness.run_launcher(["--nnodes", "2:4", "--max-restarts", 3,
                             "--devices-per-process", 1, elastic.JOB, tmp_path,
-                            *SNAPSHOTS, "0:2:30:kill"],
+                            *SNAPSHOTS, "0:2:30:kill", "1:2:40:snapkill"],
                            timeout=elastic.RUN_TIMEOUT)
   assert r.returncode == 0, r.output[-5000:]
-  assert "jdist launch: the job completed after 1 restart" in r.stderr
+  assert "jdist launch: the job completed after 2 restarts" in r.stderr
+  for attempt in (0, 1):
+    assert (f"jdist launch: attempt {attempt}: process 2 of 4 failed (killed "
+            f"by SIGKILL); restarting the job (restart {attempt + 1} of at "
+            "most 3)." in r.stderr), r.stderr
   assert snapshot_dir(r.stdout).startswith("/dev/shm/jdist-snapshots-")
-  # Its part of step 30 is written by its writer thread from the save of
-  # step 31 on, and the kill comes right after that save: the part, or
-  # (killed before it was written) its replica on process 3.
-  assert_resumed_from_memory(r.output, tmp_path, 30, world=4,
-                             replicas=re.escape("[2]"), maybe=True)
-  elastic.assert_finished(tmp_path, world=4, attempt=1)
-  assert_nothing_left(r.output)
-  print(elastic.restart_report(r.stdout))
-
-
-def test_a_kill_while_writing_a_snapshot_uses_its_replica_or_the_one_before(
-    tmp_path):
-  """Process 2 dies while it writes its part of the snapshot of step 40
-  (its temporary file is there). Process 3 had its replica (copied when the
-  snapshot was taken) and writes it unless the launcher stops it first: the
-  job resumes from the snapshot of step 40 with process 2's part from its
-  replica, or, when that snapshot lacks process 2's part, from step 30."""
-  r = harness.run_launcher(["--nnodes", "2:4", "--max-restarts", 3,
-                            "--devices-per-process", 1, elastic.JOB, tmp_path,
-                            *SNAPSHOTS, "0:2:40:snapkill"],
-                           timeout=elastic.RUN_TIMEOUT)
-  assert r.returncode == 0, r.output[-5000:]
   writing = re.search(r"^\[2\] writing (\.tmp-2-\d+\.snap) \d+ (.*)$",
                       r.stdout, re.M)
   assert writing, r.output[-5000:]
   assert writing.group(1) in writing.group(2).split()
-  assert "(killed by SIGKILL)" in r.stderr
-  # (The others wrote theirs, and their replicas, before the launcher
-  # stopped them, or not.)
-  if re.search(r"^\[0\] jdist: the snapshot of step 40 \(attempt 0\) lacks "
+  # The first kill: its part of step 30 is written by its writer thread
+  # from the save of step 31 on, and the kill comes right after that save:
+  # the part, or (killed before it was written) its replica on process 3.
+  first = (30, re.escape("[2]"), True)
+  # The second: the others wrote theirs, and their replicas, before the
+  # launcher stopped them, or not.
+  if re.search(r"^\[0\] jdist: the snapshot of step 40 \(attempt 1\) lacks "
                r"the parts of processes \[[\d, ]+\] of 4; not using it\.$",
                r.stderr, re.M):
-    assert_resumed_from_memory(r.output, tmp_path, 30, world=4)
+    second = first  # (the snapshot of step 30, from attempt 0, again)
   else:
-    assert_resumed_from_memory(r.output, tmp_path, 40, world=4,
-                               replicas=r"\[(\d, )*2(, \d)*\]")
-  elastic.assert_finished(tmp_path, world=4, attempt=1)
+    second = (40, r"\[(\d, )*2(, \d)*\]", False)
+  assert_resumed_from_memory(r.output, tmp_path, 4, [first, second])
+  elastic.assert_finished(tmp_path, world=4, attempt=2)
   assert_nothing_left(r.output)
+  print(elastic.restart_report(r.stdout))
 
 
 def test_a_job_that_fails_leaves_no_snapshot(tmp_path):
@@ -157,7 +155,7 @@ def test_a_node_that_goes_away_with_its_memory_resumes_from_the_replicas(
     output = "".join(l.output() for l in launchers)
   codes = sorted(l.popen.returncode for l in launchers)
   assert codes == [-signal.SIGKILL, 0, 0, 0], output[-5000:]
-  assert_resumed_from_memory(output, tmp_path, 30, world=3,
-                             replicas=re.escape("[2]"))
+  assert_resumed_from_memory(output, tmp_path, 3,
+                             [(30, re.escape("[2]"), False)])
   elastic.assert_finished(tmp_path, world=3, attempt=1)
   assert_nothing_left(output)

@@ -2,8 +2,9 @@
 
 Started by the tests in this directory (directly or through `jdist launch`),
 two processes with two fake CPU devices each. The cluster comes from jdist's
-environment variables. Results go to OUT_DIR/<mode>-<process>.npz; failures
-go to stderr, where the tests look for them.
+environment variables. Results go to OUT_DIR/<mode>-<process>.npz (with
+`train_all`, one file per training); failures go to stderr, where the tests
+look for them.
 """
 
 import functools
@@ -48,10 +49,11 @@ from test_conformance import classifier_step, make_state  # noqa: E402
 
 ME = jax.process_index()
 VICTIM = int(os.environ.get("WORKER_VICTIM", "1"))
+NAME = MODE  # of the training running: its results go to OUT/NAME-<process>.npz
 
 
 def save(**arrays):
-  np.savez(os.path.join(OUT, f"{MODE}-{ME}.npz"), **arrays)
+  np.savez(os.path.join(OUT, f"{NAME}-{ME}.npz"), **arrays)
 
 
 def host(tree):
@@ -132,6 +134,19 @@ def train_per_process():
     steps += 1
   flat = jax.tree_util.tree_flatten_with_path(host(state.params))[0]
   save(seen=seen, steps=steps, **{jax.tree_util.keystr(p): v for p, v in flat})
+
+
+TRAININGS = ("train_global", "train_interleaved", "train_sharded",
+             "train_per_process")
+
+
+def train_all():
+  """The trainings above, one after the other, in one run: each saves its
+  results as if it had run alone (one start of the processes for the tests
+  that read them)."""
+  global NAME
+  for NAME in TRAININGS:
+    MODES[NAME]()
 
 
 def mismatch():
@@ -260,6 +275,7 @@ MODES = {
     "train_interleaved": train_interleaved,
     "train_per_process": train_per_process,
     "train_sharded": train_sharded,
+    "train_all": train_all,
     "mismatch": mismatch,
     "crash": lambda: misbehave(3, crash),
     "kill": lambda: misbehave(3, kill),
