@@ -4,7 +4,10 @@ Every program XLA compiles during the session goes into one persistent
 compilation cache (a temporary directory, removed at the end), shared with the
 processes the tests start: the many tests that compile the same step, and the
 relaunches of one training, compile it once. The cache starts empty on every
-run, so nothing from an earlier run (or another jdist) is ever reused.
+run, so nothing from an earlier run (or another jdist) is ever reused. Ray's
+session directories (its logs and sockets, which Ray keeps in /tmp/ray) go to
+another temporary directory of the run (`RAY_TMPDIR`, short: a socket's path
+must stay under 107 bytes), also removed at the end.
 
 The suite compiles at XLA's backend optimization level 0 (`TEST_XLA_FLAGS`,
 which every process the tests start gets too, in `XLA_FLAGS` or through
@@ -39,6 +42,7 @@ if _OWNER not in os.environ:
       _OWNER: str(os.getpid()),
       "JAX_COMPILATION_CACHE_DIR": tempfile.mkdtemp(
           prefix="jdist-tests-xla-cache-"),
+      "RAY_TMPDIR": tempfile.mkdtemp(prefix="jdist-ray-"),
       "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
       "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"})
 
@@ -51,7 +55,8 @@ import jdist  # noqa: E402
 
 def pytest_unconfigure(config):
   if os.environ.get(_OWNER) == str(os.getpid()):
-    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+    for name in ("JAX_COMPILATION_CACHE_DIR", "RAY_TMPDIR"):
+      shutil.rmtree(os.environ[name], ignore_errors=True)
 
 
 # Tests that start processes (or run for long) weigh this many quick tests.
