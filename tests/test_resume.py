@@ -301,20 +301,17 @@ def relaunch(data, backup, capfd):
   return trainer, restore, capfd.readouterr().err
 
 
-def assert_same_params(reference, trainer):
-  for a, b in zip(jax.tree.leaves(reference[0].params),
-                  jax.tree.leaves(trainer.params)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
 def final_params(path):
   with np.load(path) as f:
     return [f[f"p{i}"] for i in range(len(f.files))]
 
 
-def assert_params_equal(reference, path):
+def assert_params_equal(reference, got):
+  """`got` (a Trainer, or the path of a child's final parameters) holds the
+  reference run's parameters, exactly."""
   ref_trainer, _ = reference
-  got = final_params(path)
+  got = (final_params(got) if isinstance(got, (str, os.PathLike)) else
+         [np.asarray(p) for p in jax.tree.leaves(got.params)])
   want = [np.asarray(p) for p in jax.tree.leaves(ref_trainer.params)]
   assert len(got) == len(want)
   for a, b in zip(want, got):
@@ -336,7 +333,7 @@ def test_crash_while_finalising_a_checkpoint_keeps_the_previous(
   trainer, restore, err = relaunch(data, backup, capfd)
   assert "which no longer runs; taking it over" in err
   assert "resuming from step 4 " in err and restore.restored_step == 4
-  assert_same_params(reference, trainer)
+  assert_params_equal(reference, trainer)
 
 
 def signalled(backup, out, *signals):
@@ -376,7 +373,7 @@ def test_sigterm_saves_exits_0_and_the_relaunch_finishes_exactly(
   trainer, restore, err = relaunch(data, backup, capfd)
   assert f"resuming from step {stopped} " in err
   assert restore.restored_step == stopped
-  assert_same_params(reference, trainer)
+  assert_params_equal(reference, trainer)
 
 
 def start_paused(backup, out, go):
@@ -437,7 +434,7 @@ def test_sigint_keeps_the_backups_and_the_relaunch_finishes_exactly(
   trainer, restore, err = relaunch(data, backup, capfd)
   assert f"resuming from step {saved[-1]} " in err
   assert restore.restored_step == saved[-1]
-  assert_same_params(reference, trainer)
+  assert_params_equal(reference, trainer)
 
 
 # --- a full disk, a read-only directory, a failed restore: one clear message ---
