@@ -501,16 +501,14 @@ def test_a_second_fit_on_data_of_the_same_shape_traces_nothing(split):
     trainer.fit(x[:256, :63], y[:256], batch_size=64, verbose=0)
 
 
-def test_shuffled_arrays_are_read_in_the_order_of_the_seed_and_epoch(
-    split, monkeypatch):
+def test_shuffled_arrays_are_read_in_the_order_of_the_seed_and_epoch(split):
   """Epoch e reads default_rng([seed, e]).permutation(n): the same batches
-  whether the rows are taken ahead in the worker thread (in chunks of two
-  batches here) or, the worker kept busy, by the loop itself."""
+  whether the next epoch's permutation is drawn ahead in the worker thread
+  or, the worker kept busy, by the loop itself."""
   import threading
-  from jdist._src.training import gather, shuffle_order
+  from jdist._src.training import shuffle_order
   (x, y), _ = split
   x, y = x[:320], y[:320]
-  monkeypatch.setattr(gather, "CHUNK_BYTES", 2 * 64 * (x[0].nbytes + 4))
   order = [np.random.default_rng([7, e]).permutation(320) for e in (0, 1)]
   by_hand = trainer_on(1, seed=7).fit(
       iter([(x[o[i:i + 64]], y[o[i:i + 64]])
@@ -522,7 +520,7 @@ def test_shuffled_arrays_are_read_in_the_order_of_the_seed_and_epoch(
     def on_train_end(self, logs=None):
       busy.set()
 
-  shuffle_order.worker().submit(busy.wait, 30)  # nothing taken ahead
+  shuffle_order.worker().submit(busy.wait, 30)  # nothing drawn ahead
   try:
     by_loop = trainer_on(1, seed=7).fit(x, y, batch_size=64, epochs=2,
                                         callbacks=[Release()], verbose=0)

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdist._src.input import host
-from jdist._src.training import gather, shuffle_order
+from jdist._src.training import shuffle_order
 
 
 def _check_numeric(tree, what: str) -> None:
@@ -301,13 +301,17 @@ class ArraySource:
     if count < self.steps_per_epoch and start == 0:
       _warn_short(self.steps_per_epoch, self.pass_length, count)
     order, bs = self._order(pass_index), self.batch_size
-    # fit pays this per step: the leaves are flattened once per epoch; a
-    # shuffled batch's rows (`a[idx]`) are taken ahead in a thread.
+    # fit pays this per step: the leaves are flattened once per epoch.
     leaves, treedef = jax.tree.flatten(self._data)
     if order is not None:
-      for rows in gather.shuffled_rows(leaves, order, bs, first + start,
-                                       first + count):
-        yield treedef.unflatten(rows)
+      # A shuffled batch's rows, taken from the whole arrays where the loop
+      # needs them: a worker thread taking chunks of batches ahead made the
+      # seed MLP's fit slower on 2 cores (its takes compete with the step
+      # for the cores and the caches; README, "Trainer.fit vs a hand-written
+      # loop").
+      for i in range(first + start, first + count):
+        idx = order[i * bs:(i + 1) * bs]
+        yield treedef.unflatten([a.take(idx, axis=0) for a in leaves])
       return
     for i in range(first + start, first + count):
       yield treedef.unflatten([a[i * bs:(i + 1) * bs] for a in leaves])

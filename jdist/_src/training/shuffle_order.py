@@ -30,8 +30,8 @@ _pool_lock = threading.Lock()
 
 
 def worker() -> concurrent.futures.ThreadPoolExecutor:
-  """The one thread permutations are drawn ahead in, and shuffled batches'
-  rows taken (`gather.py`); made on first use (again after `shutdown`)."""
+  """The one thread permutations are drawn ahead in; made on first use
+  (again after `shutdown`)."""
   global _pool
   with _pool_lock:
     if _pool is None:
@@ -51,8 +51,8 @@ def submit(fn, *args) -> concurrent.futures.Future | None:
 
 def shutdown() -> None:
   """Ends the worker thread, its queued work cancelled and the work under
-  way (one permutation or one chunk of rows) waited for; `fit` calls it as
-  it ends. A later submit starts a new one."""
+  way (one permutation) waited for; `fit` calls it as it ends. A later
+  submit starts a new one."""
   global _pool
   with _pool_lock:
     pool, _pool = _pool, None

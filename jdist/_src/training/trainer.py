@@ -611,7 +611,7 @@ class Trainer:
     finally:
       self._stopped = fit_loop.stop_training
       self._fit_loop = None
-      shuffle_order.shutdown()  # the worker of shuffled arrays' rows
+      shuffle_order.shutdown()  # the worker drawing permutations ahead
       bar.close()
       cbs.close()
     if isinstance(self._model, model_lib.NnxModel):
