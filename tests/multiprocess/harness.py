@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +18,7 @@ import tempfile
 import time
 
 from conftest import xla_flags  # the suite's compiler flags
+from jdist._src.multiprocess.agent import WORKDIR_PREFIX
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -34,6 +37,15 @@ class Result:
   @property
   def output(self) -> str:
     return self.stdout + self.stderr
+
+
+def remove_node_files(pid: int) -> None:
+  """Removes the health files' directory of launcher `pid`'s node agent,
+  which a launcher killed with SIGKILL (a node taken away) leaves behind
+  (the next `jdist launch` on the machine would remove it)."""
+  for path in glob.glob(os.path.join(tempfile.gettempdir(),
+                                     f"{WORKDIR_PREFIX}{pid}-*")):
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def free_port() -> int:
@@ -80,6 +92,7 @@ def run_processes(cmds_envs, *, timeout: float) -> list:
         except ProcessLookupError:
           pass
       p.wait()
+      remove_node_files(p.pid)
   results = []
   for p, (out, err), t, wall in zip(procs, outs, ended, walls):
     out.seek(0)
@@ -143,6 +156,7 @@ class Background:
       except ProcessLookupError:
         pass
     self.popen.wait()
+    remove_node_files(self.popen.pid)
     self.out.close()
 
 
