@@ -126,6 +126,37 @@ def test_snapshots_written_over_an_old_file_come_back_exact(tmp_path, job):
   assert int(restored["n"]) == 6
 
 
+def test_a_smaller_snapshot_over_a_larger_old_file_is_cut_to_its_length(
+    tmp_path, job):
+  """When the state shrinks (its layout changed), a snapshot written over
+  the file of an old, larger one (the spare) cuts that file to its own
+  length: no byte of the old snapshot stays at its end, and the restore
+  gives the last snapshot's values."""
+  strategy = strategy_on(2)
+
+  def newest_size() -> int:
+    (name,) = [p for p in _parts(job) if p.startswith("step-")]
+    (path,) = [os.path.join(r, name) for r, _, fs in os.walk(job) if name in fs]
+    return os.path.getsize(path)
+
+  sizes = {}
+  with jdist.CheckpointManager(tmp_path / "ckpt", strategy=strategy,
+                               save_every=100, snapshot_every=1) as manager:
+    for step in range(1, 8):
+      n = 4096 if step <= 3 else 6  # 16 KiB of values, then 24 bytes
+      state = strategy.replicate({"w": np.arange(n, dtype=np.float32) * step})
+      manager.save(step, state)
+      if step > 1:
+        assert manager.snapshot_step == step - 1  # (the writer has written it)
+        sizes[step - 1] = newest_size()
+    restored = manager.restore(state)
+  # (The header's numbers make sizes of one layout differ by a byte or so.)
+  assert all(sizes[s] > 4096 * 4 for s in (1, 2, 3)), sizes
+  assert all(sizes[s] < 1024 for s in (4, 5, 6)), sizes
+  np.testing.assert_array_equal(np.asarray(restored["w"]),
+                                np.arange(6, dtype=np.float32) * 7)
+
+
 def test_an_unusable_snapshot_leaves_the_restore_to_disk(
     digits_flat, tmp_path, job, capfd):
   """A part that fails its checksum, and a newer snapshot of which a part
