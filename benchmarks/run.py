@@ -12,7 +12,9 @@ states; README's fault tables quote them.
 
 It also draws benchmarks/throughput.png (samples/s by framework and replica
 count; needs matplotlib, the `bench` extra) and checks a step-time model
-against the measurements (benchmarks/step_model.py).
+against the measurements (benchmarks/step_model.py). The sections of
+RESULTS.md it does not write (a script run apart, its section pasted in)
+stay, after the ones it wrote (`kept_sections`).
 """
 
 from __future__ import annotations
@@ -178,10 +180,41 @@ def main(argv=None) -> int:
     lines += [""] + elastic_times.section(_run(
         "elastic_times.py", 1, *(ELASTIC_QUICK if args.quick else FAULT_TRIALS)))
   out = HERE / "RESULTS.md"
-  out.write_text("\n".join(lines) + "\n")
-  print("\n".join(lines))
+  kept = kept_sections(out.read_text() if out.exists() else "", lines)
+  out.write_text("\n".join(lines + kept) + "\n")
+  print("\n".join(lines + kept))
   print(f"\nwrote {out}")
   return 0
+
+
+KEPT = ("The sections below were in RESULTS.md before this run and are not "
+        "written by it: `make bench` keeps them as they were, with the "
+        "commands and dates they give.")
+
+
+def kept_sections(old: str, lines: list) -> list:
+  r"""What to append to this run's RESULTS.md `lines`: the `## ` sections
+  of the old text `old` whose headings the run does not write, in their
+  order, after a line that says so; [] when there are none. They are
+  measurements of scripts run apart, which a `make bench` must not lose
+  (README points at some of them by name).
+
+  Example:
+    >>> old = "# Benchmarks\n\n## A\n\n1 s\n\n## B\n\n2 s\n"
+    >>> kept_sections(old, ["# Benchmarks", "", "## A", "", "3 s"])[-3:]
+    ['## B', '', '2 s']
+  """
+  old = old.replace(f"\n---\n\n{KEPT}\n", "\n")  # a run's before this
+  written = {line for line in lines if line.startswith("## ")}
+  kept, keep = [], False
+  for line in old.split("\n"):
+    if line.startswith(("## ", "# ")):
+      keep = line.startswith("## ") and line not in written
+    if keep:
+      kept.append(line)
+  while kept and not kept[-1]:
+    kept.pop()
+  return ["", "---", "", KEPT, "", *kept] if kept else []
 
 
 PER_CALL_CALLS = 300  # calls counted by callgrind, per implementation

@@ -197,6 +197,30 @@ def test_fault_times_runs_and_renders():
       in text, text
 
 
+def test_make_bench_keeps_the_sections_it_does_not_write():
+  """`make bench` rewrites RESULTS.md; the sections of scripts run apart
+  (README points at some by name) stay, verbatim, after the ones it wrote,
+  once each however many runs follow."""
+  run = _bench_module("run")
+  old = (BENCH / "RESULTS.md").read_text()
+  headings = [l for l in old.splitlines() if l.startswith("## ")]
+  written, apart = headings[:2], headings[2:]
+  lines = ["# Benchmarks", "", "Written now.", ""]
+  for heading in written:
+    lines += [heading, "", "| a | 1.5x |"]
+  new = "\n".join(lines + run.kept_sections(old, lines)) + "\n"
+  again = "\n".join(lines + run.kept_sections(new, lines)) + "\n"
+  assert again == new
+  found = [l for l in new.splitlines() if l.startswith("## ")]
+  assert found == written + apart  # each once, in the old order
+  for section in old.split("\n## ")[1:]:
+    if not any(section.startswith(h[3:]) for h in written):
+      assert section.rstrip("\n") in new  # as it was
+  assert new.count(run.KEPT) == 1
+  assert run.kept_sections(new, lines + [l for l in new.splitlines()
+                                         if l.startswith("## ")]) == []
+
+
 @pytest.mark.multiprocess
 def test_fit_overhead_runs_and_renders():
   res = _run([BENCH / "fit_overhead.py", "--quick", "--json"], devices=2)
