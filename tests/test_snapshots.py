@@ -135,8 +135,8 @@ def test_a_smaller_snapshot_over_a_larger_old_file_is_cut_to_its_length(
   strategy = strategy_on(2)
 
   def newest_size() -> int:
-    (name,) = [p for p in _parts(job) if p.startswith("step-")]
-    (path,) = [os.path.join(r, name) for r, _, fs in os.walk(job) if name in fs]
+    (path,) = [os.path.join(r, f) for r, _, fs in os.walk(job) for f in fs
+               if f.startswith("step-")]
     return os.path.getsize(path)
 
   sizes = {}
