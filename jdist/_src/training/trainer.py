@@ -25,6 +25,7 @@ from jdist._src.training import loop
 from jdist._src.training import mixed_precision
 from jdist._src.training import model as model_lib
 from jdist._src.training import objectives
+from jdist._src.training import optimizers
 from jdist._src.training import shuffle_order
 from jdist._src.training import steps as steps_lib
 from jdist._src.training.callbacks import CallbackList
@@ -135,10 +136,7 @@ class Trainer:
                steps_per_execution: int = 1, dtype_policy="float32",
                gradient_accumulation_steps: int = 1, micro_batches: int = 1,
                pad_to_replicas: bool = False):
-    if not isinstance(optimizer, optax.GradientTransformation):
-      raise TypeError(
-          f"optimizer must be an optax GradientTransformation (for example "
-          f"optax.adam(1e-3)), got {type(optimizer).__name__}.")
+    optimizer = optimizers.resolve(optimizer)
     self._input_options = InputOptions(pad_to_replicas=pad_to_replicas)
     self._strategy = strategy or (current.get_strategy()
                                   if current.has_strategy() else None)
