@@ -314,8 +314,14 @@ class DirectoryClaim:
       os.rmdir(self.directory)  # fails if a new owner has claimed it since
 
 
-def claim(directory: str) -> DirectoryClaim:
+def claim(directory: str, tidy=None) -> DirectoryClaim:
   """Claims `directory` for this job's checkpoints (every process calls it).
+
+  Args:
+    directory: the checkpoint directory.
+    tidy: a function of the directory that process 0 runs once it holds
+      the lock, before any process goes on (it finishes what a killed
+      owner left half done).
 
   Raises:
     jdist.CheckpointDirectoryError: some process cannot create or write the
@@ -329,6 +335,8 @@ def claim(directory: str) -> DirectoryClaim:
     _prepare(directory)
     if runtime.process_id == 0:
       lock_path = _take(directory, me)
+      if tidy is not None:
+        tidy(directory)
   except CheckpointDirectoryError as e:
     problem = {"kind": type(e).__name__, "message": str(e)}
   problems = {runtime.process_id: problem} if problem else {}

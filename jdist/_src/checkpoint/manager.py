@@ -89,7 +89,8 @@ class CheckpointManager:
     directory: where the checkpoints go (one orbax step directory each).
     max_to_keep: keep only the newest N checkpoints (None: all).
     strategy: whose devices `restore` places the state on (default: the
-      strategy in scope when `restore` is called).
+      devices the state given to `restore` is placed on, else the strategy
+      in scope when `restore` is called).
     save_every: `save` writes to `directory` only at the steps that are a
       multiple of it (None: at every call). With `snapshot_every`, call
       `save` at every step and let these two choose.
@@ -121,9 +122,19 @@ class CheckpointManager:
     ...     _ = manager.save(step, state)
     ...   manager.steps, manager.latest_step
     ...   restored = manager.restore(state)
+    ...   manager.restored_step
     ([2, 3], 3)
+    3
     >>> restored["w"].tolist()
     [3.0, 3.0, 3.0]
+
+    Resuming a loop: restore first, then read the step restored (a corrupt
+    newest checkpoint is skipped with a warning, and `latest_step` then
+    names the one restored):
+
+    >>> if manager.latest_step is not None:  # doctest: +SKIP
+    ...   state = manager.restore(state)
+    >>> start = manager.latest_step or 0  # doctest: +SKIP
 
     In a `jdist launch` job, a snapshot in memory every 10 steps and a
     checkpoint on disk every 100 (the loop calls `save` at every step):
@@ -148,6 +159,8 @@ class CheckpointManager:
                               claim=True)
     self._snapshots = None
     self._names = None  # (treedef, names) of the state snapshotted last
+    # The step the last `restore` restored (None before one).
+    self.restored_step: int | None = None
     if snapshot_every is not None:
       # One directory per manager of the job, named by its checkpoint directory.
       name = hashlib.sha256(self.directory.encode()).hexdigest()[:16]
@@ -169,13 +182,19 @@ class CheckpointManager:
   def latest_step(self) -> int | None:
     """The newest checkpoint's step, or None when there is none: the newest
     of the persistent checkpoints and of the in-memory snapshot (with
-    `snapshot_every`), the step `restore` resumes from."""
-    steps = self.steps
-    disk = steps[-1] if steps else None
+    `snapshot_every`), leaving out those `restore` found corrupt. After
+    `restore`, the step it restored, until the next `save`: a loop reads
+    its start here after restoring (see the class's example)."""
+    disk = self._disk_step()
     memory = self.snapshot_step
     if memory is None or (disk is not None and disk > memory):
       return disk
     return memory
+
+  def _disk_step(self) -> int | None:
+    """The newest persistent checkpoint not found corrupt, or None."""
+    steps = [s for s in self.steps if s not in self._ckpt.corrupt]
+    return steps[-1] if steps else None
 
   @property
   def snapshot_step(self) -> int | None:
@@ -222,8 +241,11 @@ class CheckpointManager:
       OSError: with `snapshot_every`, writing the snapshot before this one
         failed (in the background: raised at the next call).
       TypeError: a leaf of `state` is not an array (a Python float or int).
+      ValueError: the manager was closed (its lock on the directory went
+        with it).
     """
     step = int(step)
+    self._ckpt.check_open(step)
     if self._snapshots is not None:
       # The snapshot taken at an earlier call, written in the background.
       self._snapshots.flush(wait=False)
@@ -277,6 +299,10 @@ class CheckpointManager:
     snapshot that cannot be used (a part missing or unreadable) leaves the
     persistent directory to it, and process 0 prints a line that says why.
 
+    It sets `restored_step` (and `latest_step`) to the step restored.
+    Without a `strategy`, the state is placed on the mesh of `like`'s
+    leaves (those placed by a strategy), else on the current strategy's.
+
     Raises:
       jdist.CheckpointNotFoundError: the directory holds no checkpoint.
       jdist.CheckpointMismatchError: the checkpoint holds another state
@@ -284,18 +310,33 @@ class CheckpointManager:
       jdist.CheckpointError: every checkpoint there is corrupt.
       TypeError: a leaf of `like` is not an array (a Python float or int).
     """
-    strategy = self._strategy or current.get_strategy()
+    mesh = self._mesh(like)
     if self._snapshots is not None:
-      got = self._restore_snapshot(like, strategy.mesh, step)
+      got = self._restore_snapshot(like, mesh, step)
       if got is not None:
+        self.restored_step = self._snapshots.complete[0]
         return got
-    restored = self._ckpt.restore(like, strategy.mesh, step=step)
+    restored = self._ckpt.restore(like, mesh, step=step)
     if restored is None:
       raise CheckpointNotFoundError(
           f"{self.directory} holds no checkpoint to restore. Check "
           "`manager.latest_step is not None` first, and train from the "
           "initial state when it is None.")
-    return restored[0]
+    state, meta = restored
+    self.restored_step = int(meta["step"])
+    return state
+
+  def _mesh(self, like: Any):
+    """The mesh `restore` places the state on: the strategy's, else the one
+    mesh `like`'s leaves are placed on, else the current strategy's."""
+    if self._strategy is not None:
+      return self._strategy.mesh
+    meshes = {getattr(x.sharding, "mesh", None)
+              for x in jax.tree_util.tree_leaves(like)
+              if isinstance(x, jax.Array)}
+    if len(meshes) == 1 and None not in meshes:
+      return meshes.pop()
+    return current.get_strategy().mesh
 
   def _restore_snapshot(self, like, mesh, step: int | None, *,
                         with_meta: bool = False):
@@ -303,8 +344,7 @@ class CheckpointManager:
     meta)`), or None (the persistent directory's turn). Every process calls
     it and gets the same answer."""
     self._snapshots.flush()
-    steps = self.steps
-    group, note, disk = self._snapshots.agree(steps[-1] if steps else None)
+    group, note, disk = self._snapshots.agree(self._disk_step())
     where = (f"the checkpoint of step {disk} in {self.directory}"
              if disk is not None else f"{self.directory} (no checkpoint there)")
     if group is None or (step is not None and group[0] != step):
