@@ -31,6 +31,7 @@ import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import checkpoint_saves  # noqa: E402  (its RESULTS.md section)
 import elastic_times  # noqa: E402  (its RESULTS.md section)
 import fault_times  # noqa: E402  (its RESULTS.md section)
 import fit_overhead  # noqa: E402  (its RESULTS.md section)
@@ -169,6 +170,8 @@ def main(argv=None) -> int:
   if ps_result is not None:
     lines += [""] + ps.section(ps_result)
   lines += [""] + fit_overhead.section(_run("fit_overhead.py", 4, *extra))
+  lines += [""] + checkpoint_saves.section(_run(
+      "checkpoint_saves.py", checkpoint_saves.DEVICES, *extra))
   try:
     multihost = _run_launched("multihost_overhead.py", 2, 2, *extra)
   except (RuntimeError, subprocess.TimeoutExpired, ValueError, IndexError) as e:

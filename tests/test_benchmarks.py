@@ -240,6 +240,22 @@ def test_fit_overhead_runs_and_renders():
   assert " / ".join(f"{v:.0f}" for v in cpu.values()) in text, text
 
 
+def test_checkpoint_saves_runs_and_renders():
+  """benchmarks/checkpoint_saves.py: a save's time and its content hash's,
+  and the memory per save (in the script's process: `--quick`)."""
+  res = _run([BENCH / "checkpoint_saves.py", "--quick", "--json"], devices=2)
+  (label, t), = res["time"].items()
+  assert min(t["save"], t["hash"], t["sums"]) > 0 and t["bytes"] > 64 << 10
+  mem = res["memory"]
+  assert [s for s, _ in mem["jdist"]["samples"]] == [0, 2, 4]
+  assert mem["traced_bytes_per_save"] >= mem["jdist_own_bytes_per_save"]
+  text = "\n".join(_bench_module("checkpoint_saves").section(res))
+  assert (f"| {label} ({t['bytes']:,} bytes) | {t['save'] * 1e3:.1f} ms | "
+          f"{t['hash'] * 1e3:.2f} ms |") in text, text
+  assert (f"| `jdist.CheckpointManager(max_to_keep=3)` | "
+          f"{mem['jdist']['bytes_per_save'] / 1024:.1f} KiB |") in text, text
+
+
 @pytest.mark.multiprocess
 def test_multihost_overhead_runs_alone():
   # One process over 2 devices: the smallest case (under `jdist launch` it
