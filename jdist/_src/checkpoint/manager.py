@@ -12,7 +12,7 @@ a checkpoint restores onto any number of devices or processes in the layout
 of the state it is restored into.
 
 With `snapshot_every=N`, in a `jdist launch` job, it also keeps the newest
-state in host memory (`snapshots.py`): `save` takes a snapshot every N
+state in host memory (`snapshots/`): `save` takes a snapshot every N
 steps, and a background thread writes it to the job's directory under
 /dev/shm (and each process's part, as a replica, to the next process's)
 while the loop goes on, and `restore` takes the newest of the
@@ -39,7 +39,6 @@ from jdist._src import current
 from jdist._src.checkpoint import checkpointer as ckpt_lib
 from jdist._src.checkpoint import snapshots as snapshots_lib
 from jdist._src.checkpoint.checkpointer import Checkpointer
-from jdist._src.core import placement
 from jdist._src.errors import CheckpointNotFoundError
 from jdist._src.multiprocess import ranks
 from jdist._src.multiprocess import snapshot_dir
@@ -407,7 +406,7 @@ class BackupManager(CheckpointManager):
   fit's metadata (position, logs, history, data state), on disk and in the
   in-memory snapshots, and fit takes its snapshots from a callback (fit's
   next step donates the state's arrays: the snapshot packs a copy of them
-  when it is taken, `snapshots.py`). Not public: a
+  when it is taken, `snapshots/store.py`). Not public: a
   custom loop uses `CheckpointManager`."""
 
   @property

@@ -6,7 +6,7 @@ under /dev/shm (tmpfs: host memory, outside the training processes, so it
 outlives them), or under `JDIST_SNAPSHOT_ROOT` when that is set (where there
 is no /dev/shm, the system's temporary directory). The launcher removes it
 when the job ends (`remove`); the processes write and read it
-(`jdist/_src/checkpoint/snapshots.py`).
+(`jdist/_src/checkpoint/snapshots/`).
 
 Example:
   >>> from jdist._src.multiprocess import snapshot_dir
