@@ -1,9 +1,10 @@
-"""Checkpoints of a `TrainState` with orbax-checkpoint, and their metadata.
+"""Checkpoints of a train state with orbax-checkpoint: saving, restoring,
+replacing.
 
 Each checkpoint is an orbax step directory with two items: `state` (the
-train state's arrays as a nested dict named by their paths) and `meta` (JSON:
-the training position, the history so far, the shape of every leaf, the
-content hash of every leaf (`content_hash.py`), and a SHA-256 of all that).
+train state's arrays as a nested dict named by their paths) and `meta`
+(`metadata.py`: JSON with the training position, every leaf's shape, dtype
+and content hash, sealed by a SHA-256).
 orbax writes a step into a temporary directory and renames it when complete,
 so a crash mid-save leaves the previous checkpoints as they were; a save of
 a step that exists is written aside and renamed over it (`_replace`). On
@@ -20,8 +21,6 @@ devices (or 1 process) and back.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import re
 import shutil
@@ -29,30 +28,22 @@ import warnings
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jdist._src.core import placement
 from jdist._src.core.values import Sharded
 from jdist._src.errors import CheckpointError, CheckpointMismatchError
 from jdist._src.checkpoint import content_hash
 from jdist._src.checkpoint import directory_claim
+from jdist._src.checkpoint import metadata
 from jdist._src.checkpoint import orbax_errors
+from jdist._src.checkpoint.metadata import FORMAT, FORMATS
+from jdist._src.checkpoint.metadata import NESTED_FORMAT as _NESTED_FORMAT
+from jdist._src.checkpoint.metadata import UNCHECKED_FORMAT as _UNCHECKED_FORMAT
 from jdist._src.multiprocess import runtime as runtime_lib
 
-FORMAT = "jdist.Trainer/4"
 _STEP = re.compile(r"\d+")  # orbax's name of a complete step directory
 # Where a save of a step that exists is written before it replaces the step.
 _REPLACING = ".jdist-replacing"
-# Versions 1-3 checked their arrays by float sums (`_summed`); version 2
-# named the leaves of sharded optimizer state with one more level (the
-# `jdist.Sharded` around it), so sharded and mirrored checkpoints did not
-# load into each other; version 1 had no checksum of its metadata. All load.
-_SUMMED_FORMAT = "jdist.Trainer/3"
-_NESTED_FORMAT = "jdist.Trainer/2"
-_UNCHECKED_FORMAT = "jdist.Trainer/1"
-_FORMATS = (FORMAT, _SUMMED_FORMAT, _NESTED_FORMAT, _UNCHECKED_FORMAT)
 
 
 def _name(entry) -> str:
@@ -116,34 +107,6 @@ def _unnest(names, nested) -> list:
       node = node[part]
     leaves.append(node)
   return leaves
-
-
-def _describe(names, leaves) -> dict:
-  return {n: [list(np.shape(x)), str(x.dtype)] for n, x in zip(names, leaves)}
-
-
-@jax.jit
-def _sums(leaves):
-  return jnp.stack([jnp.sum(jnp.asarray(x).astype(jnp.float32)) for x in leaves])
-
-
-def _summed(got: list, meta: dict) -> bool:
-  """Whether arrays read from a checkpoint of format 1-3 match its float
-  sums (those formats' only check of their arrays)."""
-  sums = [float(v) for v in placement.to_host(_sums(got))] if got else []
-  return np.allclose(sums, meta.get("checksums", []), rtol=1e-5, atol=1e-6,
-                     equal_nan=True)
-
-
-def _changed(names: list, got: list, meta: dict) -> list[str]:
-  """The leaves of `got` (read from checkpoint `meta`) whose content is not
-  what was saved: those whose content hash differs (format 4), or all of
-  them when an older format's float sums differ."""
-  if meta["format"] != FORMAT:
-    return [] if _summed(got, meta) else names
-  saved = meta.get("digests", {})
-  digests, _ = content_hash.digests(got)
-  return [n for n, d in zip(names, digests) if saved.get(n) != d]
 
 
 def nonfinite_leaves(state) -> list[str]:
@@ -214,63 +177,6 @@ def _target_sharding(leaf, replicated: NamedSharding) -> NamedSharding:
       sharding.mesh == replicated.mesh and any(sharding.spec)):
     return sharding
   return replicated
-
-
-def _digest(meta: dict) -> str:
-  text = json.dumps(meta, sort_keys=True, separators=(",", ":"))
-  return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _sealed(meta: dict) -> dict:
-  """`meta` as JSON will read it back, with the checksum of its content."""
-  meta = json.loads(json.dumps(meta))
-  return dict(meta, meta_checksum=_digest(meta))
-
-
-def _unsealed(meta: dict) -> tuple[dict, str | None]:
-  """`(meta, problem)`: the metadata without its checksum, or what is wrong."""
-  meta = dict(meta)
-  checksum = meta.pop("meta_checksum", None)
-  if checksum is None:
-    if meta.get("format") in (FORMAT, _SUMMED_FORMAT, _NESTED_FORMAT):
-      return meta, "its metadata has lost its checksum"
-    return meta, None  # an older checkpoint, or not one of jdist's
-  if checksum != _digest(meta):
-    return meta, "its metadata fails its checksum"
-  return meta, None
-
-
-def _policy_change(saved: dict, names: list[str]) -> list[str]:
-  """The line that says a loss-scaling dtype policy was turned on or off
-  between the save and this trainer (its loss scale is in one state only)."""
-  scaled = lambda ns: any("/loss_scale/" in f"/{n}/" for n in ns)
-  if scaled(saved) == scaled(names):
-    return []
-  if scaled(saved):
-    why = ("the checkpoint was saved with dtype_policy=\"mixed_float16\" (its "
-           "optimizer state has a loss scale), this Trainer scales no loss")
-  else:
-    why = ("the checkpoint was saved without loss scaling, this Trainer's "
-           "dtype_policy=\"mixed_float16\" adds a loss scale")
-  return [f"  ({why}: make the Trainer with the dtype_policy of the run that "
-          "saved it)"]
-
-
-def _mismatch(saved: dict, expected: dict) -> list[str]:
-  lines = []
-  # Parameters first: they say most plainly which model each side holds.
-  order = lambda n: (not n.startswith("params/"), n)
-  for name in sorted(set(saved) | set(expected), key=order):
-    if name not in expected:
-      lines.append(f"  {name}: in the checkpoint, not in this model")
-    elif name not in saved:
-      lines.append(f"  {name}: in this model, not in the checkpoint")
-    elif list(saved[name][0]) != list(expected[name][0]) or \
-        saved[name][1] != expected[name][1]:
-      lines.append(f"  {name}: checkpoint {tuple(saved[name][0])} "
-                   f"{saved[name][1]}, model {tuple(expected[name][0])} "
-                   f"{expected[name][1]}")
-  return lines
 
 
 def _swap_in(directory: str, step: int) -> None:
@@ -388,8 +294,8 @@ class Checkpointer:
     if bad:
       self._refuse_nonfinite(step, bad)
       return False
-    meta = _sealed(dict(meta, format=FORMAT, step=int(step),
-                        leaves=_describe(names, leaves),
+    meta = metadata.seal(dict(meta, format=FORMAT, step=int(step),
+                        leaves=metadata.describe(names, leaves),
                         hash=content_hash.NAME,
                         digests=dict(zip(names, digests))))
     manager, ocp = self._manager, self._ocp
@@ -493,11 +399,11 @@ class Checkpointer:
         problems.append(self._skip(s, "its metadata cannot be read "
                                    f"({orbax_errors.reason(e)})"))
         continue
-      meta, problem = _unsealed(meta)
+      meta, problem = metadata.unseal(meta)
       if problem:
         problems.append(self._skip(s, problem))
         continue
-      if meta.get("format") not in _FORMATS:
+      if meta.get("format") not in FORMATS:
         raise CheckpointMismatchError(
             f"{self.directory}/{s} is not a jdist.Trainer checkpoint (format "
             f"{meta.get('format')!r}). Use another directory.")
@@ -520,9 +426,9 @@ class Checkpointer:
     names, leaves, treedef = _flatten(target, meta["format"])
     _arrays_only(names, leaves)
     stored = _storable(leaves)
-    diff = _mismatch(meta.get("leaves", {}), _describe(names, stored))
+    diff = metadata.mismatch(meta.get("leaves", {}), metadata.describe(names, stored))
     if diff:
-      shown = "\n".join(_policy_change(meta.get("leaves", {}), names) +
+      shown = "\n".join(metadata.policy_change(meta.get("leaves", {}), names) +
                         diff[:10])
       more = f"\n  ... and {len(diff) - 10} more" if len(diff) > 10 else ""
       raise CheckpointMismatchError(
@@ -540,7 +446,7 @@ class Checkpointer:
       got = _unnest(names, restored["state"])
     except Exception as e:
       return None, f"its arrays cannot be read ({orbax_errors.reason(e)})"
-    changed = _changed(names, got, meta)
+    changed = metadata.changed(names, got, meta)
     if changed:
       more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
       return None, (f"its arrays fail their checksums ({', '.join(changed[:3])}"
