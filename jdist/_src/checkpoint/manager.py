@@ -7,9 +7,10 @@ code passes it. It keeps the Trainer's guarantees: the directory is claimed
 for this job (another running job writing there is an error, and saves that
 a killed job left half-written are removed when orbax opens the directory,
 at the first save or restore there), each checkpoint's metadata and arrays
-are checksummed (a corrupt newest checkpoint is skipped with a warning), and
-a checkpoint restores onto any number of devices or processes in the layout
-of the state it is restored into.
+are checksummed (a corrupt newest checkpoint is skipped with a warning, and
+`restored_step` and `latest_step` then name the step restored), a save of a
+step that exists replaces it, and a checkpoint restores onto any number of
+devices or processes in the layout of the state it is restored into.
 
 With `snapshot_every=N`, in a `jdist launch` job, it also keeps the newest
 state in host memory (`snapshots/`): `save` takes a snapshot every N
@@ -224,7 +225,9 @@ class CheckpointManager:
   def save(self, step: int, state: Any) -> str | None:
     """Writes `state` as checkpoint `step` (every process calls it).
 
-    With `save_every`, only at its multiples; with `snapshot_every`, also
+    A checkpoint `step` already in the directory is replaced (the new one is
+    written aside, then renamed into its place). With `save_every`, only at
+    its multiples; with `snapshot_every`, also
     (first) as the in-memory snapshot at its multiples: taken now, and
     written by a background thread from the next call on.
     A state with NaN or infinite values is not written (a warning says so),
