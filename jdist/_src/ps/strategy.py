@@ -244,6 +244,13 @@ class ParameterServerStrategy(StrategyBase):
     return self._partitioner
 
   @property
+  def synchronous(self) -> bool:
+    """False: steps are scheduled on workers one call at a time, against
+    state the servers hold and update in place (see
+    `StrategyBase.synchronous`)."""
+    return False
+
+  @property
   def num_replicas_in_sync(self) -> int:
     """Replicas of one worker's step (its devices), as in TensorFlow."""
     ctx = worker_lib.current()
