@@ -17,7 +17,7 @@ class InputOptions:
   Attributes:
     experimental_fetch_to_device: place each batch on the devices ahead of
       the step, as TensorFlow does by default. Only True is supported: jdist
-      hands out batches that are already placed (see the README, "Input").
+      hands out batches that are already placed (see docs/throughput.md).
     experimental_per_replica_buffer_size: batches (or groups) placed ahead of
       the one the loop is running (TF's default: 1; 0 places each batch when
       it is asked for, as TF's 0 turns prefetching off), at most

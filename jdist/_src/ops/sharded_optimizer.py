@@ -177,7 +177,7 @@ class ShardedOptimizer:
     """The axis of each parameter leaf split over replicas (None: whole).
 
     Args:
-      params: the parameters (arrays or `jax.ShapeDtypeStruct`s).
+      params: the parameters (arrays or `jax.ShapeDtypeStruct` values).
       num_replicas: default: the strategy's. Without a strategy, each
         replica is taken to be one device.
 

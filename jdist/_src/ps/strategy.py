@@ -375,7 +375,7 @@ class ParameterServerStrategy(StrategyBase):
 
   def reduce(self, reduce_op, value: Any, axis: int | None = None) -> Any:
     """Combines per-replica values: on a worker over its replicas; on the
-    coordinator, of fetched results (`RemoteValue`s are fetched first)."""
+    coordinator, of fetched results (a `RemoteValue` is fetched first)."""
     ctx = worker_lib.current()
     if ctx is not None:
       return ctx.strategy.reduce(reduce_op, value, axis)
