@@ -1,20 +1,12 @@
 """`jdist.multi_step`: many steps of a `strategy.function` step per dispatch.
 
-Keras' `steps_per_execution` for custom loops (TF users write a `tf.range`
-loop inside a `tf.function`): one compiled call runs the step over the K
-batches of a `BatchGroup` with `lax.scan`, so the host dispatches once per K
-steps. Small models on many devices spend most of a step in dispatch; this
-is where that time goes away.
-
-The wrapped step traces itself (`DistributedFunction.trace_step`: plan,
-probe, one `shard_map`), once, inside the scan's body; each scan iteration
-hands it one batch of the group with that batch's own validity, so masks,
-counts and `compute_average_loss` are those of K separate calls. The body
-checks the carried values itself, so a step whose carried output changes
-type gets an error that names it. On CPU the step is traced with its
-convolutions in the layout XLA:CPU runs fast inside a loop
-(`conv_layout.canonical_convolutions`; in the layout autodiff gives them,
-the scan ran a CNN's steps ~30x slower than separate calls).
+Keras' `steps_per_execution` for custom loops: one compiled call runs the
+step over the K batches of a `BatchGroup` with `lax.scan`, so the host
+dispatches once per K steps. The step traces itself once inside the scan's
+body (`DistributedFunction.trace_step`), and each iteration hands it one
+batch with its own validity, so masks and counts are those of K separate
+calls. On CPU the step's convolutions are traced in the layout XLA:CPU runs
+fast inside loops (`conv_layout.canonical_convolutions`).
 """
 
 from __future__ import annotations
