@@ -164,22 +164,14 @@ def multi_step(step: DistributedFunction) -> MultiStepFunction:
   """Runs `step` once per batch of a `BatchGroup`, all in one compiled call.
 
   Keras' `steps_per_execution` for a custom loop: the host dispatches once per
-  group of K batches instead of once per batch, which is what small models on
-  many devices (and TPUs) need. The result is exactly that of K calls of
-  `step` (same masks and counts per batch, float tolerance).
-
-  `step` takes the values it carries (state, metrics) first and the batch
-  last, and returns the new carried values first, in the same order, then
-  anything else: `(state, batch) -> (state, loss)`. The multi-step function
-  is called with the carried values and a group, and returns the last
-  step's carried values and the other outputs stacked on a step axis: a
-  `PerReplica` loss comes back with leaves `(replicas, K, ...)` (so
-  `strategy.reduce("sum", losses)` gives the K per-step losses), a mirrored
-  output as `(K, ...)`. Stacked `PerReplica` outputs carry no validity mask:
-  reduce them with SUM, or mask per-example outputs yourself.
-
-  It compiles once per group length: an epoch whose length is not a
-  multiple of K ends with one shorter group, which compiles once more.
+  group of K batches, with exactly the result of K calls (each batch's own
+  masks and counts). `step` takes the values it carries (state, metrics) first
+  and the batch last, and returns the new carried values first, in the same
+  order, then anything else. The multi-step function returns the last step's
+  carried values and the other outputs stacked on a step axis (a `PerReplica`
+  loss as `(replicas, K, ...)`, a mirrored output as `(K, ...)`). Stacked
+  `PerReplica` outputs carry no validity mask: reduce them with SUM. A shorter
+  last group compiles once more.
 
   Args:
     step: a `strategy.function` step (its `donate_argnums` apply to the

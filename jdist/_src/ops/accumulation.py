@@ -116,23 +116,18 @@ def scan_micro_batches(loss_fn: Callable, params, carry, batch, *,
     loss_fn: `loss_fn(params, carry, micro_batch, index) -> (loss, (carry,
       aux))`, with a scalar loss; `index` is the micro-batch's position.
     params: the parameters to differentiate (mirrored inside a step).
-    carry: state threaded through the micro-batches in order (e.g. a model's
-      batch statistics); `None` for none.
-    batch: this replica's batch, a pytree of `(n * b, ...)` arrays: the rows
-      of `num_batches` distributed batches joined (`BatchGroup.merged`).
-    num_micro_batches: K: each of those batches runs as K micro-batches;
-      `b` must be a multiple of it.
-    num_batches: n: how many distributed batches the rows hold (the
-      Trainer's gradient accumulation over batches); the scan runs `n * K`
-      micro-batches, batch after batch.
-    sum_over_replicas: sum the gradients over replicas at the end (the one
-      all-reduce); False leaves each replica its own sum, for an optimizer
-      that reduces them itself (`jdist.ShardedOptimizer` reduce-scatters).
+    carry: state threaded through the micro-batches (a model's batch
+      statistics), or None.
+    batch: this replica's rows of `num_batches` distributed batches joined
+      (`BatchGroup.merged`), each run as `num_micro_batches` micro-batches.
+    num_micro_batches, num_batches: K and n; the scan runs `n * K`.
+    sum_over_replicas: sum the gradients over replicas at the end; False
+      leaves each replica its own (`ShardedOptimizer` reduce-scatters them).
 
   Returns:
-    `((loss, (carry, aux)), grads)`: the loss and gradients summed over the
-    micro-batches (inside a step; their mean outside one), the last carry, and
-    `aux` stacked along a leading axis of `n * K`.
+    `((loss, (carry, aux)), grads)`: loss and gradients summed over the
+    micro-batches (their mean outside a step), the last carry, and `aux`
+    stacked along a leading axis of `n * K`.
   """
   per_batch = check_steps(num_micro_batches)
   k = per_batch * num_batches

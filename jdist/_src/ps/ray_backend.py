@@ -305,20 +305,14 @@ def _death_reason(error) -> str:
 def scaling_bounds(options: dict, num_workers: int) -> tuple:
   """`(min_workers, max_workers)` of `ray_options`, checked.
 
-  Args:
-    options: the strategy's `ray_options`.
-    num_workers: the workers the cluster starts with.
-
   Raises:
     ValueError: a bound that is not a positive integer, or
       `min_workers <= num_workers <= max_workers` does not hold.
 
   Example:
     >>> from jdist._src.ps.ray_backend import scaling_bounds
-    >>> scaling_bounds({"max_workers": 4}, num_workers=2)
-    (1, 4)
-    >>> scaling_bounds({}, num_workers=2)  # fixed, but for replacements
-    (1, 2)
+    >>> scaling_bounds({"max_workers": 4}, num_workers=2), scaling_bounds({}, 2)
+    ((1, 4), (1, 2))
   """
   low = options.get("min_workers", 1)
   high = options.get("max_workers", num_workers)
