@@ -273,3 +273,16 @@ def test_importing_jdist_leaves_flax_and_orbax_unimported():
        "for m in sys.modules} & {'flax', 'orbax'}))"],
       capture_output=True, text=True, timeout=120, check=True)
   assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_the_trainer_is_a_thin_facade_over_small_modules():
+  # The Trainer wires the training program, the compiled steps, the loop and
+  # the data together; what each does lives in a module of its own.
+  trainer = MODULES["jdist._src.training.trainer"]
+  imported = sorted({t for t, _, _ in _imports(trainer)})
+  assert len(imported) <= 12, imported
+  long = [f"{path.relative_to(ROOT.parent)}: {n} lines"
+          for name, path in MODULES.items()
+          if name.startswith("jdist._src.training")
+          for n in [len(path.read_text().splitlines())] if n > 600]
+  assert not long, "\n".join(long)
