@@ -198,6 +198,7 @@ def test_a_stopped_elastic_launcher_ends_within_its_grace_period(script, sig):
     os.kill(launcher.popen.pid, sig)
     code = launcher.popen.wait(timeout=60)
     took = time.monotonic() - sent
+    print(f"{signal.Signals(sig).name}: the launcher ended {took:.2f} s later")
     assert code == 128 + sig, launcher.output()[-3000:]
     assert took < grace + 3, took
     assert harness.wait_gone(ranks, timeout=1) == []

@@ -33,9 +33,10 @@ class InputOptions:
       for Python's lock: 0.23 ms a step against 0.14 ms). One process only:
       with several, batches are read in the loop's thread.
     pad_to_replicas: pad a global batch that the replicas do not divide
-      evenly with zero rows up to the next multiple of the replicas, and mask
-      them, as a short last batch is (jdist's own option: without it, such a
-      batch is an error). Losses from `jdist.compute_average_loss`, jdist's
+      evenly with zero rows up to the next multiple of the replicas (under
+      FSDP, of the replicas times the devices that split each replica's
+      batch), and mask them, as a short last batch is (jdist's own option:
+      without it, such a batch is an error). Losses from `jdist.compute_average_loss`, jdist's
       metrics and `reduce(MEAN)` leave the padding out, so the training is
       the same on any number of replicas: an elastic job (`jdist launch
       --nnodes MIN:MAX`) restarted on fewer processes keeps its global

@@ -8,9 +8,9 @@ worker (so a function may run more than once: "at least once"); the failed
 worker is restarted empty (its per-worker datasets are built again when it
 next needs them), and the `logging` module says so once (a warning of the
 logger `jdist._src.ps.coordinator`: which worker, how many functions run
-again). A worker that hangs fails the same way once it has been silent for
-the strategy's `timeout_seconds` (a Ray worker that does not answer a health
-call; a threads worker whose function runs longer). An error of a function
+again). A worker that hangs fails the same way after the strategy's
+`timeout_seconds`: its function runs longer (compiling and waiting on
+servers aside), or a Ray worker does not answer a health call. An error of a function
 reaches `join()`, `done()` or the next `schedule()` once nothing is running,
 and cancels the functions still queued; a parameter server's failure does so
 at once (without waiting for the functions in flight), every time from then

@@ -80,10 +80,10 @@ class ParameterServerStrategy(StrategyBase):
       runs); `math.inf` never refuses (TensorFlow's behaviour).
     timeout_seconds: how long a call to a parameter server may take before
       the server counts as failed (`jdist.ParameterServerError`), and how
-      long a worker may be silent before it counts as lost (its functions
-      run again on the others): a Ray worker that does not answer a health
-      call, a threads worker whose function runs longer (its time
-      compiling and waiting on servers aside).
+      long a scheduled function may run before its worker counts as lost
+      (its functions run again on the others; its time compiling and
+      waiting on servers aside), as a Ray worker that does not answer a
+      health call for that long.
     backend: "threads" (workers are threads of this process on its local
       devices, servers objects in it) or "ray" (Ray actors; needs
       `pip install jdist[ray]` and a Ray cluster, `ray.init()`).

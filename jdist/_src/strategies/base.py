@@ -58,6 +58,12 @@ class StrategyBase(abc.ABC):
     return self._state_placement
 
   @property
+  def replica_batch_axis(self) -> str | None:
+    """The mesh axis that splits each replica's batch over its devices
+    (FSDP: `ModelParallelStrategy(fsdp_axis=...)`), or None."""
+    return None
+
+  @property
   def extended(self):
     """Compatibility with code that reads `strategy.extended`: the strategy."""
     return self
