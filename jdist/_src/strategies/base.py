@@ -78,6 +78,12 @@ class StrategyBase(abc.ABC):
     return True
 
   @property
+  def replica_batch_axis(self) -> str | None:
+    """The mesh axis that splits each replica's batch over its devices
+    (FSDP: `ModelParallelStrategy(fsdp_axis=...)`), or None."""
+    return None
+
+  @property
   def extended(self):
     """Compatibility with code that reads `strategy.extended`: the strategy."""
     return self

@@ -172,11 +172,10 @@ class CreatorSource(Source):
     return itertools.islice(self._iterator[1],
                             (self.steps_per_epoch - start) // per_call)
 
-  def static_batch_size(self, num_replicas: int, what: str, *,
-                        micro_batches: int = 1,
+  def static_batch_size(self, strategy, what: str, *, micro_batches: int = 1,
                         pad: bool = False) -> int | None:
     """None: each pipeline batches for itself (per-replica batches)."""
-    del num_replicas, what, micro_batches, pad
+    del strategy, what, micro_batches, pad
     return None
 
   def resume(self, state: dict, consumed: int) -> None:

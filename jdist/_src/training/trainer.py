@@ -102,12 +102,13 @@ class Trainer:
       as M = 1 (exactly also on a padded last batch) with the activations of
       one micro-batch alive at a time; each replica's batch must be a
       multiple of M. Combines with `gradient_accumulation_steps`.
-    pad_to_replicas: a batch that the replicas (times M micro-batches) do
-      not divide is padded with masked rows to the next multiple, as a short
-      last batch is, instead of refused (`jdist.InputOptions`' option of this
-      name). Losses and metrics leave the padding out, so training is the
-      same on any number of replicas: a job under `jdist launch --nnodes
-      MIN:MAX` restarted on fewer processes keeps its `batch_size`.
+    pad_to_replicas: a batch that the replicas (times M micro-batches, and
+      under FSDP the devices that split each replica's batch) do not divide
+      is padded with masked rows to the next multiple, as a short last batch
+      is, instead of refused (`jdist.InputOptions`' option of this name).
+      Losses and metrics leave the padding out, so training is the same on
+      any number of replicas: a job under `jdist launch --nnodes MIN:MAX`
+      restarted on fewer processes keeps its `batch_size`.
 
   Example:
     >>> import jdist, optax, numpy as np
@@ -339,7 +340,7 @@ class Trainer:
     abstract = strategy.state_placement.abstract(self.state)
     y_pred = self._checks.outputs(sample, abstract, what)
     static = source.static_batch_size(
-        strategy.num_replicas_in_sync, what, micro_batches=micro_batches,
+        strategy, what, micro_batches=micro_batches,
         pad=self._input_options.pad_to_replicas)
     if not with_loss:
       return static
