@@ -229,35 +229,34 @@ def test_no_flipped_bit_in_the_newest_checkpoint_is_restored(tmp_path):
 
 
 def _documented_loop() -> str:
-  """The custom loop that checkpoints, as the documentation prints it."""
-  root = pathlib.Path(__file__).resolve().parent.parent
-  for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
-    for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.S):
-      if 'jdist.CheckpointManager("ckpt"' in block:
-        return block
-  raise AssertionError("no page prints the custom loop's checkpoints")
+  """The custom loop that checkpoints, as docs/custom_loops.md prints it."""
+  page = pathlib.Path(__file__).resolve().parent.parent / "docs" / \
+      "custom_loops.md"
+  for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.S):
+    if "jdist.CheckpointManager(" in block and "def job(" in block:
+      return block
+  raise AssertionError("docs/custom_loops.md prints no checkpointing loop")
 
 
 def test_the_documented_loop_resumes_past_a_truncated_checkpoint(
     tmp_path, monkeypatch, capsys):
-  """The documentation's loop, run as printed (no `strategy=` given to the
-  manager: the state comes back on the devices of the state given), then
-  run again after its newest checkpoint was lost and the one before it
-  truncated: it resumes from the step `restore` used, the one before, and
-  ends as the uninterrupted run did."""
-  program = compile(_documented_loop(), "the documented loop", "exec")
+  """The documentation's loop, run as printed (a job stopped after step 6,
+  restarted, and one never stopped: equal), then its job run again after
+  the newest checkpoint of the restarted one (step 8) was truncated: it
+  resumes from the step `restore` used, 4, and ends as the uninterrupted
+  job did."""
+  program = compile(_documented_loop(), "docs/custom_loops.md", "exec")
   monkeypatch.chdir(tmp_path)
-  exec(program, {})
-  uninterrupted = capsys.readouterr().out
-  assert uninterrupted.startswith("resumed at 0; w [")
-  assert sorted(os.listdir("ckpt")) == ["12", "16", "8"]  # max_to_keep=3
-  shutil.rmtree("ckpt/16")  # killed before that save
-  for path in glob.glob("ckpt/12/state/**/d/*", recursive=True):
+  namespace = {"__name__": "__main__"}
+  exec(program, namespace)
+  assert capsys.readouterr().out == "resumed at step 4\nequal: True\n"
+  assert sorted(os.listdir("ckpt")) == ["4", "8"]
+  for path in glob.glob("ckpt/8/state/**/d/*", recursive=True):
     os.truncate(path, os.path.getsize(path) // 2)
-  with pytest.warns(UserWarning, match=r"ckpt/12 is corrupt: its arrays"):
-    exec(program, {})
-  assert capsys.readouterr().out == uninterrupted.replace("resumed at 0",
-                                                          "resumed at 8")
+  with pytest.warns(UserWarning, match=r"ckpt/8 is corrupt: its arrays"):
+    resumed = namespace["job"]("ckpt")
+  assert capsys.readouterr().out == "resumed at step 4\n"
+  np.testing.assert_allclose(resumed, namespace["uninterrupted"], atol=1e-6)
 
 
 def test_a_step_saved_again_is_replaced_and_a_closed_manager_saves_nothing(

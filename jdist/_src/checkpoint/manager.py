@@ -104,6 +104,9 @@ class CheckpointManager:
       the newest complete snapshot is kept (on one machine); the launcher
       removes them when the job ends.
 
+  Attributes:
+    restored_step: the step the last `restore` restored (None before one).
+
   Raises:
     ValueError: `snapshot_every` outside `jdist launch` (it names the job's
       snapshots), or a step count that is not a positive number.
