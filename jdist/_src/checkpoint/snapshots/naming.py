@@ -44,6 +44,7 @@ def part_name(step: int, attempt: int, rank: int, world: int) -> str:
   of several processes the replica of process `(rank - 1) % world`'s.
 
   Example:
+    >>> from jdist._src.checkpoint.snapshots.naming import part_name
     >>> part_name(12, 0, 1, 2)
     'step-000000000012.attempt-0.part-1-of-2.snap'
   """

@@ -48,6 +48,7 @@ class Files:
     process 2's); part 1 is not on this host until process 1's file is:
 
     >>> import tempfile
+    >>> from jdist._src.checkpoint.snapshots.retention import Files
     >>> files = Files(tempfile.mkdtemp(), rank=0, world=3)
     >>> files.put((3, 0, 3), [b"data"])
     >>> files.holds_all((3, 0, 3))
