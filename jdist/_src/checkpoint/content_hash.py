@@ -21,7 +21,8 @@ cryptographic hash: it finds damage, not forgery.
 
 The same program also says whether each leaf's values are all finite (a
 state with NaN or infinities is not saved), so a save reads the state once,
-on its devices, and moves 9 bytes a leaf to the host.
+on its devices, and moves 9 bytes a leaf to the host. A leaf whole on every
+device (a mirrored one) is read on one device only.
 
 Example:
   >>> import jax.numpy as jnp
@@ -102,8 +103,6 @@ def _finite(x: jax.Array) -> jax.Array:
 
 @jax.jit
 def _program(leaves: list) -> tuple:
-  if not leaves:
-    return jnp.zeros((0, 2), jnp.uint32), jnp.zeros((0,), jnp.bool_)
   return (jnp.stack([_leaf_digest(x) for x in leaves]),
           jnp.stack([_finite(x) for x in leaves]))
 
@@ -114,14 +113,29 @@ def _host(x) -> np.ndarray:
   return np.asarray(x)
 
 
+def _one_copy(x):
+  """What to hash of leaf `x`: one device's copy of a leaf whole on every
+  device (the others hold the same bytes: hashing each would repeat the
+  work), else the leaf itself (each device hashes its block)."""
+  if isinstance(x, jax.Array) and x.sharding.is_fully_replicated:
+    return x.addressable_data(0)
+  return x
+
+
 def digests(leaves: list) -> tuple[list[str], list[bool]]:
   """`(digests, finite)` of `leaves` (arrays, PRNG keys as their data): each
   leaf's digest as 16 hexadecimal digits, the same on every mesh and every
   process, and whether its values are all finite (every process calls it
-  for a leaf split over the processes: one program over the global arrays)."""
-  if not leaves:
-    return [], []
-  halves, finite = _program(list(leaves))
-  halves, finite = _host(halves), _host(finite)
-  return ([f"{int(a):08x}{int(b):08x}" for a, b in halves],
-          [bool(f) for f in finite])
+  for a leaf split over the processes: one program over the global arrays;
+  a leaf whole on every device is hashed from one device's copy)."""
+  groups: dict = {}  # one program per set of devices
+  for i, x in enumerate(leaves):
+    x = _one_copy(x)
+    devices = x.sharding.device_set if isinstance(x, jax.Array) else None
+    groups.setdefault(frozenset(devices or ()), []).append((i, x))
+  halves, finite = [None] * len(leaves), [None] * len(leaves)
+  for group in groups.values():
+    h, f = _program([x for _, x in group])
+    for (i, _), hi, fi in zip(group, _host(h), _host(f)):
+      halves[i], finite[i] = hi, bool(fi)
+  return [f"{int(a):08x}{int(b):08x}" for a, b in halves], finite
