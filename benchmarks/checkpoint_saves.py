@@ -265,7 +265,7 @@ def main() -> None:
     return
   if args.quick:
     res = {"trials": 2, "time": save_times(2, {"64 KiB": 64 << 10}),
-           "memory": memory(2, 4, 2, fresh=False)}
+           "memory": memory(1, 2, 1, fresh=False)}
   else:
     res = {"trials": 7, "time": save_times(7, SIZES),
            "memory": memory(args.warm_up, args.saves, args.every)}

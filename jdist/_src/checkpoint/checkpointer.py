@@ -295,9 +295,9 @@ class Checkpointer:
       self._refuse_nonfinite(step, bad)
       return False
     meta = metadata.seal(dict(meta, format=FORMAT, step=int(step),
-                        leaves=metadata.describe(names, leaves),
-                        hash=content_hash.NAME,
-                        digests=dict(zip(names, digests))))
+                              leaves=metadata.describe(names, leaves),
+                              hash=content_hash.NAME,
+                              digests=dict(zip(names, digests))))
     manager, ocp = self._manager, self._ocp
     args = ocp.args.Composite(state=ocp.args.StandardSave(_nest(names, leaves)),
                               meta=ocp.args.JsonSave(meta))
@@ -426,10 +426,10 @@ class Checkpointer:
     names, leaves, treedef = _flatten(target, meta["format"])
     _arrays_only(names, leaves)
     stored = _storable(leaves)
-    diff = metadata.mismatch(meta.get("leaves", {}), metadata.describe(names, stored))
+    saved = meta.get("leaves", {})
+    diff = metadata.mismatch(saved, metadata.describe(names, stored))
     if diff:
-      shown = "\n".join(metadata.policy_change(meta.get("leaves", {}), names) +
-                        diff[:10])
+      shown = "\n".join(metadata.policy_change(saved, names) + diff[:10])
       more = f"\n  ... and {len(diff) - 10} more" if len(diff) > 10 else ""
       raise CheckpointMismatchError(
           f"The checkpoint {self.directory}/{s} was saved from a different "

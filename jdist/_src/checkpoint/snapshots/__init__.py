@@ -1,4 +1,4 @@
-"""In-memory snapshots of a train state: the fast tier of `jdist.CheckpointManager`.
+"""In-memory snapshots of a train state: `CheckpointManager`'s fast tier.
 
 One concept per module: `naming.py` (the files' names), `layout.py` (which
 blocks each process writes, and the program that packs them), `files.py`

@@ -75,7 +75,8 @@ def _host_bytes(x) -> np.ndarray:
   return np.asarray(x)
 
 
-def checked(step: int, layout: "layout_lib.Layout", packed, host: list) -> list | None:
+def checked(step: int, layout: "layout_lib.Layout", packed,
+            host: list) -> list | None:
   """The arrays of a part to write (its bytes on devices, then its leaves
   on the host), or None, with a line, when a value of it is NaN or
   infinite (the packing program's byte says whether; the leaf is then
@@ -101,7 +102,8 @@ def checked(step: int, layout: "layout_lib.Layout", packed, host: list) -> list 
                   for h in host)]  # (bfloat16 too)
 
 
-def replica(step: int, layout: "layout_lib.Layout", received) -> np.ndarray | None:
+def replica(step: int, layout: "layout_lib.Layout",
+            received) -> np.ndarray | None:
   """The bytes of the replica to write (the blocks of the part of the
   process before this one that this one does not hold, `layout`), from
   those the copy brought; None, with a line, when a value of them is NaN
