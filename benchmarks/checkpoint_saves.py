@@ -46,6 +46,7 @@ import orbax.checkpoint as ocp
 from flax.training import train_state
 
 import jdist
+import provenance  # (benchmarks/provenance.py: which run a section is from)
 from jdist._src.checkpoint import checkpointer as ckpt_lib
 from jdist._src.checkpoint import content_hash
 from jdist._src.checkpoint import metadata
@@ -210,8 +211,9 @@ def section(res: dict) -> list:
   lines = [
       "## Checkpoint saves: time, the content hash, memory per save",
       "",
-      f"`python benchmarks/checkpoint_saves.py` ({DEVICES} fake CPU devices). "
-      "Time: a `jdist.CheckpointManager` saving a mirrored state (four "
+      provenance.line(res["provenance"]),
+      "",
+      f"{DEVICES} fake CPU devices. Time: a `jdist.CheckpointManager` saving a mirrored state (four "
       "float32 leaves and a step); medians of "
       f"{res['trials']} saves, and of the save's one program that computes "
       "every leaf's content hash and finiteness, against the float sums that "
@@ -264,12 +266,12 @@ def main() -> None:
                                   args.every)))
     return
   if args.quick:
-    res = {"trials": 2, "time": save_times(2, {"64 KiB": 64 << 10}),
-           "memory": memory(1, 2, 1, fresh=False)}
+    measure = lambda: {"trials": 2, "time": save_times(2, {"64 KiB": 64 << 10}),
+                       "memory": memory(1, 2, 1, fresh=False)}
   else:
-    res = {"trials": 7, "time": save_times(7, SIZES),
-           "memory": memory(args.warm_up, args.saves, args.every)}
-  print(json.dumps(res) if args.json else "\n".join(section(res)))
+    measure = lambda: {"trials": 7, "time": save_times(7, SIZES),
+                       "memory": memory(args.warm_up, args.saves, args.every)}
+  provenance.report(measure, section, args.json)
 
 
 if __name__ == "__main__":

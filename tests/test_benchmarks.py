@@ -254,6 +254,7 @@ def test_checkpoint_saves_runs_and_renders():
           f"{t['hash'] * 1e3:.2f} ms |") in text, text
   assert (f"| `jdist.CheckpointManager(max_to_keep=3)` | "
           f"{mem['jdist']['bytes_per_save'] / 1024:.1f} KiB |") in text, text
+  assert "From `python benchmarks/checkpoint_saves.py --quick` on" in text
 
 
 @pytest.mark.multiprocess
