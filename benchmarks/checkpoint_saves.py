@@ -218,8 +218,8 @@ def section(res: dict) -> list:
       f"{res['trials']} saves, and of the save's one program that computes "
       "every leaf's content hash and finiteness, against the float sums that "
       "checkpoints of formats 1-3 held (timed alternately; the ratio is the "
-      "median of the pairs'). On CPU both programs run on the fake devices "
-      "(every device hashes a mirrored leaf whole).",
+      "median of the pairs'). The hash reads a mirrored leaf on one device; "
+      "the float sums ran on every device.",
       "",
       "| state | save | content hash | float sums | hash / sums |",
       "|---|---|---|---|---|",
