@@ -19,9 +19,13 @@ LAYERS = [
     ("jdist._src.multiprocess",),
     ("jdist._src.core",),
     ("jdist._src.input",),
-    ("jdist._src.strategies",),
+    # The strategies, and what a strategy's scope tells Keras (the
+    # keras.distribution it sets while open).
+    ("jdist._src.strategies", "jdist._src.keras.distribution"),
     ("jdist._src.current", "jdist._src.ops", "jdist._src.equivalence",
-     "jdist._src.diagnose"),
+     "jdist._src.diagnose",
+     # Keras models, optimizers, losses and metrics as jdist values.
+     "jdist._src.keras"),
     # A separate engine (asynchronous, not one SPMD program): it runs the
     # strategies' steps on workers against parameter servers.
     ("jdist._src.ps",),
@@ -264,12 +268,15 @@ def test_no_function_is_longer_than_sixty_lines():
 
 
 def test_importing_jdist_leaves_flax_and_orbax_unimported():
-  """Every process of a job imports jdist: flax and orbax (a third of a
-  second and more each) load only in programs that use them."""
+  """Every process of a job imports jdist: flax, orbax and keras (a third
+  of a second and more each) load only in programs that use them, also
+  once the Trainer and a strategy's scope are used."""
   import subprocess
   import sys
   out = subprocess.run(
-      [sys.executable, "-c", "import sys, jdist; print(sorted({m.split('.')[0] "
-       "for m in sys.modules} & {'flax', 'orbax'}))"],
+      [sys.executable, "-c", "import sys, jdist; jdist.Trainer\n"
+       "with jdist.MirroredStrategy().scope(): pass\n"
+       "print(sorted({m.split('.')[0] for m in sys.modules} & "
+       "{'flax', 'orbax', 'keras', 'tensorflow'}))"],
       capture_output=True, text=True, timeout=120, check=True)
   assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -17,11 +17,15 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
+import warnings
 from typing import Any, Callable
 
 import jax
 
 from jdist._src.core import context
+from jdist._src.core import in_step
+from jdist._src.keras import loading as keras_loading
+from jdist._src.keras.model import StatelessModel
 
 
 def _parameters(fn: Callable):
@@ -210,6 +214,8 @@ class NnxModel:
   trained state is written back into the module object, as Keras does.
   """
 
+  writes_back = True
+
   def __init__(self, module):
     from flax import nnx  # an nnx model: flax is imported
     self._nnx = nnx
@@ -298,13 +304,82 @@ class FunctionModel:
     return params
 
 
+class KerasModel:
+  """A Keras 3 model (JAX backend), through its stateless API.
+
+  Its trainable variables are the parameters and its non-trainable ones
+  (BatchNormalization's moving statistics, random layers' seed states) the
+  model state, both as trees keyed by `variable.path`
+  (`jdist/_src/keras/model.py`). An unbuilt model is built from the first
+  batch. Keras's random layers draw from their seed generators (carried in
+  the state, so a resumed run draws the same), each replica its rows of the
+  global batch's draw: the step's `rng` is not used. After `fit` the
+  trained values are written back into the model, as Keras's fit leaves it.
+  """
+
+  writes_back = True
+
+  def __init__(self, model, params=None):
+    if params is not None:
+      raise ValueError(
+          "A Keras model holds its own variables: pass the model alone "
+          "(jdist.Trainer(model, ...)), without params=; set its weights "
+          "with model.set_weights(...) first to start from others.")
+    self.model = StatelessModel(model)
+    self._warned = False
+
+  def check(self) -> None:
+    """Keras models take `training=`; nothing to check ahead."""
+
+  def init(self, key, x) -> tuple[Any, Any]:
+    del key  # Keras initialises its variables itself (keras.utils.set_random_seed)
+    self.model.build(x)
+    return self.model.variables()
+
+  def apply(self, params, model_state, x, *, train: bool, rng=None):
+    del rng  # Keras's random layers draw from their seed generators' state
+    y, model_state = self.model.apply(params, model_state, x, training=train)
+    if train:
+      self._warn_varying(model_state)
+    return y, model_state
+
+  def _warn_varying(self, model_state) -> None:
+    """Warns once when a step leaves non-trainable values that differ
+    between replicas: each replica's own batch statistics."""
+    axis = _replica_axis()
+    if axis is None or self._warned:
+      return
+    names = [jax.tree_util.keystr(path) for path, v in
+             jax.tree_util.tree_flatten_with_path(model_state)[0]
+             if in_step.is_varying(v, axis)]
+    if names:
+      self._warned = True
+      warnings.warn(
+          f"The Keras model's non-trainable variables {names[:4]} differ "
+          "between replicas after a training step: each replica normalises "
+          "with its own batch's statistics (BatchNormalization's "
+          "synchronized=False, as under TensorFlow's MirroredStrategy), so "
+          "training differs from one device; the trainer keeps their mean "
+          "over replicas. Keras on JAX has no synchronized batch "
+          "normalisation; a larger batch per replica narrows the gap.",
+          stacklevel=2)
+
+  def export(self, params, model_state):
+    """Writes the trained values into the Keras model and returns it."""
+    self.model.assign(params, model_state)
+    return self.model.model
+
+
 def adapt(model, params=None):
   """Wraps `model` in the adapter for its kind.
 
   Raises:
     TypeError: `model` is neither a flax module nor callable.
   """
-  # A flax module's class comes from flax, so flax is imported if it is one.
+  # A Keras model's class comes from keras, so keras is imported if it is
+  # one (and a flax module's from flax).
+  if keras_loading.is_model(model):
+    return KerasModel(model, params)
   linen, nnx = sys.modules.get("flax.linen"), sys.modules.get("flax.nnx")
   if linen is not None and isinstance(model, linen.Module):
     return LinenModel(model, params)

@@ -612,7 +612,7 @@ class Trainer:
       shuffle_order.shutdown()  # the worker drawing permutations ahead
       bar.close()
       cbs.close()
-    if isinstance(self._model, model_lib.NnxModel):
+    if getattr(self._model, "writes_back", False):
       self.export()
     return self.history
 
