@@ -21,7 +21,8 @@ LAYERS = [
     ("jdist._src.input",),
     # The strategies, and what a strategy's scope tells Keras (the
     # keras.distribution it sets while open).
-    ("jdist._src.strategies", "jdist._src.keras.distribution"),
+    ("jdist._src.strategies", "jdist._src.keras.distribution",
+     "jdist._src.keras.loading"),
     ("jdist._src.current", "jdist._src.ops", "jdist._src.equivalence",
      "jdist._src.diagnose",
      # Keras models, optimizers, losses and metrics as jdist values.

@@ -9,9 +9,10 @@ API, so a keras imported with another backend is a clear error.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-from typing import Any
+from typing import Any, Iterator
 
 INSTALL = "pip install 'jdist[keras]'"
 
@@ -101,3 +102,21 @@ def keras_module(what: str):
   if problem is not None:
     raise RuntimeError(f"{what}: {problem}")
   return _loaded()
+
+
+@contextlib.contextmanager
+def no_distribution() -> Iterator[None]:
+  """No `keras.distribution` while jdist runs Keras code of its own: the
+  variables of an optimizer's copy, or a model's call inside a jdist step
+  (where jdist lays out values, and Keras's output layouts would name a
+  mesh of their own). Restored after."""
+  keras = _loaded()
+  before = keras.distribution.distribution() if keras is not None else None
+  if before is None:
+    yield
+    return
+  keras.distribution.set_distribution(None)
+  try:
+    yield
+  finally:
+    keras.distribution.set_distribution(before)

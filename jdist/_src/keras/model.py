@@ -73,7 +73,7 @@ class StatelessModel:
     called while JAX traces: the variables Keras creates hold values."""
     if not self.model.built:
       with jax.ensure_compile_time_eval():
-        self.model(_zeros_like(x))
+        self.model(_zeros_like(x))  # under the program's Keras distribution
     self._paths = None
 
   @property
@@ -121,10 +121,11 @@ class StatelessModel:
       return self.model.stateless_call(tv, ntv, x, training=training,
                                        return_losses=True)
 
-    if training:
-      y, ntv, losses = global_draws.call(call, tv, ntv, x, rows=_rows(x))
-    else:
-      y, ntv, losses = call(tv, ntv, x)
+    with loading.no_distribution():
+      if training:
+        y, ntv, losses = global_draws.call(call, tv, ntv, x, rows=_rows(x))
+      else:
+        y, ntv, losses = call(tv, ntv, x)
     out = (y, variables_lib.tree_of(other_paths, ntv))
     if return_losses:
       total = sum((jnp.sum(jnp.asarray(l, jnp.float32)) for l in losses),

@@ -93,18 +93,6 @@ def resolve(optimizer) -> optax.GradientTransformation:
   return KerasOptimizer(optimizer).transformation()
 
 
-@contextlib.contextmanager
-def _no_distribution(keras):
-  """No Keras distribution while jdist makes variables of its own: they are
-  not the user's model's (a jdist strategy's scope may have set one)."""
-  before = keras.distribution.distribution()
-  keras.distribution.set_distribution(None)
-  try:
-    yield
-  finally:
-    keras.distribution.set_distribution(before)
-
-
 def _placeholder(keras, path: str, shape: tuple, dtype) -> Any:
   """A Keras variable at `path` (its slots are named after the path)."""
   *scopes, name = path.split("/")
@@ -140,7 +128,7 @@ class KerasOptimizer:
     signature = (paths, shapes, dtypes)
     if signature not in self._built:
       keras = self._keras
-      with _no_distribution(keras), jax.ensure_compile_time_eval():
+      with loading.no_distribution(), jax.ensure_compile_time_eval():
         optimizer = self._cls.from_config(dict(self._config))
         placeholders = [_placeholder(keras, p, s, d)
                         for p, s, d in zip(paths, shapes, dtypes)]

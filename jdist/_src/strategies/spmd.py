@@ -49,6 +49,8 @@ class Strategy(StrategyBase):
     9.0
   """
 
+  keras_distribution = "data_parallel"  # Keras's fit in its scope: see StrategyBase
+
   def __init__(self, devices: Sequence[Any], *, axis_name: str = "replica",
                communication_options=None,
                state_placement: placement.StatePlacement | None = None,
