@@ -78,6 +78,11 @@ from jdist._src.input.optional import (
 from jdist._src.input.options import (
     InputOptions as InputOptions,
 )
+from jdist._src.keras.functions import (
+    KerasFunctions as KerasFunctions,
+    KerasVariables as KerasVariables,
+    keras_functions as keras_functions,
+)
 from jdist._src.multiprocess.options import (
     CommunicationOptions as CommunicationOptions,
 )
@@ -233,6 +238,8 @@ __all__ = [
     "History",
     "InputContext",
     "InputOptions",
+    "KerasFunctions",
+    "KerasVariables",
     "LayoutMap",
     "LearningRateScheduler",
     "LossScaleState",
@@ -292,6 +299,7 @@ __all__ = [
     "has_strategy",
     "in_cross_replica_context",
     "initialize",
+    "keras_functions",
     "loss_scale_optimizer",
     "losses",
     "metrics",

@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jdist._src.core import placement
@@ -101,16 +100,19 @@ class StatelessModel:
     return (variables_lib.tree_of(trainable, values[0]),
             variables_lib.tree_of(other, values[1]))
 
-  def apply(self, trainable, non_trainable, x, *, training: bool = False,
-            return_losses: bool = False):
-    """`(y, non_trainable)`, pure: `model.stateless_call` on these values.
+  def apply(self, trainable, non_trainable, x, *, training: bool = False):
+    """`(y, non_trainable, losses)`, pure: `model.stateless_call(...,
+    return_losses=True)` on these values.
 
     Args:
       trainable, non_trainable: trees as `variables()` gives them.
       x: the inputs.
       training: Keras's `training` argument (dropout on, batch statistics).
-      return_losses: also return the sum of the model's losses (its
-        regularizers' and `add_loss`'s), as a third value.
+
+    Returns:
+      The outputs, the new non-trainable values, and the model's losses
+      (its regularizers' and `add_loss`'s, a list of scalars, as
+      `model.losses`).
     """
     trainable_paths, other_paths = self.paths
     tv = variables_lib.at_paths(trainable, trainable_paths, "trainable values")
@@ -126,12 +128,7 @@ class StatelessModel:
         y, ntv, losses = global_draws.call(call, tv, ntv, x, rows=_rows(x))
       else:
         y, ntv, losses = call(tv, ntv, x)
-    out = (y, variables_lib.tree_of(other_paths, ntv))
-    if return_losses:
-      total = sum((jnp.sum(jnp.asarray(l, jnp.float32)) for l in losses),
-                  jnp.zeros((), jnp.float32))
-      out += (total,)
-    return out
+    return y, variables_lib.tree_of(other_paths, ntv), list(losses)
 
   @property
   def has_losses(self) -> bool:

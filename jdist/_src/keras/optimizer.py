@@ -80,17 +80,7 @@ def resolve(optimizer) -> optax.GradientTransformation:
     >>> updates["w"].round(4)
     Array([-0.01, -0.01], dtype=float32)
   """
-  keras = loading.keras_module(f"The optimizer {optimizer!r}")
-  if isinstance(optimizer, str):
-    try:
-      optimizer = keras.optimizers.get(optimizer)
-    except ValueError:
-      raise ValueError(
-          f"Unknown optimizer {optimizer!r}: not a Keras optimizer's name "
-          "(such as 'adam', 'sgd', 'rmsprop', 'adamw'). Pass an optax "
-          "GradientTransformation or a keras.optimizers object.") from None
-  _refuse_unsupported(optimizer)
-  return KerasOptimizer(optimizer).transformation()
+  return KerasOptimizer.of(optimizer).transformation()
 
 
 def _placeholder(keras, path: str, shape: tuple, dtype) -> Any:
@@ -109,6 +99,26 @@ class KerasOptimizer:
     optimizer: the user's Keras optimizer (read for its class and config;
       its own variables are left alone).
   """
+
+  @classmethod
+  def of(cls, optimizer) -> "KerasOptimizer":
+    """The `KerasOptimizer` of a Keras optimizer object or name.
+
+    Raises:
+      ImportError: a name was given and keras is not installed.
+      ValueError: an unknown name, or an option jdist provides otherwise.
+    """
+    keras = loading.keras_module(f"The optimizer {optimizer!r}")
+    if isinstance(optimizer, str):
+      try:
+        optimizer = keras.optimizers.get(optimizer)
+      except ValueError:
+        raise ValueError(
+            f"Unknown optimizer {optimizer!r}: not a Keras optimizer's name "
+            "(such as 'adam', 'sgd', 'rmsprop', 'adamw'). Pass an optax "
+            "GradientTransformation or a keras.optimizers object.") from None
+    _refuse_unsupported(optimizer)
+    return cls(optimizer)
 
   def __init__(self, optimizer):
     self._keras = loading.keras_module("A Keras optimizer")
@@ -155,21 +165,25 @@ class KerasOptimizer:
     values = [np.asarray(v.value) for v in optimizer.variables]
     return variables_lib.tree_of(keys, values)
 
-  def update(self, grads, state, params=None):
-    """Keras's step: `(new_params - params, new_state)`."""
-    if params is None:
-      raise ValueError(
-          f"The Keras optimizer {self.name!r} needs the parameters: call "
-          "update(grads, state, params).")
+  def apply(self, grads, state, params) -> tuple[Any, dict]:
+    """Keras's step, `optimizer.stateless_apply`: `(new_params, new_state)`."""
     names, leaves, treedef = _flat(params)
     optimizer, keys = self._build(*_signature(names, leaves))
     grad_leaves = treedef.flatten_up_to(grads)
     values = variables_lib.at_paths(state, keys, "optimizer state")
     new_params, new_values = optimizer.stateless_apply(
         values, grad_leaves, leaves)
-    updates = [new - old for new, old in zip(new_params, leaves)]
-    return (jax.tree.unflatten(treedef, updates),
+    return (jax.tree.unflatten(treedef, new_params),
             variables_lib.tree_of(keys, new_values))
+
+  def update(self, grads, state, params=None):
+    """Keras's step as optax's: `(new_params - params, new_state)`."""
+    if params is None:
+      raise ValueError(
+          f"The Keras optimizer {self.name!r} needs the parameters: call "
+          "update(grads, state, params).")
+    new_params, new_state = self.apply(grads, state, params)
+    return jax.tree.map(lambda new, old: new - old, new_params, params), new_state
 
 
 def _flat(params):

@@ -338,7 +338,8 @@ class KerasModel:
 
   def apply(self, params, model_state, x, *, train: bool, rng=None):
     del rng  # Keras's random layers draw from their seed generators' state
-    y, model_state = self.model.apply(params, model_state, x, training=train)
+    y, model_state, _ = self.model.apply(params, model_state, x,
+                                         training=train)
     if train:
       self._warn_varying(model_state)
     return y, model_state
