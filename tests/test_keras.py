@@ -42,6 +42,14 @@ def _mlp(weights=None, *, dropout=0.3, name="mlp"):
   return model
 
 
+@pytest.fixture(autouse=True)
+def no_keras_distribution_left():
+  """A strategy's scope may leave Keras's distribution set (a model made in
+  it keeps it, as in TensorFlow): none leaks into the next test."""
+  yield
+  keras.distribution.set_distribution(None)
+
+
 @pytest.fixture(scope="module")
 def data(digits_flat):
   x, y = digits_flat
@@ -109,3 +117,160 @@ def test_keras_names_and_objects_are_keras_meanings(data, weights):
   assert trainer.learning_rate == pytest.approx(1e-3)
   with pytest.raises(ValueError, match="Unknown optimizer 'adamm'"):
     jdist.Trainer(_mlp(weights), optimizer="adamm", loss="mse")
+
+
+# --- custom loops: TensorFlow's "Custom training with tf.distribute.Strategy"
+
+
+def _create_model():
+  """The tutorial's model (its regularised CNN), for 16 x 16 digits."""
+  regularizer = keras.regularizers.L2(1e-5)
+  return keras.Sequential([
+      keras.Input((16, 16, 1)),
+      keras.layers.Conv2D(8, 3, activation="relu",
+                          kernel_regularizer=regularizer),
+      keras.layers.MaxPooling2D(),
+      keras.layers.Conv2D(16, 3, activation="relu",
+                          kernel_regularizer=regularizer),
+      keras.layers.MaxPooling2D(),
+      keras.layers.Flatten(),
+      keras.layers.Dense(32, activation="relu", kernel_regularizer=regularizer),
+      keras.layers.Dense(10, kernel_regularizer=regularizer),
+  ])
+
+
+def _custom_training(strategy, weights, images, labels, steps):
+  """The tutorial's program, its TensorFlow lines replaced by their JAX
+  equivalents: the step is a pure function of the model's variables
+  (`jdist.keras_functions`), jdist's loss averaging and value metrics."""
+  GLOBAL_BATCH_SIZE = 32
+
+  with strategy.scope():
+    loss_object = keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction="none")
+
+    def compute_loss(labels, predictions, model_losses):
+      per_example_loss = loss_object(labels, predictions)
+      loss = jdist.compute_average_loss(per_example_loss)
+      if model_losses:
+        loss += jdist.scale_regularization_loss(model_losses)
+      return loss
+
+    train_accuracy = jdist.metrics.SparseCategoricalAccuracy(
+        name="train_accuracy")
+
+  with strategy.scope():
+    model = _create_model()
+    model.set_weights(weights)
+    optimizer = keras.optimizers.Adam(learning_rate=0.001)
+    variables, model_fns = jdist.keras_functions(model, optimizer)
+
+  def train_step(variables, train_accuracy, inputs):
+    images, labels = inputs
+
+    def loss_fn(trainable):
+      predictions, non_trainable, model_losses = model_fns.call(
+          trainable, variables.non_trainable, images, training=True)
+      loss = compute_loss(labels, predictions, model_losses)
+      return loss, (predictions, non_trainable)
+
+    (loss, (predictions, non_trainable)), gradients = jax.value_and_grad(
+        loss_fn, has_aux=True)(variables.trainable)
+    variables = model_fns.apply_gradients(
+        variables.replace(non_trainable=non_trainable), gradients)
+    train_accuracy = train_accuracy.update(labels, predictions)
+    return variables, train_accuracy, loss
+
+  @jax.jit
+  def distributed_train_step(variables, train_accuracy, dataset_inputs):
+    variables, train_accuracy, per_replica_losses = strategy.run(
+        train_step, args=(variables, train_accuracy, dataset_inputs))
+    return variables, train_accuracy, strategy.reduce(
+        jdist.ReduceOp.SUM, per_replica_losses, axis=None)
+
+  dataset = [(images[i:i + GLOBAL_BATCH_SIZE], labels[i:i + GLOBAL_BATCH_SIZE])
+             for i in range(0, steps * GLOBAL_BATCH_SIZE, GLOBAL_BATCH_SIZE)]
+  train_dist_dataset = strategy.experimental_distribute_dataset(dataset)
+  variables = strategy.replicate(variables)
+  train_accuracy = strategy.replicate(train_accuracy)
+  total_loss = 0.0
+  for x in train_dist_dataset:
+    variables, train_accuracy, loss = distributed_train_step(
+        variables, train_accuracy, x)
+    total_loss += float(loss)
+  model_fns.assign(variables)
+  return model, total_loss / steps, float(train_accuracy.result())
+
+
+def test_tensorflows_custom_training_tutorial_ports_with_its_keras_model(
+    digits):
+  """The tutorial's loop (its Adam, its regularised Keras CNN, the model's
+  losses scaled by the replicas) on 2 replicas equals one device, and the
+  trained values land in the Keras model."""
+  x, y = digits
+  images = np.repeat(np.repeat(x[:192], 2, axis=1), 2, axis=2)  # 16 x 16
+  weights = _create_model().get_weights()
+  one = _custom_training(strategy_on(1), weights, images, y[:192], steps=6)
+  two = _custom_training(strategy_on(2), weights, images, y[:192], steps=6)
+  for a, b in zip(one[0].get_weights(), two[0].get_weights()):
+    np.testing.assert_allclose(a, b, atol=2e-5)
+  assert two[1] == pytest.approx(one[1], rel=1e-5)
+  assert two[2] == pytest.approx(one[2], abs=1e-6)
+  assert not np.allclose(one[0].get_weights()[0], weights[0])  # it trained
+
+
+# --- Keras's own fit under a strategy's scope ------------------------------
+
+
+def _compiled(weights, optimizer="sgd"):
+  model = _mlp(weights, dropout=0.0)
+  model.compile(optimizer=optimizer, metrics=["accuracy"],
+                loss=keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True))
+  return model
+
+
+def test_keras_fit_under_a_scope_distributes_or_fails_loudly(data, weights):
+  """TensorFlow's literal program: model and compile in the scope, fit
+  after it. Keras's own fit then runs data-parallel over the strategy's
+  devices (its keras.distribution) and equals one device; a
+  ModelParallelStrategy's LayoutMap splits the variables Keras makes; a
+  strategy Keras's fit cannot run fails at fit, naming jdist.Trainer."""
+  x, y, _, _ = data
+  reference = _compiled(weights)
+  reference.fit(x, y, batch_size=48, epochs=2, shuffle=False, verbose=0)
+
+  strategy = strategy_on(2)
+  with strategy.scope():
+    model = _compiled(weights)
+  distribution = keras.distribution.distribution()
+  assert isinstance(distribution, keras.distribution.DataParallel)
+  assert list(distribution.device_mesh.devices) == list(strategy.devices)
+  kernel = model.get_layer("hidden").kernel.value
+  assert set(kernel.sharding.device_set) == set(strategy.devices)
+  model.fit(x, y, batch_size=48, epochs=2, shuffle=False, verbose=0)
+  for a, b in zip(reference.get_weights(), model.get_weights()):
+    np.testing.assert_allclose(a, b, atol=1e-5)
+
+  mesh = jdist.DeviceMesh((2, 2), ("data", "model"))
+  layout_map = jdist.LayoutMap(mesh)
+  layout_map["hidden/kernel"] = (None, "model")
+  with jdist.ModelParallelStrategy(layout_map=layout_map).scope():
+    split = _compiled(weights)
+    split.fit(x, y, batch_size=48, epochs=2, shuffle=False, verbose=0)
+    assert split.get_layer("hidden").kernel.value.sharding.spec == \
+        jax.sharding.PartitionSpec(None, "model")
+  for a, b in zip(reference.get_weights(), split.get_weights()):
+    np.testing.assert_allclose(a, b, atol=1e-5)
+
+  with jdist.CentralStorageStrategy(jax.devices()[:2]).scope():
+    central = _compiled(weights)
+  with pytest.raises(RuntimeError, match=r"Keras's own fit cannot run on "
+                     r"CentralStorageStrategy.*jdist\.Trainer"):
+    central.fit(x, y, batch_size=48, epochs=1, verbose=0)
+
+  # A scope that made no Keras variables leaves Keras as it found it.
+  keras.distribution.set_distribution(None)
+  with strategy_on(2).scope():
+    assert keras.distribution.distribution() is not None
+  assert keras.distribution.distribution() is None
