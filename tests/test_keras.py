@@ -19,7 +19,7 @@ import pytest
 
 import jdist
 
-from conftest import strategy_on
+from conftest import Interrupt, strategy_on
 
 keras = pytest.importorskip("keras")
 
@@ -117,6 +117,106 @@ def test_keras_names_and_objects_are_keras_meanings(data, weights):
   assert trainer.learning_rate == pytest.approx(1e-3)
   with pytest.raises(ValueError, match="Unknown optimizer 'adamm'"):
     jdist.Trainer(_mlp(weights), optimizer="adamm", loss="mse")
+
+
+# --- the Trainer's features with a Keras model, each equal to one device
+
+
+def _fit_keras(strategy, weights, data, *, optimizer=None, callbacks=(),
+               **kwargs):
+  x, y, _, _ = data
+  model = _mlp(weights)
+  trainer = jdist.Trainer(
+      model, optimizer=optimizer or keras.optimizers.SGD(0.05, momentum=0.9),
+      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+      metrics=["accuracy"], strategy=strategy, **kwargs)
+  history = trainer.fit(x, y, batch_size=24, epochs=3, shuffle=False,
+                        verbose=0, callbacks=list(callbacks))
+  return model, trainer, history.history
+
+
+def _model_parallel():
+  layout_map = jdist.LayoutMap(jdist.DeviceMesh((2, 2), ("data", "model")))
+  layout_map["hidden/kernel"] = (None, "model")   # Keras's variable path
+  layout_map["hidden/bias"] = ("model",)
+  return jdist.ModelParallelStrategy(layout_map=layout_map)
+
+
+CONFIGURATIONS = {
+    # Keras's SGD with momentum; 4 batches per call, 2 per optimizer step.
+    "steps_per_execution_and_accumulation": (
+        lambda: strategy_on(4),
+        dict(steps_per_execution=4, gradient_accumulation_steps=2)),
+    # The Keras optimizer's moments split over the replicas (ZeRO).
+    "zero": (lambda: strategy_on(2), dict(shard_optimizer_state=True)),
+    # The hidden layer split over "model" by its Keras path, and ZeRO.
+    "model_parallel": (_model_parallel, dict(shard_optimizer_state=True)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGURATIONS))
+def test_trainer_features_with_a_keras_model_equal_one_device(
+    name, data, weights):
+  """30 steps (SGD with momentum, Dropout on): N devices as one."""
+  make_strategy, kwargs = CONFIGURATIONS[name]
+  one, t1, h1 = _fit_keras(strategy_on(1), weights, data, **kwargs)
+  many, tn, hn = _fit_keras(make_strategy(), weights, data, **kwargs)
+  steps = 30 // kwargs.get("gradient_accumulation_steps", 1)
+  assert t1.global_step == tn.global_step == steps
+  for a, b in zip(one.get_weights(), many.get_weights()):
+    np.testing.assert_allclose(a, b, atol=1e-5)
+  np.testing.assert_allclose(h1["loss"], hn["loss"], rtol=1e-5)
+  if name == "model_parallel":
+    kernel = tn.params["mlp"]["hidden"]["kernel"]
+    assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "model")
+    moment = tn.state.opt_state.inner_state["momentum"]["mlp"]["hidden"][
+        "kernel"] if hasattr(tn.state.opt_state, "inner_state") else None
+    del moment
+
+
+def test_a_keras_models_training_resumes_exactly(data, weights, tmp_path):
+  """BackupAndRestore over a Keras model: the seed generators' states (its
+  Dropout's) and the Keras optimizer's moments are in the train state, so
+  a run killed after step 13 and resumed equals one never interrupted."""
+  strategy = strategy_on(2)
+  whole, _, h_whole = _fit_keras(strategy, weights, data)
+  with pytest.raises(KeyboardInterrupt):
+    _fit_keras(strategy, weights, data, callbacks=[
+        Interrupt(13), jdist.BackupAndRestore(tmp_path, save_freq=4)])
+  backup = jdist.BackupAndRestore(tmp_path, save_freq=4)
+  resumed, trainer, h_resumed = _fit_keras(strategy, weights, data,
+                                           callbacks=[backup])
+  assert backup.restored_step == 12
+  for a, b in zip(whole.get_weights(), resumed.get_weights()):
+    np.testing.assert_array_equal(a, b)
+  assert h_resumed["loss"] == h_whole["loss"]
+
+
+def test_a_keras_model_computes_in_its_own_dtype_policy(data, weights):
+  """A model built under Keras's mixed_bfloat16 policy trains in bfloat16
+  by itself (the Trainer takes its policy); 2 replicas equal one device
+  (to bfloat16's precision); another policy for it is a clear error."""
+  keras.config.set_dtype_policy("mixed_bfloat16")
+  try:
+    models = [_mlp(weights) for _ in range(2)]
+  finally:
+    keras.config.set_dtype_policy("float32")
+  x, y, _, _ = data
+  trained = []
+  for n, model in zip((1, 2), models):
+    trainer = jdist.Trainer(model, optimizer="sgd", loss=keras.losses.
+                            SparseCategoricalCrossentropy(from_logits=True),
+                            strategy=strategy_on(n))
+    assert trainer.predict(x[:4]).dtype == np.float32
+    trainer.fit(x, y, batch_size=24, epochs=1, shuffle=False, verbose=0)
+    trained.append(model.get_weights())
+  for a, b in zip(*trained):
+    assert a.dtype == b.dtype
+    np.testing.assert_allclose(a, b, atol=2e-3)
+  with pytest.raises(ValueError, match="computes under the dtype policy "
+                     "'float32'.*set_dtype_policy"):
+    jdist.Trainer(_mlp(weights), optimizer="sgd", loss="mse",
+                  dtype_policy="mixed_bfloat16")
 
 
 # --- custom loops: TensorFlow's "Custom training with tf.distribute.Strategy"

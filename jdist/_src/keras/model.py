@@ -4,7 +4,8 @@
 subclassed, built or not) and offers it as pure functions of pytrees: its
 trainable and non-trainable variables (BatchNormalization's moving
 statistics, the `SeedGenerator` states of its random layers) as trees keyed
-by `variable.path` (`variables.py`), `apply` through
+by `variable.path` (`variables.py`; a seed state by its order among the
+model's, `seed_generators/0`), `apply` through
 `model.stateless_call`, and `assign` to write values back into the model
 (so `model.save`, `model.predict` and Keras's own `fit` see them).
 
@@ -34,6 +35,25 @@ def _zeros_like(x) -> Any:
 def _rows(x) -> int:
   leaves = jax.tree.leaves(x)
   return int(np.shape(leaves[0])[0]) if leaves and np.ndim(leaves[0]) else 0
+
+
+def _state_keys(variables) -> list[str]:
+  """The keys of the non-trainable variables: their paths, but for the
+  random layers' seed states, numbered in the model's order.
+
+  Keras names a `SeedGenerator` by a counter over the whole program
+  (`seed_generator_8/seed_generator_state`), so the same model built again
+  in one process would not find its seeds in its own checkpoint; its
+  position among the model's seed generators is the same every time.
+  """
+  keys, seeds = [], 0
+  for v in variables:
+    if v.name == "seed_generator_state":
+      keys.append(f"seed_generators/{seeds}")
+      seeds += 1
+    else:
+      keys.append(v.path)
+  return keys
 
 
 class StatelessModel:
@@ -86,7 +106,7 @@ class StatelessModel:
             "it an Input (keras.Input(shape)), call it on a batch, or let "
             "jdist build it from the first batch of the data.")
       trainable = [v.path for v in self.model.trainable_variables]
-      other = [v.path for v in self.model.non_trainable_variables]
+      other = _state_keys(self.model.non_trainable_variables)
       variables_lib.check_paths(trainable + other, "model's variables")
       self._paths = (trainable, other)
     return self._paths

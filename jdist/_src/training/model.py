@@ -21,6 +21,7 @@ import warnings
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 
 from jdist._src.core import context
 from jdist._src.core import in_step
@@ -331,6 +332,11 @@ class KerasModel:
   def check(self) -> None:
     """Keras models take `training=`; nothing to check ahead."""
 
+  @property
+  def dtype_policy(self) -> str:
+    """The name of the dtype policy the model computes under (its own)."""
+    return self.model.model.dtype_policy.name
+
   def init(self, key, x) -> tuple[Any, Any]:
     del key  # Keras initialises its variables itself (keras.utils.set_random_seed)
     self.model.build(x)
@@ -338,21 +344,23 @@ class KerasModel:
 
   def apply(self, params, model_state, x, *, train: bool, rng=None):
     del rng  # Keras's random layers draw from their seed generators' state
-    y, model_state, _ = self.model.apply(params, model_state, x,
-                                         training=train)
+    y, new_state, _ = self.model.apply(params, model_state, x,
+                                       training=train)
     if train:
-      self._warn_varying(model_state)
-    return y, model_state
+      self._warn_varying(model_state, new_state)
+    return y, new_state
 
-  def _warn_varying(self, model_state) -> None:
-    """Warns once when a step leaves non-trainable values that differ
-    between replicas: each replica's own batch statistics."""
+  def _warn_varying(self, old_state, new_state) -> None:
+    """Warns once when a training step assigns floating-point non-trainable
+    values that differ between replicas: each replica's batch statistics."""
     axis = _replica_axis()
     if axis is None or self._warned:
       return
-    names = [jax.tree_util.keystr(path) for path, v in
-             jax.tree_util.tree_flatten_with_path(model_state)[0]
-             if in_step.is_varying(v, axis)]
+    old = jax.tree.leaves(old_state)
+    flat = jax.tree_util.tree_flatten_with_path(new_state)[0]
+    names = [jax.tree_util.keystr(path) for (path, v), before in zip(flat, old)
+             if v is not before and jnp.issubdtype(v.dtype, jnp.inexact)
+             and in_step.is_varying(v, axis)]
     if names:
       self._warned = True
       warnings.warn(

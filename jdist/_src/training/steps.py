@@ -62,7 +62,8 @@ def _accumulate(totals: dict, per_ex_loss, y_pred, batch: dict,
 
 
 def _mirror_model_state(model_state):
-  """Model state that varies over replicas, averaged (TF's ON_READ MEAN).
+  """Model state that varies over replicas, averaged (TF's ON_READ MEAN;
+  integers: their maximum).
 
   flax's BatchNorm is made global in the model's apply; state that still
   differs between replicas (a custom layer's running statistics) is made
@@ -76,9 +77,13 @@ def _mirror_model_state(model_state):
   def mirror(v):
     if not in_step.is_varying(v, ctx.axis_name):
       return v
-    mean = ctx.all_reduce("mean", v.astype(jnp.float32)
-                          if not jnp.issubdtype(v.dtype, jnp.inexact) else v)
-    return mean.astype(v.dtype)
+    if not jnp.issubdtype(v.dtype, jnp.inexact):
+      # Integer state (a Keras random layer's seed, a counter) holds the
+      # same value on every replica, typed as varying where a scan carried
+      # it: its maximum is that value, where a mean through float32 would
+      # round one above 2**24.
+      return ctx.all_reduce("max", v)
+    return ctx.all_reduce("mean", v)
 
   return jax.tree.map(mirror, model_state)
 

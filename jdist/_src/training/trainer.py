@@ -79,7 +79,10 @@ class Trainer:
       `save_freq` steps are saved at the end of the execution that reaches
       them. `evaluate` and `predict` run one batch per call.
     dtype_policy: mixed precision, by Keras' names: "float32" (default),
-      "mixed_bfloat16" or "mixed_float16" (or a `jdist.DTypePolicy`). The
+      "mixed_bfloat16" or "mixed_float16" (or a `jdist.DTypePolicy`). A
+      Keras model computes under its own layers' policy (Keras's
+      `keras.config.set_dtype_policy` when it was built), which is then
+      the default, and any other is an error. The
       mixed policies keep parameters and optimizer state in float32 and run
       the model in bfloat16 / float16 (parameters and inputs cast on the way
       in, predictions back to float32 for the loss). "mixed_float16" wraps
@@ -133,15 +136,18 @@ class Trainer:
   def __init__(self, model, *, optimizer: optax.GradientTransformation, loss,
                metrics=None, weighted_metrics=None, params=None, strategy=None,
                seed: int = 0, shard_optimizer_state: bool = False,
-               steps_per_execution: int = 1, dtype_policy="float32",
+               steps_per_execution: int = 1, dtype_policy=None,
                gradient_accumulation_steps: int = 1, micro_batches: int = 1,
                pad_to_replicas: bool = False):
     optimizer = optimizers.resolve(optimizer)
     self._input_options = InputOptions(pad_to_replicas=pad_to_replicas)
     self._strategy = strategy or (current.get_strategy()
                                   if current.has_strategy() else None)
-    self._policy = precision.policy_of(dtype_policy)
     self._model = model_lib.adapt(model, params)
+    # A Keras model computes under its layers' dtype policy: the default.
+    self._policy = precision.policy_of(
+        dtype_policy if dtype_policy is not None else
+        getattr(self._model, "dtype_policy", None) or "float32")
     # What the steps run: the model under the policy (itself for float32).
     self._compute_model = mixed_precision.adapt(self._model, self._policy)
     self._given_tx = optimizer
