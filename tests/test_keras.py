@@ -374,3 +374,114 @@ def test_keras_fit_under_a_scope_distributes_or_fails_loudly(data, weights):
   with strategy_on(2).scope():
     assert keras.distribution.distribution() is not None
   assert keras.distribution.distribution() is None
+
+
+# --- other kinds of Keras models, Keras's names, clear errors --------------
+
+
+class _Subclassed(keras.Model):
+  """A subclassed model, unbuilt until it sees data."""
+
+  def __init__(self):
+    super().__init__(name="sub")
+    self.hidden = keras.layers.Dense(16, activation="relu", name="hidden")
+    self.norm = keras.layers.BatchNormalization(name="norm")
+    self.out = keras.layers.Dense(1, activation="sigmoid", name="out")
+
+  def call(self, x, training=False):
+    return self.out(self.norm(self.hidden(x), training=training))
+
+
+def test_unbuilt_and_functional_models_with_batch_statistics(data):
+  """A subclassed model unbuilt until the first batch, and a functional one
+  with BatchNormalization: their moving statistics are model state,
+  averaged over replicas after each step (with a warning, once, that each
+  replica normalises with its own batch's statistics); Keras metric names
+  ("auc") and objects (keras.metrics.AUC) count every example once."""
+  x, y, x_val, y_val = data
+  binary, binary_val = (y % 2).astype(np.float32), (y_val % 2).astype(
+      np.float32)
+  model = _Subclassed()
+  assert not model.built
+  trainer = jdist.Trainer(
+      model, optimizer="adam", loss="binary_crossentropy", strategy=strategy_on(2),
+      metrics=["auc", keras.metrics.AUC(name="keras_auc")])
+  with pytest.warns(UserWarning, match="each replica normalises with its "
+                    "own batch's statistics") as record:
+    trainer.fit(x, binary, batch_size=48, epochs=1, verbose=0)
+  assert len([w for w in record if "normalises" in str(w.message)]) == 1
+  assert model.built
+  state = trainer.state.model_state
+  assert set(state["sub"]["norm"]) == {"moving_mean", "moving_variance"}
+  moving = np.asarray(state["sub"]["norm"]["moving_mean"])
+  assert np.abs(moving).max() > 0  # the statistics moved
+  np.testing.assert_allclose(model.get_layer("norm").moving_mean.numpy(), moving)
+  # Evaluated on 100 examples, batches of 32 over 2 replicas (the last one
+  # padded): Keras's AUC on the same predictions, computed by Keras.
+  logs = trainer.evaluate(x_val, binary_val, batch_size=32)
+  reference = keras.metrics.AUC()
+  reference.update_state(binary_val, model.predict(x_val, verbose=0))
+  assert logs["auc"] == pytest.approx(float(reference.result()), abs=1e-6)
+  assert logs["keras_auc"] == pytest.approx(logs["auc"], abs=1e-6)
+
+  inputs = keras.Input((64,))
+  hidden = keras.layers.BatchNormalization()(
+      keras.layers.Dense(16, activation="relu")(inputs))
+  functional = keras.Model(inputs, keras.layers.Dense(10)(hidden))
+  trainer = jdist.Trainer(
+      functional, optimizer=keras.optimizers.SGD(0.1), strategy=strategy_on(1),
+      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  trainer.fit(x, y, batch_size=48, epochs=1, verbose=0)
+  assert trainer.global_step == 5
+
+
+def test_clear_errors_for_keras_objects_jdist_cannot_honour(weights):
+  model = _mlp(weights)
+  with pytest.raises(ValueError, match="reduction='sum'.*sum_over_batch_size"):
+    jdist.Trainer(model, optimizer="sgd",
+                  loss=keras.losses.MeanSquaredError(reduction="sum"))
+  with pytest.raises(ValueError, match="gradient_accumulation_steps=2"):
+    jdist.Trainer(model, loss="mse", optimizer=keras.optimizers.SGD(
+        gradient_accumulation_steps=2))
+  with pytest.raises(ValueError, match="LossScaleOptimizer.*mixed_float16"):
+    jdist.Trainer(model, loss="mse", optimizer=keras.optimizers.
+                  LossScaleOptimizer(keras.optimizers.SGD()))
+  with pytest.raises(ValueError, match="holds its own variables"):
+    jdist.Trainer(model, loss="mse", optimizer="sgd", params={})
+
+
+def _run(code: str, **env) -> subprocess.CompletedProcess:
+  return subprocess.run(
+      [sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+      text=True, timeout=300, env={**os.environ, **env})
+
+
+def test_keras_on_another_backend_or_missing_is_a_clear_error():
+  """A Keras model whose keras runs on another backend (numpy here, the
+  same for TensorFlow) cannot run through its JAX stateless API: the Trainer says how to fix it. A Keras optimizer's
+  name without keras installed says what to install; importing jdist and
+  using the Trainer with optax never needs keras."""
+  other = _run("""
+      import keras, jdist
+      model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+      try:
+        jdist.Trainer(model, optimizer="sgd", loss="mse")
+      except RuntimeError as e:
+        print("ERROR", e)
+      """, KERAS_BACKEND="numpy")
+  assert "ERROR" in other.stdout, other.stderr[-2000:]
+  assert "'numpy' backend" in other.stdout
+  assert "KERAS_BACKEND=jax" in other.stdout
+  missing = _run("""
+      import sys
+      sys.modules["keras"] = None   # as if not installed
+      import jdist, optax
+      try:
+        jdist.Trainer(lambda p, x: x @ p, params=None or {}, optimizer="adam",
+                      loss="mse")
+      except ImportError as e:
+        print("ERROR", e)
+      """)
+  assert "needs Keras 3, which is not installed" in missing.stdout, (
+      missing.stdout + missing.stderr[-2000:])
+  assert "jdist[keras]" in missing.stdout
