@@ -119,6 +119,42 @@ def test_keras_names_and_objects_are_keras_meanings(data, weights):
     jdist.Trainer(_mlp(weights), optimizer="adamm", loss="mse")
 
 
+def test_the_trainer_trains_as_keras_fit_does_regularizers_included(data):
+  """A model with L2 kernel regularizers: jdist.Trainer on 2 replicas gives
+  the weights and the logged losses (the model's losses included) of
+  Keras's own fit on one device, and evaluate's loss is Keras's."""
+  x, y, x_val, y_val = data
+
+  def make(weights=None):
+    model = keras.Sequential([
+        keras.Input((64,)),
+        keras.layers.Dense(32, activation="relu", name="hidden",
+                           kernel_regularizer=keras.regularizers.L2(1e-2)),
+        keras.layers.Dense(10, name="logits",
+                           kernel_regularizer=keras.regularizers.L2(1e-2))])
+    if weights is not None:
+      model.set_weights(weights)
+    return model
+
+  keras_model = make()
+  weights = keras_model.get_weights()
+  loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+  keras_model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+  keras_history = keras_model.fit(x, y, batch_size=48, epochs=2,
+                                  shuffle=False, verbose=0).history
+  ours = make(weights)
+  trainer = jdist.Trainer(ours, optimizer=keras.optimizers.SGD(0.1),
+                          loss=loss, strategy=strategy_on(2))
+  history = trainer.fit(x, y, batch_size=48, epochs=2, shuffle=False,
+                        verbose=0).history
+  for a, b in zip(keras_model.get_weights(), ours.get_weights()):
+    np.testing.assert_allclose(a, b, atol=1e-5)
+  np.testing.assert_allclose(history["loss"], keras_history["loss"],
+                             rtol=1e-5)
+  assert trainer.evaluate(x_val, y_val, batch_size=32)["loss"] == \
+      pytest.approx(keras_model.evaluate(x_val, y_val, verbose=0), rel=1e-5)
+
+
 # --- the Trainer's features with a Keras model, each equal to one device
 
 

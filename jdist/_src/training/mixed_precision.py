@@ -54,14 +54,19 @@ class MixedPrecisionModel:
     dtype policy's compute dtype (and would cast jdist's back)."""
     return getattr(self.model, "dtype_policy", None) is not None
 
+  @property
+  def own_losses(self) -> bool:
+    """The model's (see `KerasModel.own_losses`)."""
+    return getattr(self.model, "own_losses", False)
+
   def apply(self, params, model_state, x, *, train: bool, rng=None):
     ctx = context.current_replica_context()
     if train and ctx is not None:
       params = jax.tree.map(lambda p: in_step.to_varying(p, ctx.axis_name),
                             params)
-    y, model_state = self.model.apply(
+    y, *rest = self.model.apply(
         self._cast(params), model_state, self._cast(x), train=train, rng=rng)
-    return self.policy.cast_to_variable(y), model_state
+    return (self.policy.cast_to_variable(y), *rest)
 
 
 def adapt(model, policy: DTypePolicy):

@@ -342,13 +342,22 @@ class KerasModel:
     self.model.build(x)
     return self.model.variables()
 
+  @property
+  def own_losses(self) -> bool:
+    """Whether the model adds losses of its own (its layers' regularizers,
+    `add_loss`): `apply` then returns their sum third, which the trainer
+    adds to the loss, as Keras's fit adds `model.losses`."""
+    return self.model.has_losses
+
   def apply(self, params, model_state, x, *, train: bool, rng=None):
     del rng  # Keras's random layers draw from their seed generators' state
-    y, new_state, _ = self.model.apply(params, model_state, x,
-                                       training=train)
+    y, new_state, losses = self.model.apply(params, model_state, x,
+                                            training=train)
     if train:
       self._warn_varying(model_state, new_state)
-    return y, new_state
+    if not self.own_losses:
+      return y, new_state
+    return y, new_state, sum(losses, jnp.zeros((), jnp.float32))
 
   def _warn_varying(self, old_state, new_state) -> None:
     """Warns once when a training step assigns floating-point non-trainable
