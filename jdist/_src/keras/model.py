@@ -76,7 +76,7 @@ class StatelessModel:
     >>> trainable, _ = m.variables()
     >>> sorted(trainable["s"]["d"])
     ['bias', 'kernel']
-    >>> y, _ = m.apply(trainable, {}, np.ones((4, 3), np.float32))
+    >>> y, _, losses = m.apply(trainable, {}, np.ones((4, 3), np.float32))
     >>> y.shape
     (4, 2)
   """
