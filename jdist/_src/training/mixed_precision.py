@@ -24,14 +24,16 @@ from jdist._src.core import in_step
 from jdist._src.core import placement
 from jdist._src.ops import loss_scale
 from jdist._src.ops.precision import DTypePolicy
+from jdist._src.training.model import ModelAdapter
 
 
-class MixedPrecisionModel:
+class MixedPrecisionModel(ModelAdapter):
   """A model adapter (`model.py`) that applies a mixed `DTypePolicy`."""
 
-  def __init__(self, model, policy: DTypePolicy):
+  def __init__(self, model: ModelAdapter, policy: DTypePolicy):
     self.model = model
     self.policy = policy
+    self.writes_back = model.writes_back
 
   def check(self) -> None:
     self.model.check()
@@ -52,12 +54,12 @@ class MixedPrecisionModel:
     """Whether the model computes in the policy's dtypes by itself: a Keras
     model, whose layers cast their float32 variables and inputs to their
     dtype policy's compute dtype (and would cast jdist's back)."""
-    return getattr(self.model, "dtype_policy", None) is not None
+    return self.model.dtype_policy is not None
 
   @property
   def own_losses(self) -> bool:
-    """The model's (see `KerasModel.own_losses`)."""
-    return getattr(self.model, "own_losses", False)
+    """The model's (see `ModelAdapter.own_losses`)."""
+    return self.model.own_losses
 
   def apply(self, params, model_state, x, *, train: bool, rng=None):
     ctx = context.current_replica_context()
@@ -76,7 +78,7 @@ def adapt(model, policy: DTypePolicy):
     ValueError: the model computes under a dtype policy of its own (a Keras
       model's layers) that is not `policy`.
   """
-  own = getattr(model, "dtype_policy", None)
+  own = model.dtype_policy
   if own is not None and own != policy.name:
     raise ValueError(
         f"The Keras model computes under the dtype policy {own!r} (its "

@@ -1,9 +1,12 @@
 """What `Trainer` needs of a model: initialise it, apply it, hand it back.
 
-Three kinds of model share one small interface (`init`, `apply`, `export`):
-a flax linen `Module`, a flax nnx `Module`, or a plain apply function with
-its parameters. `apply` is pure: it takes parameters and the model's other
-state and returns predictions and the new state, so it runs inside a step.
+Every kind of model reaches the training program through `adapt`, as an
+adapter with one small interface (`ModelAdapter`: `init`, `apply`, `export`,
+`check`, `writes_back`, `own_losses`, `dtype_policy`): a flax linen
+`Module`, a flax nnx `Module`, a Keras 3 model (`jdist/_src/keras/`), or a
+plain apply function with its parameters. `apply` is pure: it takes
+parameters and the model's other state and returns predictions and the new
+state, so it runs inside a step.
 
 Inside a training step on several replicas, flax's BatchNorm layers that
 were given no `axis_name` compute their statistics over the global batch
@@ -145,7 +148,43 @@ def _rebox(old: Any, new: Any) -> Any:
   return meta.replace_boxed(old, new)
 
 
-class LinenModel:
+class ModelAdapter:
+  """The interface every model adapter offers the training program.
+
+  Attributes:
+    writes_back: whether the Trainer writes the trained values back into
+      the user's model object after `fit` (`export`), as Keras' `fit`
+      leaves its model trained: True for models that hold their variables
+      (an nnx module, a Keras model), False for those given as functions of
+      parameters.
+    own_losses: whether the model adds losses of its own (a Keras model's
+      regularizers and `add_loss`): `apply` then returns their sum as a
+      third value, which the train step adds to the loss once per step.
+    dtype_policy: the name of the dtype policy the model computes under by
+      itself (a Keras model's layers'), or None: jdist casts for it.
+  """
+
+  writes_back = False
+  own_losses = False
+  dtype_policy = None
+
+  def check(self) -> None:
+    """Raises if the model cannot be called the way the trainer calls it."""
+
+  def init(self, key, x) -> tuple[Any, Any]:
+    """`(params, model_state)` for inputs like `x` (one example)."""
+    raise NotImplementedError
+
+  def apply(self, params, model_state, x, *, train: bool, rng=None):
+    """`(predictions, new model_state)`; pure, so it runs inside a step."""
+    raise NotImplementedError
+
+  def export(self, params, model_state) -> Any:
+    """The trained model in its own terms (see `Trainer.export`)."""
+    raise NotImplementedError
+
+
+class LinenModel(ModelAdapter):
   """A flax linen module: variables are `params` plus other collections.
 
   A `train` (or `training`) argument of `__call__` is set to True while
@@ -204,7 +243,7 @@ class LinenModel:
     return {"params": params, **model_state}
 
 
-class NnxModel:
+class NnxModel(ModelAdapter):
   """A flax nnx module: `nnx.Param` leaves train, the rest is model state.
 
   The module is put in training mode (`module.train()`) for training steps
@@ -257,7 +296,7 @@ class NnxModel:
     return self.module
 
 
-class FunctionModel:
+class FunctionModel(ModelAdapter):
   """`apply_fn(params, x)` with its parameters.
 
   `apply_fn` may take `train=` (True while training) and `rng=` (the step's
@@ -305,7 +344,7 @@ class FunctionModel:
     return params
 
 
-class KerasModel:
+class KerasModel(ModelAdapter):
   """A Keras 3 model (JAX backend), through its stateless API.
 
   Its trainable variables are the parameters and its non-trainable ones

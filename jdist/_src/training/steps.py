@@ -1,10 +1,9 @@
-"""The per-replica train, evaluation and prediction steps `Trainer` runs.
+"""The per-replica train, evaluation and prediction steps of a
+`TrainingProgram`, and the checks that trace them against the data.
 
-Losses and metrics are `jdist.metrics` values: each replica adds its own
-examples (the padding of a short last batch left out) into `SyncOnRead` SUM
-sums on the devices, so the host reads them only when it wants to show them:
-no synchronisation per step. The epoch value of each is `total / count`,
-the exact mean over the examples seen, on any number of replicas.
+Each step adds its replica's examples to the running sums of the loss and
+metrics (`totals.py`); the checks trace the model, loss and metrics on the
+data's shapes before any step runs, so a mismatch is a clear error.
 """
 
 from __future__ import annotations
@@ -28,14 +27,6 @@ from jdist._src.training import objectives
 from jdist._src.training.state import TrainState
 
 
-def make_totals(metrics: dict, weighted: dict | None = None) -> dict:
-  """Fresh running sums: the loss's, then one `Metric` per metric."""
-  totals = {"loss": metrics_lib.Mean("loss")}
-  totals.update({k: m.reset() for k, m in metrics.items()})
-  totals.update({k: m.reset() for k, m in (weighted or {}).items()})
-  return totals
-
-
 def _batch_size(x) -> int:
   return jax.tree.leaves(x)[0].shape[0]
 
@@ -49,7 +40,7 @@ def _apply(model, params, model_state, x, *, train: bool, rng=None):
   the sum of its own losses (a Keras model's regularizers; None for a model
   without, `own_losses`)."""
   out = model.apply(params, model_state, x, train=train, rng=rng)
-  return out if getattr(model, "own_losses", False) else (*out, None)
+  return out if model.own_losses else (*out, None)
 
 
 def _logged_loss(per_ex_loss, sw, own) -> jax.Array:
@@ -295,38 +286,3 @@ def _metric_error(name, what, y, y_pred, e) -> ValueError:
       f"The metric {name!r} cannot compare the {what}'s targets (shapes "
       f"{objectives.describe(y)}) with the model's predictions (shapes "
       f"{objectives.describe(y_pred)}): {type(e).__name__}: {e}")
-
-
-def restore_totals(totals: dict, sums: dict) -> dict:
-  """`totals` holding `sums` (from `read_sums`, e.g. a checkpoint's)."""
-  restored = {}
-  for name, metric in totals.items():
-    restored[name] = metric.with_sums(
-        sums.get(name, {"total": 0.0, "count": 0.0}))
-  return restored
-
-
-def device_sums(strategy, totals: dict) -> dict:
-  """`{name: {"total", "count"}}` summed over replicas, still on the devices.
-
-  `totals` is their value (`StatePlacement.read` of held totals).
-  """
-  sync = {k: m.totals for k, m in totals.items()}
-  if any(s.per_replica for s in sync.values()):
-    return strategy.reduce("sum", sync)
-  return {k: s.value for k, s in sync.items()}
-
-
-def read_sums(strategy, totals: dict) -> dict:
-  """`{name: sums}` on the host, over replicas (one transfer), as JSON
-  values: `{"total", "count"}` floats (a Keras metric: its variables by
-  name, a vector as a list)."""
-  sums = placement.to_host(device_sums(strategy, totals))
-  return {k: {n: float(a) if np.ndim(a) == 0 else np.asarray(a).tolist()
-              for n, a in v.items()} for k, v in sums.items()}
-
-
-def means(totals: dict, sums: dict) -> dict[str, float]:
-  """`{name: value}`: each metric's result from its `read_sums` (the exact
-  mean over the examples seen; 0 before any)."""
-  return {k: float(totals[k].value_of(v)) for k, v in sums.items()}
