@@ -243,6 +243,35 @@ def test_a_keras_models_training_resumes_exactly(data, weights, tmp_path):
   assert h_resumed["loss"] == h_whole["loss"]
 
 
+def test_callbacks_reach_a_keras_optimizer_and_model(data, weights, tmp_path):
+  """LearningRateScheduler sets a Keras optimizer's learning rate (its
+  variable, in the train state); EarlyStopping's restored best weights and
+  a ModelCheckpoint's loaded ones land in the Keras model."""
+  x, y, x_val, y_val = data
+  model, trainer, _ = _fit_keras(
+      strategy_on(1), weights, data, optimizer=keras.optimizers.SGD(0.1),
+      callbacks=[jdist.LearningRateScheduler(
+          lambda epoch, lr: 0.1 if epoch < 2 else 0.0),
+          jdist.ModelCheckpoint(tmp_path, save_weights_only=True)])
+  assert trainer.learning_rate == 0.0
+  after_two = model.get_weights()
+  trainer.fit(x, y, batch_size=24, epochs=1, shuffle=False, verbose=0)
+  for a, b in zip(after_two, model.get_weights()):
+    np.testing.assert_array_equal(a, b)  # a rate of 0 leaves them
+  trainer.learning_rate = -0.5  # gradient ascent: the loss rises
+  stopper = jdist.EarlyStopping(monitor="loss", patience=0,
+                                restore_best_weights=True)
+  history = trainer.fit(x, y, batch_size=24, epochs=4, shuffle=False,
+                        verbose=0, callbacks=[stopper])
+  assert trainer.stop_training, history.history
+  best = jax.device_get(stopper.best_state.params)
+  np.testing.assert_array_equal(model.get_layer("hidden").kernel.numpy(),
+                                best["mlp"]["hidden"]["kernel"])
+  trainer.load_checkpoint(tmp_path)
+  for a, b in zip(after_two, model.get_weights()):
+    np.testing.assert_array_equal(a, b)
+
+
 def test_a_keras_model_computes_in_its_own_dtype_policy(data, weights):
   """A model built under Keras's mixed_bfloat16 policy trains in bfloat16
   by itself (the Trainer takes its policy); 2 replicas equal one device

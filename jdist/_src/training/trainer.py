@@ -547,7 +547,8 @@ class Trainer:
     any number of devices or processes. A `save_weights_only` checkpoint
     loads the parameters and model state and keeps the optimizer's. Call
     `build(x)` first if the trainer has not run yet (the checkpoint must
-    match the model's shapes).
+    match the model's shapes). A model that holds its variables (a Keras
+    model, an nnx module) holds the loaded values afterwards.
 
     Raises:
       jdist.CheckpointNotFoundError: `directory` holds no checkpoint (a
@@ -558,4 +559,6 @@ class Trainer:
     self._require_state("load a checkpoint into")
     self.state, loaded = checkpoint_loading.load(
         directory, self.state, self.strategy, step=step)
+    if self._program.model.writes_back:
+      self.export()  # the model object holds them, as after Keras's load_weights
     return loaded
