@@ -138,7 +138,10 @@ class KerasOptimizer:
     signature = (paths, shapes, dtypes)
     if signature not in self._built:
       keras = self._keras
-      with loading.no_distribution(), jax.ensure_compile_time_eval():
+      # Its own variables are never read (stateless_apply is given the
+      # state): they are made in host memory, not on an accelerator.
+      with loading.no_distribution(), jax.ensure_compile_time_eval(), \
+          jax.default_device(jax.local_devices(backend="cpu")[0]):
         optimizer = self._cls.from_config(dict(self._config))
         placeholders = [_placeholder(keras, p, s, d)
                         for p, s, d in zip(paths, shapes, dtypes)]
