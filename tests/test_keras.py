@@ -240,7 +240,8 @@ def test_a_keras_models_training_resumes_exactly(data, weights, tmp_path):
   assert backup.restored_step == 12
   for a, b in zip(whole.get_weights(), resumed.get_weights()):
     np.testing.assert_array_equal(a, b)
-  assert h_resumed["loss"] == h_whole["loss"]
+  # The epoch that spans the resume adds its restored sums in another order.
+  np.testing.assert_allclose(h_resumed["loss"], h_whole["loss"], rtol=1e-6)
 
 
 def test_callbacks_reach_a_keras_optimizer_and_model(data, weights, tmp_path):
