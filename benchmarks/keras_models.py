@@ -82,10 +82,13 @@ def section(res: dict) -> list:
       f"{s['replicas']} fake CPU devices, the same batches and SGD: trained by "
       "`jdist.Trainer(keras_model)`, by Keras's own `fit` under "
       "`keras.distribution.DataParallel`, and written in flax and trained by "
-      f"`jdist.Trainer`. {s['rounds']} rounds of {s['steps']} steps per block "
+      f"`jdist.Trainer`. {s['rounds']} rounds of "
+      f"{', '.join(f'{m} {n}' for m, n in s['steps'].items())} steps per block "
       "(one `fit` epoch each), the workers' order rotating; samples/s is the "
       "median over rounds, a ratio the median of the per-round ratios "
-      "[min, max]. Same jax and keras for all three.",
+      "[min, max]. Same jax and keras for all three. The MLP's step is "
+      "overhead (what the targets are about); the CNN's is its "
+      "convolutions, the same XLA program whichever way it is called.",
       "",
       "| model | trained by | samples/s | final loss |",
       "|---|---|---:|---:|"]
