@@ -78,10 +78,10 @@ from jdist._src.input.optional import (
 from jdist._src.input.options import (
     InputOptions as InputOptions,
 )
-from jdist._src.multiprocess.options import (
+from jdist._src.runtime.options import (
     CommunicationOptions as CommunicationOptions,
 )
-from jdist._src.multiprocess.runtime import (
+from jdist._src.runtime.runtime import (
     Runtime as Runtime,
     initialize as initialize,
 )
