@@ -78,13 +78,6 @@ from jdist._src.input.optional import (
 from jdist._src.input.options import (
     InputOptions as InputOptions,
 )
-from jdist._src.multiprocess.options import (
-    CommunicationOptions as CommunicationOptions,
-)
-from jdist._src.multiprocess.runtime import (
-    Runtime as Runtime,
-    initialize as initialize,
-)
 from jdist._src.ops.accumulation import (
     accumulate_gradients as accumulate_gradients,
 )
@@ -129,6 +122,13 @@ from jdist._src.ps.strategy import (
 )
 from jdist._src.ps.variables import (
     ServerVariables as ServerVariables,
+)
+from jdist._src.runtime.options import (
+    CommunicationOptions as CommunicationOptions,
+)
+from jdist._src.runtime.runtime import (
+    Runtime as Runtime,
+    initialize as initialize,
 )
 from jdist._src.strategies.central_storage import (
     CentralStorageStrategy as CentralStorageStrategy,
