@@ -83,13 +83,6 @@ from jdist._src.keras.functions import (
     KerasVariables as KerasVariables,
     keras_functions as keras_functions,
 )
-from jdist._src.multiprocess.options import (
-    CommunicationOptions as CommunicationOptions,
-)
-from jdist._src.multiprocess.runtime import (
-    Runtime as Runtime,
-    initialize as initialize,
-)
 from jdist._src.ops.accumulation import (
     accumulate_gradients as accumulate_gradients,
 )
@@ -134,6 +127,13 @@ from jdist._src.ps.strategy import (
 )
 from jdist._src.ps.variables import (
     ServerVariables as ServerVariables,
+)
+from jdist._src.runtime.options import (
+    CommunicationOptions as CommunicationOptions,
+)
+from jdist._src.runtime.runtime import (
+    Runtime as Runtime,
+    initialize as initialize,
 )
 from jdist._src.strategies.central_storage import (
     CentralStorageStrategy as CentralStorageStrategy,
