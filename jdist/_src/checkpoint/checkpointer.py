@@ -39,7 +39,7 @@ from jdist._src.checkpoint import orbax_errors
 from jdist._src.checkpoint.metadata import FORMAT, FORMATS
 from jdist._src.checkpoint.metadata import NESTED_FORMAT as _NESTED_FORMAT
 from jdist._src.checkpoint.metadata import UNCHECKED_FORMAT as _UNCHECKED_FORMAT
-from jdist._src.multiprocess import runtime as runtime_lib
+from jdist._src.runtime import runtime as runtime_lib
 
 _STEP = re.compile(r"\d+")  # orbax's name of a complete step directory
 # Where a save of a step that exists is written before it replaces the step.

@@ -22,7 +22,7 @@ import numpy as np
 
 from jdist._src.checkpoint.snapshots import files as files_lib
 from jdist._src.checkpoint.snapshots.naming import groups, held
-from jdist._src.multiprocess import runtime as runtime_lib
+from jdist._src.runtime import runtime as runtime_lib
 
 
 def _seen(directory: str) -> dict:

@@ -33,7 +33,7 @@ import os
 from jdist._src.checkpoint.snapshots import files as files_lib
 from jdist._src.checkpoint.snapshots.naming import held, parse, part_name
 from jdist._src.checkpoint.snapshots.naming import tmp_name
-from jdist._src.multiprocess import liveness
+from jdist._src.launcher import liveness
 
 # The largest file a process keeps as its spare, to write the next snapshot
 # over (a larger one is removed: the spare holds as much memory as the file).

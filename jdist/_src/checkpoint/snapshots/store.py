@@ -2,7 +2,7 @@
 
 Every `snapshot_every` steps each process writes the blocks of the state it
 holds to one file in the job's snapshot directory under /dev/shm
-(`multiprocess/snapshot_dir.py`): host memory that outlives the training
+(`launcher/snapshot_dir.py`): host memory that outlives the training
 processes, so a restarted job resumes without reading the persistent
 directory. `write` takes a snapshot: one jitted program packs this
 process's blocks into one buffer on its device (and those the next process
