@@ -21,7 +21,7 @@ LAYERS = [
     ("jdist._src.input",),
     ("jdist._src.strategies",),
     ("jdist._src.current", "jdist._src.ops", "jdist._src.equivalence",
-     "jdist._src.diagnose"),
+     "jdist._src.diagnose", "jdist._src.planning"),
     # A separate engine (asynchronous, not one SPMD program): it runs the
     # strategies' steps on workers against parameter servers.
     ("jdist._src.ps",),

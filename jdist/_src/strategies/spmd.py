@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdist._src.core import cross_replica
@@ -134,6 +134,30 @@ class Strategy(StrategyBase):
       [P()]
     """
     return [P() for _ in jax.tree.leaves(tree)]
+
+  def shardings(self, tree: Any) -> Any:
+    """The `NamedSharding` each leaf of `tree` has as state of this strategy:
+    whole on every device of the mesh (as `replicate` places it), the leaves
+    of a `jdist.Sharded` split as it says. `ModelParallelStrategy` lays
+    leaves out by its rules. Nothing is placed: `tree` may hold
+    `jax.ShapeDtypeStruct`s (planning a state before it exists).
+
+    Example:
+      >>> import jdist, jax.numpy as jnp
+      >>> strategy = jdist.MirroredStrategy()
+      >>> strategy.shardings({"w": jnp.zeros((2, 3))})["w"].spec
+      P()
+    """
+    mesh = self._mesh
+
+    def one(node):
+      if isinstance(node, Sharded):
+        leaves, treedef = jax.tree.flatten(node.value)
+        return node.replace(jax.tree.unflatten(treedef, [
+            NamedSharding(mesh, spec) for spec in node.partition_specs()]))
+      return NamedSharding(mesh, P())
+
+    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, Sharded))
 
   def keep_layouts(self, outputs: Any) -> Any:
     """Inside a traced step: its outputs, held in this strategy's layouts.
