@@ -173,8 +173,7 @@ def test_flax_mnist_model_with_rngs_trains_under_the_trainer(digits):
   """flax's MNIST model (`__call__(self, x, rngs)`, BatchNorm, nnx Dropout)
   on 2 replicas: it learns, its dropout draws from the trainer's seed, and
   evaluation runs it without dropout. (nnx's Dropout draws the same mask on
-  every replica, so its training depends on the device count: README, Known
-  limitations. That is why this is not compared with one device.)"""
+  every replica, so its training depends on the device count: docs/limitations.md. That is why this is not compared with one device.)"""
   x, y = digits
   runs = {}
   for seed in (0, 0, 1):

@@ -192,9 +192,9 @@ def running_in_cloud_tpu_vm() -> bool:
 # --- placing host batches ---------------------------------------------------------
 
 try:
-  # Private: jax.device_put spends ~25 us of Python per leaf (pytree and
-  # sharding checks, copy semantics, aval updates); a small model's input
-  # path is dominated by it. These are the calls it ends in.
+  # Private: jax.device_put's Python per leaf (pytree and sharding checks,
+  # copy semantics, aval updates) dominates a small model's input path.
+  # These are the calls it ends in.
   from jax._src import core as _core
   from jax._src import dispatch as _dispatch
   from jax._src.interpreters import pxla as _pxla
@@ -220,7 +220,7 @@ def array_type() -> type | None:
 
 
 # (sharding, shape, dtype) -> the shards' indices and the arrays' abstract
-# value (building the value costs ~11 us: more than placing a small leaf).
+# value (building the value costs more than placing a small leaf).
 _host_puts: dict = {}
 
 

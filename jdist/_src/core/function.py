@@ -407,7 +407,7 @@ class DistributedFunction:
     if isinstance(last, _TRACER):
       # Called inside the user's own jax.jit: this is a trace, not a step.
       # The outer program is what runs, and jdist never sees its calls, so
-      # it cannot throttle them (README, "No CPU deadlock"). A warning here
+      # it cannot throttle them (docs/semantics.md, "No CPU deadlock"). A warning here
       # would fire for every jitted step on CPU, long loops or not.
       return
     if self._guard is not None:

@@ -168,7 +168,7 @@ class DistributedIterator:
     batch_size: the static batch (global, or per replica); None: the first.
     identity: what the dataset is, for the multi-process input agreement's
       rendezvous keys (with an occurrence count, the same on every process).
-    steps: if set, items are `BatchGroup`s of this many batches.
+    steps: if set, items are each a `BatchGroup` of this many batches.
   """
 
   def __init__(self, strategy, source: Iterator, mode: Mode, *,

@@ -3,15 +3,11 @@
 float16 holds numbers up to 65504 and loses gradients below about 6e-8. The
 loss is multiplied by a scale before differentiation so that small gradients
 survive the float16 backward pass, and the float32 gradients are divided by
-it before the update. The scale grows (x2) after a run of finite steps and
-backs off (/2) at a step whose gradients overflow, which is then skipped: the
-parameters and optimizer state stay as they were. TensorFlow's Keras
-LossScaleOptimizer does the same (initial scale 2**15, growth after 2000
-finite steps), with its floor: the scale never goes below 1 (a smaller one
-would no longer guard against underflow, and halving without a floor reaches
-0.0 after ~150 overflows in a row, after which every step overflows), and it
-grows only to a finite value. So a long run of overflowing batches (NaN in
-the data) leaves the scale at 1, and the first clean batch trains again.
+it before the update. As in Keras' LossScaleOptimizer, the scale doubles
+after a run of finite steps (2000) and halves at a step whose gradients
+overflow, which is skipped (parameters and optimizer state unchanged); it
+never goes below 1 (TensorFlow's floor: halving without one reaches 0.0 and
+skips every later step) and grows only to a finite value.
 
 Under a jdist strategy the gradients reach the optimizer already summed over
 replicas, so every replica sees the same overflow and skips the same steps.

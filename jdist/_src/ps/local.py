@@ -1,16 +1,12 @@
 """The threads backend: workers are threads of this process, servers objects.
 
-Worker `i` runs its functions in a thread of its own, on local device
-`i % D` (a one-device `MirroredStrategy`); each parameter server is a
-`ParameterServer` object served by a thread of its own, as a server task
-would be. Nothing crosses a process boundary, which makes it the backend for
-notebooks and tests. Because calls cross threads, a caller can stop waiting:
-a server that does not answer within `timeout_seconds` is a
-`jdist.ParameterServerError`, and a worker whose function runs longer is
-lost (a thread cannot be stopped or asked whether it is alive, so a function
-that runs past the timeout is all there is to see of a hung worker). Time a
-function spends compiling (JAX's compile events) or waiting for a parameter
-server (whose own timeout decides) does not count.
+Worker `i` runs its functions in a thread of its own on local device
+`i % D`; each parameter server is a `ParameterServer` served by a thread.
+Nothing crosses a process boundary: the backend for notebooks and tests. A
+server that does not answer within `timeout_seconds` is a
+`jdist.ParameterServerError`; a worker whose function runs longer (compile
+time and server waits aside) is lost, since a thread can neither be stopped
+nor asked whether it is alive.
 """
 
 from __future__ import annotations

@@ -1,23 +1,15 @@
 """The Ray backend: parameter servers and workers as Ray actors.
 
 An optional extra (`pip install jdist[ray]`): Ray starts, places, restarts
-and reaches the actors, so jdist has no network layer of its own. Each
-parameter server is an actor around a `ParameterServer` (never restarted: a
-server that dies has lost its variables, which `jdist.ParameterServerError`
-reports). Each worker is an actor whose process runs scheduled functions on
-its own devices; Ray restarts a worker whose process dies, and the
-coordinator then sends it its functions again and it rebuilds its per-worker
-datasets. Functions and arguments travel pickled (cloudpickle); a function
-is sent to each worker once.
-
-The set of workers is elastic between `ray_options["min_workers"]` and
-`["max_workers"]`: a thread of the cluster (`RayCluster.watch`) starts
-another worker actor whenever Ray's free resources fit one (a node joined,
-another job ended, a worker left for good), and hands it to the coordinator
-once its process answers; a worker whose actor dies for good (no restarts
-left, its node removed) leaves, and its slot is free for a newcomer.
-
-Ray is imported when the backend starts, so jdist imports without it.
+and reaches the actors, so jdist has no network layer of its own. A
+parameter server is never restarted (its variables are lost:
+`jdist.ParameterServerError`); Ray restarts a worker whose process dies, and
+the coordinator sends it its functions again. Functions and arguments travel
+pickled, a function once per worker. The workers are elastic between
+`ray_options["min_workers"]` and `["max_workers"]`: `RayCluster.watch`
+starts another worker whenever Ray's free resources fit one, and a worker
+whose actor dies for good frees its slot. Ray is imported when the backend
+starts.
 """
 
 from __future__ import annotations
@@ -313,20 +305,14 @@ def _death_reason(error) -> str:
 def scaling_bounds(options: dict, num_workers: int) -> tuple:
   """`(min_workers, max_workers)` of `ray_options`, checked.
 
-  Args:
-    options: the strategy's `ray_options`.
-    num_workers: the workers the cluster starts with.
-
   Raises:
     ValueError: a bound that is not a positive integer, or
       `min_workers <= num_workers <= max_workers` does not hold.
 
   Example:
     >>> from jdist._src.ps.ray_backend import scaling_bounds
-    >>> scaling_bounds({"max_workers": 4}, num_workers=2)
-    (1, 4)
-    >>> scaling_bounds({}, num_workers=2)  # fixed, but for replacements
-    (1, 2)
+    >>> scaling_bounds({"max_workers": 4}, num_workers=2), scaling_bounds({}, 2)
+    ((1, 4), (1, 2))
   """
   low = options.get("min_workers", 1)
   high = options.get("max_workers", num_workers)

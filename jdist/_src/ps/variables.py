@@ -397,23 +397,10 @@ def _delete_quietly(store, set_id: str) -> None:
 class ServerPlacement(placement.StatePlacement):
   """State held on the parameter servers, as `ServerVariables`.
 
-  `ParameterServerStrategy.replicate` makes the handle; steps run on the
-  workers and update the servers themselves, so nothing moves around a call
-  on the coordinator. The training layer reads the values (one read from
-  every server holding a piece, after the functions scheduled so far),
-  writes values into them (`ServerVariables.assign`), and asks their shapes
-  without reading anything.
-
-  Example:
-    >>> import jdist, jax.numpy as jnp
-    >>> strategy = jdist.ParameterServerStrategy(
-    ...     jdist.cluster_resolver.LocalClusterResolver(num_workers=1, num_ps=1))
-    >>> held = strategy.replicate({"w": jnp.zeros(2)})
-    >>> held = strategy.state_placement.write(held, {"w": jnp.ones(2)},
-    ...                                       strategy.mesh)
-    >>> strategy.state_placement.read(held)["w"].tolist()
-    [1.0, 1.0]
-    >>> jdist.ClusterCoordinator(strategy).shutdown()
+  Steps run on the workers and update the servers themselves, so nothing
+  moves around a call on the coordinator; `read` reads every server holding a
+  piece (after the functions scheduled so far), `write` assigns, `abstract`
+  reads nothing. See `StatePlacement`.
   """
 
   def read(self, held: ServerVariables) -> Any:

@@ -307,8 +307,8 @@ class ArraySource:
       # A shuffled batch's rows, taken from the whole arrays where the loop
       # needs them: a worker thread taking chunks of batches ahead made the
       # seed MLP's fit slower on 2 cores (its takes compete with the step
-      # for the cores and the caches; README, "Trainer.fit vs a hand-written
-      # loop").
+      # for the cores and the caches; benchmarks/RESULTS.md, "Trainer.fit vs a
+      # hand-written loop").
       for i in range(first + start, first + count):
         idx = order[i * bs:(i + 1) * bs]
         yield treedef.unflatten([a.take(idx, axis=0) for a in leaves])
