@@ -78,6 +78,13 @@ def _fit(out: str) -> None:
   assert set(eval(evaluation)) == {"loss", "accuracy"}, out  # noqa: S307
 
 
+def _planning(out: str) -> None:
+  assert re.search(r"^  parameters +53\.1 KB$", out, re.M), out
+  assert re.search(r"^  optimizer state +106\.2 KB$", out, re.M), out
+  assert ("What fits (compiled and planned): FSDP over 'fsdp' (2 devices, 2 "
+          "replica(s)): parameters + optimizer state 159.4 KB -> 79.7 KB") in out
+
+
 # What the text says a program prints, by a line that only that program has.
 EXPECTED = {
     "print(epoch, strategy.reduce(jdist.ReduceOp.SUM, loss))": _losses_fall,
@@ -86,6 +93,7 @@ EXPECTED = {
     "jdist.ShardedOptimizer(": _sharded_optimizer,
     "ModelParallelStrategy(device_mesh=mesh)": _partition_metadata,
     "history = trainer.fit(x, y, batch_size=128, epochs=3": _fit,
+    "jdist.plan(step, shapes, batch, memory_budget=budget)": _planning,
 }
 PAGES_WITH_PROGRAMS = [p for p in PAGES if programs(p)]
 

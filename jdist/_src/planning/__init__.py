@@ -136,7 +136,8 @@ def plan_program(step, strategy, state: Any, batch: Any, *,
   state_leaves = memory.state_leaves(state)
   leaves = state_leaves + memory.batch_leaves(batch)
   device = strategy.mesh.devices.flat[0]
-  largest = sorted(leaves, key=lambda l: -l.device_bytes)[:LARGEST]
+  largest = sorted(leaves, key=lambda l: (-l.device_bytes,
+                                          memory.KINDS.index(l.kind)))[:LARGEST]
   return Plan(
       strategy=repr(strategy), platform=device.platform,
       device_kind=device.device_kind, num_devices=int(strategy.mesh.size),

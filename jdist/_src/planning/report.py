@@ -189,10 +189,11 @@ class Plan:
     parts = sorted([(k, b) for k, b in self.arguments if b] +
                    [("temporaries", self.temp_bytes)], key=lambda kb: -kb[1])
     lines = [
-        f"The step needs {format_bytes(self.peak_bytes)} per device at its "
-        f"peak, over the {format_bytes(self.memory_limit)} a device may use "
-        f"({self.memory_limit_source}), under {self.strategy}; found by "
-        "compiling it, before any step ran.",
+        f"The step needs {format_bytes(self.peak_bytes)} "
+        f"({self.peak_bytes:,} bytes) per device at its peak, over the "
+        f"{format_bytes(self.memory_limit)} ({self.memory_limit:,} bytes) a "
+        f"device may use ({self.memory_limit_source}), under {self.strategy};"
+        " found by compiling it, before any step ran.",
         "Largest per device: " + ", ".join(
             f"{k} {format_bytes(b)}" for k, b in parts[:4]) + "; arrays: " +
         ", ".join(f"{p} {format_bytes(b)}" for p, _, b in self.largest[:3])
@@ -241,12 +242,12 @@ def _what_fits(plan: Plan) -> str:
 
 def _table(plan: Plan) -> list[str]:
   def row(label, value, tail=""):
-    return f"  {label:<26}{value:>14}{tail}"
+    return f"  {label:<34}{value:>12}{tail}"
 
-  mesh = " x ".join(f"{n} {s}" for n, s in plan.mesh)
+  mesh = ", ".join(f"{n}={s}" for n, s in plan.mesh)
   rows = [f"jdist.plan: {plan.strategy}",
           f"  {plan.num_devices} {plan.device_kind} device(s), "
-          f"{plan.num_replicas} replica(s); mesh {mesh}",
+          f"{plan.num_replicas} replica(s), mesh ({mesh})",
           "per device"]
   rows += [row(kind, format_bytes(plan.argument(kind))) for kind in KINDS]
   rows += [row("outputs", format_bytes(plan.output_bytes),
