@@ -158,12 +158,8 @@ class LossScaleState(NamedTuple):
 
 
 class LossScaleTransformation(optax.GradientTransformation):
-  """The optax transformation `loss_scale_optimizer` returns.
-
-  An `optax.GradientTransformation` like any other (optax's own
-  `GradientTransformationExtraArgs` is such a subclass); its type says that
-  the optimizer scales the loss already, before any state exists, so a
-  `Trainer` under "mixed_float16" does not wrap it a second time.
+  """The optax transformation `loss_scale_optimizer` returns: its type tells a
+  `Trainer` under "mixed_float16" that the loss is scaled already.
   """
 
   __slots__ = ()
@@ -175,15 +171,11 @@ def loss_scale_optimizer(inner: optax.GradientTransformation, *,
                          ) -> LossScaleTransformation:
   """Wraps an optax optimizer with dynamic loss scaling (Keras' names).
 
-  `update` takes the gradients of the scaled loss, divides them by the scale,
-  and applies `inner` if they are all finite; otherwise the update is zero,
-  `inner`'s state stays, and the scale halves, but not below 1 (TensorFlow's
-  rule; `optax.apply_if_finite` does the skipping and counts it). The
-  gradients of the scaled loss must be differentiated from
-  `state.loss_scale.scale_loss(loss)`. The state says when steps overflow
-  at the floor (`at_floor`, `last_step_skipped`,
-  `consecutive_skipped_steps`): then the batches themselves are not
-  finite, and no scale helps.
+  `update` takes the gradients of `state.loss_scale.scale_loss(loss)`,
+  divides them by the scale and applies `inner` if they are all finite;
+  otherwise the update is zero, `inner`'s state stays and the scale halves,
+  not below 1. Steps that overflow at the floor (`at_floor`,
+  `last_step_skipped`) mean the batches themselves are not finite.
 
   Args:
     inner: the optimizer to wrap.
@@ -191,8 +183,7 @@ def loss_scale_optimizer(inner: optax.GradientTransformation, *,
     dynamic_growth_steps: finite steps after which the scale doubles.
 
   Returns:
-    An optax transformation (a `LossScaleTransformation`) whose state is a
-    `LossScaleState`.
+    A `LossScaleTransformation` whose state is a `LossScaleState`.
 
   Example:
     >>> import jdist, jax, jax.numpy as jnp, optax

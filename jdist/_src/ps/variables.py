@@ -1,15 +1,10 @@
 """`ServerVariables`: a pytree of variables held by the parameter servers.
 
-`ParameterServerStrategy.replicate(tree)` cuts every leaf into pieces (with
-the strategy's `variable_partitioner`; whole leaves otherwise), gives the
-pieces to the servers round-robin, as TensorFlow places variables, and returns
-a `ServerVariables` handle. Steps take the handle where they took the state;
-on a worker, the step reads the pieces, joins them, runs, and sends each
-server the change of its pieces.
-
-Leaves of numbers are updated by adding the worker's change (new minus what
-it read); boolean and PRNG-key leaves by replacing them (the last update
-wins). `SyncOnRead` values are stored aggregated and reach the step unplaced.
+`ParameterServerStrategy.replicate(tree)` cuts every leaf into pieces (the
+strategy's `variable_partitioner`), gives them to the servers round-robin,
+as TensorFlow places variables, and returns the handle steps take as their
+state. Numbers are updated by adding a worker's change, booleans and PRNG
+keys by replacing them; `SyncOnRead` values are stored aggregated.
 """
 
 from __future__ import annotations
@@ -172,18 +167,11 @@ class Snapshot:
 class ServerVariables(RemoteState):
   """A pytree of variables held by the parameter servers.
 
-  `ParameterServerStrategy.replicate(tree)` returns one. Pass it to steps
-  where they take the state: a step run on a worker reads the variables,
-  computes, and sends the servers its change; the step's result holds the
-  handle where it returned the new state. On the coordinator, `read()` (or
-  `jdist.read_value`) gives the values and `assign()` replaces them.
-
-  A handle of an object (a metric, a train state) forwards its attributes
-  and methods (`accuracy.result()`, `accuracy.reset_state()`, nnx's
-  `metric.compute()`), with a variable's meaning: reads run on the values
-  read from the servers, in-place changes are written back, and a method
-  that returns a new object is refused with the assignment to write (see
-  `ps/forwarding.py`).
+  `ParameterServerStrategy.replicate(tree)` returns one; steps take it as
+  their state, and a step's result holds it where the new state was returned.
+  On the coordinator `read()` (or `jdist.read_value`) gives the values and
+  `assign()` replaces them. A handle of an object (a metric, a train state)
+  forwards its methods with a variable's meaning (`ps/forwarding.py`).
 
   Example:
     >>> import jdist, jax.numpy as jnp
