@@ -65,9 +65,9 @@ def plan(step: Callable, state: Any, batch: Any, *, strategy=None,
       `strategy.function(step)`: pass `donate_argnums=(0,)` through a
       `strategy.function` step to plan it reusing the state's buffers).
     state: the state: arrays (placed ones keep their layout), or
-      `jax.ShapeDtypeStruct`s (`jax.eval_shape(init)`: a model too large
+      `jax.ShapeDtypeStruct` values (`jax.eval_shape(init)`: a model too large
       for one device is planned without being built).
-    batch: one global batch (arrays or `ShapeDtypeStruct`s with a leading
+    batch: one global batch (arrays or `ShapeDtypeStruct` values with a leading
       batch axis), or a `PerReplica` batch of the strategy.
     strategy: the strategy; default: the step's own, else a
       `MirroredStrategy` over every local device (as `jdist.diagnose`).

@@ -73,7 +73,7 @@ def fsdp_candidates(strategy) -> list[Candidate]:
 def evaluate(candidates: Iterable[Candidate],
              plan_of: Callable[[Candidate], Any]) -> tuple:
   """Plans each candidate in turn (`plan_of`) until one fits; returns the
-  `Alternative`s planned, with why those that could not be were not."""
+  `Alternative` values planned, with why those that could not be were not."""
   out = []
   for c in candidates:
     try:

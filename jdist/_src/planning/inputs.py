@@ -2,7 +2,7 @@
 no data.
 
 The state may be given placed (its arrays' own layouts count), as host
-arrays or as `jax.ShapeDtypeStruct`s (`jax.eval_shape` of an init
+arrays or as `jax.ShapeDtypeStruct` values (`jax.eval_shape` of an init
 function: a model too large to build can still be planned); the latter are
 laid out as the strategy holds state (`Strategy.shardings`: whole on every
 device, or a `ModelParallelStrategy`'s rules). A global batch becomes the
@@ -27,7 +27,7 @@ _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
 
 
 def laid_out(strategy, state: Any) -> Any:
-  """`state` as `jax.ShapeDtypeStruct`s with the layout each leaf has (a
+  """`state` as `jax.ShapeDtypeStruct` values with the layout each leaf has (a
   placed array on the strategy's devices, or a struct that carries one) or
   gets as this strategy's state."""
   devices = set(strategy.mesh.devices.flat)
@@ -66,8 +66,8 @@ def _dtype(x: Any):
 
 def distributed_batch(strategy, batch: Any) -> PerReplica:
   """The abstract `PerReplica` that `strategy`'s distributed dataset makes
-  of the global `batch` (arrays or `ShapeDtypeStruct`s with a leading batch
-  axis); a `PerReplica` is taken as it is.
+  of the global `batch` (arrays or `ShapeDtypeStruct` values with a leading
+  batch axis); a `PerReplica` is taken as it is.
 
   Raises:
     ValueError: the leaves disagree on the batch size, or it does not
@@ -101,7 +101,7 @@ def distributed_batch(strategy, batch: Any) -> PerReplica:
 
 
 def global_batch(batch: Any) -> Any:
-  """The global batch of `batch` as `ShapeDtypeStruct`s: a `PerReplica`'s
+  """The global batch of `batch` as `ShapeDtypeStruct` values: a `PerReplica`'s
   rows joined again, other leaves' shapes as they are."""
   if not isinstance(batch, PerReplica):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x),

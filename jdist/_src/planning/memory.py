@@ -10,7 +10,7 @@ into four kinds, the rows of a plan:
                     with no `params` anywhere, every floating-point leaf
                     that is not optimizer state (a bare parameter tree)
   optimizer state   leaves under an `opt_state` key or attribute, inside an
-                    optax state (its `NamedTuple`s) or a `jdist.Sharded`
+                    optax state (its `NamedTuple` classes) or a `jdist.Sharded`
                     (`ShardedOptimizer`'s state)
   other state       the rest of the state (step counters, random keys,
                     batch-norm statistics)
@@ -98,7 +98,7 @@ def _spec(x: Any) -> tuple:
 
 
 def _is_optax_state(x: Any) -> bool:
-  """An optax state: one of optax's `NamedTuple`s (a chain's tuple holds
+  """An optax state: one of optax's `NamedTuple` classes (a chain's tuple holds
   them)."""
   return isinstance(x, tuple) and hasattr(x, "_fields") and (
       type(x).__module__.split(".")[0] == "optax")
@@ -121,7 +121,7 @@ def _named(tree: Any):
 
 
 def state_leaves(state: Any) -> list[Leaf]:
-  """Each array leaf of `state` (arrays or `ShapeDtypeStruct`s with their
+  """Each array leaf of `state` (arrays or `ShapeDtypeStruct` values with their
   shardings), sorted into parameters, optimizer state and other state."""
   named = [(p, x, opt) for p, x, opt in _named(state) if hasattr(x, "dtype")]
   has_params = any("params" in p.split("/") for p, _, _ in named)

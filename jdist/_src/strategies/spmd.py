@@ -140,7 +140,7 @@ class Strategy(StrategyBase):
     whole on every device of the mesh (as `replicate` places it), the leaves
     of a `jdist.Sharded` split as it says. `ModelParallelStrategy` lays
     leaves out by its rules. Nothing is placed: `tree` may hold
-    `jax.ShapeDtypeStruct`s (planning a state before it exists).
+    `jax.ShapeDtypeStruct` values (planning a state before it exists).
 
     Example:
       >>> import jdist, jax.numpy as jnp
