@@ -131,10 +131,21 @@ def plan_program(step, strategy, state: Any, batch: Any, *,
   None, where it comes from)`)."""
   state = inputs.laid_out(strategy, state)
   batch = inputs.distributed_batch(strategy, batch)
-  lowered = step.lower(state, batch)
+  return read_plan(step.lower(state, batch), strategy,
+                   memory.state_leaves(state), memory.batch_leaves(batch),
+                   model_flops=model_flops, limit=limit,
+                   whole_above=whole_above)
+
+
+def read_plan(lowered, strategy, state_leaves: list, other_leaves: list, *,
+              model_flops: float | None, limit: tuple,
+              whole_above: int = WHOLE_ABOVE) -> Plan:
+  """The `Plan` of a step `lowered` for arguments whose arrays are
+  `state_leaves` (the state, which the layout notes read) and
+  `other_leaves` (the batch, ...), compiling it (the compiled program is
+  the one a call of the same jitted function with such arguments runs)."""
   facts = program.read(lowered, lowered.compile(), strategy.mesh)
-  state_leaves = memory.state_leaves(state)
-  leaves = state_leaves + memory.batch_leaves(batch)
+  leaves = list(state_leaves) + list(other_leaves)
   device = strategy.mesh.devices.flat[0]
   largest = sorted(leaves, key=lambda l: (-l.device_bytes,
                                           memory.KINDS.index(l.kind)))[:LARGEST]
