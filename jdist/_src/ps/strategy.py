@@ -67,9 +67,9 @@ class ParameterServerStrategy(StrategyBase):
       read and its update; default twice the workers. 0 makes training
       sequential; `math.inf` never refuses (TensorFlow's behaviour).
     timeout_seconds: how long a server call may take before the server counts
-      as failed (`jdist.ParameterServerError`), and how long a worker may be
-      silent (a Ray worker's health call, a threads worker's function, compile
-      time and server waits aside) before it is lost.
+      as failed (`jdist.ParameterServerError`), and how long a scheduled
+      function may run (compile time and server waits aside), or a Ray worker
+      leave a health call unanswered, before its worker is lost.
     backend: "threads" (workers are threads of this process, servers objects
       in it) or "ray" (Ray actors; `pip install jdist[ray]` and `ray.init()`).
     ray_options: with backend="ray": `{"worker": {...}, "ps": {...}}` actor
@@ -224,6 +224,13 @@ class ParameterServerStrategy(StrategyBase):
   @property
   def variable_partitioner(self):
     return self._partitioner
+
+  @property
+  def synchronous(self) -> bool:
+    """False: steps are scheduled on workers one call at a time, against
+    state the servers hold and update in place (see
+    `StrategyBase.synchronous`)."""
+    return False
 
   @property
   def num_replicas_in_sync(self) -> int:

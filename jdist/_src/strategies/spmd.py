@@ -115,12 +115,6 @@ class Strategy(StrategyBase):
     """How many replicas run each step."""
     return len(self._devices)
 
-  @property
-  def replica_batch_axis(self) -> str | None:
-    """The mesh axis that splits each replica's batch over its devices
-    (FSDP: `ModelParallelStrategy(fsdp_axis=...)`), or None."""
-    return None
-
   def replica_layouts(self, tree: Any) -> list:
     """The layout within a replica of each leaf of `tree`, in flattening
     order: a `PartitionSpec` over the mesh axes other than the replica one.

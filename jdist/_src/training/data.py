@@ -667,9 +667,8 @@ def make_source(x, y=None, *, batch_size=None, steps_per_epoch=None,
                         class_weight=class_weight)
 
 
-def static_batch_size(source: Source, sample: dict, num_replicas: int,
-                      what: str, *, micro_batches: int = 1,
-                      pad: bool = False) -> int | None:
+def static_batch_size(source: Source, sample: dict, strategy, what: str, *,
+                      micro_batches: int = 1, pad: bool = False) -> int | None:
   """The global batch size steps compile for: the first batch's.
 
   Data that fits in one batch (fewer examples than `batch_size`, fewer
@@ -679,32 +678,42 @@ def static_batch_size(source: Source, sample: dict, num_replicas: int,
   decides when it sees whether another batch follows.
 
   Args:
+    strategy: the strategy whose replicas (and, under FSDP, the devices
+      of each replica: `host.batch_split`) share every batch.
     micro_batches: M: each replica's share of a batch is split into M
-      micro-batches (the Trainer's `micro_batches`), so batches must split
-      into `num_replicas * M` equal parts.
-    pad: pad every batch to a multiple of `num_replicas * M` instead
+      micro-batches (the Trainer's `micro_batches`), so each replica's
+      share must be a multiple of M (and of its FSDP devices).
+    pad: pad every batch to such a multiple instead
       (`InputOptions.pad_to_replicas`).
 
   Raises:
     ValueError: the batches cannot split evenly over the replicas (and
-      micro-batches).
+      micro-batches, and FSDP's devices); the message names
+      `pad_to_replicas`.
   """
   rows = host.batch_size_of(sample["x"], f"{what}'s first batch")
-  parts = num_replicas * micro_batches
+  num_replicas = strategy.num_replicas_in_sync
+  split, split_what = host.batch_split(strategy)
+  parts = num_replicas * math.lcm(micro_batches, split // num_replicas)
   if rows % parts == 0:
     return rows
   if pad or source.steps_per_epoch == 1:
     return host.padded_size(rows, parts)
-  if rows % num_replicas:
+  or_pad = (" Or pass pad_to_replicas=True to jdist.Trainer to pad every such "
+            "batch with masked rows, which losses and metrics leave out.")
+  if rows % split:
     if source.one_shot and source.steps_per_epoch is None:
       return None
-    raise ValueError(f"In the {what}: {host.split_error(rows, num_replicas)}")
+    raise ValueError(f"In the {what}: "
+                     f"{host.split_error(rows, split, split_what)}{or_pad}")
+  fsdp = ("" if split == num_replicas else f" and of the {split // num_replicas}"
+          " devices that split it (FSDP)")
   raise ValueError(
       f"micro_batches={micro_batches} splits each replica's "
       f"batch into {micro_batches} micro-batches, but the global batch of "
       f"{rows} gives {rows // num_replicas} rows to each of {num_replicas} "
-      f"replicas. Use a batch size that is a multiple of {parts} (replicas x "
-      "micro-batches).")
+      f"replicas, not a multiple of {micro_batches}{fsdp}. Use a batch size "
+      f"that is a multiple of {parts}.{or_pad}")
 
 
 def validation_source(source, validation_data, *, validation_split: float,
