@@ -179,3 +179,75 @@ def test_the_gpts_flops_from_the_program_and_from_the_model_agree(devices):
   a100 = dataclasses.replace(plan, peak_flops_per_device=312e12)
   assert a100.throughput(0.5).mfu == pytest.approx(
       plan.model_flops / 0.5 / 312e12)
+
+
+# --- the Trainer: trainer.plan, fit's check before the first step, its logs --
+
+
+def _gpt_trainer(devices, **kwargs):
+  return jdist.Trainer(
+      _MODEL, optimizer=optax.adam(1e-3),
+      loss=jdist.losses.SparseCategoricalCrossentropy(from_logits=True),
+      strategy=jdist.MirroredStrategy(devices[:2]), **kwargs)
+
+
+_TOKENS = np.random.default_rng(1).integers(0, 32, (64, 9)).astype(np.int32)
+_X, _Y = _TOKENS[:, :-1], _TOKENS[:, 1:]
+
+
+class _Steps(jdist.Callback):
+  """Records every step and every fit that began."""
+
+  def __init__(self):
+    super().__init__()
+    self.calls = []
+
+  def on_train_begin(self, logs=None):
+    self.calls.append("train_begin")
+
+  def on_train_batch_begin(self, batch, logs=None):
+    self.calls.append(batch)
+
+
+def test_trainer_plans_fits_step_and_fit_reports_its_throughput(
+    devices, capsys):
+  trainer = _gpt_trainer(devices)
+  plan = trainer.plan(_X, _Y, batch_size=16)
+  assert trainer.state is None  # planned from the state's shapes: built nothing
+  assert plan.model_flops == _MODEL.train_flops((16, 8))  # the GPT's count
+  assert plan.argument("batch") > 0 and plan.argument("other state") > 0
+  assert "over replica: all-reduce" in str(plan)
+  trainer.fit(_X, _Y, batch_size=16, epochs=2, verbose=2)
+  # The plan compiled the program fit's first step ran: it compiled once.
+  assert trainer.train_function.num_compilations == 1
+  params = trainer.state.params
+  assert plan.argument("parameters") == _device_bytes(params)
+  assert plan.argument("optimizer state") == _device_bytes(
+      trainer.state.opt_state)
+  lines = [l for l in capsys.readouterr().out.splitlines()
+           if l.startswith("Epoch")]
+  assert len(lines) == 2 and all(
+      "FLOP/s per device, MFU n/a" in l for l in lines), lines
+
+
+def test_fit_over_its_memory_budget_raises_before_anything_runs(devices):
+  roomy = _gpt_trainer(devices).plan(_X, _Y, batch_size=16)
+  budget = roomy.peak_bytes - 1
+  trainer = _gpt_trainer(devices, memory_budget=budget)
+  steps = _Steps()
+  with pytest.raises(jdist.MemoryBudgetError) as raised:
+    trainer.fit(_X, _Y, batch_size=16, epochs=1, callbacks=[steps],
+                verbose=0)
+  # Before anything ran: no state was built, no callback called, no step.
+  assert trainer.state is None and steps.calls == [] and (
+      trainer.global_step == 0)
+  message = str(raised.value)
+  assert ("What fits (compiled and planned): the optimizer state split over "
+          "the 2 replicas (ZeRO)") in message
+  assert "jdist.Trainer(..., shard_optimizer_state=True)" in message
+  # The layout the error names (ZeRO) fits the budget: its fit runs.
+  zero = _gpt_trainer(devices, memory_budget=budget,
+                      shard_optimizer_state=True)
+  assert zero.plan(_X, _Y, batch_size=16).fits
+  zero.fit(_X, _Y, batch_size=16, epochs=1, callbacks=[steps], verbose=0)
+  assert steps.calls[:2] == ["train_begin", 0] and zero.global_step == 4

@@ -139,14 +139,17 @@ def plan_program(step, strategy, state: Any, batch: Any, *,
 
 def read_plan(lowered, strategy, state_leaves: list, other_leaves: list, *,
               model_flops: float | None, limit: tuple,
-              whole_above: int = WHOLE_ABOVE) -> Plan:
+              whole_above: int = WHOLE_ABOVE, detail: bool = True) -> Plan:
   """The `Plan` of a step `lowered` for arguments whose arrays are
   `state_leaves` (the state, which the layout notes read) and
   `other_leaves` (the batch, ...), compiling it (the compiled program is
-  the one a call of the same jitted function with such arguments runs)."""
-  facts = program.read(lowered, lowered.compile(), strategy.mesh)
-  leaves = list(state_leaves) + list(other_leaves)
+  the one a call of the same jitted function with such arguments runs).
+  Without `detail`, the program's text is not read: no collectives, and
+  the compute dtype only where the device has a known peak."""
   device = strategy.mesh.devices.flat[0]
+  facts = program.read(lowered, lowered.compile(), strategy.mesh,
+                       detail=detail or peaks.known(device.device_kind))
+  leaves = list(state_leaves) + list(other_leaves)
   largest = sorted(leaves, key=lambda l: (-l.device_bytes,
                                           memory.KINDS.index(l.kind)))[:LARGEST]
   return Plan(
@@ -164,7 +167,8 @@ def read_plan(lowered, strategy, state_leaves: list, other_leaves: list, *,
                                              facts.compute_dtype),
       collectives=facts.collectives,
       largest=tuple((l.path, l.kind, l.device_bytes) for l in largest),
-      notes=lint.notes(strategy, state_leaves, whole_above=whole_above),
+      notes=(lint.notes(strategy, state_leaves, whole_above=whole_above)
+             if detail else ()),
       memory_limit=limit[0], memory_limit_source=limit[1])
 
 

@@ -75,6 +75,12 @@ PEAKS = (
 _FULL_FLOAT32 = ("highest", "float32", "f32_f32_f32")
 
 
+def known(device_kind: str) -> bool:
+  """Whether the table has a row for `device_kind` (CPUs have none)."""
+  return any(re.search(pattern, device_kind, re.IGNORECASE)
+             for pattern, _ in PEAKS)
+
+
 def peak_flops(device_kind: str, dtype: str | None) -> float | None:
   """One device's dense peak FLOP/s for products in `dtype`, or None where
   the table does not know it (a CPU, an unlisted device or dtype).

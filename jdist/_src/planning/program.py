@@ -76,9 +76,10 @@ class ProgramFacts:
             self.temp_bytes)
 
 
-def read(lowered, compiled, mesh) -> ProgramFacts:
+def read(lowered, compiled, mesh, *, detail: bool = True) -> ProgramFacts:
   """The facts of `compiled` (and of `lowered`, the program it came from),
-  whose collectives run over `mesh`."""
+  whose collectives run over `mesh`; without `detail`, its text is not read
+  (no collectives, no compute dtype)."""
   memory = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   if isinstance(cost, (list, tuple)):  # one dict per program on older JAX
@@ -94,8 +95,9 @@ def read(lowered, compiled, mesh) -> ProgramFacts:
       alias_bytes=int(memory.alias_size_in_bytes),
       temp_bytes=int(memory.temp_size_in_bytes),
       flops=float((cost or {}).get("flops", 0.0)),
-      collectives=collectives_by_axes(compiled.as_text(), mesh),
-      compute_dtype=compute_dtype(lowered.as_text()))
+      collectives=(collectives_by_axes(compiled.as_text(), mesh) if detail
+                   else ()),
+      compute_dtype=compute_dtype(lowered.as_text()) if detail else None)
 
 
 def collectives_by_axes(text: str, mesh) -> tuple:
