@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, Iterator
 import jax
 import numpy as np
 
+from jdist._src.core import kinds
 from jdist._src.core import placement
 from jdist._src.core.values import BatchGroup, PerReplica, ValueContext
 from jdist._src.input import host
@@ -439,9 +440,7 @@ _NONE = object()  # no item read ahead (None is the end of the data)
 
 def per_replica_spec(item: PerReplica | BatchGroup) -> Any:
   """`jax.ShapeDtypeStruct`s of one replica's batch (of one batch of a group)."""
-  skip = 2 if isinstance(item, BatchGroup) else 1
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[skip:], x.dtype),
-                      item.values)
+  return kinds.kind_of(item).batch_spec(item)
 
 
 def _name(obj: Any) -> str:

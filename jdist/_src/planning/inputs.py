@@ -18,8 +18,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from jdist._src.core import kinds
 from jdist._src.core import placement
-from jdist._src.core.values import PerReplica, Sharded
+from jdist._src.core.values import PerReplica
 from jdist._src.input import host
 
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
@@ -49,8 +50,8 @@ def shapes(state: Any) -> Any:
     ValueError: the state holds a `jdist.Sharded` (optimizer state split
       over one strategy's replicas), which no other layout can take as is.
   """
-  if any(isinstance(x, Sharded) for x in jax.tree.leaves(
-      state, is_leaf=lambda x: isinstance(x, Sharded))):
+  if any(kinds.has_layouts(x) for x in jax.tree.leaves(
+      state, is_leaf=kinds.has_layouts)):
     raise ValueError(
         "the state holds optimizer state split over this strategy's "
         "replicas (jdist.ShardedOptimizer), made for this layout only")
@@ -73,7 +74,7 @@ def distributed_batch(strategy, batch: Any) -> PerReplica:
     ValueError: the leaves disagree on the batch size, or it does not
       split over the replicas (and, for FSDP, each replica's devices).
   """
-  if isinstance(batch, PerReplica):
+  if kinds.is_node(batch):  # distributed already
     return batch
   sizes = {np.shape(x)[0] if np.ndim(x) else None
            for x in jax.tree.leaves(batch)}
@@ -103,11 +104,12 @@ def distributed_batch(strategy, batch: Any) -> PerReplica:
 def global_batch(batch: Any) -> Any:
   """The global batch of `batch` as `ShapeDtypeStruct` values: a `PerReplica`'s
   rows joined again, other leaves' shapes as they are."""
-  if not isinstance(batch, PerReplica):
+  if not kinds.is_node(batch):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x),
                                                        _dtype(x)), batch)
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-      (x.shape[0] * x.shape[1],) + tuple(x.shape[2:]), x.dtype), batch.values)
+      (x.shape[0] * x.shape[1],) + tuple(x.shape[2:]), x.dtype),
+                      kinds.kind_of(batch).payload(batch))
 
 
 def parse_bytes(budget: Any) -> int | None:

@@ -9,9 +9,9 @@ into four kinds, the rows of a plan:
                     flax `TrainState`, a `{"params": ...}` dict); in a state
                     with no `params` anywhere, every floating-point leaf
                     that is not optimizer state (a bare parameter tree)
-  optimizer state   leaves under an `opt_state` key or attribute, inside an
-                    optax state (its `NamedTuple` classes) or a `jdist.Sharded`
-                    (`ShardedOptimizer`'s state)
+  optimizer state   leaves under an `opt_state` key or attribute, or inside
+                    an optax state (its `NamedTuple` classes; also inside
+                    `ShardedOptimizer`'s `jdist.Sharded`)
   other state       the rest of the state (step counters, random keys,
                     batch-norm statistics)
   batch             the distributed batch, with its validity mask
@@ -26,7 +26,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from jdist._src.core.values import PerReplica, Sharded
 from jdist._src.strategies.partition_metadata import is_box, named_nodes
 from jdist._src.strategies.partition_metadata import path_name
 
@@ -98,21 +97,20 @@ def _spec(x: Any) -> tuple:
 
 
 def _is_optax_state(x: Any) -> bool:
-  """An optax state: one of optax's `NamedTuple` classes (a chain's tuple holds
-  them)."""
+  """An optax state: one of optax's `NamedTuple` classes (a chain's tuple
+  holds them; `ShardedOptimizer`'s state holds its optimizer's)."""
   return isinstance(x, tuple) and hasattr(x, "_fields") and (
       type(x).__module__.split(".")[0] == "optax")
 
 
 def _named(tree: Any):
   """`(path, leaf, inside an optimizer's state)` for every array leaf."""
-  names, nodes, _ = named_nodes(
-      tree, stop=lambda x: isinstance(x, Sharded) or _is_optax_state(x))
+  names, nodes, _ = named_nodes(tree, stop=_is_optax_state)
   for name, node in zip(names, nodes):
     if is_box(node):
       for leaf in jax.tree.leaves(node):
         yield name, leaf, False
-    elif isinstance(node, Sharded) or _is_optax_state(node):
+    elif _is_optax_state(node):
       for path, leaf in jax.tree_util.tree_flatten_with_path(node)[0]:
         inner = path_name(path)
         yield f"{name}/{inner}" if name and inner else name or inner, leaf, True
@@ -139,14 +137,11 @@ def state_leaves(state: Any) -> list[Leaf]:
 
 
 def batch_leaves(batch: Any) -> list[Leaf]:
-  """Each array of a distributed batch (a `PerReplica`: its values, then
-  its validity), as the step takes them."""
-  named = [(path_name(p), x) for p, x in jax.tree_util.tree_flatten_with_path(
-      batch.values if isinstance(batch, PerReplica) else batch)[0]]
-  if isinstance(batch, PerReplica) and batch.packed is not None:
-    named.append(("validity", batch.packed))
-  return [_leaf(f"batch/{name}" if name else "batch", BATCH, x)
-          for name, x in named if hasattr(x, "dtype")]
+  """Each array of a distributed batch as the step takes it (a
+  `PerReplica`'s values and validity, a group of batches')."""
+  return [_leaf(f"batch/{path_name(path)}".rstrip("/"), BATCH, x)
+          for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]
+          if hasattr(x, "dtype")]
 
 
 def by_kind(leaves: list[Leaf]) -> tuple:

@@ -19,8 +19,6 @@ from jax.sharding import AxisType, Mesh
 
 from jdist._src.core import cross_replica
 from jdist._src.core import state_output as state_output_lib
-from jdist._src.core.reduce_op import ReduceOp
-from jdist._src.core.values import PerReplica, SyncOnRead, is_distributed
 from jdist._src.input.options import InputOptions
 from jdist._src.ps import cluster as cluster_lib
 from jdist._src.ps import worker as worker_lib
@@ -355,49 +353,20 @@ class ParameterServerStrategy(StrategyBase):
     ctx = worker_lib.current()
     if ctx is not None:
       return ctx.strategy.reduce(reduce_op, value, axis)
-    op = ReduceOp.of(reduce_op)
-    value = self.coordinator.fetch(value)
-
-    def one(node):
-      if isinstance(node, PerReplica):
-        v = node.validity
-        mask, count = (None, None) if v is None else (v.mask, v.num_valid)
-        return jax.tree.map(lambda x: np.asarray(cross_replica.reduce_stacked(
-            op, x, mask, count, axis)), node.values)
-      if isinstance(node, SyncOnRead):
-        return jax.tree.map(np.asarray, node.read())
-      return jax.tree.map(lambda x: np.asarray(cross_replica.reduce_mirrored(
-          op, x, axis)), node)
-    return jax.tree.map(one, value, is_leaf=is_distributed)
+    return cross_replica.reduce_fetched(reduce_op,
+                                        self.coordinator.fetch(value), axis)
 
   def gather(self, value: Any, axis: int = 0) -> Any:
     """Concatenates per-replica values (padding rows dropped), like `reduce`."""
     ctx = worker_lib.current()
     if ctx is not None:
       return ctx.strategy.gather(value, axis)
-    value = self.coordinator.fetch(value)
-
-    def one(node):
-      if not isinstance(node, PerReplica):
-        return node
-      keep = None
-      if node.validity is not None and axis == 0:
-        keep = np.flatnonzero(np.asarray(node.validity.mask).reshape(-1))
-      def leaf(x):
-        out = np.asarray(cross_replica.gather_stacked(x, axis))
-        return out if keep is None else out[keep]
-      return jax.tree.map(leaf, node.values)
-    return jax.tree.map(one, value, is_leaf=is_distributed)
+    return cross_replica.gather_fetched(self.coordinator.fetch(value), axis)
 
   def experimental_local_results(self, value: Any) -> tuple:
-    """The values of each replica of a fetched per-replica result."""
-    value = self.coordinator.fetch(value)
-    leaves = [x for x in jax.tree.leaves(value, is_leaf=is_distributed)
-              if isinstance(x, PerReplica)]
-    if not leaves:
-      return (value,)
-    n = leaves[0].num_replicas
-    return tuple(jax.tree.map(
-        lambda node: jax.tree.map(lambda x: x[i], node.values)
-        if isinstance(node, PerReplica) else node, value, is_leaf=is_distributed)
-        for i in range(n))
+    """The values of each replica: on a worker, of its replicas; on the
+    coordinator, of a fetched per-replica result."""
+    ctx = worker_lib.current()
+    if ctx is not None:
+      return ctx.strategy.experimental_local_results(value)
+    return cross_replica.local_results_fetched(self.coordinator.fetch(value))

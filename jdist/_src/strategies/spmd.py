@@ -19,10 +19,10 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdist._src.core import cross_replica
+from jdist._src.core import kinds
 from jdist._src.core import placement
 from jdist._src.core import state_output as state_output_lib
 from jdist._src.core.function import DistributedFunction
-from jdist._src.core.values import PerReplica, Sharded, SyncOnRead
 from jdist._src.input import dataset as input_lib
 from jdist._src.input.options import InputOptions
 from jdist._src.multiprocess import runtime as runtime_lib
@@ -142,16 +142,12 @@ class Strategy(StrategyBase):
       >>> strategy.shardings({"w": jnp.zeros((2, 3))})["w"].spec
       P()
     """
-    mesh = self._mesh
-
-    def one(node):
-      if isinstance(node, Sharded):
-        leaves, treedef = jax.tree.flatten(node.value)
-        return node.replace(jax.tree.unflatten(treedef, [
-            NamedSharding(mesh, spec) for spec in node.partition_specs()]))
-      return NamedSharding(mesh, P())
-
-    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, Sharded))
+    specs = []
+    for node in jax.tree.leaves(tree, is_leaf=kinds.has_layouts):
+      own = kinds.kind_of(node).layouts(node)
+      specs.extend([P()] if own is None else own)
+    return jax.tree_util.tree_unflatten(jax.tree.structure(tree), [
+        NamedSharding(self._mesh, spec) for spec in specs])
 
   def keep_layouts(self, outputs: Any) -> Any:
     """Inside a traced step: its outputs, held in this strategy's layouts.
@@ -269,23 +265,8 @@ class Strategy(StrategyBase):
     them gives back the value; `PerReplica` and `Sharded` values are left
     where they are.
     """
-    n = self.num_replicas_in_sync
-
-    def place(node):
-      if isinstance(node, (PerReplica, Sharded)):
-        return node
-      if isinstance(node, SyncOnRead):
-        if node.per_replica:
-          return node
-        rows = node.replica_rows(n, np)
-        ids = list(placement.local_replica_ids(self._mesh, self._axis_name))
-        return SyncOnRead(placement.put_per_replica(
-            jax.tree.map(lambda x: x[ids], rows.value), self._mesh,
-            self._axis_name, n), node.aggregation, True)
-      return self._state_placement.put(node, self._mesh)
-
-    return jax.tree.map(place, tree, is_leaf=lambda x: isinstance(
-        x, (PerReplica, SyncOnRead, Sharded)))
+    return jax.tree.map(lambda node: kinds.kind_of(node).replicate(node, self),
+                        tree, is_leaf=kinds.is_node)
 
   def experimental_distribute_dataset(self, dataset: Iterable, options=None, *,
                                       global_batch_size: int | None = None):

@@ -20,7 +20,7 @@ import numpy as np
 
 from jdist._src.core import placement
 from jdist._src.input.options import InputOptions
-from jdist._src.training import data as data_lib
+from jdist._src.training import epochs as epochs_lib
 from jdist._src.training import shuffle_order
 from jdist._src.training import totals as totals_lib
 from jdist._src.training.callbacks import CallbackList, LazyLogs
@@ -54,7 +54,8 @@ class FitPlan(NamedTuple):
     train_function: the compiled `(state, totals, batch) -> (state, totals)`
       (above one `steps_per_execution`, a `jdist.multi_step` step that takes
       a `BatchGroup`).
-    source: the training data (`data.py`).
+    source: the training data (a `source.Source`: the loop reads each
+      epoch's calls through its `distributed`).
     epochs: train until this epoch.
     make_totals: `make_totals(sums or None) -> totals`: fresh (or restored)
       running sums of the loss and metrics, placed on the devices.
@@ -73,10 +74,6 @@ class FitPlan(NamedTuple):
       with gradient accumulation at least one group).
     batches_per_step: batches per optimizer step (gradient accumulation:
       the train function joins this many batches into one step).
-    batches: `batches(epoch, start) -> iterable` of what the train function
-      takes for each call in the epoch from batch `start` on (batches, or
-      groups of `steps_per_execution`); default: `source`'s batches through
-      the strategy's `experimental_distribute_dataset`.
     skipped: a `mixed_precision.SkippedBatches` for a loss-scaled optimizer
       (fit then warns, once an epoch, about batches skipped at the scale's
       floor), or None.
@@ -93,7 +90,6 @@ class FitPlan(NamedTuple):
   options: InputOptions | None = None
   steps_per_execution: int = 1
   batches_per_step: int = 1
-  batches: Callable | None = None
   skipped: Any = None
 
 
@@ -222,8 +218,8 @@ class FitLoop:
     """Epoch `epoch`'s batches, when known (shorter than `steps_per_epoch`
     for the epoch that reaches the end of a pass: `data.epoch_span`)."""
     source = self.source
-    return data_lib.epoch_span(epoch, source.steps_per_epoch,
-                               source.pass_length)[2]
+    return epochs_lib.epoch_span(epoch, source.steps_per_epoch,
+                                 source.pass_length)[2]
 
   def run(self, plan: FitPlan, cbs: CallbackList, bar: ProgressBar
           ) -> History:
@@ -243,7 +239,17 @@ class FitLoop:
     return self.history
 
   def _start(self, plan: FitPlan) -> None:
-    """Takes `plan`'s inputs and starts a fit's own records."""
+    """Takes `plan`'s inputs and starts a fit's own records.
+
+    Raises:
+      ValueError: an epoch of known length would end inside an
+        accumulation group (`epochs.check_whole_groups`).
+    """
+    epochs_lib.check_whole_groups(
+        plan.source, range(plan.initial_epoch, plan.epochs),
+        plan.batches_per_step, plan.steps_per_execution)
+    epochs_lib.warn_mid_pass_start(plan.source, plan.initial_epoch,
+                                   stacklevel=5)
     if self.strategy.synchronous:
       # The train function donates the state: a copy is trained, so arrays
       # read before fit (`trainer.params`, an nnx module `export` updated)
@@ -303,14 +309,9 @@ class FitLoop:
                  bar: ProgressBar) -> int:
     """Trains on the epoch's batches from `start`; the steps that ran."""
     ran, plan = 0, self._plan
-    if plan.batches is not None:
-      batches = plan.batches(epoch, start)
-    else:
-      batches = self.strategy.experimental_distribute_dataset(
-          self.source.batches(epoch, start), plan.options,
-          global_batch_size=plan.batch_size)
-      if self.steps_per_execution > 1:
-        batches = batches.group(self.steps_per_execution)
+    batches = self.source.distributed(
+        self.strategy, epoch, start, options=plan.options,
+        batch_size=plan.batch_size, per_call=self.steps_per_execution)
     # The batch logs' reader keeps what the logs need of each step's state
     # (the next step donates it): made only when something may read them.
     # The bar alone reads them only when it redraws: the plain loop serves it.
@@ -329,7 +330,7 @@ class FitLoop:
       steps = batch.num_steps if grouped else 1
       index = self.position.batch
       if steps % per_step:
-        self._check_whole_group(epoch, index, steps)
+        epochs_lib.check_group_end(epoch, index, steps, per_step)
       if begin:
         cbs.call("on_train_batch_begin", index, {})
       self._state, self.totals = step(self._state, self.totals, batch)
@@ -402,20 +403,6 @@ class FitLoop:
     self._state, self.totals = self._plan.train_function(
         self._state, self.totals, batch)
 
-  def _check_whole_group(self, epoch: int, index: int, batches: int) -> None:
-    """Refuses a trailing partial accumulation group (data whose length was
-    not known before the epoch ended), before it runs."""
-    k = self.batches_per_step
-    if batches % k == 0:
-      return
-    raise ValueError(
-        f"Epoch {epoch + 1} ended after {index + batches} batches, not a "
-        f"multiple of gradient_accumulation_steps={k}: its last {batches % k} "
-        "batch(es) cannot make a whole optimizer step and were not trained "
-        "on (the steps before stay applied). Keras carries their gradients "
-        "into the next epoch; jdist applies whole groups only. Pass "
-        f"steps_per_epoch as a multiple of {k}, with data that lasts.")
-
   def _warn(self, epoch: int, logs: dict) -> None:
     """The epoch's warnings: steps skipped at the loss scale's floor (every
     epoch they happen in), a non-finite loss (once a fit)."""
@@ -462,37 +449,6 @@ class _CarriedStep:
     train.call_carried(self._carried, batch)
     self._held = self._carried.values()
     return self._held
-
-
-def check_whole_groups(source, epochs: range, k: int) -> None:
-  """Refuses, before the first step, an epoch among `epochs` whose known
-  length leaves a trailing partial accumulation group."""
-  if k == 1 or source.steps_per_epoch is None:
-    return
-  lengths = data_lib.epoch_lengths(source.steps_per_epoch, source.pass_length,
-                                   epochs)
-  n = next((n for n in sorted(lengths) if n % k), None)
-  if n is None:
-    return
-  whole = n - n % k
-  if n < source.steps_per_epoch:
-    what = (f"steps_per_epoch={source.steps_per_epoch} does not divide the "
-            f"data's {source.pass_length} batches: as in Keras, epochs "
-            f"continue through the data, and the one that reaches its end "
-            f"stops there after {n} batches, not a multiple of "
-            f"gradient_accumulation_steps={k}")
-  else:
-    what = (f"An epoch of this data is {n} batches, not a multiple of "
-            f"gradient_accumulation_steps={k}")
-  raise ValueError(
-      f"{what}: its last {n % k} batch(es) would not make a whole optimizer "
-      "step. Keras carries their gradients into the next epoch; jdist "
-      "applies whole groups only. Pass a batch_size that makes the number "
-      f"of batches a multiple of {k}, or data of a multiple of {k} batches "
-      f"(steps_per_epoch={whole} for a single epoch; over several, epochs "
-      "continue through the data and the one that reaches its end is "
-      "shorter), or a steps_per_epoch that is a multiple of "
-      f"{k} and divides the data's batches.")
 
 
 def evaluate(test_function, state, batches, totals, read: Callable,

@@ -20,11 +20,9 @@ from jdist._src import current
 from jdist._src.input.options import InputOptions
 from jdist._src.training import checkpoint_loading
 from jdist._src.training import data as data_lib
-from jdist._src.training import dataset_creator
 from jdist._src.training import loop
 from jdist._src.training import optimizer as optimizer_lib
 from jdist._src.training import step_functions
-from jdist._src.training import step_plan
 from jdist._src.training import totals as totals_lib
 from jdist._src.training.callbacks import CallbackList
 from jdist._src.training.checks import DataChecks
@@ -153,7 +151,7 @@ class Trainer:
     self._loop = loop.FitLoop(self._strategy)  # owns the state, always
     self._functions = None  # the steps compiled by the strategy
     self._checks = DataChecks(self._program)
-    self._memory_budget = step_plan.parse_budget(memory_budget)
+    self._memory_budget = step_functions.parse_budget(memory_budget)
     self._count_flops = getattr(model, "train_flops", None)
     self._plans = {}  # the train step's plan, by what it depends on
     # Built from the first data's shapes (a metric's form may depend on them).
@@ -348,11 +346,9 @@ class Trainer:
     strategy = self.strategy
     abstract = strategy.state_placement.abstract(self.state)
     y_pred = self._checks.outputs(sample, abstract, what)
-    static = None  # a DatasetCreator's pipelines batch for themselves
-    if not isinstance(source, dataset_creator.CreatorSource):
-      static = data_lib.static_batch_size(
-          source, sample, strategy, what, micro_batches=micro_batches,
-          pad=self._input_options.pad_to_replicas)
+    static = source.static_batch_size(
+        strategy, what, micro_batches=micro_batches,
+        pad=self._input_options.pad_to_replicas)
     if not with_loss:
       return static
     if "y" not in sample:
@@ -420,16 +416,13 @@ class Trainer:
 
     check_count(epochs, "epochs", minimum=0)
     check_count(initial_epoch, "initial_epoch", minimum=0)
-    source = self._training_source(x, y, batch_size=batch_size,
-                                   steps_per_epoch=steps_per_epoch,
-                                   shuffle=shuffle, sample_weight=sample_weight,
-                                   class_weight=class_weight)
+    source = data_lib.make_source(
+        x, y, batch_size=batch_size, steps_per_epoch=steps_per_epoch,
+        shuffle=shuffle, seed=self._seed, sample_weight=sample_weight,
+        class_weight=class_weight, strategy=self.strategy)
     source, val_source = data_lib.validation_source(
         source, validation_data, validation_split=validation_split,
         steps=validation_steps, batch_size=validation_batch_size)
-    loop.check_whole_groups(source, range(initial_epoch, epochs),
-                            self._program.batches_per_step)
-    data_lib.warn_mid_pass_start(source, initial_epoch)
     # Under a known memory limit, the step is planned and checked before
     # the state is built (jdist.MemoryBudgetError); else after (the logs'
     # FLOPs): the plan compiles what the first step runs, once.
@@ -451,8 +444,6 @@ class Trainer:
         validate=validate, batch_size=static, options=self._input_options,
         steps_per_execution=self._batches_per_call,
         batches_per_step=self._program.batches_per_step,
-        batches=(source.distributed if isinstance(
-            source, dataset_creator.CreatorSource) else None),
         skipped=self._totals.skipped_batches(self._program.batches_per_step))
     cbs = CallbackList(callbacks, trainer=self,
                        params={"epochs": epochs, "verbose": verbose,
@@ -478,39 +469,19 @@ class Trainer:
     planned. Builds nothing; None under parameter servers or for a
     `DatasetCreator` (see docs/planning.md).
     """
-    return self._plan(self._training_source(
-        x, y, batch_size=batch_size, steps_per_epoch=None, shuffle=False,
-        sample_weight=sample_weight, class_weight=class_weight), detail=True)
+    return self._plan(data_lib.make_source(
+        x, y, batch_size=batch_size, seed=self._seed,
+        sample_weight=sample_weight, class_weight=class_weight,
+        strategy=self.strategy), detail=True)
 
   def _plan(self, source, *, detail: bool, limited: bool = False):
-    """The train step's plan on `source` (`step_plan.py`)."""
-    planned, self._totals = step_plan.TrainPlanner(
+    """The train step's plan on `source` (`step_functions.py`)."""
+    planned, self._totals = step_functions.TrainPlanner(
         self._step_functions(), self._checks, self._seed, self._input_options,
         self._batches_per_call, self._shard_optimizer_state,
         self._memory_budget, self._count_flops, detail, self._plans).plan(
             source, self.state, self._totals, limited=limited)
     return planned
-
-  def _training_source(self, x, y, *, batch_size, steps_per_epoch, shuffle,
-                       sample_weight, class_weight) -> data_lib.Source:
-    """fit's data as a `Source`: a `DatasetCreator`'s, built by each input
-    pipeline (each parameter-server worker), or data read on this host."""
-    if not isinstance(x, dataset_creator.DatasetCreator):
-      return data_lib.make_source(x, y, batch_size=batch_size,
-                                  steps_per_epoch=steps_per_epoch,
-                                  shuffle=shuffle, seed=self._seed,
-                                  sample_weight=sample_weight,
-                                  class_weight=class_weight)
-    given = {"y": y, "batch_size": batch_size, "sample_weight": sample_weight}
-    extra = [k for k, v in given.items() if v is not None]
-    if extra:
-      raise ValueError(
-          f"fit(jdist.DatasetCreator(...)) takes no {', '.join(extra)}: "
-          "dataset_fn's batches carry their targets and weights, batched as "
-          "it batches them.")
-    return dataset_creator.CreatorSource(
-        x, strategy=self.strategy, steps_per_epoch=steps_per_epoch,
-        class_weight=class_weight, batches_per_call=self._batches_per_call)
 
   # --- evaluate and predict ------------------------------------------------
 
@@ -536,8 +507,8 @@ class Trainer:
 
   def _evaluate_source(self, source, static: int | None, state,
                        cbs: CallbackList, verbose=0) -> dict:
-    batches = self.strategy.experimental_distribute_dataset(
-        source.batches(0), self._input_options, global_batch_size=static)
+    batches = source.distributed(self.strategy, 0, options=self._input_options,
+                                 batch_size=static)
     return loop.evaluate(self.make_test_function(), state, batches,
                          self._totals.new(), self._totals.means, cbs,
                          ProgressBar(verbose, 1), source.steps_per_epoch)
@@ -558,9 +529,8 @@ class Trainer:
     static = self._prepare(source, "prediction data", with_loss=False)
     cbs = CallbackList(callbacks, trainer=self, params={"steps": steps,
                                                         "verbose": verbose})
-    inputs = self.strategy.experimental_distribute_dataset(
-        ({"x": b["x"]} for b in source.batches(0)), self._input_options,
-        global_batch_size=static)
+    inputs = source.distributed(self.strategy, 0, options=self._input_options,
+                                batch_size=static, inputs_only=True)
     return loop.predict(self.make_predict_function(), self.state, inputs,
                         self.strategy, cbs, ProgressBar(verbose, 1),
                         source.steps_per_epoch)
