@@ -90,11 +90,13 @@ class StepFunctions:
 
   Attributes:
     program: the program the steps run (its optimizer sharded if asked).
+    given: the program as given (its optimizer as the user's).
     strategy: the strategy.
   """
 
   def __init__(self, program: TrainingProgram, strategy, *,
                shard_optimizer_state: bool = False, batches_per_call: int = 1):
+    self.given = program
     if shard_optimizer_state:
       program = program.with_optimizer(
           ShardedOptimizer(program.optimizer, strategy))
@@ -302,7 +304,7 @@ class TrainPlanner:
   def _others(self, sample: dict, size: int | None, limit: tuple) -> tuple:
     """The alternatives' plans, until one fits: the optimizer state split
     over the replicas (ZeRO), then FSDP over more devices."""
-    program, strategy = self.functions.program, self.strategy
+    program, strategy = self.functions.given, self.strategy
     candidates = []
     if (not self.shard_optimizer_state and strategy.num_replicas_in_sync > 1
         and not program.policy.needs_loss_scaling):
