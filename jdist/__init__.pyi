@@ -79,12 +79,10 @@ from jdist._src.input.optional import (
 from jdist._src.input.options import (
     InputOptions as InputOptions,
 )
-from jdist._src.multiprocess.options import (
-    CommunicationOptions as CommunicationOptions,
-)
-from jdist._src.multiprocess.runtime import (
-    Runtime as Runtime,
-    initialize as initialize,
+from jdist._src.keras.functions import (
+    KerasFunctions as KerasFunctions,
+    KerasVariables as KerasVariables,
+    keras_functions as keras_functions,
 )
 from jdist._src.ops.accumulation import (
     accumulate_gradients as accumulate_gradients,
@@ -136,6 +134,13 @@ from jdist._src.ps.strategy import (
 )
 from jdist._src.ps.variables import (
     ServerVariables as ServerVariables,
+)
+from jdist._src.runtime.options import (
+    CommunicationOptions as CommunicationOptions,
+)
+from jdist._src.runtime.runtime import (
+    Runtime as Runtime,
+    initialize as initialize,
 )
 from jdist._src.strategies.central_storage import (
     CentralStorageStrategy as CentralStorageStrategy,
@@ -240,6 +245,8 @@ __all__ = [
     "History",
     "InputContext",
     "InputOptions",
+    "KerasFunctions",
+    "KerasVariables",
     "LayoutMap",
     "LearningRateScheduler",
     "LossScaleState",
@@ -301,6 +308,7 @@ __all__ = [
     "has_strategy",
     "in_cross_replica_context",
     "initialize",
+    "keras_functions",
     "loss_scale_optimizer",
     "losses",
     "metrics",

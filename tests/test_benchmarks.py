@@ -116,6 +116,23 @@ def test_peers_run():
   assert not res["loss_mismatch"], res["loss_mismatch"]
 
 
+@pytest.mark.multiprocess
+def test_keras_models_runs():
+  """A Keras model in the Trainer, Keras's own fit and the flax model train
+  alike (their final losses agree) and the section prints the figures."""
+  res = _run([BENCH / "keras_models.py", "--quick", "--json", "--rounds", "1",
+              "--steps", "mlp:3"], timeout=400)
+  assert not res["skipped"], res["skipped"]
+  assert [r["framework"] for r in res["rows"]] == [
+      "jdist_keras", "keras_jax_here", "jdist_fit"]
+  assert not res["loss_mismatch"], res["loss_mismatch"]
+  text = "\n".join(_bench_module("keras_models").section(res))
+  for q in res["ratios"]:
+    assert f"**{q['ratio']:.2f}**" in text, text
+  ours = res["rows"][0]
+  assert f"{ours['samples_per_s']:,.0f}" in text
+
+
 def test_issue_12_sections_render(tmp_path):
   """The targets, the chart and the step-time model read peers.py's rows.
   The rows are built from chosen per-step times so that every figure the

@@ -85,6 +85,25 @@ def _planning(out: str) -> None:
           "replica(s)): parameters + optimizer state 159.4 KB -> 79.7 KB") in out
 
 
+def _keras_trainer(out: str) -> None:
+  keys, same = out.splitlines()[-2:]
+  assert keys == ("['accuracy', 'loss', "
+                  "'sparse_top_k_categorical_accuracy']"), out
+  assert same == "True", out  # the Keras model holds the trained values
+
+
+def _keras_fit_in_scope(out: str) -> None:
+  devices, distribution = out.strip().splitlines()[-2:]
+  assert devices == "Number of devices: 4", out
+  assert distribution.startswith("<JdistDataParallel"), out
+
+
+def _keras_custom_loop(out: str) -> None:
+  losses = [float(line.split()[-1]) for line in out.splitlines()
+            if line.startswith("epoch ")]
+  assert len(losses) == 3 and losses[-1] < losses[0], out
+
+
 # What the text says a program prints, by a line that only that program has.
 EXPECTED = {
     "print(epoch, strategy.reduce(jdist.ReduceOp.SUM, loss))": _losses_fall,
@@ -93,6 +112,9 @@ EXPECTED = {
     "jdist.ShardedOptimizer(": _sharded_optimizer,
     "ModelParallelStrategy(device_mesh=mesh)": _partition_metadata,
     "history = trainer.fit(x, y, batch_size=128, epochs=3": _fit,
+    "trainer.fit(x, y, batch_size=64, epochs=3, verbose=0)": _keras_trainer,
+    "print(keras.distribution.distribution())": _keras_fit_in_scope,
+    "model_fns.assign(variables)": _keras_custom_loop,
     "jdist.plan(step, shapes, batch, memory_budget=budget)": _planning,
 }
 PAGES_WITH_PROGRAMS = [p for p in PAGES if programs(p)]

@@ -42,9 +42,9 @@ import time
 import uuid
 
 from jdist._src.errors import CheckpointDirectoryError, CheckpointInUseError
-from jdist._src.multiprocess import liveness
-from jdist._src.multiprocess import ranks
-from jdist._src.multiprocess import runtime as runtime_lib
+from jdist._src.launcher import job_env
+from jdist._src.launcher import liveness
+from jdist._src.runtime import runtime as runtime_lib
 
 LOCK_NAME = "jdist.lock"
 HEARTBEAT_SECONDS = 10.0
@@ -93,8 +93,8 @@ def _owner_record(runtime) -> dict:
           "coordinator": (runtime.config.coordinator_address
                           if runtime.config else None),
           "since": time.strftime("%Y-%m-%d %H:%M:%S"),
-          "run": os.environ.get(ranks.ENV_RUN_ID),
-          "attempt": int(os.environ.get(ranks.ENV_RESTART_COUNT, "0")),
+          "run": os.environ.get(job_env.ENV_RUN_ID),
+          "attempt": int(os.environ.get(job_env.ENV_RESTART_COUNT, "0")),
           "command": " ".join(sys.argv)[:200]}
 
 

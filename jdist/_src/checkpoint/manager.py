@@ -41,8 +41,8 @@ from jdist._src.checkpoint import snapshots as snapshots_lib
 from jdist._src.checkpoint.checkpointer import Checkpointer
 from jdist._src.core import placement
 from jdist._src.errors import CheckpointNotFoundError
-from jdist._src.multiprocess import ranks
-from jdist._src.multiprocess import snapshot_dir
+from jdist._src.launcher import job_env
+from jdist._src.launcher import snapshot_dir
 
 
 # The leaf that holds the metadata saved with a snapshot (`BackupAndRestore`:
@@ -63,7 +63,7 @@ def check_steps(name: str, value) -> int | None:
 def launched_job(snapshot_every: int | None) -> str | None:
   """This `jdist launch` job's run id, or None; with `snapshot_every`, a
   ValueError when there is none (the snapshots need one)."""
-  run_id = os.environ.get(ranks.ENV_RUN_ID)
+  run_id = os.environ.get(job_env.ENV_RUN_ID)
   if snapshot_every is not None and not run_id:
     raise ValueError(
         f"snapshot_every={snapshot_every}: in-memory snapshots are kept for "
@@ -154,7 +154,7 @@ class CheckpointManager:
       try:
         self._snapshots = snapshots_lib.Snapshots(
             os.path.join(snapshot_dir.job_directory(run_id), name),
-            attempt=int(os.environ.get(ranks.ENV_RESTART_COUNT, "0")))
+            attempt=int(os.environ.get(job_env.ENV_RESTART_COUNT, "0")))
         self._agreed_snapshot_step()
       except BaseException:
         self._ckpt.close()  # the directory's claim goes with the manager

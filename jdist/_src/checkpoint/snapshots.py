@@ -2,7 +2,7 @@
 
 Every `snapshot_every` steps each process writes the blocks of the state it
 holds (its addressable shards, one copy of each) to one file in the job's
-snapshot directory under /dev/shm (`multiprocess/snapshot_dir.py`): host
+snapshot directory under /dev/shm (`launcher/snapshot_dir.py`): host
 memory that outlives the training processes, so a restarted job resumes
 without reading the persistent directory. A file is written under a
 temporary name and renamed when complete (tmpfs needs no fsync), so a reader
@@ -125,8 +125,8 @@ from jax.sharding import NamedSharding
 
 from jdist._src.checkpoint import packing
 from jdist._src.checkpoint import peer_copy
-from jdist._src.multiprocess import liveness
-from jdist._src.multiprocess import runtime as runtime_lib
+from jdist._src.launcher import liveness
+from jdist._src.runtime import runtime as runtime_lib
 
 MAGIC = b"JDSNAP1\n"
 # The file of process <rank>: its part, and (in a job of several processes)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax
 
-from jdist._src.multiprocess import runtime as runtime_lib
+from jdist._src.runtime import runtime as runtime_lib
 from jdist._src.strategies.spmd import Strategy
 from jdist._src.strategies.devices import replica_order
 

@@ -25,9 +25,9 @@ from jdist._src.core import state_output as state_output_lib
 from jdist._src.core.function import DistributedFunction
 from jdist._src.input import dataset as input_lib
 from jdist._src.input.options import InputOptions
-from jdist._src.multiprocess import runtime as runtime_lib
-from jdist._src.multiprocess.options import CommunicationOptions
-from jdist._src.multiprocess.program_check import StepGuard
+from jdist._src.runtime import runtime as runtime_lib
+from jdist._src.runtime.options import CommunicationOptions
+from jdist._src.runtime.program_check import StepGuard
 from jdist._src.strategies.base import StrategyBase
 
 
@@ -48,6 +48,8 @@ class Strategy(StrategyBase):
     >>> float(strategy.reduce("sum", loss))
     9.0
   """
+
+  keras_distribution = "data_parallel"  # Keras's fit in its scope: see StrategyBase
 
   def __init__(self, devices: Sequence[Any], *, axis_name: str = "replica",
                communication_options=None,

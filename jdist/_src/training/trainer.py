@@ -72,7 +72,10 @@ class Trainer:
       `save_freq` steps are saved at the end of the execution that reaches
       them. `evaluate` and `predict` run one batch per call.
     dtype_policy: mixed precision, by Keras' names: "float32" (default),
-      "mixed_bfloat16" or "mixed_float16" (or a `jdist.DTypePolicy`). The
+      "mixed_bfloat16" or "mixed_float16" (or a `jdist.DTypePolicy`). A
+      Keras model computes under its own layers' policy (Keras's
+      `keras.config.set_dtype_policy` when it was built), which is then
+      the default, and any other is an error. The
       mixed policies keep parameters and optimizer state in float32 and run
       the model in bfloat16 / float16 (parameters and inputs cast on the way
       in, predictions back to float32 for the loss). "mixed_float16" wraps
@@ -131,7 +134,7 @@ class Trainer:
   def __init__(self, model, *, optimizer, loss, metrics=None,
                weighted_metrics=None, params=None, strategy=None,
                seed: int = 0, shard_optimizer_state: bool = False,
-               steps_per_execution: int = 1, dtype_policy="float32",
+               steps_per_execution: int = 1, dtype_policy=None,
                gradient_accumulation_steps: int = 1, micro_batches: int = 1,
                pad_to_replicas: bool = False, memory_budget=None):
     self._program = TrainingProgram.make(
@@ -552,7 +555,8 @@ class Trainer:
     any number of devices or processes. A `save_weights_only` checkpoint
     loads the parameters and model state and keeps the optimizer's. Call
     `build(x)` first if the trainer has not run yet (the checkpoint must
-    match the model's shapes).
+    match the model's shapes). A model that holds its variables (a Keras
+    model, an nnx module) holds the loaded values afterwards.
 
     Raises:
       jdist.CheckpointNotFoundError: `directory` holds no checkpoint (a
@@ -563,4 +567,6 @@ class Trainer:
     self._require_state("load a checkpoint into")
     self.state, loaded = checkpoint_loading.load(
         directory, self.state, self.strategy, step=step)
+    if self._program.model.writes_back:
+      self.export()  # the model object holds them, as after Keras's load_weights
     return loaded

@@ -47,13 +47,13 @@ import threading
 import traceback
 from typing import Sequence
 
-from jdist._src.multiprocess import agent as agents
-from jdist._src.multiprocess import failures
-from jdist._src.multiprocess import launch_args
-from jdist._src.multiprocess import ports
-from jdist._src.multiprocess import rendezvous
-from jdist._src.multiprocess import rendezvous_tcp
-from jdist._src.multiprocess import snapshot_dir
+from jdist._src.launcher import agent as agents
+from jdist._src.launcher import failures
+from jdist._src.launcher import launch_args
+from jdist._src.launcher import ports
+from jdist._src.launcher import rendezvous
+from jdist._src.launcher import rendezvous_tcp
+from jdist._src.launcher import snapshot_dir
 
 USAGE = launch_args.USAGE
 parse_args = launch_args.parse_args

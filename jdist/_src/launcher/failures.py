@@ -10,7 +10,7 @@ order: a node that went away; a process the launcher found stuck
 nobody); else `culprit` among the processes that ended on their own.
 
 Example:
-  >>> from jdist._src.multiprocess import failures
+  >>> from jdist._src.launcher import failures
   >>> killed = failures.RankRecord(rank=2, code=-9, own=True, ended=1.0)
   >>> peer = failures.RankRecord(rank=0, code=-9, own=False, ended=2.0)
   >>> f = failures.classify(0, 4, [killed, peer])
@@ -95,7 +95,7 @@ def culprit(records: list) -> RankRecord | None:
   every POLL_SECONDS or later under load, sees the killed process gone.
 
   Example:
-    >>> from jdist._src.multiprocess.failures import RankRecord, culprit
+    >>> from jdist._src.launcher.failures import RankRecord, culprit
     >>> killed = RankRecord(rank=2, code=-9, own=True, ended=2.0)
     >>> broken = RankRecord(rank=3, code=1, own=True, ended=1.0)
     >>> culprit([broken, killed]).rank

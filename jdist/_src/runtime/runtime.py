@@ -8,7 +8,7 @@ owns every process-wide effect of a multi-process run, started in one place
 (`Runtime.start`) and undone by `Runtime.shutdown`:
 
 * the monitor thread (`monitor.py`), which turns hangs into errors, and
-  under `jdist launch` the health reports its agent reads (`health.py`);
+  under `jdist launch` the health reports its agent reads (`health_report.py`);
 * a `sys.excepthook` that reports an uncaught exception to the peers and ends
   the process, instead of leaving it in JAX's shutdown barrier while they hang;
 * an `atexit` handler that tells the peers this process finished its program.
@@ -35,11 +35,11 @@ import jax
 from jdist._src import jax_compat
 from jdist._src.errors import (ClusterError, CollectiveTimeoutError,
                                PeerFailureError)
-from jdist._src.multiprocess import cluster
-from jdist._src.multiprocess import health
-from jdist._src.multiprocess import ports
-from jdist._src.multiprocess import resolution
-from jdist._src.multiprocess.monitor import Monitor
+from jdist._src.launcher import ports
+from jdist._src.runtime import cluster
+from jdist._src.runtime import health_report
+from jdist._src.runtime import resolution
+from jdist._src.runtime.monitor import Monitor
 
 DEFAULT_HEARTBEAT_SECONDS = 10
 DEFAULT_RENDEZVOUS_SECONDS = 600.0
@@ -71,7 +71,7 @@ class Runtime:
     self.process_id = process_id
     self.num_processes = num_processes
     self.monitor: Monitor | None = None
-    self._health: health.Reporter | None = None
+    self._health: health_report.Reporter | None = None
     self._previous_hook = None
     self._sequences: dict = {}
 
@@ -105,7 +105,7 @@ class Runtime:
     if self.is_multiprocess and self.monitor is None:
       self.monitor = Monitor(self.client, self.process_id, self.num_processes)
       # Under `jdist launch`: its agent watches this file to find a stuck process.
-      self._health = health.Reporter.from_environment(self.monitor.health)
+      self._health = health_report.Reporter.from_environment(self.monitor.health)
       self._previous_hook = sys.excepthook
       sys.excepthook = self._excepthook
       # Runs before JAX's own exit handler (registered earlier), which waits

@@ -9,7 +9,7 @@ when the job ends (`remove`); the processes write and read it
 (`jdist/_src/checkpoint/snapshots.py`).
 
 Example:
-  >>> from jdist._src.multiprocess import snapshot_dir
+  >>> from jdist._src.launcher import snapshot_dir
   >>> snapshot_dir.job_directory("7f3a").split("/")[-1].startswith("jdist-snapshots-")
   True
 """

@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 
 from jdist._src import jax_compat
 from jdist._src.errors import ClusterError
-from jdist._src.multiprocess.job_env import (ENV_COORDINATOR,
+from jdist._src.launcher.job_env import (ENV_COORDINATOR,
                                              ENV_LOCAL_DEVICE_IDS,
                                              ENV_NUM_PROCESSES,
                                              ENV_PROCESS_ID)

@@ -1,11 +1,12 @@
-"""Health reports: a launched process tells its agent it lives and where it waits.
+"""Health reports as the agent reads them: whether a launched process lives,
+and where it waits.
 
-`jdist launch` gives each process a file (`JDIST_HEALTH_FILE`). In the
-process, a `Reporter` thread (started with the runtime's monitor) rewrites it
-ten times a second with a beat count, the steps dispatched and the wait the
-process is in (`Monitor.health`). A file, not the coordination service's
-key-value store: it is written even when process 0, which hosts that store,
-is stopped or dead, and the agent reads it without joining the job.
+`jdist launch` gives each process a file (`JDIST_HEALTH_FILE`), which a thread
+of the process's runtime rewrites ten times a second with a beat count, the
+steps dispatched and the wait the process is in (`runtime/health_report.py`).
+A file, not the coordination service's key-value store: it is written even
+when process 0, which hosts that store, is stopped or dead, and the agent
+reads it without joining the job (or loading JAX).
 
 The agent turns each file into a `RankHealth` (seconds since the beat last
 moved, seconds the process has been stopped by a signal), and `judge` finds a
@@ -20,7 +21,7 @@ process that is stuck, given the launcher's `--stuck-timeout`:
   process started it, a collective inside it does not complete.
 
 Example:
-  >>> from jdist._src.multiprocess import health
+  >>> from jdist._src.launcher import health
   >>> stopped = health.RankHealth(rank=2, silent_for=8.0, steps=31)
   >>> waiting = health.RankHealth(rank=0, silent_for=0.2, steps=32,
   ...     wait={"kind": "step", "seq": 32, "what": "step", "waited": 8.0})
@@ -32,72 +33,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import threading
-import time
-from typing import Callable
 
-ENV_HEALTH_FILE = "JDIST_HEALTH_FILE"
-TICK_SECONDS = 0.1  # a write of ~100 bytes: the step it names is at most this old
 # A live process silent this long when a peer fails is taken for the cause
 # (JAX's heartbeats end the peers of a stopped process after 10 s).
 SILENT_SECONDS = 5.0
-# Ten beats missed: the process is not running now (stopped, frozen).
+# Ten beats missed (a process beats every 0.1 s): it is not running now
+# (stopped, frozen).
 UNRESPONSIVE_SECONDS = 1.0
-
-
-class Reporter:
-  """A daemon thread that writes `summary()` to `path` every `tick` seconds.
-
-  Args:
-    path: the file (replaced atomically, so a reader never sees half of it).
-    summary: returns a JSON-able dict (`Monitor.health`).
-    tick: seconds between beats.
-  """
-
-  def __init__(self, path: str, summary: Callable[[], dict], *,
-               tick: float = TICK_SECONDS):
-    self._path = path
-    self._summary = summary
-    self._tick = tick
-    self._stop = threading.Event()
-    self._thread = threading.Thread(target=self._run, name="jdist-health",
-                                    daemon=True)
-    self._thread.start()
-
-  @classmethod
-  def from_environment(cls, summary: Callable[[], dict]) -> "Reporter | None":
-    """A reporter to the file `jdist launch` named, or None outside it."""
-    path = os.environ.get(ENV_HEALTH_FILE)
-    return cls(path, summary) if path else None
-
-  def _run(self) -> None:
-    beat = 0
-    while True:
-      beat += 1
-      try:
-        write_atomically(self._path, json.dumps({"n": beat, **self._summary()}))
-      except OSError:
-        pass  # the agent removed its directory: the job is ending
-      if self._stop.wait(self._tick):
-        return
-
-  def stop(self) -> None:
-    """Stops beating and says so: the process left the job (it may live on)."""
-    self._stop.set()
-    if threading.current_thread() is not self._thread:
-      self._thread.join(timeout=5 * self._tick)
-    try:
-      write_atomically(self._path, json.dumps({"left": True}))
-    except OSError:
-      pass
-
-
-def write_atomically(path: str, text: str) -> None:
-  tmp = f"{path}.{os.getpid()}.tmp"
-  with open(tmp, "w") as f:
-    f.write(text)
-  os.replace(tmp, path)
 
 
 @dataclasses.dataclass(frozen=True)

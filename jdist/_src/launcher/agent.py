@@ -30,12 +30,12 @@ import threading
 import time
 from typing import Callable
 
-from jdist._src.multiprocess import failures
-from jdist._src.multiprocess import health
-from jdist._src.multiprocess import liveness
-from jdist._src.multiprocess import ports
-from jdist._src.multiprocess import ranks
-from jdist._src.multiprocess.rendezvous_tcp import Client, RendezvousError
+from jdist._src.launcher import failures
+from jdist._src.launcher import health
+from jdist._src.launcher import liveness
+from jdist._src.launcher import ports
+from jdist._src.launcher import ranks
+from jdist._src.launcher.rendezvous_tcp import Client, RendezvousError
 
 WORKDIR_PREFIX = "jdist-node-"  # + the launcher's pid: its processes' health files
 _WORKDIR = re.compile(re.escape(WORKDIR_PREFIX) + r"(\d+)-\w+")

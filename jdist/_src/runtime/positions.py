@@ -29,7 +29,7 @@ name, or what the rendezvous is for), `key` (a rendezvous' key prefix),
 `waited` (seconds) and `waits_for` (the peers that have not arrived).
 
 Example:
-  >>> from jdist._src.multiprocess import positions
+  >>> from jdist._src.runtime import positions
   >>> step = {"kind": "step", "seq": 6, "what": "train", "waited": 3.0}
   >>> agreement = {"kind": "rendezvous", "seq": 5, "key": "k/", "waited": 3.0,
   ...              "what": "the input agreement of dataset d", "waits_for": [0]}

@@ -37,9 +37,9 @@ import threading
 import time
 from typing import Any, Callable
 
-from jdist._src.multiprocess import messages
-from jdist._src.multiprocess import positions
-from jdist._src.multiprocess.positions import STALL_SECONDS
+from jdist._src.runtime import messages
+from jdist._src.runtime import positions
+from jdist._src.runtime.positions import STALL_SECONDS
 
 TICK_SECONDS = 0.5
 LINGER_SECONDS = 3.0    # process 0 hosts the store: it waits for peers to read
@@ -128,7 +128,7 @@ class Monitor:
       self._previous, self._wait = saved
 
   def health(self) -> dict:
-    """Steps dispatched and the wait this process is in (`health.py`).
+    """Steps dispatched and the wait this process is in (`health_report.py`).
 
     Read by the health reporter's thread: it only reads fields that the main
     thread replaces whole.

@@ -7,7 +7,7 @@ ended, its host went down) has gone away. Like torchrun's c10d rendezvous,
 the job lives as long as the launcher that hosts it.
 
 Example:
-  >>> from jdist._src.multiprocess import rendezvous, rendezvous_tcp
+  >>> from jdist._src.launcher import rendezvous, rendezvous_tcp
   >>> spec = rendezvous.JobSpec(1, 1, 0, ("train.py",))
   >>> server = rendezvous_tcp.Server(rendezvous.Rendezvous(spec), "127.0.0.1", 0)
   >>> client = rendezvous_tcp.Client(*server.address, timeout=10)
@@ -26,7 +26,7 @@ import socket
 import threading
 import time
 
-from jdist._src.multiprocess import rendezvous
+from jdist._src.launcher import rendezvous
 
 TICK_SECONDS = 0.5
 WAIT_SECONDS = 1.0      # a "view" request waits this long for a change of phase

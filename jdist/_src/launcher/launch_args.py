@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Sequence
 
-from jdist._src.multiprocess import rendezvous
+from jdist._src.launcher import rendezvous
 
 USAGE = ("jdist launch (-n N [--min-processes M] | --nnodes MIN:MAX "
          "[--nproc-per-node K]) [--max-restarts R] [--stuck-timeout S] "
@@ -87,7 +87,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   """The checked arguments, with `min_nodes`, `max_nodes`, `nproc_per_node`.
 
   Example:
-    >>> from jdist._src.multiprocess import launch_args
+    >>> from jdist._src.launcher import launch_args
     >>> a = launch_args.parse_args(["--nnodes", "2:4", "-m", "train"])
     >>> a.min_nodes, a.max_nodes, a.nproc_per_node, a.max_restarts
     (2, 4, 1, 0)

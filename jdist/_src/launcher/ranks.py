@@ -19,12 +19,8 @@ import subprocess
 import sys
 import threading
 
-from jdist._src.multiprocess import job_env
-from jdist._src.multiprocess import health
+from jdist._src.launcher import job_env
 
-ENV_RESTART_COUNT = "JDIST_RESTART_COUNT"
-ENV_MAX_RESTARTS = "JDIST_MAX_RESTARTS"
-ENV_RUN_ID = "JDIST_RUN_ID"
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 TAIL_LINES = 20
 
@@ -54,13 +50,13 @@ def child_env(base: dict, rank: int, n: int, coordinator: str,
   env.update({job_env.ENV_COORDINATOR: coordinator,
               job_env.ENV_NUM_PROCESSES: str(n),
               job_env.ENV_PROCESS_ID: str(rank),
-              ENV_RESTART_COUNT: str(restart_count),
-              ENV_MAX_RESTARTS: str(max_restarts),
+              job_env.ENV_RESTART_COUNT: str(restart_count),
+              job_env.ENV_MAX_RESTARTS: str(max_restarts),
               "PYTHONUNBUFFERED": "1"})
   if health_file:
-    env[health.ENV_HEALTH_FILE] = health_file
+    env[job_env.ENV_HEALTH_FILE] = health_file
   if run_id:
-    env[ENV_RUN_ID] = run_id
+    env[job_env.ENV_RUN_ID] = run_id
   k = devices_per_process
   if k:
     i = rank if local_index is None else local_index

@@ -7,7 +7,7 @@ import os
 from typing import Mapping
 
 from jdist._src.errors import ClusterError
-from jdist._src.multiprocess.cluster import ClusterConfig, ClusterResolver
+from jdist._src.runtime.cluster import ClusterConfig, ClusterResolver
 
 
 class TFConfigClusterResolver(ClusterResolver):

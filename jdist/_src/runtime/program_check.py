@@ -21,8 +21,8 @@ import json
 import re
 
 from jdist._src.errors import ProgramMismatchError
-from jdist._src.multiprocess.options import CommunicationOptions
-from jdist._src.multiprocess.runtime import Runtime
+from jdist._src.runtime.options import CommunicationOptions
+from jdist._src.runtime.runtime import Runtime
 
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
 

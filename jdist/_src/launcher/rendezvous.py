@@ -28,7 +28,7 @@ The class is a state machine driven by its requests and a clock, with no
 sockets and no threads of its own (the transport serialises the calls).
 
 Example:
-  >>> from jdist._src.multiprocess import rendezvous
+  >>> from jdist._src.launcher import rendezvous
   >>> spec = rendezvous.JobSpec(min_nodes=1, max_nodes=2, max_restarts=0,
   ...                           command=("train.py",))
   >>> r = rendezvous.Rendezvous(spec, run_id="7f3a")
@@ -48,8 +48,8 @@ import time
 import uuid
 from typing import Callable
 
-from jdist._src.multiprocess import failures
-from jdist._src.multiprocess import health
+from jdist._src.launcher import failures
+from jdist._src.launcher import health
 
 LAST_CALL_SECONDS = 30.0
 JOIN_TIMEOUT_SECONDS = 600.0

@@ -12,7 +12,7 @@ def pid_exists(pid) -> bool:
 
   Example:
     >>> import os
-    >>> from jdist._src.multiprocess.liveness import pid_exists
+    >>> from jdist._src.launcher.liveness import pid_exists
     >>> pid_exists(os.getpid()), pid_exists(0)
     (True, False)
   """

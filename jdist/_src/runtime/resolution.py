@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from jdist._src.multiprocess import cluster
-from jdist._src.multiprocess.tf_config import TFConfigClusterResolver
+from jdist._src.runtime import cluster
+from jdist._src.runtime.tf_config import TFConfigClusterResolver
 
 
 def resolve(cluster_resolver=None) -> cluster.ClusterConfig | None:

@@ -43,7 +43,7 @@ def in_use(address: str) -> OSError | None:
 
   Example:
     >>> import socket
-    >>> from jdist._src.multiprocess import ports
+    >>> from jdist._src.launcher import ports
     >>> with socket.socket() as s:
     ...   s.bind(("127.0.0.1", 0)); s.listen()
     ...   port = s.getsockname()[1]
