@@ -60,6 +60,7 @@ _EXPORTS = {
     "LearningRateScheduler": "jdist._src.training.control",
     "LossScaleState": "jdist._src.ops.loss_scale",
     "LossScalingError": "jdist._src.errors",
+    "MemoryBudgetError": "jdist._src.errors",
     "MaxSizePartitioner": "jdist._src.ps.partitioners",
     "MinSizePartitioner": "jdist._src.ps.partitioners",
     "MirroredStrategy": "jdist._src.strategies.mirrored",
@@ -76,6 +77,7 @@ _EXPORTS = {
     "Partitioner": "jdist._src.ps.partitioners",
     "PeerFailureError": "jdist._src.errors",
     "PerReplica": "jdist._src.core.values",
+    "Plan": "jdist._src.planning.report",
     "PerWorkerDataset": "jdist._src.ps.datasets",
     "PerWorkerIterator": "jdist._src.ps.datasets",
     "ProgramMismatchError": "jdist._src.errors",
@@ -121,6 +123,7 @@ _EXPORTS = {
     "metrics": "jdist.metrics",
     "mirrored": "jdist._src.strategies.mirrored",
     "multi_step": "jdist._src.core.multi_step",
+    "plan": "jdist._src.planning",
     "read_value": "jdist._src.core.values",
     "scale_regularization_loss": "jdist._src.ops.losses",
 }

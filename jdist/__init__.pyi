@@ -55,6 +55,7 @@ from jdist._src.errors import (
     DoubleReductionError as DoubleReductionError,
     Error as Error,
     LossScalingError as LossScalingError,
+    MemoryBudgetError as MemoryBudgetError,
     OutOfRangeError as OutOfRangeError,
     ParameterServerError as ParameterServerError,
     PeerFailureError as PeerFailureError,
@@ -105,6 +106,12 @@ from jdist._src.ops.random import (
 )
 from jdist._src.ops.sharded_optimizer import (
     ShardedOptimizer as ShardedOptimizer,
+)
+from jdist._src.planning import (
+    plan as plan,
+)
+from jdist._src.planning.report import (
+    Plan as Plan,
 )
 from jdist._src.ps.coordinator import (
     ClusterCoordinator as ClusterCoordinator,
@@ -245,6 +252,7 @@ __all__ = [
     "LossScaleState",
     "LossScalingError",
     "MaxSizePartitioner",
+    "MemoryBudgetError",
     "MinSizePartitioner",
     "MirroredStrategy",
     "ModelCheckpoint",
@@ -262,6 +270,7 @@ __all__ = [
     "PerReplica",
     "PerWorkerDataset",
     "PerWorkerIterator",
+    "Plan",
     "ProgramMismatchError",
     "ReduceOp",
     "ReductionToOneDevice",
@@ -305,6 +314,7 @@ __all__ = [
     "metrics",
     "mirrored",
     "multi_step",
+    "plan",
     "read_value",
     "scale_regularization_loss",
 ]

@@ -78,6 +78,13 @@ def _fit(out: str) -> None:
   assert set(eval(evaluation)) == {"loss", "accuracy"}, out  # noqa: S307
 
 
+def _planning(out: str) -> None:
+  assert re.search(r"^  parameters +53\.1 KB$", out, re.M), out
+  assert re.search(r"^  optimizer state +106\.2 KB$", out, re.M), out
+  assert ("What fits (compiled and planned): FSDP over 'fsdp' (2 devices, 2 "
+          "replica(s)): parameters + optimizer state 159.4 KB -> 79.7 KB") in out
+
+
 def _keras_trainer(out: str) -> None:
   keys, same = out.splitlines()[-2:]
   assert keys == ("['accuracy', 'loss', "
@@ -108,6 +115,7 @@ EXPECTED = {
     "trainer.fit(x, y, batch_size=64, epochs=3, verbose=0)": _keras_trainer,
     "print(keras.distribution.distribution())": _keras_fit_in_scope,
     "model_fns.assign(variables)": _keras_custom_loop,
+    "jdist.plan(step, shapes, batch, memory_budget=budget)": _planning,
 }
 PAGES_WITH_PROGRAMS = [p for p in PAGES if programs(p)]
 

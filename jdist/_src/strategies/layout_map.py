@@ -115,6 +115,15 @@ class LayoutMap(collections.abc.MutableMapping):
     Raises:
       ValueError: more than one key matches.
     """
+    key = self.key_of(path)
+    return None if key is None else self._rules[key]
+
+  def key_of(self, path: str) -> str | None:
+    """The key that lays out the array at `path` (see `layout_of`), or None.
+
+    Raises:
+      ValueError: more than one key matches.
+    """
     parts = path.split("/")
     tails = ["/".join(parts[i:]) for i in range(len(parts))]
     matches = [k for k in self._rules
@@ -124,7 +133,7 @@ class LayoutMap(collections.abc.MutableMapping):
           f"Path {path!r} matches more than one LayoutMap key: {matches} (a "
           "key matches a path or its tail after a '/'). Make the keys "
           "exclusive so that each path matches at most one.")
-    return self._rules[matches[0]] if matches else None
+    return matches[0] if matches else None
 
   def spec_for(self, path: str, shape: tuple) -> P:
     """The checked `PartitionSpec` of an array of `shape` at `path` (see
@@ -167,17 +176,21 @@ class LayoutMap(collections.abc.MutableMapping):
     self.warn_unmatched([n for n, _, _ in entries])
     return jax.tree_util.tree_unflatten(jax.tree.structure(tree), specs)
 
-  def warn_unmatched(self, names: list[str]) -> None:
-    """Warns for each key that matches none of the paths `names`."""
+  def unmatched(self, names: list[str]) -> list[str]:
+    """The keys that match none of the paths `names` (nor their tails)."""
     tails = {"/".join(n.split("/")[i:]) for n in names
              for i in range(n.count("/") + 1)}
-    for key in self._rules:
-      if not any(re.fullmatch(key, t) for t in tails):
-        warnings.warn(
-            f"LayoutMap key {key!r} matches no parameter; the paths are "
-            f"{names[:20]}{' ...' if len(names) > 20 else ''}. Keys match a "
-            "whole path or a tail after a '/' (re.fullmatch).",
-            stacklevel=3)
+    return [key for key in self._rules
+            if not any(re.fullmatch(key, t) for t in tails)]
+
+  def warn_unmatched(self, names: list[str]) -> None:
+    """Warns for each key that matches none of the paths `names`."""
+    for key in self.unmatched(names):
+      warnings.warn(
+          f"LayoutMap key {key!r} matches no parameter; the paths are "
+          f"{names[:20]}{' ...' if len(names) > 20 else ''}. Keys match a "
+          "whole path or a tail after a '/' (re.fullmatch).",
+          stacklevel=3)
 
   def shardings(self, tree: Any) -> Any:
     """A `NamedSharding` on the mesh for every leaf of `tree`."""

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdist._src.core import cross_replica
@@ -130,6 +130,26 @@ class Strategy(StrategyBase):
       [P()]
     """
     return [P() for _ in jax.tree.leaves(tree)]
+
+  def shardings(self, tree: Any) -> Any:
+    """The `NamedSharding` each leaf of `tree` has as state of this strategy:
+    whole on every device of the mesh (as `replicate` places it), the leaves
+    of a `jdist.Sharded` split as it says. `ModelParallelStrategy` lays
+    leaves out by its rules. Nothing is placed: `tree` may hold
+    `jax.ShapeDtypeStruct` values (planning a state before it exists).
+
+    Example:
+      >>> import jdist, jax.numpy as jnp
+      >>> strategy = jdist.MirroredStrategy()
+      >>> strategy.shardings({"w": jnp.zeros((2, 3))})["w"].spec
+      P()
+    """
+    specs = []
+    for node in jax.tree.leaves(tree, is_leaf=kinds.has_layouts):
+      own = kinds.kind_of(node).layouts(node)
+      specs.extend([P()] if own is None else own)
+    return jax.tree_util.tree_unflatten(jax.tree.structure(tree), [
+        NamedSharding(self._mesh, spec) for spec in specs])
 
   def keep_layouts(self, outputs: Any) -> Any:
     """Inside a traced step: its outputs, held in this strategy's layouts.
