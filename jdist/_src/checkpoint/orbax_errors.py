@@ -1,27 +1,12 @@
 """orbax's failures, reduced to one message with its cause.
 
-When a save or restore fails (a full disk, a corrupt file), orbax and
-tensorstore report it many times over: an absl error with a traceback from
-each of orbax's threads, the same exception again from every write still in
-flight, "Task exception was never retrieved" for each orphaned asyncio task,
-and, from tensorstore's threads, "RuntimeError: Event loop is closed" for
-every read or write that completes after orbax closed its event loop. A full
-disk printed about 500 lines, a failed restore about 20 of those tracebacks.
-
-`summarised()` holds back orbax's error logs while a call runs. If the call
-fails, it waits for orbax's threads to finish (they go on failing and
-reporting after the first error), the caller raises (or warns) once with
-`reason(e)`, and the held logs are dropped; if it succeeds, the held logs are
-passed on as they were, so nothing is hidden from a call that worked.
-asyncio's reports of the tasks a failed call left behind are dropped too, and
-so are Python's "coroutine ... was never awaited" warnings for the coroutines
-it abandoned (after a failure only: they arrive whenever the garbage collector
-finds them, as late as interpreter exit). The late "Event loop is closed"
-reports say only that a result nobody waits for anymore arrived; they are
-dropped whenever they come. So are orbax's error logs, and asyncio's reports
-of futures whose exception nobody retrieved, that name the files of a call
-that failed (`summarised(path)`) and arrive after it returned: they come from
-threads and garbage collection that the wait above cannot cover.
+A failed save or restore makes orbax and tensorstore report it many times
+over (absl logs from each thread, asyncio's orphaned tasks, tensorstore's
+"Event loop is closed"). `summarised()` holds orbax's error logs while a
+call runs: if it fails, it waits for orbax's threads, drops the held logs
+and the later reports that name the failed call's files or its abandoned
+coroutines, and the caller raises once with `reason(e)`; if it succeeds,
+the held logs are passed on, so nothing is hidden from a call that worked.
 """
 
 from __future__ import annotations
@@ -87,8 +72,7 @@ _ECHOES = _Echoes()
 
 
 class _Orphans(logging.Filter):
-  """Drops asyncio's reports of the tasks and futures a failed orbax call left
-  behind (a future's report names the files, not orbax)."""
+  """Drops asyncio's reports of the tasks and futures a failed call left."""
 
   def filter(self, record: logging.LogRecord) -> bool:
     text = record.getMessage()
@@ -131,7 +115,7 @@ def _join_orbax_threads(timeout: float = 30.0) -> None:
 
 @contextlib.contextmanager
 def summarised(path: str | None = None):
-  """Holds orbax's error reports while a call runs; see the module docstring.
+  """Holds orbax's error reports while a call runs (see the module).
 
   Args:
     path: the files the call reads or writes; if it fails, orbax's later

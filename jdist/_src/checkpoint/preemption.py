@@ -49,7 +49,7 @@ class PreemptionWatcher:
   def reached(self, step: int) -> bool:
     """Whether to save and stop after `step` (the same on every process).
 
-    Every process must call this after every step, with the same steps.
+    Every process calls it after every step, with the same steps.
     """
     if self._multi:
       return bool(multihost_utils.reached_preemption_sync_point(step))
@@ -60,11 +60,8 @@ class PreemptionWatcher:
     self._handled = True
 
   def close(self) -> None:
-    """Puts back the SIGTERM handler that was there before.
-
-    A SIGTERM that came too late to stop training at a step (during the last
-    validation, say) is sent again, so the process still ends as asked.
-    """
+    """Puts back the previous SIGTERM handler, and sends again a SIGTERM that
+    came too late to stop training at a step."""
     if self._previous is not None:
       signal.signal(signal.SIGTERM, self._previous)
       self._previous = None
