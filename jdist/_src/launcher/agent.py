@@ -1,21 +1,13 @@
 """The agent of one node: starts its processes for each attempt, stops them.
 
-A node is a host (on one machine, `jdist launch` simulates several). Its agent
-joins the rendezvous (`rendezvous.py`), and for each attempt the rendezvous
-starts, it runs the node's processes (`ranks.py`), reports their health
-(`health.py`) a few times a second, and when the attempt stops it stops them
-and reports how each ended; then it joins the next attempt. It returns when
-the job ends, or when the launcher is told to stop (a signal).
-
-Stopping processes, which may be blocked in XLA collectives that never
-return: they first get `SETTLE_SECONDS` to end on their own (jdist's runtime
-ends a process whose peer failed); then a process for which a signal can do
-nothing (stopped, silent, or waiting for its peers since before the stop) is
-killed, and the others get SIGINT and are killed when `--grace-period` has
-passed.
-SIGINT or SIGTERM to the launcher is forwarded (a SIGTERM lets a job save);
-a second signal kills. Nothing outlives the agent: `run` kills what is left
-in a `finally`, and on Linux each process dies with the agent's thread.
+A node is a host (on one machine, `jdist launch` simulates several). Its
+agent joins the rendezvous, runs the node's processes for each attempt,
+reports their health a few times a second, and when the attempt stops, stops
+them and reports how each ended. Processes may be blocked in collectives that
+never return: they get `SETTLE_SECONDS` to end on their own, then one a
+signal cannot reach (stopped, silent, or waiting for its peers) is killed,
+and the others get SIGINT and are killed after `--grace-period`. Nothing
+outlives the agent.
 """
 
 from __future__ import annotations
@@ -189,7 +181,7 @@ class Agent:
     return records, interrupted
 
   def _supervise(self, watches: list) -> bool:
-    """Waits for the processes; stops them all when told to. Returns whether
+    """Waits for the processes, stopping them all when told to; returns whether
     the launcher was interrupted."""
     stop = _Stop(self._node.grace)
     last_report, reported_own, forwarded, latest = 0.0, False, 0, {}
@@ -260,12 +252,7 @@ class _Stop:
 
 
 def _remove_stale_workdirs() -> None:
-  """Removes the health files of launchers that were killed (SIGKILL).
-
-  A launcher removes its directory when it ends; one that was killed cannot.
-  The directory names its launcher's pid: a directory of this user whose
-  launcher no longer runs is removed.
-  """
+  """Removes the health files of killed launchers (named by their pid)."""
   root = tempfile.gettempdir()
   for name in os.listdir(root):
     m = _WORKDIR.fullmatch(name)
@@ -281,13 +268,11 @@ def _remove_stale_workdirs() -> None:
 
 
 def _cannot_act(h: health.RankHealth | None) -> bool:
-  """A process for which a signal and the grace period can do nothing.
+  """Whether a signal and the grace period can do nothing for a process.
 
-  Stopped or silent, it cannot take the signal. Waiting for its peers (in a
-  step or a rendezvous) while the attempt stops, it waits for what cannot
-  complete (every step and rendezvous needs every process): inside XLA it
-  never sees the signal, and in a rendezvous it would only print a
-  `KeyboardInterrupt` and wait for its peers to learn of it.
+  Stopped or silent, it cannot take the signal; waiting for its peers while
+  the attempt stops, it waits for what cannot complete (inside XLA it never
+  sees the signal).
   """
   if h is None:
     return False

@@ -1,13 +1,9 @@
 """What ended each attempt of a launched job, and the launcher's last words.
 
-When an attempt fails, its processes end in many ways at once: the one at
-fault (an exit code, a signal), its peers (jdist's runtime ends them with a
-`jdist.PeerFailureError` naming it, JAX's heartbeats abort them, the launcher
-stops them). `classify` names the one failure that caused the rest, in this
-order: a node that went away; a process the launcher found stuck
-(`health.judge`); a process still alive but silent when the others failed
-(JAX's heartbeats end the peers of a stopped process with errors that name
-nobody); else `culprit` among the processes that ended on their own.
+When an attempt fails, its processes end in many ways at once. `classify`
+names the one failure that caused the rest: a node that went away; a process
+found stuck (`health.judge`); a live process silent when the others failed;
+else `culprit` among those that ended on their own.
 
 Example:
   >>> from jdist._src.launcher import failures
@@ -28,7 +24,7 @@ _PEER_FAILURE = re.compile(r"jdist\.PeerFailureError: process (\d+) ")
 
 
 def describe(code: int) -> str:
-  """An exit status as a person reads it: "exit code 3", "killed by SIGKILL"."""
+  """An exit status in words: "exit code 3", "killed by SIGKILL"."""
   if code < 0:
     try:
       return f"killed by {signal.Signals(-code).name}"
@@ -83,16 +79,11 @@ class RankRecord:
 def culprit(records: list) -> RankRecord | None:
   """The process whose failure ended the others.
 
-  Those that ended on their own, in the order they ended, those killed by
-  SIGKILL first: the first whose error is not a `jdist.PeerFailureError`
-  (peers that only learned of the failure may end first); else the failed
-  process such an error names; else the first to fail.
-
-  Nothing in a job sends SIGKILL (the launcher's own kills are not "on their
-  own"): it comes from outside (the OOM killer, an operator, a host's end),
-  and a peer whose collective it broke (one in orbax's save, which jdist
-  does not watch) can exit with its own error before an agent, looking
-  every POLL_SECONDS or later under load, sees the killed process gone.
+  Of those that ended on their own, in the order they ended, SIGKILLed ones
+  first: the first whose error is not a `jdist.PeerFailureError`; else the
+  failed process such an error names; else the first to fail. SIGKILL comes
+  from outside (the OOM killer, an operator), and a peer whose collective it
+  broke may exit with its own error before an agent sees the killed one gone.
 
   Example:
     >>> from jdist._src.launcher.failures import RankRecord, culprit
@@ -124,7 +115,7 @@ class Failure:
     world: processes in that attempt.
     what: what happened ("killed by SIGKILL", "stuck: ...", "went away ...").
     rank: the process at fault, or None when a node is.
-    node: the node at fault ("127.0.0.1 (processes 2, 3)"), or None.
+    node: the node at fault, or None.
     code: the launcher's exit code if the job ends on this failure.
     tail: the end of the error output of the process at fault.
   """
@@ -199,13 +190,8 @@ def completed(failures: list) -> str:
 
 
 def final(failures: list, max_restarts: int, why: str | None = None) -> str:
-  """The one message that ends a failed job, naming each failure.
-
-  Args:
-    failures: every attempt's failure, in order.
-    max_restarts: `--max-restarts`.
-    why: why the job cannot go on, if not because the restarts ran out.
-  """
+  """The one message that ends a failed job, naming each failure (`why`: why
+  the job cannot go on, if not because the restarts ran out)."""
   last = failures[-1] if failures else None
   if (len(failures) == 1 and max_restarts == 0 and why is None and
       last.rank is not None):

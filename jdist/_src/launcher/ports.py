@@ -1,14 +1,9 @@
 """Whether a coordinator port is free, checked before anything starts.
 
-JAX's coordination service (on process 0) listens with gRPC, which sets
-`SO_REUSEPORT`: a second job's coordinator on a busy port does not fail, it
-shares the port, and the kernel hands each connection to either job. The
-processes of one job then join the other's coordinator and both jobs break
-("tried to connect with a different incarnation", SIGABRT). A port held by a
-program that is not gRPC makes JAX fail with "Failed to start RPC server",
-which does not say which port. So `jdist launch` and `jdist.initialize` (on
-process 0) bind the port first without `SO_REUSEPORT`, which fails while
-anything listens there, and refuse a busy port with a message that names it.
+JAX's coordinator listens with gRPC, which sets `SO_REUSEPORT`: a second
+job's coordinator on a busy port shares it, and both jobs break. So `jdist
+launch` and `jdist.initialize` (process 0) bind the port first without it,
+and refuse a busy port with a message that names it.
 """
 
 from __future__ import annotations
@@ -34,12 +29,11 @@ def bind_address(port: int) -> str:
 
 
 def in_use(address: str) -> OSError | None:
-  """The error of binding `address` ("host:port", "[::]:port") if it is in use.
+  """The error of binding `address` ("host:port", "[::]:port") if it is in
+  use, else None.
 
-  Returns None when the port is free there. A socket that is only closing
-  (TIME_WAIT, after a job that ended) does not count: the coordinator binds
-  over it too (`SO_REUSEADDR`). Other bind errors (an address that is not this
-  host's) are left to JAX.
+  A socket in TIME_WAIT does not count (the coordinator binds over it);
+  other bind errors are left to JAX.
 
   Example:
     >>> import socket

@@ -1,10 +1,8 @@
 """The rendezvous over TCP: one connection per node, one JSON line per request.
 
-The launcher that hosts the rendezvous runs a `Server` (threads: one accepts,
-one per node, one ticks the clock); every agent, that launcher's own too,
-talks to it through a `Client`. A node whose connection closes (its launcher
-ended, its host went down) has gone away. Like torchrun's c10d rendezvous,
-the job lives as long as the launcher that hosts it.
+The launcher that hosts the rendezvous runs a `Server`; every agent talks to
+it through a `Client`. A node whose connection closes has gone away; the job
+lives as long as the launcher that hosts it.
 
 Example:
   >>> from jdist._src.launcher import rendezvous, rendezvous_tcp
@@ -126,8 +124,7 @@ class Server:
     return handlers[op](member, **request)
 
   def close(self, linger: float) -> None:
-    """Stops serving once no node needs it (every node saw the end, or
-    left), waiting at most `linger` s for that."""
+    """Stops serving once no node needs it, waiting at most `linger` s."""
     deadline = time.monotonic() + linger
     while time.monotonic() < deadline:
       with self._lock:
