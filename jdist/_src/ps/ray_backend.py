@@ -1,15 +1,11 @@
 """The Ray backend: parameter servers and workers as Ray actors.
 
-An optional extra (`pip install jdist[ray]`): Ray starts, places, restarts
-and reaches the actors, so jdist has no network layer of its own. A
-parameter server is never restarted (its variables are lost:
-`jdist.ParameterServerError`); Ray restarts a worker whose process dies, and
-the coordinator sends it its functions again. Functions and arguments travel
-pickled, a function once per worker. The workers are elastic between
-`ray_options["min_workers"]` and `["max_workers"]`: `RayCluster.watch`
-starts another worker whenever Ray's free resources fit one, and a worker
-whose actor dies for good frees its slot. Ray is imported when the backend
-starts.
+An optional extra (`jdist[ray]`): Ray starts, places, restarts and reaches
+the actors, so jdist has no network layer of its own. A parameter server is
+never restarted (its variables are lost); Ray restarts a worker whose
+process dies, and the coordinator sends it its functions again. Functions
+travel pickled, once per worker. Workers are elastic between
+`ray_options["min_workers"]` and `["max_workers"]`.
 """
 
 from __future__ import annotations
@@ -47,12 +43,8 @@ def _pickle():
 
 
 class TrainingWorker:
-  """The body of a worker actor: a worker context over its process's devices.
-
-  It times the function it runs as a threads worker is timed (its time
-  compiling and waiting on parameter servers aside), and says how long it has
-  run when asked (`health`, answered by a thread of its own).
-  """
+  """The body of a worker actor: a worker context over its process's devices,
+  timed as a threads worker is; `health` is answered by a thread of its own."""
 
   def __init__(self, index: int, num_workers: int, strategy_bytes: bytes):
     listen_to_compiles()
@@ -93,9 +85,8 @@ class TrainingWorker:
     return pickle.dumps(to_numpy(value))
 
   def health(self) -> tuple:
-    """`(seconds, excused)`: how long the function running has run, its
-    time compiling and waiting on servers aside (0 when none runs), and
-    whether it is compiling or waiting on a server now."""
+    """`(seconds, excused)`: how long the running function has run (excused
+    time aside; 0 when none runs), and whether its time is excused now."""
     running = self._running
     if running is None:
       return 0.0, False
@@ -107,11 +98,8 @@ class TrainingWorker:
 
 
 class RayStore:
-  """The servers' API over parameter-server actors (picklable: workers use it).
-
-  Every call waits at most `timeout` seconds; a server that died or does not
-  answer in time raises `jdist.ParameterServerError`.
-  """
+  """The servers' API over parameter-server actors (picklable: workers use
+  it); a call waits `timeout` seconds at most."""
 
   def __init__(self, actors: list, addresses: tuple, timeout: float):
     self._actors = actors
@@ -224,8 +212,7 @@ class RayWorker:
   depth = 2  # the next call waits in the actor while it runs one
 
   def submit(self, closure):
-    """Sends the closure to the actor: its function and per-worker datasets
-    only the first time."""
+    """Sends the closure to the actor (its function and datasets only once)."""
     key, fn_bytes, definitions, args_bytes = closure.payload
     send = None if key in self._sent else fn_bytes
     new = [(k, b) for k, b in definitions if k not in self._sent]
@@ -235,7 +222,7 @@ class RayWorker:
     return self.actor.run.remote(key, send, new, args_bytes)
 
   def result(self, ref) -> Any:
-    """The closure's result; raises `WorkerFailedError` if the actor died, or
+    """The closure's result; raises `WorkerFailedError` if the actor died or
     went silent for `timeout` (then it is killed, for Ray to restart it)."""
     ray = _ray()
     if self._hung and not ray.wait([ref], timeout=0)[0]:
@@ -264,13 +251,11 @@ class RayWorker:
     return _pickle().loads(out)
 
   def _wait(self, ref) -> str:
-    """Waits for `ref` while the actor answers health calls (answered by a
-    thread of their own while it runs a function).
+    """Waits for `ref` while the actor answers health calls.
 
     Returns:
-      "" once `ref` is ready; a key of `_HUNG` once the actor has not
-      answered a health call for `timeout` ("silent"), or its function has
-      run for `timeout`, compiling and waiting on servers aside ("slow").
+      "" once `ref` is ready; a key of `_HUNG` once the actor has been silent
+      for `timeout` ("silent"), or its function ran that long ("slow").
     """
     ray = _ray()
     heard = time.monotonic()
@@ -305,11 +290,8 @@ class RayWorker:
   def recover(self) -> bool:
     """Waits for Ray to bring the actor back; False if it will not.
 
-    A restart starts a new process that imports JAX and rebuilds the worker:
-    seconds, or close to a minute on a loaded machine. The wait is bounded by
-    `RESTART_TIMEOUT` (at least the strategy's `timeout_seconds`), not by
-    `timeout_seconds` alone, so a slow restart does not lose the worker for
-    good; the other workers run its functions meanwhile.
+    A restart imports JAX anew (up to a minute on a loaded machine), so the
+    wait is bounded by `RESTART_TIMEOUT`, not by `timeout_seconds` alone.
     """
     ray = _ray()
     self._sent.clear()
@@ -469,13 +451,12 @@ class RayCluster:
   # --- workers that join and leave ---------------------------------------------
 
   def watch(self, on_join) -> None:
-    """Starts the thread that adds workers while fewer than `max_workers`
-    run and Ray's free resources fit one more.
+    """Starts the thread that adds workers while fewer than `max_workers` run
+    and Ray's free resources fit one more.
 
     Args:
-      on_join: called with each new `RayWorker` once its process answers,
-        and a description of where it runs; returns False to refuse it
-        (the coordinator shut down), and the actor is then killed.
+      on_join: called with each new `RayWorker` and where it runs; returns
+        False to refuse it (the actor is then killed).
     """
     self._watcher = threading.Thread(target=self._watch, args=(on_join,),
                                      name="jdist-ray-workers", daemon=True)
@@ -557,8 +538,8 @@ class RayCluster:
     return cached
 
   def prepare(self, closure) -> None:
-    """Pickles the closure: its function and per-worker datasets once each
-    (arguments carry their keys), the other arguments every time."""
+    """Pickles the closure: its function and per-worker datasets once each, the
+    other arguments every time."""
     is_resource = lambda x: isinstance(x, worker_lib.PerWorkerResource)
     definitions = {}
 

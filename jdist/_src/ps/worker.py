@@ -1,9 +1,8 @@
 """What a worker knows while it runs scheduled functions: `WorkerContext`.
 
-A worker is a thread of the coordinator's process (threads backend) or a Ray
-actor's process. Either way, while it runs a scheduled function the worker's
-context is current (`current()`), so that steps know they run on a worker,
-on which devices, and per-worker inputs find this worker's iterators.
+While a worker (a thread, or a Ray actor's process) runs a scheduled
+function its context is current, so steps know they run on a worker and
+per-worker inputs find its iterators.
 """
 
 from __future__ import annotations
@@ -21,12 +20,8 @@ _local = threading.local()
 
 
 class PerWorkerResource:
-  """A value each worker builds for itself, passed to scheduled functions.
-
-  Subclasses set `key` (the same on every worker) and implement
-  `build(worker_context)`. A worker builds it when a function first needs it,
-  and again after the worker failed and came back.
-  """
+  """A value each worker builds for itself (`build(worker_context)`, keyed by
+  `key`), on first use and again after the worker came back."""
 
   key: str = ""
 
@@ -35,8 +30,7 @@ class PerWorkerResource:
 
 
 class ResourceRef(PerWorkerResource):
-  """Stands for a `PerWorkerResource` a worker was sent once (Ray backend):
-  arguments carry the key, not the dataset function, on every call."""
+  """Stands for a `PerWorkerResource` sent to a worker once (Ray backend)."""
 
   def __init__(self, key: str):
     self.key = key
@@ -51,14 +45,12 @@ class WorkerContext:
   Attributes:
     index: the worker's index, 0 to `num_workers - 1`.
     num_workers: how many workers the cluster has.
-    strategy: the synchronous strategy over the worker's devices that runs
-      its steps (a `MirroredStrategy`, one replica per device).
+    strategy: the `MirroredStrategy` over the worker's devices.
     parameter_strategy: the `ParameterServerStrategy` the worker serves.
     programs: compiled steps, by the step function's id.
-    reuse_answers: start a step from the values the servers answered this
-      worker's last update with, instead of reading them again. It saves a
-      round trip where reading costs one (Ray), at the price of values as old
-      as the time between the two steps; a threads worker reads (a lock).
+    reuse_answers: start a step from the values the servers answered the
+      last update with, saving a read's round trip where it costs one (Ray)
+      at the price of values as old as the time between steps.
   """
 
   def __init__(self, index: int, num_workers: int, strategy,
