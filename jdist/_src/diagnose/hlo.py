@@ -122,9 +122,8 @@ def _groups(line: str) -> tuple[tuple[int, ...], ...] | None:
 
 
 def mesh_axes(groups, axis_names, mesh_shape) -> tuple[str, ...] | None:
-  """The mesh axes a collective's groups run over: those along which the
-  ids of a group vary (partition id i is the mesh's i-th device in
-  row-major order). None for groups not known.
+  """The mesh axes a collective's groups run over (those along which a
+  group's ids vary), or None for groups not known.
 
   Example:
     >>> from jdist._src.diagnose.hlo import mesh_axes
