@@ -1,12 +1,10 @@
 """Checkpoints of a train state with orbax-checkpoint: saving, restoring,
-replacing.
+replacing (the format and its checks: docs/checkpoints.md).
 
-A checkpoint is an orbax step directory with two items: `state` (the arrays,
-a dict nested by their paths) and `meta` (`metadata.py`: JSON sealed by a
-SHA-256). A restore skips, with a warning, a checkpoint that cannot be read
-or fails its checks, and places the arrays with the target's shardings, so
-any number of devices or processes restores any checkpoint
-(docs/checkpoints.md).
+A checkpoint is an orbax step directory with two items, `state` (the arrays
+nested by their paths) and `meta` (`metadata.py`). Arrays are restored with
+the target's shardings, so any device or process count restores any
+checkpoint.
 """
 
 from __future__ import annotations
@@ -184,19 +182,9 @@ def _finish_replacing(directory: str) -> None:
 
 
 class Checkpointer:
-  """Saves and restores train states in `directory` with orbax.
-
-  Args:
-    directory: where the step directories go (created if needed).
-    max_to_keep: keep only this many newest checkpoints (None: all).
-    claim: claim the directory for this job until `close`
-      (`directory_claim.py`). Writers claim; readers do not.
-
-  Raises:
-    jdist.CheckpointDirectoryError: (with `claim`) the directory is a file
-      or cannot be written.
-    jdist.CheckpointInUseError: (with `claim`) another running job owns it.
-  """
+  """Saves and restores train states in `directory` with orbax, keeping
+  `max_to_keep` newest; with `claim`, the directory is claimed for this job
+  until `close` (`directory_claim.py`: writers claim, readers do not)."""
 
   def __init__(self, directory, *, max_to_keep: int | None = None,
                claim: bool = False):
@@ -237,14 +225,10 @@ class Checkpointer:
                     if _STEP.fullmatch(e.name) and e.is_dir())
 
   def save(self, step: int, state, meta: dict) -> bool:
-    """Writes `state` and `meta` as checkpoint `step` (all processes call it).
-
-    A checkpoint `step` already there is replaced (`_replace`). A state with
-    NaN or infinite values is not written, with a warning, so `max_to_keep`
-    never rotates the last good checkpoints away.
-
-    Returns:
-      Whether this state is now checkpoint `step` in the directory.
+    """Writes `state` and `meta` as checkpoint `step` (all processes call it),
+    replacing one there; returns whether it is now checkpoint `step` (a state
+    with NaN or infinite values is not written, with a warning, so
+    `max_to_keep` never rotates the last good checkpoints away).
 
     Raises:
       ValueError: the checkpointer was closed.
@@ -344,10 +328,8 @@ class Checkpointer:
           meta=ocp.args.JsonRestore()))["meta"]
 
   def restore(self, target, mesh, *, step: int | None = None):
-    """Restores the newest usable checkpoint onto `mesh`, shaped like `target`.
-
-    Returns:
-      `(state, meta)`, or None when the directory has no checkpoint.
+    """`(state, meta)` of the newest usable checkpoint (or `step`) onto `mesh`,
+    shaped like `target`; None when there is none.
 
     Raises:
       CheckpointMismatchError: the checkpoint holds another model.

@@ -1,10 +1,8 @@
-"""A content hash of a checkpoint's arrays that any mesh can verify.
+"""A content hash of a checkpoint's arrays that any mesh can verify
+(docs/checkpoints.md defines it).
 
-The hash of a leaf is defined over its elements, not over any process's
-bytes (docs/checkpoints.md gives its definition): two sums modulo 2**32 of
-each 32-bit word mixed with its position, so each device sums its own block,
-XLA adds the blocks' sums, and every mesh gets the same digest. The same
-program says whether each leaf is finite, so a save reads the state once.
+Two sums of each 32-bit word mixed with its position: each device sums its
+own block and XLA adds the sums, so every mesh gets the same digest.
 
 Example:
   >>> import jax.numpy as jnp
@@ -101,9 +99,8 @@ def _one_copy(x):
 
 
 def digests(leaves: list) -> tuple[list[str], list[bool]]:
-  """`(digests, finite)` of `leaves`: each digest as 16 hexadecimal digits,
-  the same on every mesh, and whether the leaf's values are all finite
-  (every process calls it: one program over the global arrays)."""
+  """`(digests, finite)` of `leaves`: 16 hexadecimal digits each, the same on
+  every mesh, and whether its values are finite (every process calls it)."""
   groups: dict = {}  # one program per set of devices
   for i, x in enumerate(leaves):
     x = _one_copy(x)

@@ -1,15 +1,12 @@
 """Owning a checkpoint directory: writable, and written by one job only.
 
-Two jobs writing one directory overwrite each other's checkpoints. A
-writer claims its directory before any step: every process checks it can
-write there, and process 0 takes the lock file `jdist.lock`, which names
-the job; the others learn the outcome through the runtime's rendezvous, so
-every process raises the same error or none does. A lock whose owner is
-gone is taken over: on the same machine when its process no longer runs
-(its start time tells a reused pid apart); from another machine when its
-mtime, which the owner touches every `HEARTBEAT_SECONDS`, has not moved for
-`LEASE_SECONDS` (read off the file system's clock, not the hosts'); at once
-when an earlier attempt of the same `jdist launch` job took it.
+Every process checks it can write there, and process 0 takes the lock file
+`jdist.lock`, naming the job; the others learn the outcome through the
+runtime's rendezvous. A lock whose owner is gone is taken over: on the same
+machine when its process (by pid and start time) no longer runs; from
+another machine when its mtime, touched every `HEARTBEAT_SECONDS`, has not
+moved for `LEASE_SECONDS` (by the file system's clock); at once when an
+earlier attempt of the same `jdist launch` job took it.
 """
 
 from __future__ import annotations
@@ -227,12 +224,8 @@ def _take(directory: str, me: dict) -> str:
 
 
 class DirectoryClaim:
-  """This job's claim on a checkpoint directory, from `claim` to `release`.
-
-  Attributes:
-    directory: the directory.
-    lost: another job took the lock over (this one was thought dead).
-  """
+  """This job's claim on a checkpoint directory, from `claim` to `release`
+  (`lost`: another job took the lock over, thinking this one dead)."""
 
   def __init__(self, directory: str, lock_path: str | None = None,
                owner: dict | None = None):
@@ -298,16 +291,11 @@ class DirectoryClaim:
 
 
 def claim(directory: str, tidy=None) -> DirectoryClaim:
-  """Claims `directory` for this job's checkpoints (every process calls it).
-
-  Args:
-    directory: the checkpoint directory.
-    tidy: a function of the directory that process 0 runs once it holds
-      the lock, before any process goes on.
+  """Claims `directory` for this job's checkpoints (every process calls it);
+  process 0 runs `tidy(directory)` once it holds the lock.
 
   Raises:
-    jdist.CheckpointDirectoryError: some process cannot create or write the
-      directory.
+    jdist.CheckpointDirectoryError: some process cannot write the directory.
     jdist.CheckpointInUseError: another running job owns it.
   """
   runtime = runtime_lib.current()

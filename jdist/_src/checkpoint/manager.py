@@ -1,12 +1,8 @@
-"""`jdist.CheckpointManager`: checkpoints for custom training loops.
+"""`jdist.CheckpointManager`: checkpoints for custom training loops, with
+in-memory snapshots (`snapshots/`) in a `jdist launch` job.
 
-It keeps the Trainer's guarantees (a claimed directory, checksummed
-checkpoints, restore onto any number of devices or processes). With
-`snapshot_every`, in a `jdist launch` job, it also keeps the newest state in
-host memory (`snapshots/`), written by a background thread while the loop
-goes on, so a restarted job resumes without reading the persistent
-directory. `BackupManager` is the subclass `BackupAndRestore` holds for
-`Trainer.fit`: fit's metadata rides in its snapshots as one more leaf.
+`BackupManager` is the subclass `BackupAndRestore` holds for `Trainer.fit`:
+fit's metadata rides in its snapshots as one more leaf.
 """
 
 from __future__ import annotations
@@ -258,15 +254,13 @@ class CheckpointManager:
 
   def restore(self, like: Any, step: int | None = None) -> Any:
     """The newest usable checkpoint (or checkpoint `step`), shaped and placed
-    like `like`, and sets `restored_step`.
+    like `like`; sets `restored_step`.
 
-    `like` is the state as this run holds it: leaves split over the replicas
-    (a `jdist.Sharded` optimizer state) are restored split, the others whole on
-    every device. It may also be the state's shapes (`jax.eval_shape`): every
-    leaf is then restored whole. With `snapshot_every`, the newest complete
-    snapshot is used when it is at least as new as the newest checkpoint; one
-    that cannot be used leaves the restore to the directory, with a line that
-    says why.
+    `like` is the state as this run holds it (a `jdist.Sharded` leaf is
+    restored split, the others whole on every device), or its shapes
+    (`jax.eval_shape`: every leaf whole). With `snapshot_every`, the newest
+    complete snapshot is used when it is at least as new as the newest
+    checkpoint.
 
     Raises:
       jdist.CheckpointNotFoundError: the directory holds no checkpoint.

@@ -1,11 +1,8 @@
 """A checkpoint's metadata: its format, its seal, and what it says about
 the arrays beside it.
 
-The `meta` item is JSON: the caller's training position and history, the
-format, the step, every leaf's shape and dtype, its content hash, and a
-SHA-256 of all of it, checked before anything else is read. Formats 1 to 3
-still load: 3 checked its arrays by float sums, 2 named sharded optimizer
-state with one more level, 1 had no SHA-256.
+Formats 1 to 3 still load: 3 checked its arrays by float sums, 2 named
+sharded optimizer state with one more level, 1 had no SHA-256.
 
 Example:
   >>> from jdist._src.checkpoint import metadata

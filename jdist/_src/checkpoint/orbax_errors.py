@@ -1,12 +1,9 @@
 """orbax's failures, reduced to one message with its cause.
 
-A failed save or restore makes orbax and tensorstore report it many times
-over (absl logs from each thread, asyncio's orphaned tasks, tensorstore's
-"Event loop is closed"). `summarised()` holds orbax's error logs while a
-call runs: if it fails, it waits for orbax's threads, drops the held logs
-and the later reports that name the failed call's files or its abandoned
-coroutines, and the caller raises once with `reason(e)`; if it succeeds,
-the held logs are passed on, so nothing is hidden from a call that worked.
+orbax and tensorstore report a failure many times over, from many threads.
+`summarised()` holds orbax's error logs while a call runs; if it fails, the
+held logs and later echoes of the failed call are dropped and the caller
+raises once with `reason(e)`; if it succeeds, the logs are passed on.
 """
 
 from __future__ import annotations
@@ -115,12 +112,8 @@ def _join_orbax_threads(timeout: float = 30.0) -> None:
 
 @contextlib.contextmanager
 def summarised(path: str | None = None):
-  """Holds orbax's error reports while a call runs (see the module).
-
-  Args:
-    path: the files the call reads or writes; if it fails, orbax's later
-      error logs that name them are dropped too.
-  """
+  """Holds orbax's error reports while a call runs; `path`: the files it
+  uses, whose later error logs are dropped if it fails."""
   _install()
   hold = _Hold()
   absl = logging.getLogger("absl")

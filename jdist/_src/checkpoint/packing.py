@@ -1,13 +1,10 @@
 """A process's blocks of a snapshot as bytes, in one program on one device.
 
-One jitted program per state layout concatenates the raw bytes of the
-blocks this process holds (its part) and of those the next process lacks
-(the copy `peer_copy.py` sends), so a snapshot costs one dispatch and one
-transfer whatever the number of leaves. The buffers are copies, so a step
-that donates the state afterwards does not touch them. Each ends with a
-byte, 1 when every inexact value is finite, which the writer checks instead
-of the values. On a mesh of one device per process, `packer_across` packs
-and sends the copy in one program.
+One jitted program per state layout concatenates the raw bytes of this
+process's blocks (its part) and of those the next process lacks (the copy
+`peer_copy.py` sends): one dispatch and one transfer whatever the number of
+leaves. The buffers are copies (a step that donates the state later does not
+touch them), and each ends with a byte, 1 when every inexact value is finite.
 
 Example:
   >>> import jax.numpy as jnp, numpy as np
@@ -74,35 +71,16 @@ def pack(blocks: list, sent: list | None, length: int) -> tuple:
 
 
 def packer(sent: list | None, length: int):
-  """The jitted program `blocks -> (mine, copy)` for one layout.
-
-  Args:
-    sent: the positions in `blocks` of those the next process lacks, in its
-      order (None: no copy, in a job of one process).
-    length: the bytes of the copy (every process's largest; zeros pad it).
-
-  Returns:
-    A function of a list of arrays on one device that returns their bytes
-    (`mine`) and those of `blocks[i]` for `i` in `sent` padded to `length`
-    (`copy`, None without `sent`), each followed by the finite byte.
-  """
+  """The jitted `blocks -> (mine, copy)` for one layout: the blocks' bytes,
+  and those of the blocks at the positions `sent` padded to `length` (None
+  without `sent`), each followed by the finite byte."""
   return jax.jit(lambda blocks: pack(blocks, sent, length))
 
 
 def packer_across(mesh, specs: list, sent: list, length: int):
-  """The jitted program `leaves -> mine + received` over `mesh` (one device
-  per process): `packer` on each device and a `ppermute` of the copy.
-
-  Args:
-    mesh: the leaves' mesh, one device per process.
-    specs: each leaf's `PartitionSpec` on `mesh`.
-    sent: the positions of the blocks the next process lacks.
-    length: the bytes of the copy.
-
-  Returns:
-    A function of the leaves that returns one array over `mesh`: on each
-    device its `mine`, then the copy the process before it sent.
-  """
+  """The jitted `leaves -> mine + received` over `mesh` (one device per
+  process, leaves laid out by `specs`): `packer` on each device, then a
+  `ppermute` of the copy to the next process."""
   axes = tuple(mesh.axis_names)
   at = {d.process_index: i for i, d in enumerate(mesh.devices.flat)}
   ring = [(at[p], at[(p + 1) % len(at)]) for p in range(len(at))]

@@ -1,11 +1,9 @@
 """Sending each process's part of an in-memory snapshot to the next process.
 
-So that a snapshot outlives a host, process k's part is also written by
-process (k+1) mod n as its replica. The bytes (`packing.py`) move as one
-jitted `ppermute` over a mesh of one device per process: each process sends
-at most a part per snapshot over the training interconnect, nothing for a
-mirrored state. The key-value store carries only the agreement on which
-snapshot is complete, never the data: it goes through one coordinator.
+Process (k+1) mod n writes process k's part as its replica, so a snapshot
+outlives a host. The bytes move as one jitted `ppermute` over one device per
+process (nothing for a mirrored state); the key-value store, which goes
+through one coordinator, carries only the agreement, never the data.
 
 Example:
   >>> from jdist._src.checkpoint.peer_copy import PeerCopy
@@ -24,12 +22,8 @@ _AXIS = "process"
 
 
 class PeerCopy:
-  """Moves each process's bytes to the next process (one collective).
-
-  Args:
-    devices: one device of each process, in the order of the processes.
-    rank: this process's index.
-  """
+  """Moves each process's bytes to the next process (one collective over one
+  device of each process, `devices`; this one is `rank`)."""
 
   def __init__(self, devices: list, rank: int):
     self.world = len(devices)
@@ -54,12 +48,8 @@ class PeerCopy:
                jax.process_index())
 
   def send(self, packed: jax.Array) -> jax.Array:
-    """Dispatches `packed` (this process's bytes for the next one) to the next
-    process (every process calls it).
-
-    Returns:
-      The bytes the process before this one sent, on this process's device.
-    """
+    """Sends `packed` to the next process (every process calls it); returns the
+    bytes the process before sent, on this process's device."""
     whole = jax.make_array_from_single_device_arrays(
         (self.world * packed.shape[0],), self._sharding, [packed])
     return self._shift(whole).addressable_data(0)

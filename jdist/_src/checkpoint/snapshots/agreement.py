@@ -1,11 +1,9 @@
 """Which snapshot every process restores, and reading it.
 
-Restoring is collective: the processes exchange which parts and replicas
-each host holds, take the newest snapshot of which every part exists
-somewhere, read it, and exchange whether each could; if one could not,
-all fall back to the persistent directory. Each process assembles every
-leaf whole from the parts it sees and cuts its own shards from it, so a
-restore onto another number of processes works.
+The processes exchange which parts each host holds, take the newest
+snapshot every part of which exists somewhere, read it, and exchange whether
+each could; else all fall back to the persistent directory. Each assembles
+every leaf whole and cuts its own shards, so the process count may change.
 """
 
 from __future__ import annotations
@@ -33,13 +31,9 @@ def _seen(directory: str) -> dict:
 
 def agree(directory: str, newest_checkpoint: int | None = None) -> tuple:
   """`(group, note, newest_checkpoint, from_replicas)`, the same on every
-  process (every process calls it).
-
-  `group` is the newest snapshot whose every part (or replica) exists on the
-  job's hosts, as `(step, attempt, world)`, or None; `note` says why newer
-  ones are not used; `newest_checkpoint` is the newest persistent step any
-  process sees; `from_replicas` the processes whose parts only replicas hold.
-  """
+  process: the newest complete snapshot `(step, attempt, world)` or None, why
+  newer ones are not used, the newest persistent step any process sees, and
+  the processes whose parts only replicas hold."""
   mine = [[*g, sorted(p), sorted(r)] for g, (p, r) in _seen(directory).items()]
   runtime = runtime_lib.current()
   key = f"jdist/snapshots/{runtime.next_sequence('snapshots')}/"

@@ -1,11 +1,8 @@
 """A snapshot file: writing its buffers, checking its values, reading it.
 
-A file is `MAGIC`, its header's length (8 bytes, little endian), the JSON
-header (step, CRC-32 of the data, attempt, rank, world, and each leaf's
-blocks for the part and the replica), then the part's and the replica's
-blocks. It is written under a temporary name and renamed when complete, so
-a reader never sees half a file; a reader checks the CRC-32 before using a
-byte. A part with NaN or infinite values is not written.
+A file is `MAGIC`, the header's length (8 bytes, little endian), the JSON
+header (with the data's CRC-32, checked before a byte is used), then the
+part's and the replica's blocks. It is renamed into place when complete.
 """
 
 from __future__ import annotations
@@ -31,12 +28,8 @@ def say(message: str) -> None:
 
 
 def write_all(path: str, buffers: list, spare: tuple | None = None) -> tuple:
-  """Writes `buffers` to a new file `path`, or over the open file `spare`
-  (`(fd, size)`), cut to their length, in one `pwritev`.
-
-  Returns `(fd, size)`: the file stays open, to be written over once its
-  snapshot is old (`retention.py`).
-  """
+  """Writes `buffers` in one `pwritev` to a new file `path`, or over `spare`
+  (`(fd, size)` of an open file); returns `(fd, size)`, the file left open."""
   fd, size = spare or (os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC,
                                 0o600), 0)
   try:

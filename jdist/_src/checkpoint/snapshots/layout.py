@@ -1,11 +1,9 @@
 """Which blocks of a state each process writes, and in what order.
 
-A part holds a process's distinct blocks of every leaf (a replicated leaf is
-one block), leaves on devices first, then those on the host. The replica
-holds the blocks of the previous process's part that this one lacks (none,
-for a mirrored state). Every process works out every process's blocks from
-the shardings alike, so each knows what the next one lacks. `plan` works
-this out once per state layout.
+A part holds a process's distinct blocks of every leaf, leaves on devices
+first; the replica, the blocks of the previous process's part this one lacks.
+Every process works every process's blocks out alike from the shardings, once
+per state layout (`plan`).
 """
 
 from __future__ import annotations
@@ -60,12 +58,9 @@ def _picker(leaf, blocks: list, target) -> tuple:
 
 class Layout:
   """A state's blocks on process `process` in the order of its file (with
-  `but`: those process `but` does not hold, what a replica on it needs).
-
-  `entries` is the header's description (JSON); on this process, `picks`
-  (`(leaf index, pick)`), `keys` and `devices` say how to take the blocks of
-  the leaves on devices, and `host` lists the leaves on the host.
-  """
+  `but`: those process `but` lacks); `entries` describe them for the header,
+  and on this process `picks`, `keys`, `devices` and `host` say how to take
+  them."""
 
   def __init__(self, names: list, leaves: list, process: int,
                but: int | None = None, target=None):
@@ -121,9 +116,8 @@ class Layout:
 
 def one_program_mesh(leaves: list, mine: "Layout", copies: list):
   """The mesh over which `packing.packer_across` can pack and send every
-  process's blocks, or None: every leaf on devices lies on one mesh of one
-  device per process, one block each, and every process sends the same
-  positions and bytes (`copies`: the layouts of what each sends)."""
+  process's blocks (one device per process, one block of each leaf each, the
+  same positions and bytes sent), or None."""
   arrays = [leaves[i] for i, _ in mine.picks]
   if (not arrays or len(mine.keys) != len(arrays)
       or len(arrays) != sum(isinstance(x, jax.Array) for x in leaves)
@@ -164,15 +158,9 @@ def finite(data, dtype: np.dtype, offset: int, nbytes: int) -> bool:
 
 
 def plan(names: list, leaves: list, rank: int, world: int, peer) -> tuple:
-  """`(mine, before, plan)` for process `rank`.
-
-  `mine` and `before` are the layouts of this process's part and of its
-  replica of the process before it (None without `peer`); `plan` is
-  `(program, target, moves, length, across)`: the packing program, the
-  device it runs on, the blocks to move there first, the bytes each process
-  sends the next (0: none), and whether the program is `packer_across`'s.
-  `mine.header` is the file's header after the fields the writer fills in.
-  """
+  """`(mine, before, plan)` for process `rank`: the layouts of its part and of
+  its replica (None without `peer`), and `(program, target, moves, length,
+  across)` to pack them; `mine.header` is the file's header."""
   mine, before, program = _plan(names, leaves, rank, world, peer)
   replica = "" if before is None else (
       f', "replica": {{"rank": {(rank - 1) % world}, '

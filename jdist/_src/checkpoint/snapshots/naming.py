@@ -1,11 +1,7 @@
-"""The names of the snapshot files, and what the name of each says.
-
-One file per process and snapshot,
-`step-<step>.attempt-<attempt>.part-<rank>-of-<world>.snap`, holding the
-process's part and then the replica of process `rank - 1 mod world`'s. A
-snapshot is identified by its group `(step, attempt, world)`. A file being
-written is named `.tmp-<rank>-<pid>.snap`, which no reader takes.
-"""
+"""The names of the snapshot files: one per process and snapshot,
+`step-<step>.attempt-<attempt>.part-<rank>-of-<world>.snap` (a snapshot's
+group is `(step, attempt, world)`), and `.tmp-<rank>-<pid>.snap` while
+written, which no reader takes."""
 
 from __future__ import annotations
 

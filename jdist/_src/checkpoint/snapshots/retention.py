@@ -1,15 +1,12 @@
-"""A process's snapshot files: which it keeps, which it removes, and the
-spare it writes the next snapshot over.
+"""A process's snapshot files: which it keeps, and the spare it writes the
+next snapshot over.
 
-When it writes snapshot k, a process removes every file but those of its
-last two snapshots and k's. That is safe: its writer writes k only after the
-step that computed it ran, which needed every process's collectives, and each
-process dispatched that step after its `write` of k-1 waited for its writer
-to finish k-2; so every part of k-2 exists. The process that completes a
-snapshot removes the older ones. A process lists the directory once (at its
-first write); after that it removes its files by name. An old file of at
-most `SPARE_BYTES` is renamed back to the temporary name and written over
-(no file made, no page of memory taken anew).
+Writing snapshot k, a process removes every file but those of its last two
+snapshots and k's. That is safe: its writer writes k only after the step that
+computed it, which needed every process, and each process dispatched that
+step after its `write` of k-1 waited for k-2 to be written; so every part of
+k-2 exists. An old file of at most `SPARE_BYTES` is renamed back to the
+temporary name and written over (no page of memory taken anew).
 """
 
 from __future__ import annotations
@@ -73,12 +70,9 @@ class Files:
     return len(found) == self.world
 
   def keep_only(self, keep: set, others: bool = False) -> None:
-    """Removes the files of the snapshots not in `keep`.
-
-    At the first write, every such file in the directory (one listing), and
-    the temporary files of dead writers; after it, those this process wrote;
-    with `others`, also the other processes' files of those snapshots.
-    """
+    """Removes the files of the snapshots not in `keep` (at the first write, any
+    in the directory and those of dead writers; then this process's own; with
+    `others`, the other processes' files of those snapshots too)."""
     if not self._swept:
       try:
         entries = os.listdir(self.directory)

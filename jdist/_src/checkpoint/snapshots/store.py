@@ -1,11 +1,9 @@
 """`Snapshots`: the in-memory snapshots of one `CheckpointManager` in a job.
 
-Every `snapshot_every` steps each process writes its blocks of the state to
-one file in the job's directory under /dev/shm, host memory that outlives
-the training processes. `write` dispatches one program that packs the
-blocks (and the copy for the next process), and the next `save` hands the
-snapshot to the writer thread, which writes the file while the loop goes on;
-`restore` and `close` write it at once. At most one snapshot is in flight.
+`write` dispatches one program that packs this process's blocks (and the
+copy for the next process); the next `save` hands the snapshot to the
+writer thread, which writes the file while the loop goes on. At most one
+snapshot is in flight.
 """
 
 from __future__ import annotations
@@ -65,12 +63,8 @@ class Snapshots:
     self.from_replicas: list = []
 
   def write(self, step: int, names: list, leaves: list) -> None:
-    """Takes snapshot `step` of `leaves` (every process calls it).
-
-    It waits for the snapshot before it, then dispatches the packing program
-    and, with several processes, the copy to the next process. The next
-    `flush(wait=False)` hands it to the writer thread; `flush()` writes it at
-    once.
+    """Takes snapshot `step` of `leaves` (every process calls it), after waiting
+    for the one before; `flush` writes it.
 
     Raises:
       The error of the snapshot before it, if its writer failed.
@@ -101,11 +95,8 @@ class Snapshots:
 
   def flush(self, wait: bool = True) -> bool | None:
     """Writes this process's file of the last snapshot taken, if not yet
-    written; with `wait=False`, hands it to the writer thread.
-
-    Returns:
-      None with `wait=False` or when there was none; else whether the last
-      snapshot was written (not when it holds NaN or infinite values).
+    written (with `wait=False`: hands it to the writer thread and returns
+    None); returns whether it was written (not with NaN or infinite values).
 
     Raises:
       The error of the writer thread's last snapshot, if it failed.

@@ -1,10 +1,6 @@
-"""The background thread that writes a process's snapshot files.
-
-One daemon thread per `Snapshots` runs one job at a time; its error is
-raised on the loop's thread at the next call. At exit a write in flight is
-waited for `EXIT_WAIT_SECONDS`: a write stuck on a dead peer does not hold
-the exit, and an unfinished part is a temporary file no reader takes.
-"""
+"""The background thread that writes a process's snapshot files; its error
+is raised on the loop's thread at the next call. At exit a write in flight
+is waited for `EXIT_WAIT_SECONDS` at most."""
 
 from __future__ import annotations
 
