@@ -1,13 +1,11 @@
-"""The agent of one node: starts its processes for each attempt, stops them.
+"""The agent of one node (a host; on one machine `jdist launch` simulates
+several): starts its processes for each attempt, reports their health, and
+stops them when the attempt stops.
 
-A node is a host (on one machine, `jdist launch` simulates several). Its
-agent joins the rendezvous, runs the node's processes for each attempt,
-reports their health a few times a second, and when the attempt stops, stops
-them and reports how each ended. Processes may be blocked in collectives that
-never return: they get `SETTLE_SECONDS` to end on their own, then one a
-signal cannot reach (stopped, silent, or waiting for its peers) is killed,
-and the others get SIGINT and are killed after `--grace-period`. Nothing
-outlives the agent.
+Processes may be blocked in collectives that never return: they get
+`SETTLE_SECONDS` to end on their own; then one a signal cannot reach
+(stopped, silent, or waiting for its peers) is killed, and the others get
+SIGINT and are killed after `--grace-period`.
 """
 
 from __future__ import annotations
@@ -38,17 +36,9 @@ REPORT_SECONDS = 0.2     # and reports to the rendezvous this often
 
 @dataclasses.dataclass(frozen=True)
 class Node:
-  """How a node runs its processes.
-
-  Attributes:
-    cmd: the command of every process.
-    nproc: processes on this node.
-    local_index: the machine-local index of its first process (devices).
-    devices_per_process: `--devices-per-process`.
-    port: the coordinator port it offers (None: a free one each attempt).
-    grace: `--grace-period`.
-    max_restarts: `--max-restarts` (for the processes' environment).
-  """
+  """How a node runs its processes: their command, how many, the machine-local
+  index of the first (for its devices), the launcher's options, and the
+  coordinator port it offers (None: a free one each attempt)."""
 
   cmd: tuple
   nproc: int
@@ -61,15 +51,9 @@ class Node:
 
 @dataclasses.dataclass(frozen=True)
 class Outcome:
-  """How an agent's part of the job ended.
-
-  Attributes:
-    end: the rendezvous' end (`{"code", "message"}`), if the job ended.
-    interrupted: the signal the launcher was stopped by, if it was.
-    killed: processes killed after the grace period, when interrupted.
-    error: why this node could not go on (the rendezvous refused or lost it).
-    run_id: the job's `JDIST_RUN_ID`, if an attempt ran on this node.
-  """
+  """How an agent's part of the job ended: the rendezvous' `end`, the signal
+  that `interrupted` the launcher and the processes `killed` after the grace
+  period, the `error` that stopped this node, and the job's `run_id`."""
 
   end: dict | None = None
   interrupted: int | None = None
@@ -81,12 +65,9 @@ class Outcome:
 class Agent:
   """Runs one node's processes for each attempt of the job.
 
-  Args:
-    client: the node's connection to the rendezvous (`hello` done).
-    node: how it runs its processes.
-    interrupts: the signals the launcher received, appended by its handler.
-    lock: serialises the launcher's output.
-    notify: called with each view of the job (the launcher prints restarts).
+  `client` has said hello to the rendezvous; `interrupts` holds the signals
+  the launcher received; `lock` serialises its output; `notify` is called
+  with each view of the job (the launcher prints restarts).
   """
 
   def __init__(self, client: Client, node: Node, interrupts: list,
@@ -268,12 +249,9 @@ def _remove_stale_workdirs() -> None:
 
 
 def _cannot_act(h: health.RankHealth | None) -> bool:
-  """Whether a signal and the grace period can do nothing for a process.
-
-  Stopped or silent, it cannot take the signal; waiting for its peers while
-  the attempt stops, it waits for what cannot complete (inside XLA it never
-  sees the signal).
-  """
+  """Whether a signal and the grace period can do nothing for a process: it is
+  stopped or silent, or it waits for peers that stopped (inside XLA it never
+  sees the signal)."""
   if h is None:
     return False
   return h.wait is not None or h.unresponsive_for >= health.UNRESPONSIVE_SECONDS

@@ -1,8 +1,7 @@
 """What ended each attempt of a launched job, and the launcher's last words.
 
-When an attempt fails, its processes end in many ways at once. `classify`
-names the one failure that caused the rest: a node that went away; a process
-found stuck (`health.judge`); a live process silent when the others failed;
+`classify` names the one failure that caused the rest: a node that went
+away; a process found stuck; a live process silent when the others failed;
 else `culprit` among those that ended on their own.
 
 Example:
@@ -40,15 +39,9 @@ def exit_code(code: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class RankRecord:
-  """How one process of an attempt ended, as its agent saw it.
-
-  Attributes:
-    rank: its process id in the attempt.
-    code: its exit status (negative: the signal that killed it).
-    own: it ended before the launcher signalled it.
-    ended: the wall time its agent saw it end.
-    tail: the end of its error output.
-  """
+  """How one process of an attempt ended, as its agent saw it: its exit
+  status (negative: a signal), whether it ended before the launcher
+  signalled it (`own`), when, and the end of its error output."""
 
   rank: int
   code: int
@@ -79,11 +72,10 @@ class RankRecord:
 def culprit(records: list) -> RankRecord | None:
   """The process whose failure ended the others.
 
-  Of those that ended on their own, in the order they ended, SIGKILLed ones
-  first: the first whose error is not a `jdist.PeerFailureError`; else the
-  failed process such an error names; else the first to fail. SIGKILL comes
-  from outside (the OOM killer, an operator), and a peer whose collective it
-  broke may exit with its own error before an agent sees the killed one gone.
+  Of those that ended on their own, SIGKILLed ones first (SIGKILL comes from
+  outside, and a peer whose collective it broke may exit first), then in the
+  order they ended: the first whose error is not a `jdist.PeerFailureError`;
+  else the failed process such an error names; else the first to fail.
 
   Example:
     >>> from jdist._src.launcher.failures import RankRecord, culprit
@@ -108,17 +100,9 @@ def culprit(records: list) -> RankRecord | None:
 
 @dataclasses.dataclass(frozen=True)
 class Failure:
-  """The failure that ended one attempt.
-
-  Attributes:
-    attempt: 0 for the first run, k after k restarts.
-    world: processes in that attempt.
-    what: what happened ("killed by SIGKILL", "stuck: ...", "went away ...").
-    rank: the process at fault, or None when a node is.
-    node: the node at fault, or None.
-    code: the launcher's exit code if the job ends on this failure.
-    tail: the end of the error output of the process at fault.
-  """
+  """The failure that ended one attempt: `what` happened, the process `rank`
+  (or the `node`) at fault, the launcher's exit `code` if the job ends on it,
+  and the `tail` of the faulty process's error output."""
 
   attempt: int
   world: int
@@ -143,16 +127,9 @@ class Failure:
 
 def classify(attempt: int, world: int, records: list, *, node_lost=None,
              stuck=None, silent=()) -> Failure:
-  """The failure that ended an attempt (see the module docstring).
-
-  Args:
-    attempt: the attempt.
-    world: its processes.
-    records: `RankRecord` of every process whose agent reported.
-    node_lost: `(node, why)` of a node that went away during the attempt.
-    stuck: the `health.Finding` that stopped the attempt.
-    silent: `RankHealth` of live processes silent when the others failed.
-  """
+  """The failure that ended an attempt (see the module docstring), from the
+  `records` of the processes, a `node_lost` `(node, why)`, the `stuck`
+  finding, and the `silent` processes' health."""
   tails = {r.rank: r.tail for r in records}
   if node_lost is not None:
     return Failure(attempt, world, node_lost[1], node=node_lost[0])

@@ -1,13 +1,11 @@
 """Health reports as the agent reads them: whether a launched process lives,
 and where it waits.
 
-Each process's runtime rewrites its file (`JDIST_HEALTH_FILE`) ten times a
-second with a beat count, the steps dispatched and the wait it is in. A file,
-not the coordination service's store, because it is written even when
-process 0 is dead, and the agent reads it without loading JAX. `judge` finds
-a stuck process: one silent or stopped for `--stuck-timeout` (JAX's own
-heartbeats name nobody, and never notice a live but stuck process), or one
-that did not reach the step or rendezvous the others waited in that long.
+Each process's runtime rewrites its file ten times a second: a file, written
+even when process 0 is dead and read without loading JAX. `judge` finds a
+process silent or stopped for `--stuck-timeout`, which JAX's heartbeats
+never name, or one that did not reach the step or rendezvous where the
+others waited that long.
 
 Example:
   >>> from jdist._src.launcher import health
@@ -33,16 +31,9 @@ UNRESPONSIVE_SECONDS = 1.0
 
 @dataclasses.dataclass(frozen=True)
 class RankHealth:
-  """The agent's view of one process, sent to the rendezvous.
-
-  Attributes:
-    rank: the process id in this attempt.
-    silent_for: seconds since its beat last moved (None: no beat yet).
-    stopped_for: seconds it has been stopped by a signal (None: it runs).
-    steps: steps it has dispatched (None: no beat yet).
-    wait: where it waits: `{"kind": "step" | "rendezvous", "seq", "what",
-      "waited"}`, or None.
-  """
+  """The agent's view of one process: seconds since its beat moved and since
+  it was stopped by a signal, steps dispatched (None: no beat yet), and
+  where it waits (`{"kind", "seq", "what", "waited"}`) or None."""
 
   rank: int
   silent_for: float | None = None
@@ -124,12 +115,8 @@ class Finding:
 
 
 def judge(ranks: list, timeout: float) -> Finding | None:
-  """A stuck process among `ranks` (every process's latest `RankHealth`).
-
-  Returns:
-    The first `Finding` (silent processes first: the others wait for them),
-    or None.
-  """
+  """The first `Finding` of a stuck process among every process's latest
+  health (silent ones first: the others wait for them), or None."""
   for r in sorted(ranks, key=lambda r: r.rank):
     if r.unresponsive_for >= timeout:
       return Finding((r.rank,), f"stuck: {r.describe_silence()}")

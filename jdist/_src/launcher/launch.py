@@ -1,13 +1,9 @@
-"""`jdist launch`: one program as a multi-process job, elastic like torchrun.
+"""`jdist launch`: one program as a multi-process job, elastic like torchrun
+(docs/elastic.md).
 
-Each process gets jdist's cluster variables, so `jdist.initialize()` joins
-the job with no arguments; output is streamed with a `[rank]` prefix. The job
-is a set of nodes (hosts), each run by an agent; a rendezvous decides which
-nodes run each attempt (hosted by this launcher on one machine, or by the
-one on HOST with `--rdzv-endpoint`). A failed or stuck process, or a lost
-node, stops the attempt and restarts the job up to `--max-restarts` times.
-The job's in-memory snapshots are removed when the job ends
-(docs/elastic.md says the rest).
+The job is a set of nodes, each run by an agent; a rendezvous, hosted by
+this launcher (or by the one on `--rdzv-endpoint`'s host), decides which
+nodes run each attempt.
 """
 
 from __future__ import annotations

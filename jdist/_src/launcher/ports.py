@@ -1,9 +1,8 @@
 """Whether a coordinator port is free, checked before anything starts.
 
-JAX's coordinator listens with gRPC, which sets `SO_REUSEPORT`: a second
-job's coordinator on a busy port shares it, and both jobs break. So `jdist
-launch` and `jdist.initialize` (process 0) bind the port first without it,
-and refuse a busy port with a message that names it.
+JAX's gRPC coordinator sets `SO_REUSEPORT`, so a second job's coordinator on
+a busy port shares it and both jobs break; the port is bound first without
+it, and a busy one refused with a message.
 """
 
 from __future__ import annotations
@@ -30,10 +29,7 @@ def bind_address(port: int) -> str:
 
 def in_use(address: str) -> OSError | None:
   """The error of binding `address` ("host:port", "[::]:port") if it is in
-  use, else None.
-
-  A socket in TIME_WAIT does not count (the coordinator binds over it);
-  other bind errors are left to JAX.
+  use, else None (TIME_WAIT does not count).
 
   Example:
     >>> import socket

@@ -1,9 +1,5 @@
-"""The processes a `jdist launch` agent starts on its host, one per rank.
-
-Each gets the job's environment (`job_env.py`); its output is copied line by
-line under a `[rank]` prefix, and the end of its error output is kept for
-the launcher's message. On Linux it dies with the thread that started it.
-"""
+"""The processes a `jdist launch` agent starts on its host, one per rank,
+their output copied under a `[rank]` prefix."""
 
 from __future__ import annotations
 
@@ -26,20 +22,10 @@ def child_env(base: dict, rank: int, n: int, coordinator: str,
               restart_count: int = 0, max_restarts: int = 0,
               health_file: str | None = None,
               run_id: str | None = None) -> dict:
-  """The environment of process `rank` of `n`.
+  """The environment of process `rank` of `n` (`job_env.py`).
 
-  Args:
-    base: the launcher's environment.
-    rank: the process id in this attempt.
-    n: processes in this attempt.
-    coordinator: "host:port" of process 0's coordinator.
-    devices_per_process: K fake CPU devices, or accelerators K*i..K*i+K-1
-      with i = `local_index` (None: every device the process sees).
-    local_index: its index among its machine's processes (default `rank`).
-    restart_count: restarts before this attempt.
-    max_restarts: `--max-restarts`.
-    health_file: where it reports its health to its agent.
-    run_id: the job's name, the same in each of its attempts.
+  `devices_per_process` K gives it K fake CPU devices, or the accelerators
+  K*i..K*i+K-1 with i = `local_index`, its index on its machine.
   """
   env = dict(base)
   env.update({job_env.ENV_COORDINATOR: coordinator,
@@ -63,12 +49,11 @@ def child_env(base: dict, rank: int, n: int, coordinator: str,
 
 
 def die_with_parent():
-  """A `preexec_fn` that makes the child die (SIGKILL) with this thread.
+  """A `preexec_fn` that makes the child die with this thread (Linux only).
 
-  Linux only (None elsewhere). SIGKILL, because a rank may catch anything
-  else (JAX's preemption handler takes SIGTERM); it fires when the thread
-  that started the child ends, so each agent starts its processes from the
-  thread that waits for them.
+  SIGKILL, because a rank may catch anything else (JAX takes SIGTERM); it
+  fires when the starting thread ends, so each agent starts its processes
+  from the thread that waits for them.
   """
   if not sys.platform.startswith("linux"):
     return None

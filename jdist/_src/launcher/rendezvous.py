@@ -2,19 +2,15 @@
 it ends.
 
 A state machine driven by the agents' requests and a clock, with no sockets
-or threads of its own (`rendezvous_tcp.py` carries and serialises the
-requests). An attempt has three phases:
+or threads (`rendezvous_tcp.py` carries the requests). Each attempt is:
 
-* gathering: the round closes when `max_nodes` joined, or at least
-  `min_nodes` and either every live node joined (a restart) or `last_call`
-  passed (the first attempt). Extra nodes wait as spares; fewer than
-  `min_nodes` for `join_timeout` ends the job.
-* running: nodes run consecutive process ids in the order they first
-  joined, process 0's coordinator on the first; the attempt stops on a
-  reported failure, a node gone, or a process `health.judge` finds stuck.
-* stopping: every node stops its processes and reports how each ended;
-  `failures.classify` names the failure, and the job restarts with the
-  nodes it has or ends once the failures exceed `max_restarts`.
+* gathering: the round closes with `max_nodes`, or with `min_nodes` once
+  every live node joined (a restart) or `last_call` passed (the first);
+  fewer than `min_nodes` for `join_timeout` ends the job;
+* running: nodes take consecutive process ids in the order they first
+  joined; a failure, a node gone or a stuck process stops the attempt;
+* stopping: every node reports how its processes ended; the job restarts
+  with the nodes it has, or ends past `max_restarts`.
 
 Example:
   >>> from jdist._src.launcher import rendezvous
@@ -74,17 +70,8 @@ class _Member:
 
 
 class Rendezvous:
-  """The state of an elastic job (see the module docstring).
-
-  Args:
-    spec: the job.
-    last_call: seconds the first round waits for more nodes once it has the
-      minimum.
-    join_timeout: seconds a round waits for the minimum of nodes.
-    stuck_timeout: `health.judge`'s timeout.
-    clock: monotonic seconds.
-    run_id: the job's name in every attempt (default: a random one).
-  """
+  """The state of an elastic job (see the module docstring); `clock` gives
+  monotonic seconds, `run_id` names every attempt (default: random)."""
 
   def __init__(self, spec: JobSpec, *, last_call: float = LAST_CALL_SECONDS,
                join_timeout: float = JOIN_TIMEOUT_SECONDS,

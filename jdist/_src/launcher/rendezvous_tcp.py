@@ -1,8 +1,5 @@
-"""The rendezvous over TCP: one connection per node, one JSON line per request.
-
-The launcher that hosts the rendezvous runs a `Server`; every agent talks to
-it through a `Client`. A node whose connection closes has gone away; the job
-lives as long as the launcher that hosts it.
+"""The rendezvous over TCP: one connection per node, one JSON line per
+request; a node whose connection closes has gone away.
 
 Example:
   >>> from jdist._src.launcher import rendezvous, rendezvous_tcp
@@ -149,13 +146,8 @@ class Server:
 
 
 class Client:
-  """One node's connection to the rendezvous at `host:port`.
-
-  Args:
-    host: the rendezvous' host.
-    port: its port.
-    timeout: seconds to keep trying to connect (its launcher may start later).
-  """
+  """One node's connection to the rendezvous at `host:port`, trying to
+  connect for `timeout` seconds (its launcher may start later)."""
 
   def __init__(self, host: str, port: int, *, timeout: float):
     self.endpoint = f"{host}:{port}"

@@ -1,9 +1,6 @@
-"""Where a `jdist launch` job keeps its in-memory snapshots, and their removal.
-
-Every attempt of a job shares `JDIST_RUN_ID`, so a restarted process finds
-its predecessor's snapshots in `job_directory(run_id)`: under /dev/shm (host
-memory that outlives the processes), or `JDIST_SNAPSHOT_ROOT` if set. The
-launcher removes it when the job ends.
+"""Where a `jdist launch` job keeps its in-memory snapshots: under /dev/shm
+(or `JDIST_SNAPSHOT_ROOT`), named by `JDIST_RUN_ID`, which every attempt
+shares; the launcher removes it when the job ends.
 
 Example:
   >>> from jdist._src.launcher import snapshot_dir
