@@ -1,10 +1,6 @@
-"""Cluster resolvers: where the coordinator is, how many processes, which one.
-
-A resolver turns a description of a job into a `ClusterConfig` (the
-arguments of `jax.distributed.initialize`): explicit values, jdist's
-environment variables, or JAX's own cluster detection. `resolution.py`
-tries them in order.
-"""
+"""Cluster resolvers: a description of a job (explicit values, jdist's
+variables, JAX's detection) as a `ClusterConfig`, the arguments of
+`jax.distributed.initialize`."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Health reporting: a process started by `jdist launch` tells its agent it
-lives and where it waits.
-
-A `Reporter` thread rewrites the file the launcher named ten times a second
-with `Monitor.health` (`launcher/health.py` reads it).
-"""
+"""Health reporting: a `Reporter` thread rewrites the file `jdist launch`
+named ten times a second with `Monitor.health`, for the node's agent."""
 
 from __future__ import annotations
 

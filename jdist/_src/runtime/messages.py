@@ -1,8 +1,5 @@
-"""The messages a process prints when a peer fails, finishes early or hangs.
-
-Each begins with the error's public name (`jdist.PeerFailureError: ...`), so
-logs can be searched, and names the process at fault and what to change.
-"""
+"""The messages a process prints when a peer fails, finishes early or hangs,
+each beginning with the error's public name so logs can be searched."""
 
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
 """A per-process watchdog that turns multi-process hangs into errors.
 
 XLA collectives cannot be cancelled: a process whose peer failed, finished
-early or got stuck waits forever. Twice a second the monitor thread compares
-what this process waits for with what its peers published in the key-value
-store (`jdist/failed/`, `jdist/done/`, `jdist/beat/`): a peer's failure, a
-peer that finished its program, positions that can never meet
-(`positions.py`), or a wait over `timeout_seconds`. A rendezvous outside XLA
-raises the error in the main thread; a process blocked inside XLA cannot be
-interrupted, so the monitor prints the error and calls `os._exit(1)`
-(docs/faults.md). The main thread pays a tuple assignment per step.
+early or got stuck waits forever. Twice a second the monitor compares this
+process's wait with its peers' reports in the key-value store. A rendezvous
+outside XLA raises the error in the main thread; a process blocked inside
+XLA is ended with the error printed and `os._exit(1)` (docs/faults.md).
 """
 
 from __future__ import annotations
@@ -52,13 +48,8 @@ def _is_ready(probe) -> bool:
 
 
 class Monitor:
-  """Watches this process's waits and its peers' reports (see the module).
-
-  Args:
-    client_fn: returns the distributed runtime client (None once shut down).
-    process_id: this process.
-    num_processes: processes in the run.
-  """
+  """Watches this process's waits and its peers' reports; `client_fn` returns
+  the distributed client (None once shut down)."""
 
   def __init__(self, client_fn: Callable[[], Any], process_id: int,
                num_processes: int, *, tick: float = TICK_SECONDS):
@@ -96,12 +87,8 @@ class Monitor:
 
   @contextlib.contextmanager
   def waiting(self, what: str, key: str | None = None):
-    """Marks a rendezvous outside XLA (the caller enforces its own timeout).
-
-    Args:
-      what: what the processes meet for, for messages.
-      key: the rendezvous' key prefix; each process's value is `key` + its id.
-    """
+    """Marks a rendezvous outside XLA on `key` (+ each process's id), for `what`
+    (the caller enforces its own timeout)."""
     flag, saved = _Flag(key), (self._previous, self._wait)
     self._previous = None
     self._wait = (self.dispatched, what, time.monotonic(), flag, None)

@@ -1,12 +1,10 @@
 """Where each process waits, and whether the processes can still meet.
 
-Every process must pass the same meeting points: its steps (each needs every
-process) and the rendezvous outside XLA. A process that takes another path
-can leave two processes each waiting where the other has not arrived. From
-this process's position and its peers' beats, these pure functions find such
-a wait: a cycle of stalled processes each waiting where the next has not
-arrived, or a peer that ran another function as this step. Only positions
-stalled `STALL_SECONDS` count, and a merely slower peer makes no cycle.
+A process that takes another path than its peers can leave two processes
+each waiting where the other has not arrived. These pure functions find
+such a wait: a cycle of stalled processes, each waiting where the next has
+not arrived, or a peer that ran another function as this step. Only
+positions stalled `STALL_SECONDS` count; a merely slower peer makes no cycle.
 
 A position is a JSON dict: `kind` ("step" or "rendezvous"), `seq` (steps
 dispatched when the wait began), `what`, `key` (a rendezvous' key prefix),
@@ -47,14 +45,8 @@ def step_name(runs, seq: int) -> str | None:
 
 
 def waits_for(position: dict, me: int, beats: dict, published: set) -> list:
-  """The peers that have not arrived where `position` waits.
-
-  Args:
-    position: this process's position (without `waits_for`).
-    me: this process.
-    beats: `{process: beat}` of every process (`steps`: dispatched).
-    published: for a rendezvous, the processes whose value is in the store.
-  """
+  """The peers that have not arrived where `position` waits: by their steps
+  dispatched (`beats`), or for a rendezvous by the values `published`."""
   if position["kind"] == "step":
     return sorted(p for p, b in beats.items()
                   if p != me and b.get("steps", 0) < position["seq"])
@@ -68,16 +60,10 @@ def _stalled(position) -> bool:
 def divergence(me: int, position: dict, beats: dict) -> list | None:
   """A wait of `me` that can never end, or None.
 
-  Args:
-    me: this process.
-    position: where it waits, with `waits_for`.
-    beats: `{process: beat}` of every process (`steps`, `runs`, `at`).
-
   Returns:
     `[(process, position, reason), ...]`: for a cycle, each process waiting
-    for the next (from the lowest id), `reason` saying why the next has not
-    arrived; for another function at the same step, `me` (reason None) and
-    the peer, whose `reason` names the function it ran.
+    for the next (from the lowest id), with why the next has not arrived; for
+    another function at the same step, `me` and the peer that ran it.
   """
   if not _stalled(position):
     return None

@@ -1,12 +1,10 @@
 """Multi-process checks on a strategy's steps: same program, bounded waits.
 
-A `StepGuard` exists only for strategies whose devices span processes. At the
-first call per compiled signature each process publishes a fingerprint of its
-traced step and compares it with everybody's, so processes that would run
-different programs raise `jdist.ProgramMismatchError` instead of meeting in
-mismatched collectives. The key is the compilation's position in the run
-(the k-th compilation of any step): what it compares is the content, so
-processes that compiled different steps must meet to be told so.
+At the first call per compiled signature, every process compares a
+fingerprint of its traced step with everybody's, so different programs
+raise `jdist.ProgramMismatchError` instead of meeting in mismatched
+collectives. The key is the k-th compilation of the run: processes that
+compiled different steps must meet to be told so.
 """
 
 from __future__ import annotations

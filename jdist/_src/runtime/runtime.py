@@ -1,13 +1,10 @@
 """`Runtime`: this process's membership in a run, and talking to its peers.
 
-`initialize` resolves the cluster and calls `jax.distributed.initialize`,
-raising at once when the coordinator cannot be reached (JAX would abort
-later). The `Runtime` owns every process-wide effect of a multi-process run,
-started by `start` and undone by `shutdown`: the monitor thread, the health
-reports under `jdist launch`, a `sys.excepthook` that tells the peers of an
-uncaught exception and ends the process (instead of hanging in JAX's
-shutdown barrier), and an `atexit` handler. `exchange` is the rendezvous
-jdist's checks are built on.
+The `Runtime` owns every process-wide effect of a multi-process run (the
+monitor, the health reports, a `sys.excepthook` that tells the peers and
+ends the process instead of hanging in JAX's shutdown barrier, an `atexit`
+handler), started by `start` and undone by `shutdown`. `exchange` is the
+rendezvous jdist's checks are built on.
 """
 
 from __future__ import annotations
@@ -255,7 +252,7 @@ def initialize(cluster_resolver=None, *, initialization_timeout: int = 300,
   `jdist.MultiWorkerMirroredStrategy` calls it for you). The cluster comes
   from `cluster_resolver`, else jdist's variables (`jdist launch`), else
   `TF_CONFIG`, else JAX's detection of SLURM, Open MPI, Kubernetes or Cloud
-  TPU; with none of them the run is a single process and nothing is started.
+  TPU; with none of them the run is a single process.
 
   Args:
     cluster_resolver: a `jdist.cluster_resolver` resolver (or `ClusterConfig`).
@@ -265,9 +262,7 @@ def initialize(cluster_resolver=None, *, initialization_timeout: int = 300,
       the others stop (JAX's default of 100 s makes a killed peer a long hang).
 
   Returns:
-    The `Runtime`: `config` is the `ClusterConfig` joined (None for a single
-    process); in a multi-process run it owns the monitor thread and the
-    failure reporting (see `Runtime`).
+    The `Runtime` (its `config` is None for a single process).
 
   Raises:
     jdist.ClusterError: the coordinator cannot be reached in time, its port is
