@@ -1,8 +1,5 @@
-"""Which tasks a parameter-server cluster has: workers, servers, a chief.
-
-Only the chief runs the program: the workers and servers are threads of it
-or Ray actors.
-"""
+"""Which tasks a parameter-server cluster has; only the chief runs the
+program (the workers and servers are its threads, or Ray actors)."""
 
 from __future__ import annotations
 
@@ -18,14 +15,8 @@ from jdist._src.runtime.tf_config import TFConfigClusterResolver
 
 @dataclasses.dataclass(frozen=True)
 class ClusterSpec:
-  """The tasks of a parameter-server cluster, by role.
-
-  Attributes:
-    workers: the workers' addresses (or names), one per worker.
-    ps: the parameter servers' addresses, one per server.
-    chief: the chief's address, if listed.
-    source: where it came from, for messages.
-  """
+  """The tasks of a parameter-server cluster by role (addresses or names, one
+  per task), and where it came from, for messages."""
 
   workers: tuple
   ps: tuple
@@ -104,12 +95,9 @@ def _from_mapping(spec: Mapping, source: str) -> ClusterSpec:
 
 
 def spec_from(cluster_resolver=None) -> ClusterSpec:
-  """The cluster a `ParameterServerStrategy` runs on.
-
-  Args:
-    cluster_resolver: a `TFConfigClusterResolver`, a `LocalClusterResolver`,
-      a mapping of roles to address lists (or counts), or None: `TF_CONFIG`
-      if set, else a `LocalClusterResolver()`.
+  """The cluster a `ParameterServerStrategy` runs on: from a resolver, a
+  mapping of roles to addresses (or counts), or None (`TF_CONFIG` if set,
+  else a `LocalClusterResolver()`).
 
   Raises:
     jdist.ClusterError: no "ps" (or "worker") tasks, or this process is not

@@ -1,11 +1,8 @@
 """`ClusterCoordinator`: schedules functions on workers, TensorFlow's contract.
 
-One thread per worker takes functions from the queue. A function whose
-worker fails or hangs goes back to the front of the queue ("at least once")
-and the worker is restarted; a function's error reaches `join()`, `done()`
-or the next `schedule()` and cancels the queued ones; a server's failure
-does so at once. Under Ray, workers may join and leave (`ray_options`
-"max_workers", "min_workers").
+A function whose worker fails or hangs runs again on another ("at least
+once") and the worker is restarted; a function's error reaches `join()` and
+cancels the queued ones; a server's failure does so at once.
 """
 
 from __future__ import annotations

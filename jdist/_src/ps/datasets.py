@@ -1,12 +1,6 @@
-"""Input under ParameterServerStrategy: per-worker datasets and shipped batches.
-
-`create_per_worker_dataset(dataset_fn)`: every worker builds its own input
-(TensorFlow's way). `experimental_distribute_dataset` iterates on the
-coordinator and ships each batch with its step (`WorkerBatch`);
-`distribute_datasets_from_function` yields "the next batch of the worker
-that runs this step" (`PerWorkerBatches`), which is how `Trainer.fit` reads
-a `DatasetCreator`.
-"""
+"""Input under ParameterServerStrategy: datasets each worker builds
+(`PerWorkerDataset`), batches shipped with their step (`WorkerBatch`), and
+"the next batch of the worker that runs this step" (`PerWorkerBatches`)."""
 
 from __future__ import annotations
 
@@ -89,13 +83,8 @@ class PerWorkerIterator(PerWorkerResource):
 
 
 class WorkerBatch:
-  """A host batch shipped with a step; the worker that runs it distributes it.
-
-  Attributes:
-    batch: the global batch of this step (numpy arrays).
-    global_batch_size: its static size (a short last batch is padded to it).
-    options: the `jdist.InputOptions` to distribute it with (None: defaults).
-  """
+  """A host batch shipped with a step (with its static size and
+  `InputOptions`); the worker that runs the step distributes it."""
 
   def __init__(self, batch: Any, global_batch_size: int | None,
                options=None):
@@ -147,15 +136,9 @@ class PerWorkerBatch(WorkerBatch):
 
 
 class PerWorkerBatches:
-  """`distribute_datasets_from_function` under parameter servers.
-
-  Each `iter()` makes every worker's pipeline anew and yields `PerWorkerBatch`
-  items without end: bound the loop by a number of steps, as with
-  TensorFlow's per-worker input.
-
-  Args:
-    dataset_fn: as for `ClusterCoordinator.create_per_worker_dataset`.
-  """
+  """`distribute_datasets_from_function` under parameter servers: each
+  `iter()` makes every worker's pipeline anew and yields `PerWorkerBatch`
+  items without end."""
 
   def __init__(self, dataset_fn):
     self.dataset_fn = dataset_fn

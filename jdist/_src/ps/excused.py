@@ -1,10 +1,6 @@
-"""The time that does not count against a worker's `timeout_seconds`.
-
-A function running past `timeout_seconds` loses its worker; the time it
-spends compiling (JAX's compile events) or waiting for a parameter server
-(whose own deadline decides, so a stuck server is blamed, not its waiting
-workers) is excused. Each process keeps its own account.
-"""
+"""The time that does not count against a worker's `timeout_seconds`:
+compiling, and waiting for a parameter server (whose own deadline decides,
+so a stuck server is blamed, not its workers)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
-"""What a `ServerVariables` handle forwards to the object it holds.
+"""What a `ServerVariables` handle forwards to the object it holds, with the
+meaning each method has on a variable.
 
-A metric or train state on the servers is used on the coordinator with the
-meaning each method has on a variable: what only reads (`result()`) runs on
-a copy read from the servers; what changes its object in place (nnx's
-`reset()`, Keras' `reset_state()`) runs on that copy, written back; what
-returns a new object (`replace()`) and `update_state()` are refused with
-the assignment to write, since a handle replaced by a plain value would
-stop reaching the servers.
+What only reads runs on a copy read from the servers; what changes its
+object in place runs on the copy, written back; what returns a new object
+is refused with the assignment to write (a handle replaced by a plain value
+would stop reaching the servers).
 """
 
 from __future__ import annotations

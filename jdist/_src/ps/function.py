@@ -1,13 +1,9 @@
 """`ParameterServerFunction`: a user's step, run on workers against the servers.
 
-The step is the synchronous strategies' `step(state, batch) -> (state,
-outputs)`, its `state_output` contract saying which output is the new value
-of which variables. On a worker it runs as a `MirroredStrategy` step in one
-`jax.jit` that also joins the variables' pieces before it and computes each
-server's change after it (new minus read for numbers, the new value for
-booleans and keys). A server refuses a change computed from variables more
-than `max_staleness` updates old; the worker reads again and recomputes.
-Called on the coordinator, the step is scheduled on a worker.
+On a worker the step runs as a `MirroredStrategy` step, in one `jax.jit`
+that joins the variables' pieces before it and computes each server's change
+after it (new minus read for numbers, the new value for booleans and keys).
+A change refused as too stale is recomputed from a new read.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""The threads backend: workers are threads of this process, servers objects.
-
-Worker `i` runs on local device `i % D`; each server is served by a thread.
-The backend for notebooks and tests. A server that does not answer within
-`timeout_seconds` is a `jdist.ParameterServerError`; a worker whose function
-runs longer (compiling and server waits aside) is lost, since a thread can
-neither be stopped nor asked whether it is alive.
-"""
+"""The threads backend, for notebooks and tests: workers are threads of this
+process (worker `i` on local device `i % D`), servers objects served by
+threads. A worker whose function runs past the timeout is lost: a thread
+can neither be stopped nor asked whether it lives."""
 
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
-"""The Ray backend: parameter servers and workers as Ray actors.
+"""The Ray backend (`jdist[ray]`): parameter servers and workers as Ray
+actors, which Ray starts, places, restarts and reaches.
 
-An optional extra (`jdist[ray]`): Ray starts, places, restarts and reaches
-the actors, so jdist has no network layer of its own. A parameter server is
-never restarted (its variables are lost); Ray restarts a worker whose
-process dies, and the coordinator sends it its functions again. Functions
-travel pickled, once per worker. Workers are elastic between
-`ray_options["min_workers"]` and `["max_workers"]`.
+A server is never restarted (its variables are lost); Ray restarts a dead
+worker and the coordinator sends it its functions again. Workers are elastic
+between `ray_options["min_workers"]` and `["max_workers"]`.
 """
 
 from __future__ import annotations
@@ -251,12 +249,8 @@ class RayWorker:
     return _pickle().loads(out)
 
   def _wait(self, ref) -> str:
-    """Waits for `ref` while the actor answers health calls.
-
-    Returns:
-      "" once `ref` is ready; a key of `_HUNG` once the actor has been silent
-      for `timeout` ("silent"), or its function ran that long ("slow").
-    """
+    """Waits for `ref` while the actor answers health calls: "" once it is
+    ready, else the `_HUNG` key of why not ("silent" or "slow")."""
     ray = _ray()
     heard = time.monotonic()
     ping, next_ping = self._health(), None
@@ -288,11 +282,8 @@ class RayWorker:
     return self.actor.health.options(concurrency_group="health").remote()
 
   def recover(self) -> bool:
-    """Waits for Ray to bring the actor back; False if it will not.
-
-    A restart imports JAX anew (up to a minute on a loaded machine), so the
-    wait is bounded by `RESTART_TIMEOUT`, not by `timeout_seconds` alone.
-    """
+    """Waits for Ray to bring the actor back (a restart imports JAX anew, so up
+    to `RESTART_TIMEOUT`); False if it will not."""
     ray = _ray()
     self._sent.clear()
     self._hung = False
@@ -383,16 +374,8 @@ def _unwrap(error) -> BaseException:
 
 
 class RayCluster:
-  """Parameter-server and worker actors of a `ParameterServerStrategy`.
-
-  Args:
-    spec: the `ClusterSpec`.
-    strategy: the strategy (pickled to the workers without its cluster).
-    options: `{"worker": {...}, "ps": {...}}` actor options,
-      "devices_per_worker" (fake CPU devices per worker process, default 1),
-      "min_workers" and "max_workers" (see `scaling_bounds`).
-    timeout: the strategy's `timeout_seconds`.
-  """
+  """Parameter-server and worker actors of a `ParameterServerStrategy`, with
+  `options` as `ray_options` gives them."""
 
   def __init__(self, spec, strategy, options: dict, timeout: float):
     ray = _ray()
@@ -452,12 +435,8 @@ class RayCluster:
 
   def watch(self, on_join) -> None:
     """Starts the thread that adds workers while fewer than `max_workers` run
-    and Ray's free resources fit one more.
-
-    Args:
-      on_join: called with each new `RayWorker` and where it runs; returns
-        False to refuse it (the actor is then killed).
-    """
+    and Ray's free resources fit one (`on_join(worker, where)` may refuse
+    it)."""
     self._watcher = threading.Thread(target=self._watch, args=(on_join,),
                                      name="jdist-ray-workers", daemon=True)
     self._watcher.start()

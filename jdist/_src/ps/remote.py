@@ -1,9 +1,6 @@
-"""Scheduled functions, their results, and the queue that hands them out.
-
-`ClosureQueue` hands closures to the worker threads, puts back those whose
-worker failed and keeps the first error for `join()` (cancelling the queued
-closures, as in TensorFlow); a parameter server's failure aborts it.
-"""
+"""Scheduled functions, their results, and the queue that hands them out
+(`ClosureQueue`: the first error cancels the queued closures, as in
+TensorFlow)."""
 
 from __future__ import annotations
 

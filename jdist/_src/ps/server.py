@@ -1,11 +1,8 @@
 """`ParameterServer`: one parameter-server task's variables and their versions.
 
-An object here (threads backend) or a Ray actor's body, holding numpy arrays
-and applying updates one at a time under a lock. Each variable set has a
-version per server; an update computed from a version more than
-`max_staleness` updates (or a restore) old is refused. The answer to an
-update carries the values after it (one round trip per step). Arrays are
-replaced, never changed in place, so a reader may keep what it read.
+Updates are applied one at a time under a lock; an update computed from a
+version more than `max_staleness` updates (or a restore) old is refused.
+Arrays are replaced, never changed in place, so a reader may keep them.
 """
 
 from __future__ import annotations
@@ -30,11 +27,7 @@ def unanswered(index: int, address: str, timeout: float) -> ParameterServerError
 
 
 class ParameterServer:
-  """The variables one parameter-server task holds.
-
-  Args:
-    index: the task's index among the parameter servers.
-  """
+  """The variables one parameter-server task (`index`) holds."""
 
   def __init__(self, index: int = 0):
     self.index = index
@@ -77,16 +70,9 @@ class ParameterServer:
            max_staleness: int) -> tuple:
     """Applies a worker's update if it is fresh enough.
 
-    Args:
-      set_id: the variable set.
-      base_version: the version the worker read before computing `changes`.
-      changes: `{shard id: array}`: the difference to add (ADD shards) or the
-        new value (ASSIGN shards).
-      max_staleness: the most updates allowed since `base_version`.
-
-    Returns:
-      `(accepted, version, shards)`: whether it was applied, the version
-      after it (or now), and the set's pieces at that version.
+    `changes` are per shard the difference to add (ADD) or the new value
+    (ASSIGN), computed from `base_version`. Returns `(accepted, version,
+    shards)`: the version after it (or now) and the pieces at that version.
     """
     with self._lock:
       version = self._versions[self._known(set_id)]

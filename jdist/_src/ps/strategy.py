@@ -1,9 +1,4 @@
-"""`ParameterServerStrategy`: asynchronous training with parameter servers.
-
-The strategy describes the cluster, how variables are split over the
-servers and how stale an update may be; its `ClusterCoordinator` runs the
-cluster with the backend chosen (`local.py`: threads; `ray_backend.py`).
-"""
+"""`ParameterServerStrategy`: asynchronous training with parameter servers."""
 
 from __future__ import annotations
 
@@ -167,12 +162,8 @@ class ParameterServerStrategy(StrategyBase):
     return self._coordinator
 
   def attach_coordinator(self, coordinator: ClusterCoordinator):
-    """Records `coordinator` as this strategy's one coordinator, starts the
-    servers and workers and returns that cluster.
-
-    Raises:
-      ValueError: another coordinator is attached already.
-    """
+    """Records `coordinator` as this strategy's one coordinator (ValueError if
+    another is), and returns the cluster it starts."""
     with self._lock:
       if self._coordinator not in (None, coordinator):
         raise ValueError(

@@ -1,11 +1,6 @@
-"""`ServerVariables`: a pytree of variables held by the parameter servers.
-
-`replicate(tree)` cuts every leaf into pieces (the `variable_partitioner`),
-gives them to the servers round-robin, as TensorFlow places variables, and
-returns the handle steps take as their state. Numbers are updated by adding
-a worker's change, booleans and PRNG keys by replacing them; `SyncOnRead`
-values are stored aggregated.
-"""
+"""`ServerVariables`: a pytree of variables held by the parameter servers,
+each leaf cut into pieces spread round-robin, as TensorFlow places
+variables."""
 
 from __future__ import annotations
 
@@ -43,15 +38,9 @@ class Piece:
 
 @dataclasses.dataclass(frozen=True)
 class LeafSpec:
-  """One leaf of the variables: its shape, dtype, how it updates, its pieces.
-
-  Attributes:
-    path: the leaf's path in the tree (for messages).
-    shape, dtype: as the step sees it (a PRNG key: its key shape and dtype).
-    kind: `ADD` (numbers) or `ASSIGN` (booleans, PRNG keys).
-    key_impl: the PRNG implementation of a typed key leaf, else None.
-    pieces: the `Piece`s, in row order.
-  """
+  """One leaf of the variables: its path, the shape and dtype the step sees,
+  how it updates (`ADD`, or `ASSIGN` for booleans and keys), a key's PRNG
+  implementation, and its pieces in row order."""
 
   path: str
   shape: tuple
@@ -326,13 +315,8 @@ class ServerVariables(RemoteState):
 
   def push(self, snapshot: Snapshot, changes: tuple, max_staleness: int,
            servers=None) -> tuple:
-    """Sends `changes` (per leaf, per piece) to the servers.
-
-    Args:
-      snapshot: what the changes were computed from (its versions).
-      changes: per leaf, the tuple of its pieces' changes (numpy).
-      max_staleness: see `ParameterServerStrategy`.
-      servers: only these servers (the ones that refused before).
+    """Sends `changes` (per leaf, per piece, computed from `snapshot`) to the
+    servers, or only to `servers`.
 
     Returns:
       `(refused, next)`: the servers that refused the update as too stale,
@@ -376,12 +360,8 @@ def _delete_quietly(store, set_id: str) -> None:
 
 
 class ServerPlacement(placement.StatePlacement):
-  """State held on the parameter servers, as `ServerVariables`.
-
-  Steps update the servers themselves, so nothing moves around a call on the
-  coordinator; `read` reads every server (after the scheduled functions),
-  `write` assigns, `abstract` reads nothing.
-  """
+  """State held on the parameter servers, as `ServerVariables`: nothing moves
+  around a call on the coordinator."""
 
   def read(self, held: ServerVariables) -> Any:
     return held.read()

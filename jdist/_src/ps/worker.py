@@ -1,9 +1,5 @@
-"""What a worker knows while it runs scheduled functions: `WorkerContext`.
-
-While a worker (a thread, or a Ray actor's process) runs a scheduled
-function its context is current, so steps know they run on a worker and
-per-worker inputs find its iterators.
-"""
+"""What a worker knows while it runs scheduled functions: its current
+`WorkerContext`."""
 
 from __future__ import annotations
 
@@ -40,17 +36,11 @@ class ResourceRef(PerWorkerResource):
 
 
 class WorkerContext:
-  """One worker: its index, its devices' strategy, what it has built.
+  """One worker: its index, the `MirroredStrategy` over its devices, its
+  compiled steps and what it has built.
 
-  Attributes:
-    index: the worker's index, 0 to `num_workers - 1`.
-    num_workers: how many workers the cluster has.
-    strategy: the `MirroredStrategy` over the worker's devices.
-    parameter_strategy: the `ParameterServerStrategy` the worker serves.
-    programs: compiled steps, by the step function's id.
-    reuse_answers: start a step from the values the servers answered the
-      last update with, saving a read's round trip where it costs one (Ray)
-      at the price of values as old as the time between steps.
+  With `reuse_answers`, a step starts from the values the servers answered
+  the last update with, saving a read's round trip where it costs one (Ray).
   """
 
   def __init__(self, index: int, num_workers: int, strategy,
@@ -111,7 +101,7 @@ def run(ctx: WorkerContext, fn: Callable, args: tuple, kwargs: dict) -> Any:
   """Runs a scheduled function on the worker `ctx`.
 
   Raises:
-    jdist.OutOfRangeError: a per-worker iterator ran out (StopIteration).
+    jdist.OutOfRangeError: a per-worker iterator ran out.
   """
   with active(ctx):
     args, kwargs = substitute(ctx, (tuple(args), dict(kwargs or {})))
