@@ -1,13 +1,10 @@
 """Keeping the input pipelines of several processes in step.
 
 Every process must run every step, or the others wait in its collectives
-forever. `StepAgreement` reads each process's input a window of steps ahead
-and exchanges, once per window, each process's step count and valid
-examples per step: all run the longest input (an ended one feeds masked
-padding), and every step knows its global count without an all-reduce.
-With global batches the processes also compare each batch's `fingerprint`
-and raise at the first that differs (an unseeded shuffle). The rendezvous
-keys name the dataset and how many iterators of it came before.
+forever. Once per window of steps read ahead, the processes exchange their
+step counts and valid examples: all run the longest input (an ended one
+feeds masked padding), and every step knows its global count without an
+all-reduce. Global batches are also compared by `fingerprint`.
 """
 
 from __future__ import annotations
@@ -31,11 +28,9 @@ FINGERPRINT_ELEMENTS = 4096
 
 
 def fingerprint(leaves: list) -> str:
-  """A short hash of a global batch, the same on every process for the same
-  batch, another for other rows or another order.
-
-  It reads every row and a bounded sample of each row's elements, so its cost
-  is bounded; CRC-32, since no adversary is guarded against.
+  """A short hash of a global batch: the same batch gives the same on every
+  process, other rows or another order almost surely another. It reads every
+  row and a bounded sample of each row (CRC-32: no adversary here).
 
   Example:
     >>> import numpy as np
@@ -70,18 +65,9 @@ def _spec(rows) -> str:
 
 
 class StepAgreement:
-  """This process's host steps, extended so that all processes run as many.
-
-  Args:
-    read: returns this process's next `HostStep`, or None at its end.
-    runtime: the run's `Runtime` (its rendezvous).
-    key: names this iterator, the same on every process: the dataset and,
-      after a "/", its iterator's number.
-    per_process: True when each process reads its own data (shorter inputs
-      are padded, counts add up); False for global batches.
-    timeout: seconds to wait for the other processes at each window.
-    window: steps read ahead and agreed on per exchange (default `WINDOW`).
-  """
+  """This process's host steps (`read()`, None at the end), extended so that
+  all processes run as many; `key` names the iterator alike on every process,
+  and `per_process` inputs are padded and their counts added up."""
 
   def __init__(self, read: Callable, *, runtime, key: str, per_process: bool,
                timeout: float | None, window: int | None = None):

@@ -1,9 +1,5 @@
-"""Distributed datasets: global or per-replica batches in, `PerReplica` out.
-
-A short last batch is padded to the static shape and carries its
-`Validity`, so the step compiles once and losses, metrics and
-`reduce(MEAN)` are exact.
-"""
+"""Distributed datasets: global or per-replica batches in, `PerReplica` out,
+a short last batch padded and masked."""
 
 from __future__ import annotations
 

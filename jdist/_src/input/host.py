@@ -1,8 +1,5 @@
-"""Batches on the host: their size, padding, and placing them on the mesh.
-
-Every batch check of jdist's inputs goes through `batch_size_of`, so every
-path gives the same message.
-"""
+"""Batches on the host: their size, padding, and placing them on the mesh
+(every batch check goes through `batch_size_of`, for one message)."""
 
 from __future__ import annotations
 
@@ -16,15 +13,9 @@ from jdist._src.core.validity import Validity
 
 
 class HostStep(NamedTuple):
-  """One step's batch on the host, as this process feeds it.
-
-  Attributes:
-    rows: this process's rows, `(local replicas, b, ...)` per leaf.
-    valid: which of them are real examples, `(local replicas, b)`.
-    count: real examples in the step (the global count once the processes
-      agreed), or None when one process holds them all.
-    fingerprint: a hash of the whole global batch (global batches only).
-  """
+  """One step's batch on the host: this process's `rows` `(local replicas, b,
+  ...)`, which are `valid`, the step's (global, once agreed) `count` of real
+  examples or None, and the global batch's `fingerprint`."""
 
   rows: Any
   valid: np.ndarray
@@ -152,13 +143,8 @@ class Placer:
     return mask
 
   def put(self, local_rows, batch_axis: int = 1):
-    """Places a pytree of local rows, all leaves in one transfer.
-
-    Args:
-      local_rows: `(local replicas, b, ...)` leaves, or `(local replicas,
-        steps, b, ...)` for a group of steps (`batch_axis=2`).
-      batch_axis: the examples' axis, which FSDP splits.
-    """
+    """Places a pytree of local rows `(local replicas, b, ...)` (or, with
+    `batch_axis=2`, a group of steps) in one transfer."""
     s = self.strategy
     inner = s.replica_batch_axis
     if inner is None:

@@ -1,9 +1,5 @@
-"""Reading and placing batches ahead of the loop, in a background thread.
-
-The thread makes items up to `depth` ahead and hands them over in order;
-an error there is raised in the loop at its item. It holds the iterator
-only weakly, so an abandoned iterator stops it.
-"""
+"""Reading and placing batches ahead of the loop, in a background thread
+that holds the iterator weakly (an abandoned iterator stops it)."""
 
 from __future__ import annotations
 

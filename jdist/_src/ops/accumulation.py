@@ -1,13 +1,9 @@
 """Gradient accumulation: K micro-batches, one gradient reduction per step.
 
-It serves `jdist.accumulate_gradients` and the Trainer's `micro_batches`
-(each replica's share of a batch split), and the Trainer's
-`gradient_accumulation_steps` (K consecutive batches joined). The
-micro-batches run in a `lax.scan` inside the compiled step, so one
+The micro-batches run in a `lax.scan` inside the compiled step, so one
 micro-batch's activations are alive at a time. The parameters are typed as
 varying before autodiff, so the gradients add up per replica and are summed
-over replicas once, after the last; each loss is divided by the whole step's
-valid examples, so the sum is exact on a padded batch too.
+over replicas once, after the last.
 """
 
 from __future__ import annotations
@@ -47,12 +43,9 @@ def check_steps(num_micro_batches) -> int:
 
 
 class MicroBatchContext(ReplicaContext):
-  """The replica context of one micro-batch of a step.
-
-  Its validity has the whole step's global count (for `compute_average_loss`),
-  and `example_index` gives the rows' positions in the step's global batch
-  (so random draws are the whole batch's).
-  """
+  """The replica context of one micro-batch: its validity counts the whole
+  step's examples, and `example_index` gives rows their positions in the
+  step's global batch (so random draws are the whole batch's)."""
 
   def __init__(self, parent: ReplicaContext, validity: Validity | None,
                index, num_micro_batches: int):
@@ -96,23 +89,14 @@ def merge_micro_batches(tree):
 def scan_micro_batches(loss_fn: Callable, params, carry, batch, *,
                        num_micro_batches: int, num_batches: int = 1,
                        sum_over_replicas: bool = True):
-  """The engine of `accumulate_gradients`, with a carry between micro-batches.
+  """The engine of `accumulate_gradients`, with a `carry` between micro-batches.
 
-  Args:
-    loss_fn: `loss_fn(params, carry, micro_batch, index) -> (loss, (carry,
-      aux))`, with a scalar loss.
-    params: the parameters to differentiate (mirrored inside a step).
-    carry: state threaded through the micro-batches, or None.
-    batch: this replica's rows of `num_batches` distributed batches joined,
-      each run as `num_micro_batches` micro-batches.
-    num_micro_batches, num_batches: K and n; the scan runs `n * K`.
-    sum_over_replicas: sum the gradients over replicas at the end; False
-      leaves each replica its own (`ShardedOptimizer` reduce-scatters them).
-
-  Returns:
-    `((loss, (carry, aux)), grads)`: loss and gradients summed over the
-    micro-batches (their mean outside a step), the last carry, and `aux`
-    stacked along a leading axis of `n * K`.
+  `loss_fn(params, carry, micro_batch, index) -> (loss, (carry, aux))`;
+  `batch` is this replica's rows of `num_batches` batches joined, each run as
+  `num_micro_batches` micro-batches. Returns `((loss, (carry, aux)), grads)`
+  summed over the micro-batches (their mean outside a step), with `aux`
+  stacked; with `sum_over_replicas=False` each replica keeps its own gradients
+  (`ShardedOptimizer` reduce-scatters them).
   """
   per_batch = check_steps(num_micro_batches)
   k = per_batch * num_batches

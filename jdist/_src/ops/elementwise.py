@@ -1,12 +1,9 @@
 """Whether an optax update is elementwise: what `ShardedOptimizer` needs.
 
-Each replica updates its block of every parameter, so a parameter's update
-may depend only on its own gradient and state. Two checks before the first
-step: by program (the update's jaxpr on one replica's blocks feeds no output
-from a primitive that mixes an array's elements) and by result (on a small
-random probe, the blocks' updates must put together the whole leaf's, which
-catches random draws and values moved across elements). The first leaf that
-fails is named, with the primitives that explain why.
+Checked before the first step, by program (the update's jaxpr on one
+replica's blocks feeds no output from a primitive that mixes an array's
+elements) and by result (on a small random probe, the blocks' updates must
+put together the whole leaf's, which catches random draws and moved values).
 """
 
 from __future__ import annotations
@@ -106,15 +103,8 @@ def _explain(names: frozenset) -> str:
 
 
 class Layout:
-  """Where each parameter leaf is split over the replicas.
-
-  Attributes:
-    treedef: the parameters' structure.
-    paths: each leaf's path (`jax.tree_util.keystr`).
-    specs: each leaf's `jax.ShapeDtypeStruct`.
-    axes: each leaf's split axis, or None (whole on every replica).
-    num_replicas: how many blocks a split leaf has.
-  """
+  """Where each parameter leaf (its path and spec) is split over
+  `num_replicas` replicas (`axes`: None for whole)."""
 
   def __init__(self, params: Any, axes: Sequence, num_replicas: int):
     flat, self.treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -180,15 +170,7 @@ def result_problem(optimizer, layout: Layout,
                    state_axes: Callable[[list, list], list]) -> str | None:
   """Why the update on each replica's blocks of a small random probe does not
   put together the whole leaves' update (naming the first leaf), or None.
-
-  It runs eagerly on the CPU for two steps, also inside a trace.
-
-  Args:
-    optimizer: the optax `GradientTransformation`.
-    layout: the parameters' split axes.
-    state_axes: the split axis of each state leaf, given the whole and the
-      block parameter specs.
-  """
+  It runs eagerly on the CPU for two steps, also inside a trace."""
   probe = layout.probe_specs()
   axes_of_state = state_axes(probe, layout.block_specs(probe))
   rng = np.random.default_rng(0)

@@ -1,10 +1,6 @@
 """Keras' loss classes: `loss(y_true, y_pred)`, probabilities unless
-`from_logits=True`, with Keras' reductions.
-
-Inside a jdist step the default reduction is refused, as TensorFlow refuses
-it under a strategy (a mean over one replica's batch trains with N times the
-gradient): use `reduction="none"` and `jdist.compute_average_loss`.
-"""
+`from_logits=True`, with Keras' reductions; inside a step the default one
+is refused, as TensorFlow refuses it under a strategy."""
 
 from __future__ import annotations
 

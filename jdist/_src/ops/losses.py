@@ -1,10 +1,5 @@
-"""Loss scaling for synchronous training: divide by the global batch.
-
-Gradients are summed over replicas (autodiff does it for mirrored
-parameters), so each replica's loss is its share of the global mean: the
-sum of its per-example losses over the global count of valid examples,
-which jdist knows from the distributed batch.
-"""
+"""Loss scaling for synchronous training: divide by the global batch (the
+gradients are summed over replicas), whose valid examples jdist counts."""
 
 from __future__ import annotations
 
@@ -18,12 +13,9 @@ from jdist._src.errors import LossScalingError
 
 
 def _fit_weights(sample_weight, loss):
-  """`sample_weight` shaped for `loss` by TensorFlow's rule, or an error.
-
-  TF squeezes a trailing axis of weights with one more axis than the losses
-  and expands weights with one fewer; plain broadcasting would turn (b, 1)
-  against (b,) into (b, b).
-  """
+  """`sample_weight` shaped for `loss` by TensorFlow's rule (a trailing axis
+  squeezed, or one added), or an error: plain broadcasting would turn (b, 1)
+  against (b,) into (b, b)."""
   w = jnp.asarray(sample_weight, loss.dtype)
   fitted = w
   if w.ndim and w.ndim == loss.ndim + 1 and w.shape[-1] == 1:

@@ -1,13 +1,10 @@
 """`ShardedOptimizer`: optimizer state split over the replicas (ZeRO-1/2).
 
-Each replica keeps and updates one block of every state leaf of an
-elementwise optimizer, and the update's blocks are all-gathered so that
-every replica applies the same update to its mirrored parameters. Each leaf
-is split along its first axis the replica count divides (`split_axis`); a
-leaf with none keeps its state whole, as mirrored training would. Leaves
-keep their unsharded shapes, so checkpoints restore onto any device count;
-under `ModelParallelStrategy` the state keeps its parameter's layout within
-each replica and is split over the replicas on top of it.
+Each leaf is split along its first axis the replica count divides; a leaf
+with none keeps its state whole. Leaves keep their unsharded shapes, so
+checkpoints restore onto any device count; under `ModelParallelStrategy`
+the state keeps its parameter's layout within each replica and is split
+over the replicas on top of it.
 """
 
 from __future__ import annotations
@@ -33,16 +30,9 @@ from jdist._src.ops import elementwise
 
 def split_axis(shape: Sequence[int], num_replicas: int,
                within: Sequence[int] | None = None) -> int | None:
-  """The axis of a leaf of `shape` split over replicas, or None (kept whole).
-
-  On one replica nothing is split.
-
-  Args:
-    shape: the leaf's shape.
-    num_replicas: how many replicas share the state.
-    within: for each axis, over how many devices of a replica the leaf's
-      layout splits it (None: one); such an axis must hold
-      `num_replicas * k`.
+  """The axis of a leaf of `shape` split over `num_replicas`, or None (kept
+  whole; always on one replica). `within` gives, per axis, over how many
+  devices of a replica the leaf's layout splits it.
 
   Example:
     >>> from jdist._src.ops.sharded_optimizer import split_axis
