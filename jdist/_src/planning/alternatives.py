@@ -1,11 +1,7 @@
-"""Other layouts of the same step on the same devices, to say what fits.
-
-When a plan's peak exceeds the memory limit, the candidates are compiled and
-planned, least sharded first, until one fits: the advice comes from compiled
-programs, not a rule of thumb. They keep every mesh axis that lays the model
-out and spread the other devices between data parallelism and FSDP (on 8
-devices with ("data", "model") = (4, 2): FSDP over 2, then 4 devices).
-"""
+"""Other layouts of the same step on the same devices, to say what fits:
+each compiled and planned, least sharded first, until one fits. They keep
+every mesh axis that lays the model out and spread the other devices
+between data parallelism and FSDP."""
 
 from __future__ import annotations
 

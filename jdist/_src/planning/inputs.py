@@ -1,11 +1,6 @@
 """A step's arguments as a plan compiles them: shapes, dtypes and layouts,
-no data.
-
-Placed arrays keep their layouts; host arrays and `jax.ShapeDtypeStruct`
-values (a model too large to build) are laid out as the strategy holds
-state. A global batch becomes the abstract `PerReplica` its distributed
-dataset would give.
-"""
+no data (unplaced leaves laid out as the strategy holds state; a global
+batch as the abstract `PerReplica` its distributed dataset would give)."""
 
 from __future__ import annotations
 

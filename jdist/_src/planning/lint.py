@@ -1,11 +1,6 @@
-"""Layout notes: what a plan finds wrong with how the state is laid out.
-
-Each a sentence naming the arrays and bytes: a large parameter whole on
-every device of a replica that spans devices; `LayoutMap` keys that match
-nothing (Keras leaves those parameters whole silently); and splits into
-shards under `MIN_SHARD_ELEMENTS` per device, by the rule that asked for
-them, where gathering costs more than the memory saved.
-"""
+"""Layout notes: large parameters whole on every device of a replica that
+spans devices, `LayoutMap` keys that match nothing (Keras leaves them
+silent), and shards under `MIN_SHARD_ELEMENTS` per device."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""What each device holds of a step's arguments: bytes by what they are.
-
-A device's bytes of an argument follow from its shape, dtype and layout:
-nothing is placed or read. The arguments are sorted into the rows of a plan:
-parameters (under a `params` key or attribute; in a state with none, every
-floating-point leaf that is not optimizer state), optimizer state (under
-`opt_state`, or inside an optax state), other state, and the batch.
-"""
+"""What each device holds of a step's arguments, from shapes, dtypes and
+layouts alone, by kind: parameters (under `params`; without one, every
+float leaf that is not optimizer state), optimizer state (under
+`opt_state`, or an optax state), other state, and the batch."""
 
 from __future__ import annotations
 
@@ -28,18 +24,9 @@ KINDS = (PARAMETERS, OPTIMIZER, OTHER, BATCH)
 
 @dataclasses.dataclass(frozen=True)
 class Leaf:
-  """One array argument of a step, as one device holds it.
-
-  Attributes:
-    path: its keys from the argument's root, joined by "/".
-    kind: one of `KINDS`.
-    shape: its global shape.
-    dtype: its dtype's name.
-    spec: the mesh axes that split each dimension (None: whole), as its
-      `PartitionSpec` says.
-    device_shape: the shape of one device's block of it.
-    device_bytes: the bytes of that block.
-  """
+  """One array argument of a step as one device holds it: its path, kind,
+  global shape, dtype, the mesh axes splitting each dimension (`spec`), and
+  one device's block's shape and bytes."""
 
   path: str
   kind: str

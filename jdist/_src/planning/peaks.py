@@ -1,12 +1,10 @@
-"""Peak FLOP/s of one device, by the device kind JAX reports and the dtype a
-step computes in: the denominator of model FLOPs utilization (MFU).
+"""Peak FLOP/s of one device by device kind and compute dtype: the
+denominator of model FLOPs utilization (MFU).
 
-Each figure is the vendor's dense peak (no structured sparsity) per JAX
-device: a TPU v2 or v3 chip is two devices, so its figures are halved.
-"float32" is the peak at JAX's default matmul precision (TF32 on NVIDIA
-Ampere and newer, one bfloat16 pass on TPUs); full float32 precision has no
-claimed peak. A kind or dtype not in the table has no peak and its MFU is
-"n/a" (every CPU): a guessed peak is how an MFU above 100% gets reported.
+Each figure is the vendor's dense peak per JAX device (a TPU v2 or v3 chip
+is two). "float32" is the peak at JAX's default matmul precision (TF32 on
+NVIDIA, one bfloat16 pass on TPUs). An unknown kind or dtype has no peak
+and its MFU is "n/a": a guessed peak is how an MFU above 100% is reported.
 """
 
 from __future__ import annotations
@@ -100,17 +98,10 @@ def peak_flops(device_kind: str, dtype: str | None) -> float | None:
 
 @dataclasses.dataclass(frozen=True)
 class Throughput:
-  """How fast a measured step computed, against what the devices can.
-
-  Attributes:
-    flops_per_second: the compiled program's FLOPs over all devices per
-      second of the measured step.
-    flops_per_second_per_device: the same, per device.
-    mfu: model FLOPs utilization: the model's FLOPs per step (its own count
-      where known, else the compiled program's) over the step time and the
-      devices' summed peak; None where the peak is unknown.
-    mfu_counts: "model" or "compiled": whose FLOPs `mfu` counts.
-  """
+  """How fast a measured step computed: the compiled program's FLOP/s (over
+  all devices, and per device), and MFU: the model's FLOPs (its own count
+  where known, else the program's, per `mfu_counts`) over the step time and
+  the devices' summed peak (None where unknown)."""
 
   flops_per_second: float
   flops_per_second_per_device: float

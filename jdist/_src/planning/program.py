@@ -1,11 +1,7 @@
-"""What a compiled step says about itself, before it runs.
-
-XLA's `memory_analysis()` of one device's program gives the bytes of its
-arguments, outputs, aliased outputs and temporaries, `cost_analysis()` its
-FLOPs; its collectives are read from its HLO as `jdist.diagnose` reads them,
-and the dtype its matrix products take from the program as lowered (before
-XLA's passes, which may widen them on a backend without that type).
-"""
+"""What a compiled step says about itself, before it runs: XLA's memory and
+cost analyses, its collectives (as `jdist.diagnose` reads them), and the
+dtype its matrix products take in the lowered program (before XLA's passes
+may widen them)."""
 
 from __future__ import annotations
 
@@ -29,22 +25,10 @@ _ELEMENT = {"f64": "float64", "f32": "float32", "bf16": "bfloat16",
 
 @dataclasses.dataclass(frozen=True)
 class ProgramFacts:
-  """One device's view of a compiled step.
-
-  Attributes:
-    argument_bytes: bytes of its arguments.
-    output_bytes: bytes of its outputs (XLA's count, with the table of their
-      addresses, 8 bytes each).
-    output_array_bytes: bytes of the output arrays alone.
-    alias_bytes: bytes of the outputs written into a donated argument's
-      buffer (counted once, as arguments).
-    temp_bytes: its temporary allocation (activations, gradients, ...).
-    flops: FLOPs one device runs per call (XLA's count).
-    collectives: `((axes, kind, count, bytes), ...)` by mesh axes ("?"
-      where the program does not say) and kind, largest first.
-    compute_dtype: the dtype most of its matrix products and convolutions
-      take (by their operands' elements), or None.
-  """
+  """One device's view of a compiled step: XLA's bytes of its arguments,
+  outputs (with 8 bytes an output for their address table), the output
+  arrays alone, the outputs aliasing donated buffers and its temporaries; its
+  FLOPs; its collectives by mesh axes and kind; its compute dtype."""
 
   argument_bytes: int
   output_bytes: int

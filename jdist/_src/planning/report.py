@@ -13,15 +13,9 @@ from jdist._src.planning.memory import format_bytes
 
 @dataclasses.dataclass(frozen=True)
 class Alternative:
-  """Another layout of the same step on the same devices, planned.
-
-  Attributes:
-    name: what it is ("FSDP over 'fsdp' (4 devices)").
-    how: the code that asks for it.
-    plan: its `Plan` (None if it could not be planned).
-    problem: why it could not be planned, or "".
-    strategy: its strategy, where a strategy is all it changes (else None).
-  """
+  """Another layout of the same step on the same devices: its name, the code
+  that asks for it, its `Plan` (or why it could not be planned), and its
+  strategy where a strategy is all it changes."""
 
   name: str
   how: str
