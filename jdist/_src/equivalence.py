@@ -180,8 +180,7 @@ def _floats(tree) -> list:
 
 def _scaling_hint(initial, expected: Trajectory, actual: Trajectory,
                   n_reference: int, n_actual: int) -> str:
-  """A line naming loss scaling when the runs differ by a factor near the
-  ratio of their replica counts."""
+  """A line naming loss scaling when runs differ by the replica ratio."""
   n = n_actual / n_reference
   if n == 1:
     return ""

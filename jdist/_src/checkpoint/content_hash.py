@@ -91,8 +91,7 @@ def _host(x) -> np.ndarray:
 
 
 def _one_copy(x):
-  """One device's copy of a replicated leaf (the others hold the same bytes),
-  else the leaf."""
+  """One device's copy of a replicated leaf, else the leaf."""
   if isinstance(x, jax.Array) and x.sharding.is_fully_replicated:
     return x.addressable_data(0)
   return x

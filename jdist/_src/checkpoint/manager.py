@@ -240,8 +240,7 @@ class CheckpointManager:
     self._snapshots.write(step, names, stored)
 
   def _stored(self, state: Any) -> tuple:
-    """`(names, stored)` of `state`, the names worked out once per tree
-    structure."""
+    """`(names, stored)` of `state`, the names worked out once per structure."""
     leaves, treedef = jax.tree_util.tree_flatten(state)
     if self._names is not None and self._names[0] == treedef and all(
         isinstance(x, jax.Array) and isinstance(x.dtype, np.dtype)
@@ -286,8 +285,7 @@ class CheckpointManager:
     return state
 
   def _mesh(self, like: Any):
-    """The strategy's mesh, else the one mesh of `like`'s leaves, else the
-    current strategy's."""
+    """The strategy's mesh, else that of `like`'s leaves or the current one."""
     if self._strategy is not None:
       return self._strategy.mesh
     meshes = {getattr(x.sharding, "mesh", None)

@@ -46,8 +46,7 @@ class PreemptionWatcher:
     self._flag = True
 
   def reached(self, step: int) -> bool:
-    """Whether to save and stop after `step`, the same on every process (each
-    calls it after every step)."""
+    """Whether to save and stop after `step` (every process, every step)."""
     if self._multi:
       return bool(multihost_utils.reached_preemption_sync_point(step))
     return self._flag

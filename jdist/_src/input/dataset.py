@@ -30,8 +30,7 @@ class Mode(enum.Enum):
 
 
 class _Passes:
-  """The first pass's iterator over one source, shared by a dataset and its
-  `group(k)` copies."""
+  """The first pass over a source, shared by a dataset and its groups."""
 
   def __init__(self, source: Iterable, one_shot_advice: str):
     self.source = source
@@ -439,8 +438,7 @@ def from_values(strategy, value_fn: Callable) -> PerReplica:
 
 def indivisible_error(size: int, n: int, parts: str = "replicas"
                       ) -> ValueError:
-  """The error for a global batch that `n` parts cannot share, with the
-  option that pads it."""
+  """The error for a global batch `n` parts cannot share, naming the fix."""
   return ValueError(
       f"{host.split_error(size, n, parts)} Or pass options=jdist.InputOptions("
       "pad_to_replicas=True) to pad every such batch with masked rows (an "

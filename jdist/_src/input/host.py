@@ -100,8 +100,7 @@ def batch_split(strategy) -> tuple[int, str]:
 
 def _check_inner_split(local_rows, n: int, axis: str, k: int,
                        batch_axis: int) -> None:
-  """Raises unless each replica's batch splits over the `k` devices of
-  `axis`."""
+  """Raises unless each replica's batch splits over `k` devices of `axis`."""
   for leaf in jax.tree.leaves(local_rows):
     b = np.shape(leaf)[batch_axis] if np.ndim(leaf) > batch_axis else None
     if b is not None and b % k:

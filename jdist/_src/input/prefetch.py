@@ -20,8 +20,7 @@ _END = object()
 
 
 class BackgroundPrefetch:
-  """Items of a bound `method` made ahead in a daemon thread (`depth`: how
-  many ahead, at least 1)."""
+  """Items of a bound `method` made `depth` ahead in a daemon thread."""
 
   def __init__(self, method: Callable, depth: int):
     self._queue = queue.Queue(maxsize=max(1, depth))

@@ -162,8 +162,7 @@ class Agent:
     return records, interrupted
 
   def _supervise(self, watches: list) -> bool:
-    """Waits for the processes, stopping them all when told to; returns whether
-    the launcher was interrupted."""
+    """Waits for the processes, stopping them when told; True if interrupted."""
     stop = _Stop(self._node.grace)
     last_report, reported_own, forwarded, latest = 0.0, False, 0, {}
     while True:

@@ -146,8 +146,7 @@ class Server:
 
 
 class Client:
-  """One node's connection to the rendezvous at `host:port`, trying to
-  connect for `timeout` seconds (its launcher may start later)."""
+  """One node's connection to the rendezvous, tried for `timeout` seconds."""
 
   def __init__(self, host: str, port: int, *, timeout: float):
     self.endpoint = f"{host}:{port}"

@@ -204,8 +204,7 @@ class ShardedOptimizer:
 
   def _state_axes(self, layout: elementwise.Layout, whole: list,
                   blocks: list) -> tuple:
-    """The split axis of each state leaf, from the state of the whole
-    parameters and that of one replica's blocks."""
+    """The split axis of each state leaf, from whole and block parameters."""
     n = layout.num_replicas
     whole_state = jax.eval_shape(self.optimizer.init, layout.tree(whole))
     block_state = jax.eval_shape(self.optimizer.init, layout.tree(blocks))

@@ -60,8 +60,7 @@ def fsdp_candidates(strategy) -> list[Candidate]:
 
 def evaluate(candidates: Iterable[Candidate],
              plan_of: Callable[[Candidate], Any]) -> tuple:
-  """Plans each candidate in turn until one fits; the `Alternative`s planned,
-  with why those that could not be were not."""
+  """Plans each candidate until one fits; the `Alternative`s planned."""
   out = []
   for c in candidates:
     try:

@@ -94,8 +94,7 @@ def _named(tree: Any):
 
 
 def state_leaves(state: Any) -> list[Leaf]:
-  """Each array leaf of `state`, sorted into parameters, optimizer state and
-  other state."""
+  """Each array leaf of `state`, sorted by kind."""
   named = [(p, x, opt) for p, x, opt in _named(state) if hasattr(x, "dtype")]
   has_params = any("params" in p.split("/") for p, _, _ in named)
 

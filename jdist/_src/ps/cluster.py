@@ -15,8 +15,7 @@ from jdist._src.runtime.tf_config import TFConfigClusterResolver
 
 @dataclasses.dataclass(frozen=True)
 class ClusterSpec:
-  """The tasks of a parameter-server cluster by role (addresses or names, one
-  per task), and where it came from, for messages."""
+  """The tasks of a parameter-server cluster, by role."""
 
   workers: tuple
   ps: tuple

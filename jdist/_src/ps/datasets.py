@@ -83,8 +83,7 @@ class PerWorkerIterator(PerWorkerResource):
 
 
 class WorkerBatch:
-  """A host batch shipped with a step (with its static size and
-  `InputOptions`); the worker that runs the step distributes it."""
+  """A host batch shipped with a step, for its worker to distribute."""
 
   def __init__(self, batch: Any, global_batch_size: int | None,
                options=None):

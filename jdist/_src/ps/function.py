@@ -217,8 +217,7 @@ def _summary(tree, limit: int = 160) -> str:
 
 
 def _with_slots(node, slots: dict):
-  """`node` with each written value (found by identity) replaced by its
-  handle's slot."""
+  """`node` with each written value replaced by its handle's slot."""
   if id(node) in slots:
     return _HandleSlot(slots[id(node)])
   if not slots:

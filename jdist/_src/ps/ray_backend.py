@@ -374,8 +374,7 @@ def _unwrap(error) -> BaseException:
 
 
 class RayCluster:
-  """Parameter-server and worker actors of a `ParameterServerStrategy`, with
-  `options` as `ray_options` gives them."""
+  """Parameter-server and worker actors of a `ParameterServerStrategy`."""
 
   def __init__(self, spec, strategy, options: dict, timeout: float):
     ray = _ray()
@@ -517,8 +516,7 @@ class RayCluster:
     return cached
 
   def prepare(self, closure) -> None:
-    """Pickles the closure: its function and per-worker datasets once each, the
-    other arguments every time."""
+    """Pickles the closure: function and datasets once, arguments every time."""
     is_resource = lambda x: isinstance(x, worker_lib.PerWorkerResource)
     definitions = {}
 

@@ -125,8 +125,7 @@ class Closure:
 
 
 class ClosureQueue:
-  """The scheduled closures: queued, in flight, and the first error
-  (thread-safe)."""
+  """The scheduled closures: queued, in flight, and the first error."""
 
   def __init__(self):
     self._lock = threading.Lock()
@@ -145,8 +144,7 @@ class ClosureQueue:
       self._changed.notify_all()
 
   def get(self, block: bool = True) -> Closure | None:
-    """The next closure to run; None when stopped (or, without `block`, when
-    none is ready)."""
+    """The next closure to run; None when stopped (or none is ready now)."""
     with self._lock:
       if not self._changed.wait_for(
           lambda: self._stopped or (self._queue and self._error is None),

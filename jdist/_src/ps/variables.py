@@ -360,8 +360,7 @@ def _delete_quietly(store, set_id: str) -> None:
 
 
 class ServerPlacement(placement.StatePlacement):
-  """State held on the parameter servers, as `ServerVariables`: nothing moves
-  around a call on the coordinator."""
+  """State held on the parameter servers, as `ServerVariables`."""
 
   def read(self, held: ServerVariables) -> Any:
     return held.read()

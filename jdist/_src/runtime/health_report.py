@@ -14,8 +14,7 @@ TICK_SECONDS = 0.1  # a write of ~100 bytes: the step it names is at most this o
 
 
 class Reporter:
-  """A daemon thread that writes `summary()` to `path` every `tick` seconds,
-  replacing the file atomically."""
+  """A daemon thread that rewrites `path` with `summary()` every `tick` s."""
 
   def __init__(self, path: str, summary: Callable[[], dict], *,
                tick: float = TICK_SECONDS):

@@ -48,8 +48,7 @@ def _is_ready(probe) -> bool:
 
 
 class Monitor:
-  """Watches this process's waits and its peers' reports; `client_fn` returns
-  the distributed client (None once shut down)."""
+  """Watches this process's waits and its peers' reports."""
 
   def __init__(self, client_fn: Callable[[], Any], process_id: int,
                num_processes: int, *, tick: float = TICK_SECONDS):

@@ -28,8 +28,7 @@ class StepGuard:
     self._timeout = options.timeout_seconds
 
   def check_program(self, name: str, closed_jaxpr) -> None:
-    """Raises `ProgramMismatchError` on every process unless all traced the
-    same program."""
+    """Raises `ProgramMismatchError` everywhere unless all traced alike."""
     fingerprint = hashlib.sha256(
         _ADDRESS.sub("0x", str(closed_jaxpr)).encode()).hexdigest()[:16]
     signature = ", ".join(a.str_short() for a in closed_jaxpr.in_avals)

@@ -76,8 +76,7 @@ def _parts(files, group) -> list:
 
 
 def saved_shape(files, group, name: str) -> list | None:
-  """The shape of leaf `name` in snapshot `group` from its first file's
-  header on this host, or None."""
+  """The shape of leaf `name` in snapshot `group`, from a header, or None."""
   paths = _parts(files, group)
   return files_lib.header_shape(paths[0], name) if paths else None
 

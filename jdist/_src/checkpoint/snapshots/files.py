@@ -65,8 +65,7 @@ def _host_bytes(x) -> np.ndarray:
 
 def checked(step: int, layout: "layout_lib.Layout", packed,
             host: list) -> list | None:
-  """The arrays of a part to write, or None, with a line, when a value of it
-  is NaN or infinite."""
+  """The arrays of a part to write, or None (with a line) for NaN or inf."""
   data, finite = _unpacked(packed)
   if finite and not host:  # the usual case
     return [data]
@@ -90,8 +89,7 @@ def checked(step: int, layout: "layout_lib.Layout", packed,
 
 def replica(step: int, layout: "layout_lib.Layout",
             received) -> np.ndarray | None:
-  """The bytes of the replica to write from those the copy brought, or None,
-  with a line, when a value of them is NaN or infinite."""
+  """The bytes of the replica to write, or None (with a line) for NaN or inf."""
   data, finite = _unpacked(received)
   if not finite:
     bad = layout.nonfinite(data)
@@ -116,8 +114,7 @@ def dtype(name: str) -> np.dtype:
 
 
 def fill(raw: bytes, described: dict, full: dict, covered: dict) -> str | None:
-  """Copies the blocks of a process's file into `full` (marking `covered`);
-  returns what is wrong with the file, or None."""
+  """Copies a process's file's blocks into `full`; what is wrong, or None."""
   if not raw.startswith(MAGIC) or len(raw) < len(MAGIC) + 8:
     return "is not a snapshot part"
   (n,) = struct.unpack("<Q", raw[len(MAGIC):len(MAGIC) + 8])

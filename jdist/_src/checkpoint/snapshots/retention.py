@@ -96,8 +96,7 @@ class Files:
           pass  # another process of this host removed it first
 
   def _retire(self, path: str, fd: int, size: int) -> None:
-    """Makes this process's file of an old snapshot its spare (renamed to the
-    temporary name, kept open)."""
+    """Makes this process's file of an old snapshot its spare."""
     try:
       os.rename(path, self._tmp)
       self._spare = (fd, size)
@@ -105,8 +104,7 @@ class Files:
       os.close(fd)
 
   def put(self, group, buffers: list) -> None:
-    """Writes this process's file of snapshot `group` under a temporary name
-    (over the spare, if any), renamed when complete."""
+    """Writes this process's file of snapshot `group`, renamed when complete."""
     tmp, path = self._tmp, self.path(group, self.rank)
     spare, self._spare = self._spare, None
     try:
@@ -138,8 +136,7 @@ class Files:
                      self._written.items()}
 
   def remove(self, entries: list, keep: set) -> None:
-    """Removes, of `entries`, the files of the snapshots not in `keep` and the
-    temporary files of dead writers."""
+    """Removes, of `entries`, old snapshots' files and dead writers' files."""
     for entry in entries:
       group, _, pid = parse(entry)
       gone = ((group is not None and group not in keep)

@@ -155,8 +155,7 @@ class Snapshots:
     return True
 
   def _plan(self, names: list, leaves: list) -> tuple:
-    """`layout.plan` of `leaves`, worked out once per names, shapes, dtypes and
-    shardings."""
+    """`layout.plan` of `leaves`, worked out once per state layout."""
     key = [(x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves]
     if self._layouts_key is None or self._layouts_key != (names, key):
       self._layouts_key = (list(names), key)
@@ -170,8 +169,7 @@ class Snapshots:
     self.complete = self._before = None
 
   def agree(self, newest_checkpoint: int | None = None) -> tuple:
-    """`(group, note, newest_checkpoint)` of `agreement.agree`; sets
-    `from_replicas` (every process calls it)."""
+    """`agreement.agree`, setting `from_replicas` (every process calls it)."""
     group, note, disk, self.from_replicas = agreement.agree(
         self.directory, newest_checkpoint)
     return group, note, disk

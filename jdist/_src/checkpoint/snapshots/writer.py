@@ -66,8 +66,7 @@ class Writer:
     return self._error is not None
 
   def wait(self, timeout: float | None = None):
-    """The last job's result (None if none, or not done in `timeout`); raises
-    its error, once."""
+    """The last job's result (None if none or late); raises its error once."""
     if not self._idle.wait(timeout):
       return None
     error, self._error = self._error, None
