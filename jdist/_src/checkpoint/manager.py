@@ -66,10 +66,10 @@ def _meta_leaf(meta: dict) -> np.ndarray:
 class CheckpointManager:
   """Saves and restores a custom loop's state (any pytree of arrays).
 
-  TensorFlow's `tf.train.CheckpointManager` for JAX: the state is passed
-  explicitly. A save of a step that exists replaces it; a corrupt newest
-  checkpoint is skipped with a warning; a checkpoint restores onto any number
-  of devices or processes (docs/checkpoints.md).
+  TensorFlow's `tf.train.CheckpointManager` with the state passed explicitly.
+  A save of an existing step replaces it, a corrupt newest checkpoint is
+  skipped with a warning, and any number of devices or processes restores a
+  checkpoint (docs/checkpoints.md).
 
   Args:
     directory: where the checkpoints go (one orbax step directory each).
@@ -79,9 +79,8 @@ class CheckpointManager:
     save_every: `save` writes to `directory` only at the steps that are a
       multiple of it (None: at every call).
     snapshot_every: in a `jdist launch` job, `save` also keeps the state in
-      host memory (/dev/shm) at the multiples of it, each process's part
-      replicated on the next process, and `restore` resumes from the newest
-      snapshot when it is newer than the newest checkpoint (None: none).
+      host memory at its multiples (each process's part replicated on the
+      next), and `restore` takes the snapshot when it is the newest.
 
   Attributes:
     restored_step: the step the last `restore` restored (None before one).
@@ -202,14 +201,12 @@ class CheckpointManager:
   def save(self, step: int, state: Any) -> str | None:
     """Writes `state` as checkpoint `step` (every process calls it).
 
-    With `save_every`, only at its multiples. With `snapshot_every`, at its
-    multiples the state is also taken as the in-memory snapshot, written in
-    the background from the next call on. A state with NaN or infinite values
-    is not written (a warning says so).
+    With `save_every`, only at its multiples; with `snapshot_every`, at its
+    multiples also as the in-memory snapshot, written in the background. A
+    state with NaN or infinite values is not written (a warning says so).
 
     Returns:
-      The checkpoint's directory, or None when nothing was written to
-      `directory`.
+      The checkpoint's directory, or None when nothing was written there.
 
     Raises:
       jdist.CheckpointError: the save failed (a full disk); the checkpoints

@@ -29,20 +29,13 @@ def diagnose(step: Callable, state: Any, batches: Iterable, *,
 
   The step is `step(state, batch) -> (state, outputs)`, or a
   `strategy.function` / `@jdist.mirrored` step (its strategy is then the
-  N-device one). Every loop starts from `state`. Over the first `steps` (K)
-  batches, after a first call that compiles, on one device and on N:
-
-  - `step`: seconds per step of the loop users write, fed host batches;
-  - `input_wait`: `step` minus the same loop over batches placed ahead;
-  - `compute + collectives`: the step run K times in one compiled program;
-  - `collectives`: the compiled step's collectives (read from its HLO with
-    their sizes and mesh axes) run alone, also split by mesh axis
-    (`StepTimes.collectives_by_axes`);
-  - `dispatch`: the placed loop's step minus the device time;
-  - `compile_seconds`, `recompilations` and `host_callbacks`.
-
-  The loops take turns, three rounds each, and each loop's fastest round
-  counts; on a shared machine read the split, not the digits.
+  N-device one). Over the first `steps` batches, after a compiling call, on
+  one device and on N, it times the loop users write (fed host batches), the
+  same loop over batches placed ahead, the step run K times in one compiled
+  program, and the step's collectives alone; the differences are the parts of
+  `StepTimes` (docs/diagnose.md says how each is measured). Each loop's
+  fastest of three rounds counts: on a shared machine read the split, not the
+  digits.
 
   Args:
     step: the per-replica training step.

@@ -34,19 +34,13 @@ def plan(step: Callable, state: Any, batch: Any, *, strategy=None,
   """Plans a training step from its compiled program: nothing runs.
 
   The step is compiled ahead of time for `state` and `batch` laid out as the
-  strategy lays them out, and the plan reads, per device: the arguments'
-  bytes by kind (parameters, optimizer state, other state, the batch), the
-  outputs' and the temporaries' (XLA's `memory_analysis()`), so the peak; the
-  FLOPs of one step (`cost_analysis()`, and the model's own count when
-  given); each collective's bytes by mesh axis; the matrix products' dtype and
-  the device's peak FLOP/s in it (for MFU); and layout notes (large
-  parameters whole on every device, LayoutMap keys that match nothing,
-  shards under 128 elements).
-
-  When the peak exceeds the memory limit (`memory_budget`, else the device's
-  `memory_stats()["bytes_limit"]`; CPUs report none), other layouts of the
-  same step on the same devices are compiled and planned until one fits, and
-  `plan.check()` raises `jdist.MemoryBudgetError` naming it.
+  strategy lays them out. The plan reads, per device, the arguments' bytes by
+  kind, the outputs' and temporaries' (so the peak), the FLOPs of one step,
+  each collective's bytes by mesh axis, the compute dtype and the device's
+  peak FLOP/s in it (for MFU), and notes on the layout. When the peak exceeds
+  the memory limit (`memory_budget`, else the device's `bytes_limit`; CPUs
+  report none), other layouts of the step are compiled and planned until one
+  fits, and `plan.check()` raises `jdist.MemoryBudgetError` naming it.
 
   Args:
     step: a `strategy.function` step (its own program is planned, so a later
