@@ -7,7 +7,9 @@ wraps and why the public API does not suffice.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import threading
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.extend
@@ -16,6 +18,8 @@ import numpy as np
 from jax._src import cloud_tpu_init
 from jax._src import clusters
 from jax._src import distributed
+from jax._src import mesh as mesh_lib
+from jax._src import pjit
 from jax._src import xla_bridge
 from jax._src.clusters import cloud_tpu_cluster
 
@@ -51,6 +55,63 @@ try:
   from jax._src.lax.parallel import all_gather_invariant
 except ImportError:  # pragma: no cover - depends on the jax version
   all_gather_invariant = None
+
+# --- a user's mesh context and sharding constraints ----------------------------
+
+
+def context_mesh():
+  """The concrete mesh a user's `jax.set_mesh` put in context, or None.
+
+  Private: the public `jax.sharding.get_mesh()` refuses to answer inside
+  `jax.jit`, where jdist traces its steps and compares this mesh with the
+  strategy's (the abstract mesh that is public there has no devices).
+  """
+  mesh = mesh_lib.get_concrete_mesh()
+  return None if mesh is None or mesh.empty else mesh
+
+
+class _ConstraintMap(threading.local):
+  """This thread's mapping of `with_sharding_constraint`'s shardings."""
+
+  def __init__(self):
+    super().__init__()
+    self.mapper = None
+
+
+_constraint_map = _ConstraintMap()
+_create_sharding = pjit._create_sharding_for_array  # JAX's own
+
+
+def _create_sharding_mapped(mesh, x, name, api_name):
+  """JAX's `_create_sharding_for_array`, with a constraint's sharding first
+  given to this thread's mapper (see `sharding_constraints_mapped`)."""
+  mapper = _constraint_map.mapper
+  if (mapper is not None and x is not None and
+      api_name == "with_sharding_constraint"):
+    x = mapper(x)
+  return _create_sharding(mesh, x, name, api_name)
+
+
+@contextlib.contextmanager
+def sharding_constraints_mapped(mapper: Callable) -> Iterator[None]:
+  """In this thread, for the block: each sharding given to
+  `jax.lax.with_sharding_constraint` (a `PartitionSpec` or a `Sharding`) is
+  replaced by `mapper(sharding)` before JAX reads it.
+
+  Private: JAX turns a constraint's sharding into one on the context mesh
+  inside `with_sharding_constraint`, then refuses a spec that names a
+  manual axis (the replica axis inside jdist's `shard_map`) or a sharding
+  on the concrete mesh there. A user's constraint, written for the global
+  program as flax's and JAX's guides write it, means per replica the same
+  spec without the replica axis; the public API has no hook to say so.
+  Other threads, and constraints outside the block, are untouched.
+  """
+  pjit._create_sharding_for_array = _create_sharding_mapped
+  previous, _constraint_map.mapper = _constraint_map.mapper, mapper
+  try:
+    yield
+  finally:
+    _constraint_map.mapper = previous
 
 # --- rewriting a traced function ------------------------------------------------
 

@@ -27,6 +27,7 @@ from jdist._src import jax_compat
 from jdist._src.core import context
 from jdist._src.core import conv_layout
 from jdist._src.core import kinds
+from jdist._src.core import mesh_context
 from jdist._src.core import probe
 from jdist._src.core.plan import InputPlan
 from jdist._src.core.replica_context import ReplicaContext
@@ -492,13 +493,22 @@ class DistributedFunction:
              in_loop: bool = False):
     """Plans, probes and maps one call (traced); subclasses trace more."""
     strategy = self._strategy
+    with mesh_context.entered(strategy.mesh, f"{strategy!r}'s step "
+                              f"{self._name}"):
+      return self._trace_mapped(args, kwargs, check=check, in_loop=in_loop)
+
+  def _trace_mapped(self, args: tuple, kwargs: dict, *, check: bool,
+                    in_loop: bool):
+    """`_trace` under the strategy's mesh: plan, probe and map."""
+    strategy = self._strategy
     axis = strategy.axis_name
     plan = InputPlan.of(strategy, args, kwargs)
 
     def run_replica(*local):
       call_args, call_kwargs, validity = plan.local_arguments(local)
       state_trees = probe.mirrored_structures(call_args, axis)
-      with context.replica_scope(ReplicaContext(strategy, validity)):
+      with context.replica_scope(ReplicaContext(strategy, validity)), \
+          mesh_context.replica_scope(strategy):
         return self._fn(*call_args, **call_kwargs), state_trees
 
     program_check = None

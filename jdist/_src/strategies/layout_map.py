@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jdist._src.strategies.device_mesh import DeviceMesh
+from jdist._src.strategies.device_mesh import DeviceMesh, as_device_mesh
 from jdist._src.strategies.partition_metadata import named_leaves, path_name
 
 
@@ -32,7 +32,8 @@ class LayoutMap(collections.abc.MutableMapping):
   """Rules from parameter paths to per-dimension mesh axes.
 
   Args:
-    device_mesh: the `jdist.DeviceMesh` the axes belong to.
+    device_mesh: the `jdist.DeviceMesh` the axes belong to, or a
+      `jax.sharding.Mesh`.
 
   Example:
     >>> import jax, jax.numpy as jnp, jdist
@@ -49,10 +50,7 @@ class LayoutMap(collections.abc.MutableMapping):
   """
 
   def __init__(self, device_mesh: DeviceMesh):
-    if not isinstance(device_mesh, DeviceMesh):
-      raise TypeError(
-          f"LayoutMap needs a jdist.DeviceMesh, got {type(device_mesh).__name__}.")
-    self._mesh = device_mesh
+    self._mesh = as_device_mesh(device_mesh, "LayoutMap's device_mesh")
     self._rules: dict[str, P] = {}
 
   @property

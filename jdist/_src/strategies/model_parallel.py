@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from jdist._src.core import kinds, placement
 from jdist._src.core.values import Sharded
-from jdist._src.strategies.device_mesh import DeviceMesh
+from jdist._src.strategies.device_mesh import DeviceMesh, as_device_mesh
 from jdist._src.strategies.layout_map import LayoutMap
 from jdist._src.strategies.partition_metadata import (
     PartitionMetadata, is_box, named_leaves, named_nodes, warn_unruled)
@@ -80,8 +80,9 @@ class ModelParallelStrategy(Strategy):
   Args:
     layout_map: a `jdist.LayoutMap` over a `jdist.DeviceMesh`, or None to
       lay out from the state's flax metadata alone.
-    device_mesh: the `jdist.DeviceMesh`; needed without `layout_map`, and
-      must be the layout map's when both are given.
+    device_mesh: the `jdist.DeviceMesh`, or a `jax.sharding.Mesh` (Auto or
+      Explicit axes, as `jax.make_mesh` makes it); needed without
+      `layout_map`, and must be the layout map's when both are given.
     batch_dim_name: the mesh axis of the replicas; defaults to the mesh's
       first axis (as Keras).
     fsdp_axis: a mesh axis (not the batch one) for FSDP, or None.
@@ -129,10 +130,9 @@ class ModelParallelStrategy(Strategy):
       raise TypeError(
           "ModelParallelStrategy's layout_map must be a jdist.LayoutMap(mesh)"
           f", got {type(layout_map).__name__}.")
-    if device_mesh is not None and not isinstance(device_mesh, DeviceMesh):
-      raise TypeError(
-          "ModelParallelStrategy's device_mesh must be a jdist.DeviceMesh, got "
-          f"{type(device_mesh).__name__}.")
+    if device_mesh is not None:
+      device_mesh = as_device_mesh(device_mesh,
+                                   "ModelParallelStrategy's device_mesh")
     if layout_map is None and device_mesh is None:
       raise ValueError(
           "ModelParallelStrategy needs a mesh: device_mesh=jdist.DeviceMesh("

@@ -116,6 +116,12 @@ class Strategy(StrategyBase):
     return len(self._devices)
 
   @property
+  def logical_axis_rules(self) -> tuple:
+    """flax's logical axis rules inside this strategy's steps and `init`:
+    none here (`ModelParallelStrategy` has its own)."""
+    return ()
+
+  @property
   def replica_batch_axis(self) -> str | None:
     """The mesh axis that splits each replica's batch over its devices
     (FSDP: `ModelParallelStrategy(fsdp_axis=...)`), or None."""

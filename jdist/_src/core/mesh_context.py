@@ -1,0 +1,159 @@
+"""A user's JAX mesh around jdist's programs, and what a sharding constraint
+means inside a replica's step.
+
+A program written as JAX's and flax's guides write it runs inside
+`with jax.set_mesh(mesh):`, and its model may constrain activations
+(`jax.lax.with_sharding_constraint`, flax's `nn.with_logical_constraint`).
+jdist maps each step over its strategy's mesh, manually over the replica
+axis. So:
+
+- the mesh in context must be the strategy's own (the same devices in the
+  same places, the same axis names); its axes may be Auto or Explicit: the
+  step runs over the strategy's mesh, whose within-replica axes XLA
+  partitions (Auto). Any other mesh is an error that names both.
+- inside a replica, a constraint's spec is the global one without the
+  replica axis: a replica's rows are its own already, and what the spec says
+  of the other axes (split over "model", or not split) holds within the
+  replica. A `NamedSharding` on the strategy's mesh means its spec; one on
+  another mesh, or a spec naming an axis the mesh does not have, is an error.
+- the strategy's `logical_axis_rules` are flax's rules inside the step, as
+  they are in `strategy.init`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Any, Iterator
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jdist._src import jax_compat
+from jdist._src.errors import StrategyMismatchError
+
+
+def describe(mesh) -> str:
+  """`mesh` for a message: its axes, their types and its devices."""
+  axes = ", ".join(f"{n!r}: {s}" for n, s in mesh.shape.items())
+  types = ", ".join(t.name for t in mesh.axis_types)
+  text = f"Mesh({axes}, axis_types=({types}))"
+  if isinstance(mesh, Mesh):
+    text += " on " + ", ".join(f"{d.platform}:{d.id}" for d in mesh.devices.flat)
+  return text
+
+
+def same_mesh(a, b) -> bool:
+  """Whether `a` and `b` are one mesh, whatever their axis types: the same
+  axis names and sizes, and (both concrete) the same devices in the same
+  places."""
+  if tuple(a.axis_names) != tuple(b.axis_names) or \
+      tuple(a.axis_sizes) != tuple(b.axis_sizes):
+    return False
+  if isinstance(a, Mesh) and isinstance(b, Mesh):
+    return ([d.id for d in a.devices.flat] == [d.id for d in b.devices.flat]
+            and a.devices.flat[0].platform == b.devices.flat[0].platform)
+  return True
+
+
+def _context_meshes():
+  """The user's mesh in context, concrete (or None) and abstract."""
+  return jax_compat.context_mesh(), jax.sharding.get_abstract_mesh()
+
+
+def check_context(mesh: Mesh, what: str) -> None:
+  """Raises unless the mesh in context (if any) is `mesh`, whatever its axis
+  types.
+
+  Args:
+    mesh: the strategy's mesh.
+    what: who runs (for the message), as "ModelParallelStrategy(...)'s step".
+
+  Raises:
+    StrategyMismatchError: another mesh is in context.
+  """
+  concrete, abstract = _context_meshes()
+  user = concrete if concrete is not None else abstract
+  if (concrete is None and abstract.empty) or same_mesh(user, mesh):
+    return
+  raise StrategyMismatchError(
+      f"{what} runs on its mesh {describe(mesh)}, but the mesh in context "
+      f"(jax.set_mesh) is {describe(user)}. Build the strategy from the mesh "
+      "you set (jdist.MirroredStrategy(mesh=mesh) for a mesh of one axis, "
+      "jdist.ModelParallelStrategy(device_mesh=mesh) for more), or call the "
+      "step outside that `with jax.set_mesh(...)` block.")
+
+
+def entered(mesh: Mesh, what: str) -> contextlib.AbstractContextManager:
+  """Inside a trace: the strategy's mesh as the context mesh, once
+  `check_context` accepts the user's (which may type the same axes
+  Explicit: JAX's `shard_map` wants the context mesh to be its own)."""
+  check_context(mesh, what)
+  abstract = jax.sharding.get_abstract_mesh()
+  if abstract.empty or abstract == mesh.abstract_mesh:
+    return contextlib.nullcontext()
+  return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+
+
+def _axes(entry) -> tuple:
+  if entry is None or entry is P.UNCONSTRAINED:
+    return ()
+  return entry if isinstance(entry, tuple) else (entry,)
+
+
+def _without(entry, axis: str):
+  """One dimension's entry of a spec with `axis` left out."""
+  if entry is None or entry is P.UNCONSTRAINED:
+    return entry
+  kept = tuple(a for a in _axes(entry) if a != axis)
+  if not kept:
+    return None
+  return kept if len(kept) > 1 else kept[0]
+
+
+def replica_constraint(strategy, sharding: Any) -> Any:
+  """What a sharding given to `with_sharding_constraint` inside one of
+  `strategy`'s replicas means there: its spec without the replica axis.
+
+  Raises:
+    StrategyMismatchError: a `NamedSharding` on another mesh.
+    ValueError: the spec names an axis the strategy's mesh does not have.
+  """
+  mesh, axis = strategy.mesh, strategy.axis_name
+  if isinstance(sharding, NamedSharding):
+    if not same_mesh(sharding.mesh, mesh):
+      raise StrategyMismatchError(
+          f"with_sharding_constraint inside a step of {strategy!r} was given "
+          f"a NamedSharding on {describe(sharding.mesh)}, but the step runs "
+          f"on {describe(mesh)}. Constrain activations on the strategy's "
+          "mesh (NamedSharding(strategy.mesh, spec)) or with a bare "
+          "PartitionSpec.")
+    spec = sharding.spec
+  elif isinstance(sharding, P):
+    spec = sharding
+  else:
+    return sharding  # another kind of sharding: JAX's to judge
+  unknown = [a for entry in spec for a in _axes(entry)
+             if a not in mesh.axis_names]
+  if unknown:
+    raise ValueError(
+        f"with_sharding_constraint inside a step of {strategy!r} names the "
+        f"mesh axis {unknown[0]!r} ({spec}), but the strategy's mesh has the "
+        f"axes {tuple(mesh.axis_names)}. Name axes of the strategy's mesh, "
+        "or build the strategy on the mesh the model was written for.")
+  return P(*(_without(entry, axis) for entry in spec))
+
+
+@contextlib.contextmanager
+def replica_scope(strategy) -> Iterator[None]:
+  """Inside one replica's step: constraints mean `replica_constraint`, and
+  the strategy's `logical_axis_rules` are flax's rules."""
+  with contextlib.ExitStack() as stack:
+    stack.enter_context(jax_compat.sharding_constraints_mapped(
+        lambda sharding: replica_constraint(strategy, sharding)))
+    rules = strategy.logical_axis_rules
+    spmd = sys.modules.get("flax.core.spmd")  # flax's rules, if flax is used
+    if rules and spmd is not None:
+      stack.enter_context(spmd.logical_axis_rules(rules))
+    yield
