@@ -16,6 +16,7 @@ import jax.extend
 import numpy as np
 # Private modules, each used by one function below (see its docstring).
 from jax._src import cloud_tpu_init
+from jax._src import core as _core
 from jax._src import clusters
 from jax._src import distributed
 from jax._src import mesh as mesh_lib
@@ -68,6 +69,15 @@ def context_mesh():
   """
   mesh = mesh_lib.get_concrete_mesh()
   return None if mesh is None or mesh.empty else mesh
+
+
+def inside_trace() -> bool:
+  """Whether JAX is tracing (inside `jax.jit`, `eval_shape`, ...), where
+  `jax.set_mesh` refuses to run.
+
+  Private: JAX's test for it (`core.trace_state_clean`) is internal.
+  """
+  return not _core.trace_state_clean()
 
 
 class _ConstraintMap(threading.local):

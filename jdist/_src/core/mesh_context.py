@@ -16,13 +16,17 @@ axis. So:
   of the other axes (split over "model", or not split) holds within the
   replica. A `NamedSharding` on the strategy's mesh means its spec; one on
   another mesh, or a spec naming an axis the mesh does not have, is an error.
+  Replicas of one device each have nothing to split: there every constraint
+  keeps the value whole (constraints change no number).
 - the strategy's `logical_axis_rules` are flax's rules inside the step, as
-  they are in `strategy.init`.
+  they are in `strategy.init`, which (and the Trainer's shape checks) runs
+  under the strategy's mesh (`outside_steps`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from typing import Any, Iterator
 
@@ -38,7 +42,8 @@ def describe(mesh) -> str:
   """`mesh` for a message: its axes, their types and its devices."""
   axes = ", ".join(f"{n!r}: {s}" for n, s in mesh.shape.items())
   types = ", ".join(t.name for t in mesh.axis_types)
-  text = f"Mesh({axes}, axis_types=({types}))"
+  comma = "," if len(mesh.axis_types) == 1 else ""
+  text = f"Mesh({axes}, axis_types=({types}{comma}))"
   if isinstance(mesh, Mesh):
     text += " on " + ", ".join(f"{d.platform}:{d.id}" for d in mesh.devices.flat)
   return text
@@ -96,25 +101,46 @@ def entered(mesh: Mesh, what: str) -> contextlib.AbstractContextManager:
   return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
 
 
+def on_mesh(mesh: Mesh, what: str, fn):
+  """`fn`, traced under `entered(mesh, what)`: for a jitted program of
+  jdist's over the strategy's mesh that a user may call inside
+  `jax.set_mesh`."""
+  @functools.wraps(fn)
+  def traced(*args, **kwargs):
+    with entered(mesh, what):
+      return fn(*args, **kwargs)
+  return traced
+
+
 def _axes(entry) -> tuple:
   if entry is None or entry is P.UNCONSTRAINED:
     return ()
   return entry if isinstance(entry, tuple) else (entry,)
 
 
-def _without(entry, axis: str):
-  """One dimension's entry of a spec with `axis` left out."""
+def _keeping(entry, keep):
+  """One dimension's entry of a spec with the axes `keep` refuses left out."""
   if entry is None or entry is P.UNCONSTRAINED:
     return entry
-  kept = tuple(a for a in _axes(entry) if a != axis)
+  kept = tuple(a for a in _axes(entry) if keep(a))
   if not kept:
     return None
   return kept if len(kept) > 1 else kept[0]
 
 
-def replica_constraint(strategy, sharding: Any) -> Any:
-  """What a sharding given to `with_sharding_constraint` inside one of
-  `strategy`'s replicas means there: its spec without the replica axis.
+def constraint(strategy, sharding: Any, *, in_step: bool,
+               strict: bool = True) -> Any:
+  """What a sharding given to `with_sharding_constraint` means in code that
+  `strategy` runs: inside one of its replicas' steps (`in_step`), or in the
+  global program of `init` and the Trainer's shape checks.
+
+  A strategy whose replicas are one device each has nothing to split within
+  a replica: every constraint is the value whole (`P()`), which changes no
+  number. Otherwise the spec stays, without the replica axis in a step.
+
+  Args:
+    strict: raise for another mesh or an unknown axis; else leave them out
+      (to read shapes only, before jdist checks the layouts itself).
 
   Raises:
     StrategyMismatchError: a `NamedSharding` on another mesh.
@@ -122,38 +148,74 @@ def replica_constraint(strategy, sharding: Any) -> Any:
   """
   mesh, axis = strategy.mesh, strategy.axis_name
   if isinstance(sharding, NamedSharding):
-    if not same_mesh(sharding.mesh, mesh):
-      raise StrategyMismatchError(
-          f"with_sharding_constraint inside a step of {strategy!r} was given "
-          f"a NamedSharding on {describe(sharding.mesh)}, but the step runs "
-          f"on {describe(mesh)}. Constrain activations on the strategy's "
-          "mesh (NamedSharding(strategy.mesh, spec)) or with a bare "
-          "PartitionSpec.")
-    spec = sharding.spec
+    spec, on = sharding.spec, sharding.mesh
   elif isinstance(sharding, P):
-    spec = sharding
+    spec, on = sharding, None
   else:
     return sharding  # another kind of sharding: JAX's to judge
+  if all(name == axis for name in mesh.axis_names):
+    return P()
+  if not strict:
+    known = lambda entry: _keeping(entry, lambda a: a in mesh.axis_names)
+    spec = P(*map(known, spec))
+  elif on is not None and not same_mesh(on, mesh):
+    raise StrategyMismatchError(
+        f"with_sharding_constraint in code {strategy!r} runs was given a "
+        f"NamedSharding on {describe(on)}, but the strategy's mesh is "
+        f"{describe(mesh)}. Constrain activations on the strategy's mesh "
+        "(NamedSharding(strategy.mesh, spec)) or with a bare PartitionSpec.")
   unknown = [a for entry in spec for a in _axes(entry)
              if a not in mesh.axis_names]
-  if unknown:
+  if strict and unknown:
     raise ValueError(
-        f"with_sharding_constraint inside a step of {strategy!r} names the "
-        f"mesh axis {unknown[0]!r} ({spec}), but the strategy's mesh has the "
-        f"axes {tuple(mesh.axis_names)}. Name axes of the strategy's mesh, "
-        "or build the strategy on the mesh the model was written for.")
-  return P(*(_without(entry, axis) for entry in spec))
+        f"with_sharding_constraint in code {strategy!r} runs names the mesh "
+        f"axis {unknown[0]!r} ({spec}), but the strategy's mesh has the axes "
+        f"{tuple(mesh.axis_names)}. Name axes of the strategy's mesh, or "
+        "build the strategy on the mesh the model was written for "
+        "(ModelParallelStrategy(device_mesh=mesh)).")
+  if not in_step:
+    return spec
+  return P(*(_keeping(entry, lambda a: a != axis) for entry in spec))
+
+
+def _rules_and_constraints(stack: contextlib.ExitStack, strategy, *,
+                           in_step: bool, strict: bool = True) -> None:
+  """Enters flax's rules (the strategy's) and the constraints' meaning."""
+  stack.enter_context(jax_compat.sharding_constraints_mapped(
+      lambda sharding: constraint(strategy, sharding, in_step=in_step,
+                                  strict=strict)))
+  rules = strategy.logical_axis_rules
+  spmd = sys.modules.get("flax.core.spmd")  # flax's rules, if flax is used
+  if rules and spmd is not None:
+    stack.enter_context(spmd.logical_axis_rules(rules))
+
+
+@contextlib.contextmanager
+def outside_steps(strategy, *, strict: bool = True) -> Iterator[None]:
+  """For code that traces the model outside a step (`strategy.init`, the
+  Trainer's shape checks): the strategy's mesh in JAX's context (after
+  `check_context`), its `logical_axis_rules` as flax's, and constraints as
+  `constraint` reads them; a model that constrains its activations with a
+  bare `PartitionSpec` needs a mesh in context.
+
+  Args:
+    strict: see `constraint`.
+  """
+  what = repr(strategy)
+  with contextlib.ExitStack() as stack:
+    if jax_compat.inside_trace():
+      stack.enter_context(entered(strategy.mesh, what))
+    else:
+      check_context(strategy.mesh, what)
+      stack.enter_context(jax.set_mesh(strategy.mesh))
+    _rules_and_constraints(stack, strategy, in_step=False, strict=strict)
+    yield
 
 
 @contextlib.contextmanager
 def replica_scope(strategy) -> Iterator[None]:
-  """Inside one replica's step: constraints mean `replica_constraint`, and
-  the strategy's `logical_axis_rules` are flax's rules."""
+  """Inside one replica's step: constraints as `constraint` reads them, and
+  the strategy's `logical_axis_rules` as flax's rules."""
   with contextlib.ExitStack() as stack:
-    stack.enter_context(jax_compat.sharding_constraints_mapped(
-        lambda sharding: replica_constraint(strategy, sharding)))
-    rules = strategy.logical_axis_rules
-    spmd = sys.modules.get("flax.core.spmd")  # flax's rules, if flax is used
-    if rules and spmd is not None:
-      stack.enter_context(spmd.logical_axis_rules(rules))
+    _rules_and_constraints(stack, strategy, in_step=True)
     yield

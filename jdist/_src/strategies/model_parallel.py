@@ -327,9 +327,10 @@ class ModelParallelStrategy(Strategy):
         dimension that the axis's size does not divide (before anything
         runs).
     """
-    # The layouts are read (and checked) before flax's eager sharding could
-    # fail on a bad axis with a message that names no parameter.
-    with _no_eager_sharding():
+    # The layouts are read (and checked) before flax's eager sharding, or
+    # linen's constraint on a boxed parameter, could fail on a bad axis with
+    # a message that names no parameter.
+    with self.mesh_scope(strict=False), _no_eager_sharding():
       shapes = jax.eval_shape(fn, *args, **kwargs)
     shardings = jax.tree.leaves(self.shardings(shapes))
     # Flat: nnx records the eager-sharding flag in each variable's metadata,
@@ -341,11 +342,7 @@ class ModelParallelStrategy(Strategy):
       treedefs.append(treedef)
       return leaves
 
-    with contextlib.ExitStack() as stack:
-      stack.enter_context(jax.set_mesh(self.mesh))
-      if self.logical_axis_rules:  # for flax's eager sharding of nnx names
-        import flax.linen as nn  # only programs that use flax import it
-        stack.enter_context(nn.logical_axis_rules(self.logical_axis_rules))
+    with self.mesh_scope():  # the mesh and rules of flax's eager sharding
       leaves = jax.jit(flat, out_shardings=shardings)(*args, **kwargs)
     return jax.tree.unflatten(treedefs[-1], leaves)
 

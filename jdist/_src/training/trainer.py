@@ -340,7 +340,8 @@ class Trainer:
       sample = jax.tree.map(lambda a: np.asarray(a)[:1], x)
       self._initialised_for = steps_lib.input_spec(sample)
       try:
-        params, _ = jax.eval_shape(self._model.init, init_key, sample)
+        with self.strategy.mesh_scope(strict=False):  # shapes only
+          params, _ = jax.eval_shape(self._model.init, init_key, sample)
       except Exception as e:
         raise ValueError(
             f"The model cannot be initialised with inputs of shapes "
@@ -442,8 +443,9 @@ class Trainer:
   def _prepare(self, source: data_lib.Source, what: str, *,
                with_loss: bool = True, micro_batches: int = 1
                ) -> tuple[dict, int | None]:
-    """Checks the data against the model before any step; returns its first
-    batch and the static global batch size.
+    """Checks the data against the model before any step (tracing it under
+    the strategy's mesh); returns its first batch and the static global
+    batch size.
 
     Args:
       what: the data's name in messages ("training data", ...).
@@ -451,6 +453,14 @@ class Trainer:
       micro_batches: the micro-batches each replica's share is split into
         (gradient accumulation, when training).
     """
+    with self.strategy.mesh_scope():
+      return self._check_data(source, what, with_loss=with_loss,
+                              micro_batches=micro_batches)
+
+  def _check_data(self, source: data_lib.Source, what: str, *,
+                  with_loss: bool, micro_batches: int
+                  ) -> tuple[dict, int | None]:
+    """`_prepare` under the strategy's mesh."""
     sample = source.peek()
     self.build(sample["x"])
     # Tracing the model, loss and metrics costs a fixed ~0.1-0.2 s, more than
