@@ -508,7 +508,8 @@ class DistributedFunction:
       call_args, call_kwargs, validity = plan.local_arguments(local)
       state_trees = probe.mirrored_structures(call_args, axis)
       with context.replica_scope(ReplicaContext(strategy, validity)), \
-          mesh_context.replica_scope(strategy):
+          mesh_context.replica_scope(strategy), \
+          strategy.step_scope((call_args, call_kwargs)):
         return self._fn(*call_args, **call_kwargs), state_trees
 
     program_check = None

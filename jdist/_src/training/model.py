@@ -22,6 +22,7 @@ from typing import Any, Callable
 import jax
 
 from jdist._src.core import context
+from jdist._src.strategies import output_layouts
 
 
 def _parameters(fn: Callable):
@@ -240,7 +241,8 @@ class NnxModel:
       _global_nnx_batch_norm(module, _replica_axis())
     else:
       module.eval()
-    y = module(x, **self._kwargs(train, rng))
+    with output_layouts.nnx_outputs(module):
+      y = module(x, **self._kwargs(train, rng))
     _, _, new_state = nnx.split(module, nnx.Param, ...)
     return y, new_state
 
