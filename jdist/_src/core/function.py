@@ -158,7 +158,8 @@ class DistributedFunction:
                "_lowering", "_throttle", "_guard", "_watch", "_placement",
                "_name", "_in_flight", "_calls", "_recent_compiles",
                "_warned_recompiling", "_recompiling", "_compilations",
-               "_carried_programs", "__dict__", "__weakref__")
+               "_carried_programs", "_warned_draws", "__dict__",
+               "__weakref__")
 
   def __init__(self, strategy, fn: Callable, *, donate_argnums=(),
                static_argnums=(), static_argnames=(), check_state: bool = True,
@@ -192,6 +193,7 @@ class DistributedFunction:
     self._recompiling = None  # the warning to give at the end of this call
     self._compilations = 0
     self._carried_programs = {}  # carried structures -> jitted flat program
+    self._warned_draws = False  # of random draws alike on every replica
     functools.update_wrapper(self, fn)
 
   @property
@@ -418,6 +420,11 @@ class DistributedFunction:
       if previous is not None and not previous.is_deleted():
         previous.block_until_ready()
 
+  def _warn_draws(self, message: str) -> None:
+    """Warns, once per step, of random draws alike on every replica."""
+    self._warned_draws = True
+    warnings.warn(message, UserWarning, stacklevel=2)
+
   def _misplaced_call(self) -> Exception:
     """The error for a call inside a step or another strategy's scope."""
     if context.current_replica_context() is not None:
@@ -515,13 +522,13 @@ class DistributedFunction:
     program_check = None
     if check and self._guard is not None:
       program_check = functools.partial(self._guard.check_program, self._name)
-    rows = None
-    if self._options.check_loss_scaling and plan.validity is not None:
-      rows = plan.validity.batch_size
-    outputs = probe.probe(run_replica, plan.leaves, plan.specs, strategy,
-                          check_state=self._options.check_state,
-                          name=self._name, program_check=program_check,
-                          batch_rows=rows)
+    rows = plan.validity.batch_size if plan.validity is not None else None
+    outputs = probe.probe(
+        run_replica, plan.leaves, plan.specs, strategy,
+        check_state=self._options.check_state, name=self._name,
+        program_check=program_check, batch_rows=rows,
+        check_loss_scaling=self._options.check_loss_scaling,
+        warn_draws=None if self._warned_draws else self._warn_draws)
     typed = _types_tracked(strategy)
 
     def local_results(*local):

@@ -215,13 +215,21 @@ class LayoutMap(collections.abc.MutableMapping):
     """
     entries = named_leaves(tree)
     specs = [self.spec_for(n, np.shape(x)) for n, x, _ in entries]
-    self.warn_unmatched([n for n, _, _ in entries])
+    self.warn_unmatched([n for n, x, _ in entries if np.ndim(x)])
     return jax.tree_util.tree_unflatten(jax.tree.structure(tree), specs)
 
   def warn_unmatched(self, names: list[str]) -> None:
     """Warns for each parameter key that matches none of the paths `names`
     (output-layout keys lay out layers' outputs, not parameters: see
-    `warn_unmatched_outputs`)."""
+    `warn_unmatched_outputs`).
+
+    Args:
+      names: the paths of the tree's arrays of one dimension or more. None
+        (an optimizer with no state, as `optax.sgd`'s, or only a step
+        count) warns of nothing: no key can have been meant for it.
+    """
+    if not names:
+      return
     for key in self._rules:
       if not key.endswith(_OUTPUT) and not _matches_any(key, names):
         warnings.warn(

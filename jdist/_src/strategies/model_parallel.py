@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -163,6 +164,7 @@ class ModelParallelStrategy(Strategy):
     self._device_mesh = device_mesh
     self._layout_map = layout_map
     self._metadata = PartitionMetadata(device_mesh, logical_axis_rules)
+    self._warned_unsplit = False
     mesh = device_mesh.jax_mesh
     first_devices = placement.replica_groups(mesh, batch_dim_name)[:, 0]
     super().__init__(tuple(first_devices), axis_name=batch_dim_name,
@@ -234,9 +236,11 @@ class ModelParallelStrategy(Strategy):
                      for inner, _, _ in named_leaves(node.value))
         continue
       box = node if is_box(node) else None
-      for leaf in (jax.tree.leaves(node) if box is not None else [node]):
+      leaves = jax.tree.leaves(node) if box is not None else [node]
+      for leaf in leaves:
         specs.append(self._spec(name, np.shape(leaf), box, unruled=unruled))
-      paths.append(name)
+      if any(np.ndim(leaf) for leaf in leaves):
+        paths.append(name)
     warn_unruled(unruled)
     if self._layout_map is not None:
       self._layout_map.warn_unmatched(paths)
@@ -254,6 +258,77 @@ class ModelParallelStrategy(Strategy):
     """
     return [self._spec(name, np.shape(leaf), box)
             for name, leaf, box in named_leaves(tree)]
+
+  def replicate(self, tree: Any) -> Any:
+    """Places `tree` as `init` lays state out: each array in its layout
+    (its LayoutMap key's, else its flax metadata's, else whole on every
+    device of its replica), checked as `init` checks it; `PerReplica`,
+    `SyncOnRead` and `Sharded` values as `Strategy.replicate` places them.
+
+    Raises:
+      ValueError: a layout names an axis the mesh does not have, or splits a
+        dimension that the axis's size does not divide.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jdist
+      >>> n = len(jax.devices())
+      >>> layout_map = jdist.LayoutMap(jdist.DeviceMesh((1, n), ("data", "model")))
+      >>> layout_map["w"] = (None, "model")
+      >>> strategy = jdist.ModelParallelStrategy(layout_map=layout_map)
+      >>> strategy.replicate({"w": jnp.ones((2, 4))})["w"].sharding.spec
+      P(None, 'model')
+    """
+    names, nodes, treedef = named_nodes(tree, stop=kinds.is_node)
+    unruled, laid_out, placed = [], [], []
+    for name, node in zip(names, nodes):
+      if kinds.is_node(node):  # a distributed value: placed as it is kept
+        placed.append(super().replicate(node))
+        continue
+      box = node if is_box(node) else None
+      leaves, leaf_tree = jax.tree.flatten(node) if box is not None else (
+          [node], None)
+      specs = [self._spec(name, np.shape(x), box, unruled=unruled)
+               for x in leaves]
+      laid_out += [(name, x, spec) for x, spec in zip(leaves, specs)]
+      laid = [placement.put_laid_out(x, NamedSharding(self.mesh, spec))
+              for x, spec in zip(leaves, specs)]
+      placed.append(laid[0] if box is None else
+                    jax.tree.unflatten(leaf_tree, laid))
+    warn_unruled(unruled)
+    if self._layout_map is not None:
+      self._layout_map.warn_unmatched([n for n, x, _ in laid_out
+                                       if np.ndim(x)])
+    self._warn_if_nothing_split(laid_out)
+    return jax.tree_util.tree_unflatten(treedef, placed)
+
+  def _warn_if_nothing_split(self, laid_out: list) -> None:
+    """Warns (once per strategy) when state that holds a matrix has no
+    array split over the mesh: every device of a replica then holds all of
+    it, which is what the strategy exists to avoid, with no error.
+
+    Args:
+      laid_out: `(path, array or shape struct, spec)` of each array placed.
+    """
+    if self._warned_unsplit or not laid_out or any(
+        any(axes is not None for axes in spec) for _, _, spec in laid_out):
+      return
+    if max(np.ndim(x) for _, x, _ in laid_out) < 2:
+      return  # no matrix: counters, statistics, small state
+    self._warned_unsplit = True
+    size = lambda x: int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
+    largest = sorted(laid_out, key=lambda e: -size(e[1]))[:3]
+    named = ", ".join(f"{n} ({_mib(size(x))})" for n, x, _ in largest)
+    total = _mib(sum(size(x) for _, x, _ in laid_out))
+    warnings.warn(
+        f"{self!r} splits no array of this state over its mesh: every "
+        f"device holds all {total} of it, the largest {named}. Give the "
+        "parameters layouts: LayoutMap keys over their paths "
+        "(layout_map['Dense_0/kernel'] = (None, 'model')), or flax's "
+        "partition metadata kept in the state (nn.with_partitioning, nnx's "
+        "with_partitioning: parameters unboxed before they reach the "
+        "strategy, as Trainer(params=nn.meta.unbox(...)), have lost it). For "
+        "data parallelism alone use MirroredStrategy.", UserWarning,
+        stacklevel=3)
 
   def shardings(self, tree: Any) -> Any:
     """The `NamedSharding` of every leaf of `tree` (see `partition_specs`)."""
@@ -333,6 +408,9 @@ class ModelParallelStrategy(Strategy):
     with self.mesh_scope(strict=False), _no_eager_sharding():
       shapes = jax.eval_shape(fn, *args, **kwargs)
     shardings = jax.tree.leaves(self.shardings(shapes))
+    self._warn_if_nothing_split([
+        (name, x, s.spec) for (name, x, _), s in zip(named_leaves(shapes),
+                                                     shardings)])
     # Flat: nnx records the eager-sharding flag in each variable's metadata,
     # so the result's tree is not the one above.
     treedefs = []
@@ -345,6 +423,10 @@ class ModelParallelStrategy(Strategy):
     with self.mesh_scope():  # the mesh and rules of flax's eager sharding
       leaves = jax.jit(flat, out_shardings=shardings)(*args, **kwargs)
     return jax.tree.unflatten(treedefs[-1], leaves)
+
+
+def _mib(size: int) -> str:
+  return f"{size / 2**20:.3g} MiB" if size >= 2**16 else f"{size} bytes"
 
 
 def _no_eager_sharding():
