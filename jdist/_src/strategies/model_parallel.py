@@ -317,7 +317,8 @@ class ModelParallelStrategy(Strategy):
     self._warned_unsplit = True
     size = lambda x: int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
     largest = sorted(laid_out, key=lambda e: -size(e[1]))[:3]
-    named = ", ".join(f"{n} ({_mib(size(x))})" for n, x, _ in largest)
+    named = ", ".join(f"{n or 'the array'} ({_mib(size(x))})"
+                      for n, x, _ in largest)
     total = _mib(sum(size(x) for _, x, _ in laid_out))
     warnings.warn(
         f"{self!r} splits no array of this state over its mesh: every "
