@@ -7,6 +7,7 @@ ModelParallelStrategy (replicate, nothing split, random draws alike on
 every replica, an optimizer without state)."""
 
 import re
+import warnings
 
 import flax.linen as nn
 import jax
@@ -19,6 +20,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jdist
+import jdist.testing
 
 _RULES = (("batch", "data"), ("hidden", "model"))
 
@@ -235,3 +237,132 @@ def test_an_nnx_model_made_under_set_mesh_trains_in_fit_as_one_device(devices):
   for a, b in zip(jax.tree.leaves(nnx.state(reference, nnx.Param)),
                   jax.tree.leaves(nnx.state(model, nnx.Param))):
     np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+# --- LayoutMap output-layout keys on flax layers ------------------------------
+
+
+class TwoLayers(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(4, name="d2")(jax.nn.relu(nn.Dense(8, name="d1")(x)))
+
+
+class TwoLayersNnx(nnx.Module):
+  def __init__(self, rngs):
+    self.d1 = nnx.Linear(3, 8, rngs=rngs)
+    self.d2 = nnx.Linear(8, 4, rngs=rngs)
+
+  def __call__(self, x):
+    return self.d2(jax.nn.relu(self.d1(x)))
+
+
+def test_output_layout_keys_constrain_flax_layers_outputs_in_a_step(devices):
+  """`layout_map["d1/output"]` (Keras's key for the output of the layer d1)
+  constrains that layer's output, per replica, for linen and nnx; a key
+  that names no layer the step ran warns, naming the layers."""
+  batch = np.ones((8, 3), np.float32)
+  split = r'<@mesh, \[\{\}, \{"model"\}\]> : tensor<4x8xf32>'
+  for keys, found in (({"d1/output": ("data", "model")}, True),
+                      ({"d3/output": ("data", None)}, False)):
+    layout_map = jdist.LayoutMap(_mesh22(devices))
+    layout_map[".*kernel"] = (None, "model")
+    for key, axes in keys.items():
+      layout_map[key] = axes
+    strategy = jdist.ModelParallelStrategy(layout_map=layout_map)
+    x = next(iter(strategy.experimental_distribute_dataset([batch])))
+    linen = strategy.init(TwoLayers().init, jax.random.key(0), batch[:1])
+    with nnx.use_eager_sharding(False):
+      module = strategy.replicate(TwoLayersNnx(nnx.Rngs(0)))
+    with warnings.catch_warnings(record=True) as warned:
+      warnings.simplefilter("always")
+      texts = [strategy.function(lambda s, x, apply=apply: (
+          jdist.compute_average_loss(jnp.sum(apply(s, x) ** 2, axis=-1)))
+      ).lower(state, x).as_text() for apply, state in (
+          (TwoLayers().apply, linen), (lambda m, x: m(x), module))]
+    assert [bool(re.search(split, text)) for text in texts] == [found] * 2
+    messages = [str(w.message) for w in warned]
+    if found:
+      assert not messages
+    else:  # once per strategy, naming the layers the step ran
+      assert len(messages) == 1 and re.search(
+          r"'d3/output' is an output-layout key.*no layer the step ran; the "
+          r"layers are 'd1', 'd2'", messages[0])
+    assert type(module.d1) is nnx.Linear  # its class restored after
+
+
+# --- ModelParallelStrategy's silent corners ------------------------------------
+
+
+def test_replicate_lays_state_out_and_checks_it_as_init_does(devices):
+  layout_map = jdist.LayoutMap(_mesh22(devices))
+  layout_map["w"] = (None, "model")
+  strategy = jdist.ModelParallelStrategy(layout_map=layout_map)
+  placed = strategy.replicate({"w": np.ones((3, 4), np.float32),
+                               "b": np.zeros(4, np.float32)})
+  assert placed["w"].sharding.spec == P(None, "model")
+  assert placed["b"].sharding.is_fully_replicated
+  bad = r"'w' of shape \(3, 3\): dimension 1 \(3\) cannot be split over mesh " \
+        r"axis model of size 2"
+  for place in (strategy.replicate, lambda t: strategy.init(lambda: t)):
+    with pytest.raises(ValueError, match=bad):
+      place({"w": np.ones((3, 3), np.float32)})
+  # An optimizer without state: nothing to lay out, nothing to warn of.
+  strategy.init(optax.sgd(0.1).init, placed)
+
+
+def test_a_run_that_splits_nothing_warns_once_with_its_largest_arrays(devices):
+  """Unboxed parameters given to `Trainer(params=)` under a strategy with
+  nothing to lay them out: every device would hold them whole, silently."""
+  strategy = jdist.ModelParallelStrategy(device_mesh=_mesh22(devices))
+  trainer = jdist.Trainer(lambda p, x: x @ p["w"] + p["b"], optimizer=optax.sgd(
+      0.1), loss="mse", params={"w": np.zeros((64, 4), np.float32),
+                                "b": np.zeros(4, np.float32)},
+                          strategy=strategy)
+  with pytest.warns(UserWarning, match=r"splits no array of this state over "
+                    r"its mesh: every device holds all \d+ bytes of it, the "
+                    r"largest params/w \(1024 bytes\), params/b \(16 bytes\)"
+                    ) as warned:
+    trainer.build(np.zeros((2, 64), np.float32))
+  assert len(warned) == 1
+  strategy.init(lambda: {"v": np.zeros((8, 8), np.float32)})  # said once
+
+
+class Dropped(nn.Module):
+  use_jdist: bool
+
+  @nn.compact
+  def __call__(self, x, key):
+    h = nn.Dense(4)(x)
+    if self.use_jdist:
+      return jdist.dropout(key, 0.5, h)
+    return nn.Dropout(0.5, deterministic=False)(h, rng=key)
+
+
+def test_flax_dropout_on_replicas_warns_in_assert_equivalent(devices):
+  """flax's Dropout draws one mask per replica: its run on 2 replicas
+  differs from one device, and jdist says so once, naming jdist.dropout;
+  `jdist.dropout` draws by example and is equivalent."""
+  x = np.random.default_rng(0).normal(size=(24, 3)).astype(np.float32)
+  batches = [x[i:i + 8] for i in range(0, 24, 8)]
+  for use_jdist in (True, False):
+    model = Dropped(use_jdist)
+    params = model.init(jax.random.key(0), x[:1], jax.random.key(1))
+
+    def step(state, batch, model=model):
+      params, n = state
+      key = jax.random.fold_in(jax.random.key(1), n)
+      loss, grads = jax.value_and_grad(lambda p: jdist.compute_average_loss(
+          jnp.sum(model.apply(p, batch, key) ** 2, axis=-1)))(params)
+      return (jax.tree.map(lambda p, g: p - 0.1 * g, params, grads),
+              n + 1), loss
+
+    state = (params, jnp.int32(0))
+    if use_jdist:
+      jdist.testing.assert_equivalent(step, state, batches, 2)
+      continue
+    with pytest.warns(UserWarning, match=r"same on every replica.*"
+                      r"jdist\.dropout") as warned, pytest.raises(
+                          AssertionError, match="does not reproduce"):
+      jdist.testing.assert_equivalent(step, state, batches, 2)
+    assert len(warned) == 1
