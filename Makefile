@@ -20,7 +20,7 @@ BENCH_ARGS ?=
 TPU_PLUGIN ?= .tpu-plugin
 LIBTPU := libtpu==0.0.42.1
 
-.PHONY: demo test bench dist clean
+.PHONY: demo test docs bench dist clean
 
 # The venv's packages go in with uv (from the registry, like pip): on this
 # 2-core machine it sets up the venv in ~60 s where pip takes ~100 s. It
@@ -63,6 +63,15 @@ TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
 
+# The documentation site in docs/_build/html, warnings as errors. The
+# notebooks are executed (myst-nb keeps their outputs in a cache under
+# docs/_build: a notebook runs again only when it changed); the suite's build
+# (tests/test_docs.py) does not execute them, since tests/test_notebooks.py
+# runs them already. DOCS_ARGS=-E rebuilds every page.
+DOCS_ARGS ?=
+docs: $(STAMP)
+	$(PY) -m sphinx -W --keep-going -b html $(DOCS_ARGS) docs docs/_build/html
+
 # An sdist and a wheel in dist/ (the wheel is what a Colab notebook installs).
 dist: $(STAMP)
 	rm -rf dist
@@ -72,4 +81,4 @@ bench: $(STAMP) $(PEERS_STAMP) $(TPU_PLUGIN)/.installed-$(LIBTPU)
 	$(PY) benchmarks/run.py --peers-python $(PEERS_PY) --tpu-plugin $(TPU_PLUGIN) $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) $(PEERS_VENV) $(TPU_PLUGIN) .pytest_cache dist build *.egg-info
+	rm -rf $(VENV) $(PEERS_VENV) $(TPU_PLUGIN) .pytest_cache dist build *.egg-info docs/_build

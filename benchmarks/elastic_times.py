@@ -1,5 +1,5 @@
-"""How long an elastic job takes to train again after a fault (README:
-"Elastic training"), and what in-memory snapshots cost the step loop.
+"""How long an elastic job takes to train again after a fault
+(docs/elastic.md), and what in-memory snapshots cost the step loop.
 
 Each case runs `jdist launch` on tests/multiprocess/elastic_job.py (60 steps
 of a small MLP with SGD and momentum, one CPU device per process, a
@@ -335,8 +335,8 @@ def _cases_lines(res: dict) -> list:
       "10 steps, or where it says so a snapshot in memory every 10 steps and a "
       "save every 50); from the fault to "
       "the first step after it, and its parts (each up to the slowest "
-      f"process's marker). The range of {res['trials']} trial(s); README's "
-      "\"Elastic training\" quotes it.",
+      f"process's marker). The range of {res['trials']} trial(s); the "
+      "docs' \"Elastic training\" page quotes it.",
       "",
       "| fault | in all | " + " | ".join(PARTS.values()) + " |",
       "|---|---|" + "---|" * len(PARTS),

@@ -1,5 +1,5 @@
-"""How long each fault takes to become a clean error (README: "What jdist
-guarantees under faults").
+"""How long each fault takes to become a clean error (docs/faults.md: "What
+jdist guarantees under faults").
 
 Each case runs a small training job (the digits MLP, 4 fake CPU devices,
 BackupAndRestore every 4 steps) in a child process and times it from the
@@ -460,8 +460,8 @@ def section(res: dict) -> list:
           ("Parameter-server rows: TensorFlow's tutorial loop (2 workers, 1 "
            "server, the digits MLP) in a child process, timed from the hang.",
            bool(ps_rows)),
-          (f"The range of {res['trials']} trial(s); README's \"What jdist "
-           "guarantees under faults\" quotes it.", True)) if there),
+          (f"The range of {res['trials']} trial(s); the docs' \"What "
+           "jdist guarantees under faults\" page quotes it.", True)) if there),
       "",
       "| fault | seconds | measured |",
       "|---|---|---|",

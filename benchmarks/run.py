@@ -5,7 +5,7 @@ hand-written step, and against its peers, interleaved), because these machines
 are shared and noisy; absolute steps or samples per second are printed for
 context only. The fault sections (fault_times.py, elastic_times.py) are times,
 seconds to a clean error or to training again, under the load the header
-states; README's fault tables quote them.
+states; the docs' fault tables quote them.
 
   python benchmarks/run.py [--quick] [--peers-python .venv-peers/bin/python]
       [--frameworks jdist,jax_hand,...] [--models mlp] [--replicas 1,2]
@@ -197,7 +197,7 @@ def kept_sections(old: str, lines: list) -> list:
   of the old text `old` whose headings the run does not write, in their
   order, after a line that says so; [] when there are none. They are
   measurements of scripts run apart, which a `make bench` must not lose
-  (README points at some of them by name).
+  (the docs point at some of them by name).
 
   Example:
     >>> old = "# Benchmarks\n\n## A\n\n1 s\n\n## B\n\n2 s\n"
@@ -219,7 +219,7 @@ def kept_sections(old: str, lines: list) -> list:
 
 PER_CALL_CALLS = 300  # calls counted by callgrind, per implementation
 PER_CALL_DEVICES = "1,2,4"  # the device counts they are counted on
-FAULT_TRIALS = ("--trials", "2")  # README quotes the range of two
+FAULT_TRIALS = ("--trials", "2")  # the docs quote the range of two
 FAULT_TRIALS_QUICK = ("--case", "backup path is a file")
 ELASTIC_QUICK = ("--case", "kill")
 BEFORE = HERE / "overhead_before.json"  # the same figures for an earlier engine

@@ -2,7 +2,9 @@
 
 The facade: every public name, imported from the module that defines it on
 first use (PEP 562), so that `import jdist` loads only what a program uses:
-`jdist launch` starts its processes without loading JAX.
+`jdist launch` starts its processes without loading JAX. Type checkers and
+IDEs read the same names from `__init__.pyi` beside this file, which
+tests/test_typing.py keeps equal to `_EXPORTS`.
 
 Example:
   >>> import jdist

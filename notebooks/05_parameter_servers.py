@@ -28,14 +28,14 @@
 # Setup: the same cell works on a laptop, in CI and on Colab (TPU runtime if present).
 # Without jdist (a fresh Colab runtime) it installs the wheel you uploaded next to the
 # notebook (`make dist` builds dist/jdist-*.whl), or the source that JDIST_SOURCE names
-# (README, "Colab").
+# (docs/tutorials.md, "On Colab").
 import glob, importlib, importlib.util, os, subprocess, sys
 if importlib.util.find_spec("jdist") is None:
     wheels = sorted(glob.glob("jdist-*.whl") + glob.glob("/content/jdist-*.whl"))
     source = os.path.abspath(wheels[-1]) if wheels else os.environ.get("JDIST_SOURCE")
     if not source:
         raise RuntimeError("Install jdist first: upload dist/jdist-*.whl (make dist) next to "
-                           "this notebook, or set JDIST_SOURCE (README, 'Colab').")
+                           "this notebook, or set JDIST_SOURCE (docs/tutorials.md, 'On Colab').")
     spec = source + "[examples]" if source.endswith(".whl") else f"jdist[examples] @ {source}"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", spec], check=True)
     importlib.invalidate_caches()

@@ -1,7 +1,7 @@
 """The benchmark scripts still run (not how fast: timed tests are banned).
 
 Tiny step counts, one round: these keep the scripts behind RESULTS.md and
-README's figures from rotting, and check that what they print is what they
+the docs' figures from rotting, and check that what they print is what they
 measured. The peers' part needs the venv that
 `make bench` builds (.venv-peers, or PEERS_PYTHON) and is skipped without it.
 """
@@ -199,7 +199,7 @@ def test_fault_times_runs_and_renders():
 
 def test_make_bench_keeps_the_sections_it_does_not_write():
   """`make bench` rewrites RESULTS.md; the sections of scripts run apart
-  (README points at some by name) stay, verbatim, after the ones it wrote,
+  (the docs point at some by name) stay, verbatim, after the ones it wrote,
   once each however many runs follow."""
   run = _bench_module("run")
   old = (BENCH / "RESULTS.md").read_text()

@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import venv
+import zipfile
 
 import pytest
 
@@ -100,6 +101,8 @@ def test_the_wheel_installs_from_the_setup_cell_and_trains(tmp_path):
   from nbclient import NotebookClient
 
   wheel = _build_wheel(tmp_path / "dist")
+  with zipfile.ZipFile(wheel) as built:  # what type checkers read of jdist
+    assert {"jdist/py.typed", "jdist/__init__.pyi"} <= set(built.namelist())
   python = _fresh_venv(tmp_path / "venv")
   run_dir = tmp_path / "run"
   run_dir.mkdir()

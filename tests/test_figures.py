@@ -1,4 +1,5 @@
-"""Every measured figure in README.md's tables is in benchmarks/RESULTS.md.
+"""Every measured figure in the tables of README.md and of the documentation
+(docs/*.md) is in benchmarks/RESULTS.md.
 
 RESULTS.md's sections are written by the benchmark scripts (`make bench`, or
 a script run alone, which the section names with its date and load), so a
@@ -55,14 +56,15 @@ def test_the_rule_picks_measurements_only():
   assert not shows("took 21.0 s", "1.0 s") and not shows("4 steps", "4 s")
 
 
-def test_every_table_figure_of_the_readme_is_in_results():
-  readme = (REPO / "README.md").read_text()
+def test_every_table_figure_of_the_docs_is_in_results():
   results = (REPO / "benchmarks" / "RESULTS.md").read_text()
-  found = figures(readme)
+  pages = [REPO / "README.md"] + sorted((REPO / "docs").glob("*.md"))
+  found = [(page.relative_to(REPO), n, f) for page in pages
+           for n, f in figures(page.read_text())]
   assert len(found) > 10, found  # the rule still finds the tables' figures
-  missing = [f"README.md:{n}: {f}" for n, f in found
+  missing = [f"{page}:{n}: {f}" for page, n, f in found
              if not shows(results, f)]
   assert not missing, (
-      "figures in README.md's tables that no RESULTS.md section shows (run "
-      "the script that measures them and add its section, or reword the "
-      "cell without the number):\n" + "\n".join(missing))
+      "figures in the documentation's tables that no RESULTS.md section "
+      "shows (run the script that measures them and add its section, or "
+      "reword the cell without the number):\n" + "\n".join(missing))

@@ -174,8 +174,8 @@ def test_flax_mnist_model_with_rngs_trains_under_the_trainer(digits):
   on 2 replicas: it learns, its dropout draws from the trainer's seed, and
   evaluation runs it without dropout. (nnx's Dropout draws the same mask on
   every replica, so its training depends on the device count: each fit
-  warns so, once, naming jdist.dropout. That is why this is not compared
-  with one device.)"""
+  warns so, once, naming jdist.dropout; docs/limitations.md. That is why
+  this is not compared with one device.)"""
   x, y = digits
   runs = {}
   for seed in (0, 0, 1):

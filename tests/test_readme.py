@@ -1,69 +1,132 @@
-"""The README's complete programs run as printed (issue 9.12): the first
-example (flax linen with flax's TrainState), the flax nnx custom loop, the
-parameter-server loop and the sharded optimizer state's example."""
+"""The complete programs of README.md and of the documentation's pages
+(docs/*.md) run as printed, and print what the text says they print.
 
+Every ```python block is a complete program, unless its first line is a
+comment starting with `# fragment` (visible to the reader: it says what the
+fragment leaves out). A page's programs run one after another in one process
+(tests/run_programs.py), each as a script in a scratch directory, on 4 fake
+CPU devices.
+"""
+
+import json
 import os
 import pathlib
 import re
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
 from conftest import xla_flags
 
-README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+REPO = pathlib.Path(__file__).resolve().parent.parent
+PAGES = [REPO / "README.md"] + sorted((REPO / "docs").glob("*.md"))
+BLOCK = re.compile(
+    r"^([ \t]*)```(?:python|py|\{code-block\} python)[ \t]*\n(.*?)^\1```",
+    re.S | re.M)
+FRAGMENT = "# fragment"
 
 
-def _blocks() -> list[str]:
-  return re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+def programs(page: pathlib.Path) -> list:
+  """[{"name": "page:line", "code": ...}] of the page's complete programs."""
+  text = page.read_text()
+  where = page.relative_to(REPO) if page.is_relative_to(REPO) else page.name
+  found = []
+  for match in BLOCK.finditer(text):
+    code = textwrap.dedent(match.group(2))  # a block inside a list item
+    if code.lstrip().lower().startswith(FRAGMENT):
+      continue
+    line = text.count("\n", 0, match.start()) + 1
+    found.append({"name": f"{where}:{line}", "code": code})
+  return found
 
 
-def _run(code: str, tmp_path) -> str:
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=xla_flags(4))
-  proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path,
-                        capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return proc.stdout
+def _losses_fall(out: str) -> None:
+  losses = [float(line.split()[1]) for line in out.splitlines()]
+  assert len(losses) == 3 and losses[-1] < losses[0], out
 
 
-def test_the_first_example_is_a_whole_program(tmp_path):
-  first = _blocks()[0]
-  assert "train_state.TrainState.create" in first
-  losses = [float(line.split()[1]) for line in _run(first, tmp_path).splitlines()]
-  assert len(losses) == 3 and losses[-1] < losses[0]
+def _nnx_recipe(out: str) -> None:
+  accuracy = float(re.search(r"test accuracy: (\S+)", out).group(1))
+  assert accuracy > 0.9, out
+  assert out.count("epoch ") == 3, out
+
+
+def _parameter_servers(out: str) -> None:
+  first, last = map(float, re.search(r"loss (\S+) -> (\S+);", out).groups())
+  assert last < first, out
+  assert "updates per server {0: 200}" in out, out
+
+
+def _sharded_optimizer(out: str) -> None:
+  state_bytes = int(out.split("adam state on one device:")[1])
+  assert state_bytes == 602_196, out  # the page: 0.250x of mirrored's 2,408,532
+
+
+def _partition_metadata(out: str) -> None:
+  spec, losses = out.splitlines()
+  assert spec == "P(None, 'model') (32, 32)", out  # the page: what it prints
+  losses = [float(v) for v in losses.split()[1:]]
+  assert len(losses) == 3 and losses[-1] < losses[0], out
+
+
+def _fit(out: str) -> None:
+  history, evaluation = out.splitlines()
+  accuracy = eval(history)["accuracy"]  # noqa: S307 -- a printed dict
+  assert len(accuracy) == 3 and accuracy[-1] > accuracy[0], out
+  assert set(eval(evaluation)) == {"loss", "accuracy"}, out  # noqa: S307
+
+
+# What the text says a program prints, by a line that only that program has.
+EXPECTED = {
+    "print(epoch, strategy.reduce(jdist.ReduceOp.SUM, loss))": _losses_fall,
+    "nnx.split((model, optimizer))": _nnx_recipe,
+    "ClusterCoordinator(strategy)": _parameter_servers,
+    "jdist.ShardedOptimizer(": _sharded_optimizer,
+    "ModelParallelStrategy(device_mesh=mesh)": _partition_metadata,
+    "history = trainer.fit(x, y, batch_size=128, epochs=3": _fit,
+}
+PAGES_WITH_PROGRAMS = [p for p in PAGES if programs(p)]
+
+
+def test_every_expectation_has_its_program():
+  everything = [p["code"] for page in PAGES for p in programs(page)]
+  for marker in EXPECTED:
+    assert any(marker in code for code in everything), (
+        f"no complete program has {marker!r} any more: update EXPECTED")
+  assert programs(REPO / "README.md"), "README.md shows a complete program"
+
+
+def test_a_fragment_is_marked_and_left_out(tmp_path):
+  page = tmp_path / "page.md"
+  page.write_text("```python\nprint(1)\n```\n\n```python\n"
+                  "# fragment: the step of the first example\nstep(state)\n```\n")
+  assert programs(page) == [{"name": "page.md:1", "code": "print(1)\n"}]
 
 
 @pytest.mark.slow
-def test_the_nnx_recipe_trains_and_evaluates(tmp_path):
-  recipe, = [b for b in _blocks() if "nnx.split((model, optimizer))" in b]
-  out = _run(recipe, tmp_path)
-  accuracy = float(re.search(r"test accuracy: (\S+)", out).group(1))
-  assert accuracy > 0.9
-  assert out.count("epoch ") == 3
-
-
-def test_the_parameter_server_example_trains_and_stops(tmp_path):
-  program, = [b for b in _blocks() if "ClusterCoordinator(strategy)" in b]
-  out = _run(program, tmp_path)
-  first, last = map(float, re.search(r"loss (\S+) -> (\S+);", out).groups())
-  assert last < first
-  assert "updates per server {0: 200}" in out
-
-
-def test_the_sharded_optimizer_example_keeps_a_quarter_of_adams_state(tmp_path):
-  example, = [b for b in _blocks() if "jdist.ShardedOptimizer(" in b]
-  out = _run(example, tmp_path)
-  state_bytes = int(out.split("adam state on one device:")[1])
-  assert state_bytes == 602_196  # README: 0.250x of mirrored's 2,408,532
-
-
-def test_the_partition_metadata_example_trains_split_without_a_layout_map(
-    tmp_path):
-  example, = [b for b in _blocks()
-              if "ModelParallelStrategy(device_mesh=mesh)" in b]
-  spec, losses = _run(example, tmp_path).splitlines()
-  assert spec == "P(None, 'model') (32, 32)"  # README: what it prints
-  losses = [float(v) for v in losses.split()[1:]]
-  assert len(losses) == 3 and losses[-1] < losses[0]
+@pytest.mark.parametrize("page", PAGES_WITH_PROGRAMS,
+                         ids=lambda p: str(p.relative_to(REPO)))
+def test_the_pages_programs_run_as_printed(page, tmp_path):
+  todo = programs(page)
+  (tmp_path / "programs.json").write_text(json.dumps(todo))
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(4),
+             PYTHONPATH=os.pathsep.join(
+                 [str(REPO)] + [p for p in os.environ.get(
+                     "PYTHONPATH", "").split(os.pathsep) if p]))
+  proc = subprocess.run(
+      [sys.executable, str(REPO / "tests" / "run_programs.py"),
+       "programs.json", "results.json"],
+      env=env, cwd=tmp_path, capture_output=True, text=True,
+      timeout=120 + 120 * len(todo))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  results = json.loads((tmp_path / "results.json").read_text())
+  failed = [f"{r['name']}:\n{r['error']}" for r in results if r["error"]]
+  assert not failed, (
+      "programs that fail as printed (make them run, or mark a fragment's "
+      f"first line `{FRAGMENT}: ...`):\n" + "\n".join(failed))
+  for program, result in zip(todo, results):
+    for marker, check in EXPECTED.items():
+      if marker in program["code"]:
+        check(result["stdout"])

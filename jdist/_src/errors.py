@@ -3,7 +3,8 @@
 Each error also keeps the builtin base that code catching it used before
 (`ValueError` for a wrong setup, `RuntimeError` for a failure while running,
 `FileNotFoundError` for a missing checkpoint), so `except ValueError` still
-works. The README's "Errors" table lists them with where each is raised.
+works. The docs' "Errors that say what to do" (docs/errors.md) lists them with
+where each is raised.
 
 Example:
   >>> import jdist

@@ -175,22 +175,15 @@ def _rewritten_checkpoint(eqn, inputs, rules) -> list | None:
 
 
 def eval_jaxpr_rewriting(closed_jaxpr, args, rules: dict) -> list:
-  """Evaluates a traced function (`jax.make_jaxpr`'s result) on `args` (its
-  flat inputs), binding `rules[primitive](*inputs, **params)` instead of each
-  primitive that `rules` names; inside the current trace, so the result is
-  traced into the caller's program.
+  """Evaluates a `jax.make_jaxpr` result on its flat `args` inside the current
+  trace, binding `rules[primitive](*inputs, **params)` for each primitive that
+  `rules` names.
 
-  Calls of jitted functions that use a primitive of `rules` are inlined, so
-  the rule applies inside them too; the others stay calls (a function
-  without such a primitive is traced into the same program). A
-  `jax.checkpoint` keeps its primitive, its body rewritten. Other
-  primitives with a body (a scan, a cond, custom derivatives) are bound as
-  they are: a rule does not reach into them.
-
-  Private: JAX's public API evaluates a jaxpr (`jax.core.eval_jaxpr`) but
-  offers no way to replace one primitive; this is its loop, whose bind
-  parameters (`get_bind_params`) and equation context (`eqn.ctx`) are
-  internal.
+  Jitted calls that use such a primitive are inlined (the rule reaches into
+  them) and a `jax.checkpoint`'s body is rewritten; other bodies (scan, cond,
+  custom derivatives) are bound as they are. Private: JAX has no public way to
+  replace a primitive while evaluating a jaxpr, and this loop uses its
+  internal bind parameters and equation context.
   """
   jaxpr = closed_jaxpr.jaxpr
   env: dict = {}
@@ -263,9 +256,9 @@ def running_in_cloud_tpu_vm() -> bool:
 # --- placing host batches ---------------------------------------------------------
 
 try:
-  # Private: jax.device_put spends ~25 us of Python per leaf (pytree and
-  # sharding checks, copy semantics, aval updates); a small model's input
-  # path is dominated by it. These are the calls it ends in.
+  # Private: jax.device_put's Python per leaf (pytree and sharding checks,
+  # copy semantics, aval updates) dominates a small model's input path.
+  # These are the calls it ends in.
   from jax._src import core as _core
   from jax._src import dispatch as _dispatch
   from jax._src.interpreters import pxla as _pxla
@@ -291,7 +284,7 @@ def array_type() -> type | None:
 
 
 # (sharding, shape, dtype) -> the shards' indices and the arrays' abstract
-# value (building the value costs ~11 us: more than placing a small leaf).
+# value (building the value costs more than placing a small leaf).
 _host_puts: dict = {}
 
 

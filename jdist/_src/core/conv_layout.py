@@ -1,20 +1,14 @@
 """Convolutions in the one layout XLA's CPU backend runs fast everywhere.
 
-XLA's CPU backend runs a convolution with its fast library kernels only when
-the operands are laid out as (batch, spatial..., features) and (spatial...,
-in, out). Autodiff's convolutions (the gradients with respect to the input
-and to the kernel) come in other orders, which a compiler pass fixes with
-transposes, but that pass visits only the program's top level: inside the
-body of a loop (`lax.scan`, `lax.fori_loop`) such a convolution is compiled
-as a plain loop nest, about 30 times slower (a small CNN's gradient over 256
-rows as 4 micro-batches in a scan: 1.25 s against 0.035 s).
-
-`canonical_convolutions(fn)` computes what `fn` computes, with every
-convolution written in that order, between explicit transposes (the ones the
-compiler pass would have added), so it runs fast inside a loop too. It is
-meant for CPU (`runs_on_cpu`): other backends choose their convolutions'
-layouts themselves. Its users: the micro-batches' gradient of
-`jdist.accumulate_gradients` and the step that `jdist.multi_step` scans.
+XLA:CPU runs a convolution with its library kernels only for operands laid
+out as (batch, spatial..., features) and (spatial..., in, out). Autodiff's
+convolutions come in other orders, which a compiler pass fixes with
+transposes only at the program's top level: inside a loop's body
+(`lax.scan`, `fori_loop`) they compile to plain loop nests, tens of times
+slower. `canonical_convolutions(fn)` computes what `fn` computes with every
+convolution written in that order between explicit transposes. It is for
+CPU (`runs_on_cpu`); its users are `accumulate_gradients`' scanned gradient
+and the step `multi_step` scans.
 """
 
 from __future__ import annotations

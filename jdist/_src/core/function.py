@@ -31,7 +31,6 @@ from jdist._src.core import mesh_context
 from jdist._src.core import probe
 from jdist._src.core.plan import InputPlan
 from jdist._src.core.replica_context import ReplicaContext
-from jdist._src.core.values import PerReplica
 from jdist._src.errors import (Error, ReplicaContextError,
                                StrategyMismatchError)
 
@@ -410,7 +409,7 @@ class DistributedFunction:
     if isinstance(last, _TRACER):
       # Called inside the user's own jax.jit: this is a trace, not a step.
       # The outer program is what runs, and jdist never sees its calls, so
-      # it cannot throttle them (README, "No CPU deadlock"). A warning here
+      # it cannot throttle them (docs/semantics.md, "No CPU deadlock"). A warning here
       # would fire for every jitted step on CPU, long loops or not.
       return
     if self._guard is not None:
@@ -600,9 +599,9 @@ def _flat(out: Any, args: tuple, donated, *, whole: bool) -> Any:
       multi-process watch to feed).
   """
   donated = {donated} if isinstance(donated, int) else set(donated)
-  sources = {id(a.packed): i for i, a in enumerate(args)
-             if type(a) is PerReplica and a.packed is not None and
-             i not in donated}
+  validities = [kinds.kind_of(a).validity(a) for a in args]
+  sources = {id(v.packed): i for i, v in enumerate(validities)
+             if v is not None and i not in donated}
   leaves, treedef = jax.tree_util.tree_flatten(out)
   kept, forwarded = [], []
   for position, leaf in enumerate(leaves):

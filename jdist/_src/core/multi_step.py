@@ -1,20 +1,12 @@
 """`jdist.multi_step`: many steps of a `strategy.function` step per dispatch.
 
-Keras' `steps_per_execution` for custom loops (TF users write a `tf.range`
-loop inside a `tf.function`): one compiled call runs the step over the K
-batches of a `BatchGroup` with `lax.scan`, so the host dispatches once per K
-steps. Small models on many devices spend most of a step in dispatch; this
-is where that time goes away.
-
-The wrapped step traces itself (`DistributedFunction.trace_step`: plan,
-probe, one `shard_map`), once, inside the scan's body; each scan iteration
-hands it one batch of the group with that batch's own validity, so masks,
-counts and `compute_average_loss` are those of K separate calls. The body
-checks the carried values itself, so a step whose carried output changes
-type gets an error that names it. On CPU the step is traced with its
-convolutions in the layout XLA:CPU runs fast inside a loop
-(`conv_layout.canonical_convolutions`; in the layout autodiff gives them,
-the scan ran a CNN's steps ~30x slower than separate calls).
+Keras' `steps_per_execution` for custom loops: one compiled call runs the
+step over the K batches of a `BatchGroup` with `lax.scan`, so the host
+dispatches once per K steps. The step traces itself once inside the scan's
+body (`DistributedFunction.trace_step`), and each iteration hands it one
+batch with its own validity, so masks and counts are those of K separate
+calls. On CPU the step's convolutions are traced in the layout XLA:CPU runs
+fast inside loops (`conv_layout.canonical_convolutions`).
 """
 
 from __future__ import annotations
@@ -26,7 +18,6 @@ import jax.numpy as jnp
 
 from jdist._src.core import kinds
 from jdist._src.core.function import DistributedFunction
-from jdist._src.core.values import BatchGroup
 
 
 class MultiStepFunction(DistributedFunction):
@@ -65,7 +56,7 @@ class MultiStepFunction(DistributedFunction):
       raise TypeError(
           f"A multi-step {self._name} takes positional arguments only: the "
           "carried values (state, metrics, ...), then the BatchGroup.")
-    if not args or not isinstance(args[-1], BatchGroup):
+    if not args or kinds.kind_of(args[-1]) is not kinds.BATCH_GROUP:
       got = type(args[-1]).__name__ if args else "no arguments"
       raise TypeError(
           f"A multi-step {self._name} takes the carried values, then a "
@@ -172,22 +163,14 @@ def multi_step(step: DistributedFunction) -> MultiStepFunction:
   """Runs `step` once per batch of a `BatchGroup`, all in one compiled call.
 
   Keras' `steps_per_execution` for a custom loop: the host dispatches once per
-  group of K batches instead of once per batch, which is what small models on
-  many devices (and TPUs) need. The result is exactly that of K calls of
-  `step` (same masks and counts per batch, float tolerance).
-
-  `step` takes the values it carries (state, metrics) first and the batch
-  last, and returns the new carried values first, in the same order, then
-  anything else: `(state, batch) -> (state, loss)`. The multi-step function
-  is called with the carried values and a group, and returns the last
-  step's carried values and the other outputs stacked on a step axis: a
-  `PerReplica` loss comes back with leaves `(replicas, K, ...)` (so
-  `strategy.reduce("sum", losses)` gives the K per-step losses), a mirrored
-  output as `(K, ...)`. Stacked `PerReplica` outputs carry no validity mask:
-  reduce them with SUM, or mask per-example outputs yourself.
-
-  It compiles once per group length: an epoch whose length is not a
-  multiple of K ends with one shorter group, which compiles once more.
+  group of K batches, with exactly the result of K calls (each batch's own
+  masks and counts). `step` takes the values it carries (state, metrics) first
+  and the batch last, and returns the new carried values first, in the same
+  order, then anything else. The multi-step function returns the last step's
+  carried values and the other outputs stacked on a step axis (a `PerReplica`
+  loss as `(replicas, K, ...)`, a mirrored output as `(K, ...)`). Stacked
+  `PerReplica` outputs carry no validity mask: reduce them with SUM. A shorter
+  last group compiles once more.
 
   Args:
     step: a `strategy.function` step (its `donate_argnums` apply to the

@@ -92,19 +92,14 @@ def put_per_replica(local_rows: Any, mesh, axis_name: str,
 class StatePlacement:
   """Where a strategy holds its state between steps, and how it is read and written.
 
-  Two kinds of code talk to it. The engine, around each step: a placement
-  whose `moves` is True gets `to_compute` before the step and `to_storage`
-  after it (`DistributedFunction` never calls them otherwise). And the code
-  that keeps state across steps (the Trainer, its callbacks, checkpoints),
-  which never asks what the strategy is: it reads the value of held state
-  (`read`), writes a value into it (`write`), and asks its shapes
-  (`abstract`). A step's result is held state already; a value enters held
-  state only through `write`.
-
-  This default keeps a copy on every device of the mesh, where steps run, so
-  nothing moves around a step and held state is its own value.
-  `CentralStorageStrategy` holds it once on one device (`CentralPlacement`);
-  `ParameterServerStrategy` on its parameter servers (`ServerPlacement`).
+  The engine calls `to_compute` before and `to_storage` after each step of a
+  placement that `moves`. Code that keeps state across steps (the Trainer,
+  callbacks, checkpoints) never asks what the strategy is: it `read`s held
+  state, `write`s a value into it and asks its shapes (`abstract`). This
+  default keeps a copy on every device of the mesh, so nothing moves around a
+  step; `CentralStorageStrategy` holds state once on one device
+  (`CentralPlacement`), `ParameterServerStrategy` on its servers
+  (`ServerPlacement`).
 
   Example:
     >>> import jdist, numpy as np

@@ -74,15 +74,14 @@ def probe(run_replica: Callable, leaves: tuple, specs: tuple, strategy, *,
   """Traces the step once abstractly and returns its `OutputPlan`.
 
   Args:
-    run_replica: `run_replica(*local) -> (outputs, state_trees)`: runs the
-      user's step on one replica's inputs, returning its outputs and the
-      `mirrored_structures` of its arguments (read before it ran).
+    run_replica: `run_replica(*local) -> (outputs, state_trees)`: the user's
+      step on one replica's inputs, and the `mirrored_structures` of its
+      arguments (read before it ran).
     leaves, specs: the `shard_map`'s inputs and their specs.
-    strategy: the strategy whose mesh the step maps over.
-    check_state: raise `VaryingStateError` for varying state (see below).
-    name: the step's name, for messages.
-    program_check: if given, receives the probe's jaxpr (the multi-process
-      program check compares it across processes).
+    strategy, name: the step's strategy and name (for messages).
+    check_state: raise `VaryingStateError` for state that stops being mirrored.
+    program_check: if given, receives the probe's jaxpr (compared across
+      processes).
     batch_rows: the per-replica batch size, to look for a loss averaged over
       it (`scaling_check.py`) and for random draws alike on every replica
       over its rows (`random_check.py`); None skips both checks.
@@ -90,12 +89,8 @@ def probe(run_replica: Callable, leaves: tuple, specs: tuple, strategy, *,
     warn_draws: called with the message when the step draws alike on
       every replica over its rows (None: not looked for).
 
-  Returns:
-    The `OutputPlan` read from the traced types.
-
   Raises:
-    VaryingStateError: see `check_state`.
-    LossScalingError: the loss is a mean over a replica's batch.
+    VaryingStateError, LossScalingError: as the checks find.
   """
   axis = strategy.axis_name
   plans = []  # filled by the one abstract trace below

@@ -1,30 +1,20 @@
 """The classic loss-scaling mistake, found in a step's program when it is traced.
 
-A step whose loss is a mean over its replica's batch (`per_example.mean()`,
-flax's MNIST example) trains with gradients `num_replicas` times too large:
-gradients with respect to mirrored parameters are summed over replicas. It
-runs, it even learns, and nothing is wrong but the numbers, so it must be
-caught where it can be seen: in the program.
+A step whose loss is a mean over its replica's batch (`per_example.mean()`)
+trains with gradients `num_replicas` times too large, since gradients with
+respect to mirrored parameters are summed over replicas. Nothing fails but
+the numbers, so it is caught in the program.
 
-Reverse-mode autodiff of `mean(v)` over a tensor `v` of `n` elements scales
-the scalar cotangent of the loss (the constant 1.0 that `grad` seeds) by
-`1/n` and broadcasts it back to `v`'s shape. In the traced step that is a
-`broadcast_in_dim` of a constant scalar equal to `1/n` into a tensor that
-varies over replicas, whose leading axis is the replica's batch and whose
-size is `n`; and the gradient it starts flows into the `psum` that sums
-gradients over replicas. `compute_average_loss` divides by the global count
-of valid examples (a traced value, not a constant), and
-`sum(per_example) / GLOBAL_BATCH_SIZE` broadcasts `1/(N * b)`: neither
-matches. Constants are folded through the scalar arithmetic of the chain
-(`pvary`, `mul`, `div`, `neg`, conversions), so `mean(v) / num_replicas`, a
-correct scaling, does not match either.
-
-`sum(v) / PER_REPLICA_BATCH` is the same mean and is found too. Not found
-(false negatives, never false alarms): a local mean scaled by another
-constant (`0.5 * mean(v)`, mixed-precision loss scaling) and a local mean
-whose divisor is computed (`sum(w * v) / sum(w)`, `jnp.mean(v, where=m)`).
-`jdist.testing.assert_equivalent` names loss scaling when a run is off by
-a factor near the number of replicas.
+Reverse-mode autodiff of `mean(v)` over `n` elements broadcasts the constant
+`1/n` back to `v`'s shape: in the traced step, a `broadcast_in_dim` of a
+constant scalar `1/n` into a tensor that varies over replicas, whose leading
+axis is the replica's batch and whose size is `n`, feeding the gradient's
+`psum`. `compute_average_loss` (a traced divisor), `sum(v) / GLOBAL_BATCH`
+(`1/(N * b)`) and `mean(v) / num_replicas` (constants are folded through
+the chain's scalar arithmetic) never match; `sum(v) / PER_REPLICA_BATCH`
+does. Not found (false negatives, never false alarms): a local mean scaled
+by another constant, or with a computed divisor (`sum(w * v) / sum(w)`);
+`jdist.testing.assert_equivalent` names loss scaling for those.
 """
 
 from __future__ import annotations

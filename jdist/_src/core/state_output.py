@@ -1,27 +1,21 @@
 """`state_output`: where a step returns the new value of the state it took.
 
-A synchronous strategy hands the step's outputs back to the caller, who keeps
-the new state by assigning it. `ParameterServerStrategy` writes the new state
-back to its servers itself, so which output is new state must be stated, and
-never inferred from shapes: a value that merely looks like the state (an
-evaluation's `w / norm(w)`, an all-reduced loss the shape of a scalar
-variable) must not overwrite it. Every strategy's `function` takes the same
-`state_output`, so a step declared once runs under each of them; only the
-parameter servers act on it.
+`ParameterServerStrategy` writes a step's new state back to its servers
+itself, so which output is new state is stated, never inferred from shapes:
+a value that merely looks like the state (an evaluation's `w / norm(w)`)
+must not overwrite it. Every strategy's `function` takes `state_output`, so
+a step declared once runs under each; only the parameter servers act on it.
 
 The forms (checked here, read where the state is written):
 
-- `DEFAULT`: the step takes one set of variables and returns its new value as
-  output 0 of a tuple or list, the synchronous step's
-  `step(state, batch) -> (state, outputs)`. A step whose whole output has the
-  variables' structure is not taken to return their new value: that is the
-  shape of an evaluation's `w / norm(w)` or of a loss beside a scalar
-  variable, so it must say which it is (`lambda out: out` or `None`).
-- `None`: the step only reads its variables; nothing is written.
+- `DEFAULT`: output 0 of a tuple or list is the new value of the one set of
+  variables the step takes (`step(state, batch) -> (state, outputs)`). A
+  whole output with the variables' structure must say what it is
+  (`lambda out: out` or `None`).
+- `None`: the step only reads its variables.
 - a place: an int (an index of a tuple or list output), a str (a key of a
   mapping output) or a callable (given the output, returns the new state).
-- a tuple of places (or None), one per set of variables the step takes, in
-  the order of its arguments.
+- a tuple of places (or None), one per set of variables, in argument order.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """Distributed values: `PerReplica`, `SyncOnRead` and `Sharded`, all pytrees.
 
-A `PerReplica` holds one value per replica, stacked on a leading replica axis
-that is sharded over the strategy's mesh. Batches from a distributed dataset are
-`PerReplica` values that also carry their `Validity` (the padding of a short
-last batch and the global count of valid examples), so losses and reductions
-can be exact without recompiling for the short batch.
-
-A `SyncOnRead` wraps state that every replica updates on its own inside a step
-(metric accumulators, batch-norm statistics) and that is aggregated only when it
-is read outside.
-
-A `Sharded` holds state split over the replicas (each replica keeps one block
-of every leaf): the optimizer state of `jdist.ShardedOptimizer`.
-
-All three are `DistributedValue`s. What a step does with each (how it enters
-the step's `shard_map`, what a replica sees, how it comes back) is the value's
-kind, written once in `kinds.py`.
+`PerReplica`: one value per replica on a leading, sharded replica axis; a
+distributed batch also carries its `Validity` (padding mask and global
+count), so losses and reductions are exact without recompiling.
+`SyncOnRead`: state each replica updates on its own inside a step (metric
+sums, batch-norm statistics), aggregated when read outside. `Sharded`: state
+split over the replicas, one block of every leaf each (`ShardedOptimizer`).
+What a step does with each is the value's kind, written once in `kinds.py`.
 """
 
 from __future__ import annotations
@@ -48,12 +39,10 @@ class PerReplica(DistributedValue):
   """One value per replica, stacked on a leading (sharded) replica axis.
 
   Every leaf of `values` has shape `(num_replicas, ...)`; inside a step each
-  replica sees its own slice, without the replica axis. A batch from a
-  distributed dataset also knows which of its rows are real: `validity` (a
-  `Validity`) gives `mask` (shape `(num_replicas, per_replica_batch)`) and
-  `num_valid`, their global count; it is None for values that are not batches.
-  The validity is held as its one array, `packed` (`Validity.packed`), so
-  that a step's call flattens and rebuilds no `Validity` node.
+  replica sees its own slice. A distributed batch also has a `validity`
+  (`mask` of shape `(num_replicas, per_replica_batch)` and `num_valid`, the
+  global count; None for values that are not batches), held as its one array
+  `packed` so that a call flattens no `Validity` node.
 
   Example:
     >>> import jdist, jax.numpy as jnp
@@ -172,12 +161,10 @@ class BatchGroup:
   def merged(self, k: int) -> "BatchGroup":
     """The group with every `k` consecutive batches joined into one.
 
-    Each replica's rows of batches `j*k ... j*k + k - 1` become one batch of
-    `k * b` rows (batch after batch), whose validity holds their masks side
-    by side and the sum of their global counts: a step on it sees the `k`
-    batches as one batch (gradient accumulation over batches: one optimizer
-    step per `k` batches, each batch a micro-batch). Works on host, device
-    and traced arrays.
+    Each replica's rows of `k` consecutive batches become one batch of `k * b`
+    rows, whose validity holds their masks side by side and the sum of their
+    counts: gradient accumulation over batches. Works on host, device and
+    traced arrays.
 
     Raises:
       ValueError: the group's batches are not a multiple of `k`.
@@ -216,14 +203,12 @@ jax.tree_util.register_dataclass(BatchGroup, data_fields=("values", "validity"),
 class SyncOnRead(DistributedValue):
   """State kept per replica inside steps and aggregated when read outside.
 
-  Wrap any pytree (metric totals, batch-norm statistics). Before
-  `strategy.replicate`, `value` has the plain shape; after it, every leaf has a
-  leading replica axis. Inside a step, `.value` is the replica's own copy and
-  `.assign(new)` returns the updated wrapper; outside, `.read()` aggregates.
-
-  `strategy.replicate` places the value so that reading gives it back: for MEAN
-  and ONLY_FIRST_REPLICA every replica gets a copy, for SUM the first replica
-  gets it and the others zeros.
+  Wrap any pytree (metric totals, batch-norm statistics). Inside a step
+  `.value` is the replica's own copy and `.assign(new)` returns the updated
+  wrapper; outside, `.read()` aggregates. `strategy.replicate` places it so
+  that reading gives the value back: a copy on every replica for MEAN and
+  ONLY_FIRST_REPLICA, the value on the first replica and zeros elsewhere for
+  SUM.
 
   Example:
     >>> import jdist, jax.numpy as jnp
@@ -303,25 +288,19 @@ class SyncOnRead(DistributedValue):
 class Sharded(DistributedValue):
   """State split over the replicas along one axis of each leaf (ZeRO).
 
-  Each leaf of `value` is a global array whose axis `axes[i]` is divided into
-  one block per replica (`axes[i]` None: the leaf is whole on every replica).
-  Inside a step each replica sees only its own blocks, and returns its new
-  blocks in a `Sharded` of the same layout. `jdist.ShardedOptimizer` keeps
-  optimizer state this way; the leaves' shapes are those of the unsharded
-  state, so a checkpoint of it restores onto any number of devices.
-
-  When a replica spans devices (`jdist.ModelParallelStrategy`), `layouts`
-  gives each leaf's layout within a replica (the mesh axes other than the
-  replica one, as its parameter is laid out): a leaf is then split over
-  both, the replica axis first on a dimension both split (each replica's
-  block is contiguous, and split over its devices).
+  Each leaf of `value` is a global array whose axis `axes[i]` holds one block
+  per replica (None: whole on every replica); inside a step a replica sees
+  and returns its own blocks. The leaves keep the unsharded shapes, so a
+  checkpoint restores onto any number of devices. When a replica spans
+  devices (`ModelParallelStrategy`), `layouts` gives each leaf's layout within
+  a replica, and the replica axis goes first on a dimension both split.
 
   Attributes:
     value: the pytree of arrays (global outside a step, blocks inside).
     axes: for each leaf of `value`, the axis split over replicas, or None.
     axis_name: the mesh axis of the replicas.
     layouts: for each leaf, its `PartitionSpec` within a replica; None when
-      every leaf is whole on a replica's devices (one device per replica).
+      every leaf is whole on a replica's devices.
 
   Example:
     >>> import jdist, jax.numpy as jnp
@@ -411,12 +390,11 @@ class RemoteState(abc.ABC):
 
 
 def read_value(tree: Any) -> Any:
-  """Replaces every `SyncOnRead` in `tree` by its aggregated value, and every
-  `RemoteState` (`jdist.ServerVariables`) by its `read()`: the values it
-  holds, in the form they were placed there (a `jdist.metrics` metric stays
-  a metric, `read_value(accuracy).result()`).
+  """Every `SyncOnRead` in `tree` aggregated, every `jdist.ServerVariables` read.
 
-  Use it to evaluate or save state that holds per-replica statistics.
+  Values come back in the form they were placed in (a `jdist.metrics` metric
+  stays a metric: `read_value(accuracy).result()`). Use it to evaluate or
+  save state that holds per-replica statistics.
 
   Example:
     >>> import jdist, jax.numpy as jnp

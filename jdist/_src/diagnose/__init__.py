@@ -29,48 +29,32 @@ def diagnose(step: Callable, state: Any, batches: Iterable, *,
              steps: int = 10) -> Diagnosis:
   """Runs a training step on 1 and on N devices and says where the time goes.
 
-  The step is `step(state, batch) -> (state, outputs)`, as for
-  `jdist.testing.assert_equivalent`, or a `strategy.function` /
-  `@jdist.mirrored` step (its strategy is then the N-device one). Every loop
-  starts from `state`; nothing changes the caller's values.
+  The step is `step(state, batch) -> (state, outputs)`, or a
+  `strategy.function` / `@jdist.mirrored` step (its strategy is then the
+  N-device one). Every loop starts from `state`. Over the first `steps` (K)
+  batches, after a first call that compiles, on one device and on N:
 
-  How each number is measured, on one device and on the N-replica strategy,
-  over the first `steps` (K) batches, after a first call that compiles:
-
-  - `step`: seconds per step of the loop as users write it
-    (`state, out = step(state, batch)`), fed the host batches through
-    `experimental_distribute_dataset`;
-  - `input_wait`: `step` minus the same loop over batches already placed on
-    the devices before the clock started;
-  - `compute + collectives` (the device time): the step run K times inside
-    one compiled program (`lax.fori_loop` under `jax.jit`, one dispatch);
-  - `collectives`: the compiled step's all-reduces (all-gathers, ...), read
-    from its HLO with their sizes and the mesh axes they run over, run alone
-    (as all-reduces over the same axes) K times in one program on the same
-    devices; under `ModelParallelStrategy`, where a replica spans devices,
-    the table also splits their bytes by axis (`over data`, `over model`),
-    from `StepTimes.collectives_by_axes`;
+  - `step`: seconds per step of the loop users write, fed host batches;
+  - `input_wait`: `step` minus the same loop over batches placed ahead;
+  - `compute + collectives`: the step run K times in one compiled program;
+  - `collectives`: the compiled step's collectives (read from its HLO with
+    their sizes and mesh axes) run alone; under `ModelParallelStrategy` their
+    bytes are also split by axis (`StepTimes.collectives_by_axes`);
   - `dispatch`: the placed loop's step minus the device time: the host's
-    time to launch each step (Python, arguments, jit dispatch, waiting
-    between steps) that the devices do not hide;
-  - `compile_seconds`: the first call less one step; `recompilations`:
-    compilations while the timed loops ran (batches that change shape);
-  - `host_callbacks`: calls back to Python compiled into the step
-    (`jax.debug.print`, `pure_callback`, `io_callback`); their time is part
-    of the device time.
+    launching that the devices do not hide;
+  - `compile_seconds`, `recompilations` (while the loops ran) and
+    `host_callbacks` (calls back to Python compiled into the step).
 
-  The two loops take turns, three rounds each, and each loop's fastest round
-  counts (a burst of other work slows one round, not the split); on a shared
-  machine the numbers still move by tens of percent, so read the split, not
-  the digits.
-  The bottleneck is the largest part on N devices (or recompilation, if the
-  step recompiled), and the cause and fix follow from it (`Diagnosis`).
+  The loops take turns, three rounds each, and each loop's fastest round
+  counts; on a shared machine read the split, not the digits. The bottleneck
+  is the largest part on N devices (or recompilation), and the cause and fix
+  follow from it (`Diagnosis`).
 
   Args:
     step: the per-replica training step.
     state: the initial state (a pytree; placed on each strategy here).
-    batches: a re-iterable of global batches (a list, or an object whose
-      `__iter__` starts over): the loops read it several times.
+    batches: a re-iterable of global batches: the loops read it several
+      times.
     strategy: the N-replica strategy; default a `MirroredStrategy` over
       `num_replicas` local devices (all of them by default).
     num_replicas: replicas, when `strategy` is not given.

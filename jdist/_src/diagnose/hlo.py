@@ -1,16 +1,13 @@
-"""What a compiled step's HLO text says: its collectives' sizes and the mesh
-axes they run over, its callbacks.
+"""What a compiled step's HLO text says: its collectives' sizes and mesh axes,
+its callbacks.
 
-An HLO element type names its width in bits (`f32`, `bf16`, `s8`, `u64`,
-`c128`, `f8e4m3fn`), so a shape's bytes follow from its name; `pred` is one
-byte, and a type without a width (`token`) carries no data.
-
-A collective's devices are partition ids, positions in the program's device
-assignment (a mesh's devices in row-major order), written three ways:
-listed (`replica_groups={{0,2},{1,3}}`, `source_target_pairs={{0,1}}`), as
-an iota (`replica_groups=[2,2]<=[4]`, `[2,2]<=[2,2]T(1,0)`), or over a mesh
-of XLA's own (`replica_groups=mesh['axis_0'=2,'axis_1'=2] {'axis_0'}`). The
-mesh axes along which a group's ids vary are the axes it runs over.
+An element type names its width in bits (`f32`, `bf16`, `c128`,
+`f8e4m3fn`; `pred` is one byte, `token` none). A collective's devices are
+partition ids (positions in the mesh, row-major), written listed
+(`replica_groups={{0,2},{1,3}}`), as an iota (`[2,2]<=[4]`,
+`[2,2]<=[2,2]T(1,0)`) or over a mesh of XLA's own
+(`mesh['axis_0'=2,'axis_1'=2] {'axis_0'}`); the mesh axes along which a
+group's ids vary are the axes it runs over.
 """
 
 from __future__ import annotations

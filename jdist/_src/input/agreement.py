@@ -1,26 +1,18 @@
 """Keeping the input pipelines of several processes in step.
 
 Every process must run every step, or the others wait in its collectives
-forever. With per-process pipelines (`distribute_datasets_from_function`) the
-data of one process may end steps before another's. `StepAgreement` reads
-each process's input a window of steps ahead and exchanges, once per window,
-how many steps each has and how many valid examples each step holds. All
-processes then run the longest input; a process whose data ended feeds
-all-padding steps (masked, so losses and metrics stay exact), and every step
-carries its global count of valid examples, so no step needs an extra
-all-reduce to count them. With global batches (`experimental_distribute_dataset`)
-every process must read the same batches in the same order (each keeps its
-rows of them): the processes compare the number of batches and a fingerprint
-of each batch (`fingerprint`), and a difference raises, naming the first
-batch that differs. An unseeded shuffle would otherwise train on some
-examples twice and others never, without a word.
+forever. `StepAgreement` reads each process's input a window of steps ahead
+and exchanges, once per window, how many steps each has and how many valid
+examples each step holds: all processes run the longest input (one whose
+data ended feeds masked padding), and every step knows its global count of
+valid examples without an all-reduce. With global batches
+(`experimental_distribute_dataset`) the processes also compare a
+`fingerprint` of each batch and raise at the first that differs (an
+unseeded shuffle would train on some examples twice and others never).
 
-Cost: one key-value exchange per `window` steps, nothing inside the steps;
-with global batches, a hash of a bounded sample of each batch
-(`FINGERPRINT_ELEMENTS` elements per leaf).
-The rendezvous keys name the dataset (its kind, batch size and source) and
-how many iterators of that dataset came before, not the order in which
-iterators of any dataset were created.
+Cost: one key-value exchange per `window` steps, nothing inside the steps.
+The rendezvous keys name the dataset (kind, batch size, source) and how
+many iterators of it came before.
 """
 
 from __future__ import annotations

@@ -16,30 +16,22 @@ class InputOptions:
 
   Attributes:
     experimental_fetch_to_device: place each batch on the devices ahead of
-      the step, as TensorFlow does by default. Only True is supported: jdist
-      hands out batches that are already placed (see the README, "Input").
+      the step, as TensorFlow does by default. Only True is supported.
     experimental_per_replica_buffer_size: batches (or groups) placed ahead of
-      the one the loop is running (TF's default: 1; 0 places each batch when
-      it is asked for, as TF's 0 turns prefetching off), at most
-      `MAX_BUFFER_SIZE` (64). More hides slower or burstier host input, at
-      the cost of device memory. The buffer fills as the loop runs: the
-      first batch comes as soon as it is placed, and each later one places
-      at most one more ahead until the buffer is full.
+      the one the loop runs (TF's default 1; 0 places none ahead), at most
+      `MAX_BUFFER_SIZE` (64): each holds device memory until its step. The
+      buffer fills as the loop runs, so the first batch comes at once.
     experimental_prefetch_in_thread: read and place batches in a background
-      thread. It pays when the loop waits for the devices and the host has
-      work to do per batch (on 2 CPU devices with 100 us of host work per
-      batch: 0.40 ms a step against 0.56 ms); with ready numpy batches it
-      gains nothing, and on one CPU device it costs (the thread contends
-      for Python's lock: 0.23 ms a step against 0.14 ms). One process only:
-      with several, batches are read in the loop's thread.
-    pad_to_replicas: pad a global batch that the replicas do not divide
-      evenly with zero rows up to the next multiple of the replicas, and mask
-      them, as a short last batch is (jdist's own option: without it, such a
-      batch is an error). Losses from `jdist.compute_average_loss`, jdist's
-      metrics and `reduce(MEAN)` leave the padding out, so the training is
-      the same on any number of replicas: an elastic job (`jdist launch
-      --nnodes MIN:MAX`) restarted on fewer processes keeps its global
-      batch. Metrics written by hand must use the mask.
+      thread. It pays when the host has work to do per batch while the
+      devices run, and costs where the thread contends for Python's lock (one
+      CPU device, ready numpy batches). One process only.
+    pad_to_replicas: pad a global batch that the replicas (under FSDP, times
+      each replica's devices) do not divide with zero rows up to the next
+      multiple, and mask them, as a short last batch
+      is (without it, such a batch is an error): an elastic job restarted on
+      fewer processes keeps its global batch. jdist's losses, metrics and
+      `reduce(MEAN)` leave the padding out; metrics written by hand must use
+      the mask.
 
   Example:
     >>> import jdist, numpy as np

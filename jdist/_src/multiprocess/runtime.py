@@ -170,7 +170,7 @@ class Runtime:
       what: what the processes meet for, for messages.
 
     Returns:
-      `{process_id: value}` for every process.
+      Every process's value, in a dict keyed by process id.
 
     Raises:
       jdist.CollectiveTimeoutError: some processes did not publish in time, or

@@ -1,43 +1,26 @@
 """Gradient accumulation: K micro-batches, one gradient reduction per step.
 
-Two uses share this engine. `jdist.accumulate_gradients` (and the Trainer's
-`micro_batches`) splits each replica's share of one batch into micro-batches.
-The Trainer's `gradient_accumulation_steps` (Keras' meaning) joins K
-consecutive distributed batches into one step (`BatchGroup.merged`, inside
-the compiled call) and runs each batch as a micro-batch: one optimizer step
-per K batches, whose divisor is the count of valid examples of all K.
+Two uses share this engine: `jdist.accumulate_gradients` (and the Trainer's
+`micro_batches`) splits each replica's share of one batch into micro-batches;
+the Trainer's `gradient_accumulation_steps` (Keras' meaning) joins K
+consecutive distributed batches into one step (`BatchGroup.merged`) and runs
+each as a micro-batch.
 
-Each replica's share of the step's batch is split into K micro-batches that
-run one after another in a `lax.scan`, inside the same compiled step, so the
-activations of only one micro-batch are alive at a time. The gradients stay
-local to each replica while they add up (the parameters are typed as varying
-before autodiff, so no all-reduce is inserted per micro-batch), and are summed
-over replicas once, after the last micro-batch: one reduction per optimizer
-step, not K.
+The micro-batches run one after another in a `lax.scan` inside the compiled
+step, so only one micro-batch's activations are alive at a time. The
+gradients stay local to each replica while they add up (the parameters are
+typed as varying before autodiff, so no all-reduce is inserted per
+micro-batch) and are summed over replicas once, after the last. Each
+micro-batch's loss is divided by the whole step's count of valid examples
+(`compute_average_loss` reads it from the step), so the sum is exact also on
+a padded last batch. `optax.MultiSteps` would all-reduce at every
+micro-batch, keep an accumulator in every checkpoint, and average
+micro-batch means inexactly on padded batches.
 
-On CPU, the micro-batches' gradient is traced with each convolution in the
-one layout XLA's CPU backend runs with its library kernels everywhere
-(`conv_layout.canonical_convolutions`): autodiff's convolutions come in other
-orders, which XLA:CPU reorders only at the program's top level, so inside the
-scan's loop they compiled to plain loop nests and a small CNN's step ran ~30x
-slower with 4 micro-batches than without (1.3 s against 0.05 s). The loop
-stays: unrolling it would be as fast but keeps every micro-batch's
-activations alive (the compiled temporaries of the whole batch, XLA:CPU
-schedules for concurrency), which is what accumulation is for. Whether the
-step runs on CPU is read at trace time from its strategy's devices (outside
-a step, JAX's default backend); GPU and TPU choose their convolutions'
-layouts themselves and trace the gradient as written.
-
-Why not `optax.MultiSteps`: it accumulates across calls, one dispatch per
-micro-batch. Under jdist the gradient of mirrored parameters is summed over
-replicas inside each call (autodiff does it), so MultiSteps would all-reduce K
-times per update and keep a parameter-sized accumulator in the optimizer state
-between calls (in every checkpoint). And the divisor of a micro-batch's loss
-must be the count of valid examples of the whole update, which a call does not
-know before the last micro-batch has arrived: on a padded last batch, a mean
-of micro-batch means is not the mean. A scan in one step knows the whole
-batch: the loss of each micro-batch is divided by the step's global count
-(`compute_average_loss` reads it from the step), and the sum is exact.
+On CPU the scanned gradient is traced with its convolutions in the layout
+XLA:CPU runs with library kernels inside loops
+(`conv_layout.canonical_convolutions`); decided at trace time from the
+step's devices. GPU and TPU trace it as written.
 """
 
 from __future__ import annotations
@@ -133,23 +116,18 @@ def scan_micro_batches(loss_fn: Callable, params, carry, batch, *,
     loss_fn: `loss_fn(params, carry, micro_batch, index) -> (loss, (carry,
       aux))`, with a scalar loss; `index` is the micro-batch's position.
     params: the parameters to differentiate (mirrored inside a step).
-    carry: state threaded through the micro-batches in order (e.g. a model's
-      batch statistics); `None` for none.
-    batch: this replica's batch, a pytree of `(n * b, ...)` arrays: the rows
-      of `num_batches` distributed batches joined (`BatchGroup.merged`).
-    num_micro_batches: K: each of those batches runs as K micro-batches;
-      `b` must be a multiple of it.
-    num_batches: n: how many distributed batches the rows hold (the
-      Trainer's gradient accumulation over batches); the scan runs `n * K`
-      micro-batches, batch after batch.
-    sum_over_replicas: sum the gradients over replicas at the end (the one
-      all-reduce); False leaves each replica its own sum, for an optimizer
-      that reduces them itself (`jdist.ShardedOptimizer` reduce-scatters).
+    carry: state threaded through the micro-batches (a model's batch
+      statistics), or None.
+    batch: this replica's rows of `num_batches` distributed batches joined
+      (`BatchGroup.merged`), each run as `num_micro_batches` micro-batches.
+    num_micro_batches, num_batches: K and n; the scan runs `n * K`.
+    sum_over_replicas: sum the gradients over replicas at the end; False
+      leaves each replica its own (`ShardedOptimizer` reduce-scatters them).
 
   Returns:
-    `((loss, (carry, aux)), grads)`: the loss and gradients summed over the
-    micro-batches (inside a step; their mean outside one), the last carry, and
-    `aux` stacked along a leading axis of `n * K`.
+    `((loss, (carry, aux)), grads)`: loss and gradients summed over the
+    micro-batches (their mean outside a step), the last carry, and `aux`
+    stacked along a leading axis of `n * K`.
   """
   per_batch = check_steps(num_micro_batches)
   k = per_batch * num_batches
@@ -211,17 +189,14 @@ def accumulate_gradients(loss_fn: Callable, params, batch, *,
                          num_micro_batches: int, has_aux: bool = False) -> Any:
   """`jax.value_and_grad` over a batch split into micro-batches.
 
-  Inside a step, each replica's batch is split into `num_micro_batches`
-  micro-batches that run one after another (a `lax.scan` in the same compiled
-  step), so activations of one micro-batch at a time are alive. Gradients add
-  up on each replica and are summed over replicas once, at the end: one
-  all-reduce per optimizer step. The result equals `jax.value_and_grad` of the
-  whole batch's loss, exactly also on a padded last batch, provided the loss
-  is scaled with `jdist.compute_average_loss`: inside a micro-batch it
-  divides by the whole step's count of valid examples and masks the
-  micro-batch's padding rows. `jdist.dropout` draws the same masks as on the
-  whole batch. Outside a step (plain single-device code) the micro-batches'
-  losses and gradients are averaged instead.
+  Inside a step, each replica's batch runs as `num_micro_batches`
+  micro-batches, one after another in the same compiled step; the gradients
+  are summed over replicas once, at the end. The result equals
+  `jax.value_and_grad` of the whole batch's loss, also on a padded last
+  batch, when the loss is scaled with `jdist.compute_average_loss` (it divides
+  by the whole step's valid examples and masks each micro-batch's padding);
+  `jdist.dropout` draws the whole batch's masks. Outside a step the
+  micro-batches' losses and gradients are averaged.
 
   Args:
     loss_fn: `loss_fn(params, micro_batch) -> loss` (or `(loss, aux)` with

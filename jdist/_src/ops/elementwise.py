@@ -1,22 +1,14 @@
-"""Whether an optax update computes on a block of each leaf what it computes
-on the whole leaf: what `ShardedOptimizer` needs of the optimizer it splits.
+"""Whether an optax update is elementwise: what `ShardedOptimizer` needs.
 
-Each replica runs the optimizer's update on its block of every parameter, so
-the update must be elementwise: a parameter's update may depend only on its
-own gradient and state. Two checks, both before the first step:
-
-- By program: the update's jaxpr, traced on one replica's blocks, must not
-  feed an output from a primitive that mixes the elements of an array (a
-  reduction, a sort, a matrix product). It catches what depends on the data
-  (clipping by a global norm that a probe might not reach).
-- By result: the update runs on a small probe (random parameters and
-  gradients, two steps) once on the whole leaves and once on each replica's
-  blocks, and the blocks' results must put together the whole one. It
-  catches what the program check cannot name: random draws (every replica
-  would draw the same numbers for its block) and data moved across elements
-  (`jnp.roll`).
-
-The first leaf that fails is named, with the primitives that explain why.
+Each replica runs the update on its block of every parameter, so a
+parameter's update may depend only on its own gradient and state. Two
+checks, before the first step: by program (the update's jaxpr on one
+replica's blocks feeds no output from a primitive that mixes an array's
+elements: a reduction, a sort, a matrix product), and by result (on a small
+random probe, two steps, the blocks' updates must put together the whole
+leaf's: this catches random draws and values moved across elements, such as
+`jnp.roll`). The first leaf that fails is named, with the primitives that
+explain why.
 """
 
 from __future__ import annotations

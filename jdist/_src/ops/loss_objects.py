@@ -1,13 +1,11 @@
 """Keras' loss classes: `loss(y_true, y_pred)`, probabilities unless
 `from_logits=True`, with Keras' reductions.
 
-`call(y_true, y_pred)` gives one loss per example (what `jdist.Trainer` and
-`jdist.compute_average_loss` take). Calling the object reduces them as
-Keras does: "sum_over_batch_size" (the default), "sum" or "none". Inside a
-jdist step the default reduction is refused, as TensorFlow refuses it under
-a strategy: a mean over one replica's batch, summed over replicas by the
-gradient, trains with N times the gradient. Use `reduction="none"` and
-`jdist.compute_average_loss` there.
+`call(y_true, y_pred)` gives one loss per example; calling the object
+reduces them ("sum_over_batch_size", "sum" or "none"). Inside a jdist step
+the default reduction is refused, as TensorFlow refuses it under a strategy
+(a mean over one replica's batch trains with N times the gradient): use
+`reduction="none"` and `jdist.compute_average_loss`.
 """
 
 from __future__ import annotations

@@ -3,15 +3,11 @@
 float16 holds numbers up to 65504 and loses gradients below about 6e-8. The
 loss is multiplied by a scale before differentiation so that small gradients
 survive the float16 backward pass, and the float32 gradients are divided by
-it before the update. The scale grows (x2) after a run of finite steps and
-backs off (/2) at a step whose gradients overflow, which is then skipped: the
-parameters and optimizer state stay as they were. TensorFlow's Keras
-LossScaleOptimizer does the same (initial scale 2**15, growth after 2000
-finite steps), with its floor: the scale never goes below 1 (a smaller one
-would no longer guard against underflow, and halving without a floor reaches
-0.0 after ~150 overflows in a row, after which every step overflows), and it
-grows only to a finite value. So a long run of overflowing batches (NaN in
-the data) leaves the scale at 1, and the first clean batch trains again.
+it before the update. As in Keras' LossScaleOptimizer, the scale doubles
+after a run of finite steps (2000) and halves at a step whose gradients
+overflow, which is skipped (parameters and optimizer state unchanged); it
+never goes below 1 (TensorFlow's floor: halving without one reaches 0.0 and
+skips every later step) and grows only to a finite value.
 
 Under a jdist strategy the gradients reach the optimizer already summed over
 replicas, so every replica sees the same overflow and skips the same steps.
@@ -162,12 +158,8 @@ class LossScaleState(NamedTuple):
 
 
 class LossScaleTransformation(optax.GradientTransformation):
-  """The optax transformation `loss_scale_optimizer` returns.
-
-  An `optax.GradientTransformation` like any other (optax's own
-  `GradientTransformationExtraArgs` is such a subclass); its type says that
-  the optimizer scales the loss already, before any state exists, so a
-  `Trainer` under "mixed_float16" does not wrap it a second time.
+  """The optax transformation `loss_scale_optimizer` returns: its type tells a
+  `Trainer` under "mixed_float16" that the loss is scaled already.
   """
 
   __slots__ = ()
@@ -179,15 +171,11 @@ def loss_scale_optimizer(inner: optax.GradientTransformation, *,
                          ) -> LossScaleTransformation:
   """Wraps an optax optimizer with dynamic loss scaling (Keras' names).
 
-  `update` takes the gradients of the scaled loss, divides them by the scale,
-  and applies `inner` if they are all finite; otherwise the update is zero,
-  `inner`'s state stays, and the scale halves, but not below 1 (TensorFlow's
-  rule; `optax.apply_if_finite` does the skipping and counts it). The
-  gradients of the scaled loss must be differentiated from
-  `state.loss_scale.scale_loss(loss)`. The state says when steps overflow
-  at the floor (`at_floor`, `last_step_skipped`,
-  `consecutive_skipped_steps`): then the batches themselves are not
-  finite, and no scale helps.
+  `update` takes the gradients of `state.loss_scale.scale_loss(loss)`,
+  divides them by the scale and applies `inner` if they are all finite;
+  otherwise the update is zero, `inner`'s state stays and the scale halves,
+  not below 1. Steps that overflow at the floor (`at_floor`,
+  `last_step_skipped`) mean the batches themselves are not finite.
 
   Args:
     inner: the optimizer to wrap.
@@ -195,8 +183,7 @@ def loss_scale_optimizer(inner: optax.GradientTransformation, *,
     dynamic_growth_steps: finite steps after which the scale doubles.
 
   Returns:
-    An optax transformation (a `LossScaleTransformation`) whose state is a
-    `LossScaleState`.
+    A `LossScaleTransformation` whose state is a `LossScaleState`.
 
   Example:
     >>> import jdist, jax, jax.numpy as jnp, optax

@@ -2,33 +2,19 @@
 
 A metric holds running sums (`total`, `count`) in a `SyncOnRead` SUM value,
 as TensorFlow keeps metric variables: each replica adds its own examples
-inside the step, and reading outside adds the replicas (and processes)
-together, so `result()` is the exact mean over every example seen. Inside a
-step `update` leaves out the rows that pad a short last batch (the step's
-validity mask, or an explicit `mask=`), so padding never counts.
+inside the step, and reading outside adds the replicas (and processes), so
+`result()` is the exact mean over every example seen. Inside a step `update`
+leaves out the rows that pad a short last batch (the step's validity mask,
+or an explicit `mask=`).
 
-Metrics are frozen pytrees: `update` and `reset` return new values, which
-go in and out of steps like any state (`m = step(m, batch)`), through
-`jax.jit` and checkpoints (`sums()` out, `with_sums(...)` back in). A metric
-made outside a step is placed on the replicas at the first call
-(`strategy.replicate(metric)` does it ahead).
-
-The classes are shaped as flax's `nnx.metrics` (`Accuracy(Average)`): `Metric`
-owns the sums, reading, resetting and restoring; `Mean` adds weighted
-values; every other class says only what differs (its default name, and
-`Sum` its result, or a per-example function of `(y_true, y_pred)` whose
-mean it is). Each subclass is made a frozen dataclass and a pytree by
-`Metric.__init_subclass__`; `totals` is its one leaf, every other field is
-configuration (static under `jax.jit`).
-
-flax's metrics are not used underneath, because three semantics jdist needs
-are not theirs: flax updates Variables in place and returns nothing (inside a
-jdist step the new sums would have to be split out of the module by hand);
-it masks only with an explicit `mask=`, while these take the replica
-context's validity by default (padding is left out without the user asking);
-and it keeps plain sums with int32 counts, while these keep `SyncOnRead` SUM
-sums, one per replica inside the step and added up only when read, with
-float counts for sample weights.
+Metrics are frozen pytrees: `update` and `reset` return new values, which go
+in and out of steps like any state, through `jax.jit` and checkpoints
+(`sums()` out, `with_sums(...)` back in). As in flax's `nnx.metrics`,
+`Metric` owns the sums and `Mean` the weighted values; a subclass says only
+what differs (its default name, or the per-example function it averages).
+flax's metrics are not used underneath: they update in place, mask only on
+request and keep int32 counts, where these must be returned from steps,
+mask by default and count weights.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """Mixed precision policies, by Keras' names.
 
-A policy says in which dtype a model computes and in which its variables
-live. The mixed policies keep parameters and optimizer state in float32
-("master weights"), cast them and the inputs to bfloat16 or float16 for the
-model's computation, and give the loss float32 outputs: the activations kept
-for the backward pass are half the size, and on GPUs and TPUs the matrix
-units run at their low-precision rate. float16 also needs loss scaling
-(`jdist.loss_scale_optimizer`); bfloat16 has float32's range and does not.
+The mixed policies keep parameters and optimizer state in float32, cast
+them and the inputs to bfloat16 or float16 for the model, and give the loss
+float32 outputs: half-size activations, and on GPUs and TPUs the matrix
+units' low-precision rate. float16 also needs loss scaling
+(`jdist.loss_scale_optimizer`); bfloat16 has float32's range.
 """
 
 from __future__ import annotations

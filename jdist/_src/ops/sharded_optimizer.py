@@ -1,31 +1,19 @@
 """`ShardedOptimizer`: optimizer state split over the replicas (ZeRO-1/2).
 
-Data parallelism keeps a full copy of the optimizer state on every replica:
-adam's two moments are twice the parameters, on each device. Most optimizers
-are elementwise (each parameter's update depends only on its own gradient
-and state), so each replica can keep and update one block of every leaf
-instead: the gradient's block in (sliced from the summed gradient, ZeRO-1,
-or reduce-scattered from the replicas' own gradients, ZeRO-2), the block of
-the update out, all-gathered so that every replica applies the same update
-to its mirrored parameters. The state per device shrinks by the number of
-replicas; the updates are the same numbers the mirrored optimizer computes.
+Most optimizers are elementwise, so each replica can keep and update one
+block of every state leaf instead of the whole: the gradient's block in, the
+update's block out, all-gathered so that every replica applies the same
+update to its mirrored parameters. The state per device shrinks by the
+number of replicas; the updates are the mirrored optimizer's.
 
-Layout rule: each leaf is split along its first axis that the replica count
-divides. A leaf with no such axis (an odd-sized bias, a scalar) keeps its
-state whole on every replica, as mirrored training would: such leaves are a
-small part of a model, and refusing them would refuse most real models on a
-count like 4 or 8. `mirror_indivisible=False` turns them into an error, and
-a model none of whose leaves can be split is always one. The leaves keep the
-shapes of the unsharded state, so a checkpoint of it restores onto any
-number of devices (orbax reads the blocks it needs).
-
-When a replica spans devices (`ModelParallelStrategy`), the state keeps its
+Layout rule (`split_axis`): each leaf is split along its first axis that the
+replica count divides. A leaf with no such axis (an odd-sized bias, a
+scalar) keeps its state whole, as mirrored training would: refusing it would
+refuse most models (`mirror_indivisible=False` does). The leaves keep their
+unsharded shapes, so a checkpoint restores onto any number of devices. When
+a replica spans devices (`ModelParallelStrategy`), the state keeps its
 parameter's layout within each replica and is split over the replicas on
-top of it: a `(None, "model")` kernel's moments lie as `("data", "model")`,
-a quarter on each device of a 2 x 2 mesh. The rule then counts an axis the
-layout splits over k devices as one the replica count divides only if it
-holds replicas x k (each replica's block must split evenly over its
-devices).
+top of it.
 """
 
 from __future__ import annotations
@@ -44,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 from jdist._src import current
 from jdist._src.core import context
 from jdist._src.core import in_step
+from jdist._src.core import kinds
 from jdist._src.core.values import Sharded
 from jdist._src.errors import ReplicaContextError, ShardingError
 from jdist._src.ops import elementwise
@@ -100,32 +89,22 @@ class ShardedOptimizer:
   """An optax optimizer whose state is split over the replicas (ZeRO).
 
   A drop-in for the optax `GradientTransformation` it wraps, in a step of a
-  synchronous strategy (`MirroredStrategy`, `MultiWorkerMirroredStrategy`,
-  `TPUStrategy`, `ModelParallelStrategy`): `init(params)` outside the step
-  places each replica's block of the state on its device; `update(grads,
-  state, params)` inside the step updates this replica's block and returns
-  the whole update, the same on every replica, so `optax.apply_updates` (or
-  flax's `TrainState.apply_gradients`) keeps the parameters mirrored.
+  synchronous strategy: `init(params)` outside the step places each replica's
+  block of the state; `update(grads, state, params)` inside the step updates
+  this replica's block and returns the whole update, the same on every
+  replica, so `optax.apply_updates` (or flax's `TrainState.apply_gradients`)
+  keeps the parameters mirrored.
 
-  Under `ModelParallelStrategy` a replica spans devices: each leaf's state
-  keeps its parameter's layout over them and is split over the replica axis
-  as well (ZeRO over the data axis, tensor parallelism within), so a 2 x 2
-  mesh holds a quarter of a `(None, "model")` kernel's moments per device.
-
-  Gradients from `jax.grad` arrive summed over replicas (an all-reduce):
-  `update` takes its block of them (ZeRO-1). Gradients from this
-  optimizer's `value_and_grad` are each replica's own: `update` sums and
-  splits them in one reduce-scatter (ZeRO-2), so the summed gradient is
-  never whole on a device, and a step communicates as much as mirrored
-  training (a reduce-scatter and an all-gather are one all-reduce).
+  Gradients from `jax.grad` arrive summed over replicas: `update` takes its
+  block of them (ZeRO-1). Gradients from this optimizer's `value_and_grad` are
+  each replica's own: `update` sums and splits them in one reduce-scatter
+  (ZeRO-2), so the summed gradient is never whole on a device.
 
   The wrapped optimizer must be elementwise (adam, adamw, sgd, momentum,
-  rmsprop, adagrad, lion, ...). `init` refuses one that is not, naming the
-  first parameter it fails on (`ops/elementwise.py`): one whose update
-  combines a parameter's elements (`clip_by_global_norm`, adafactor, lamb,
-  `apply_if_finite`), draws random numbers (`optax.noisy_sgd`) or moves
-  values between elements (`jnp.roll`). Apply such a transform to the
-  summed gradients before `update`.
+  rmsprop, adagrad, lion, ...): `init` refuses, naming the parameter, one
+  whose update combines a parameter's elements (`clip_by_global_norm`,
+  adafactor, lamb, `apply_if_finite`), draws random numbers or moves values
+  between elements. Apply such a transform to the summed gradients first.
 
   Args:
     optimizer: the optax `GradientTransformation` to shard.
@@ -177,7 +156,7 @@ class ShardedOptimizer:
     """The axis of each parameter leaf split over replicas (None: whole).
 
     Args:
-      params: the parameters (arrays or `jax.ShapeDtypeStruct`s).
+      params: the parameters (arrays or `jax.ShapeDtypeStruct` values).
       num_replicas: default: the strategy's. Without a strategy, each
         replica is taken to be one device.
 
@@ -343,7 +322,7 @@ class ShardedOptimizer:
           "ShardedOptimizer.update runs inside a step (strategy.run or "
           "strategy.function): each replica updates its own block of the "
           "state there.")
-    if not isinstance(state, Sharded):
+    if kinds.kind_of(state) is not kinds.SHARDED:
       raise TypeError(
           "ShardedOptimizer.update needs the state its init returned (a "
           f"jdist.Sharded), got {type(state).__name__}.")

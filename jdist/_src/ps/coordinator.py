@@ -2,26 +2,18 @@
 
 `schedule(fn, args, kwargs)` queues a function and returns a `RemoteValue`
 at once; one thread per worker takes functions from the queue and runs them
-on its worker (in that thread, or as a call to its Ray actor). A function
-whose worker fails goes back to the front of the queue and runs on another
-worker (so a function may run more than once: "at least once"); the failed
-worker is restarted empty (its per-worker datasets are built again when it
-next needs them), and the `logging` module says so once (a warning of the
-logger `jdist._src.ps.coordinator`: which worker, how many functions run
-again). A worker that hangs fails the same way once it has been silent for
-the strategy's `timeout_seconds` (a Ray worker that does not answer a health
-call; a threads worker whose function runs longer). An error of a function
-reaches `join()`, `done()` or the next `schedule()` once nothing is running,
-and cancels the functions still queued; a parameter server's failure does so
-at once (without waiting for the functions in flight), every time from then
-on.
+on its worker. A function whose worker fails (or hangs: the function runs
+past `timeout_seconds`, compiling and server waits aside, or a Ray worker is
+silent that long) goes back to the front of the queue and runs on another
+("at least once"); the worker is restarted empty and a warning says so. A
+function's error reaches `join()`, `done()` or the next `schedule()` and
+cancels the functions still queued; a parameter server's failure does so at
+once, every time from then on.
 
-Under Ray the workers come and go (`ray_options` "max_workers" and
-"min_workers"): a worker that joins gets a thread of its own and takes
-functions from the queue like the others (an INFO line names it); a worker
-that does not come back is dropped once its functions are back in the queue
-(a warning says why), and with fewer than `min_workers` left every wait and
-`schedule()` raises `jdist.WorkerFailedError` from then on.
+Under Ray workers come and go (`ray_options` "max_workers", "min_workers"):
+one that joins gets a thread and takes functions like the others; one that
+does not come back is dropped once its functions are queued again; with
+fewer than `min_workers` left every wait raises `jdist.WorkerFailedError`.
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """Input under ParameterServerStrategy: per-worker datasets and shipped batches.
 
-`ClusterCoordinator.create_per_worker_dataset(dataset_fn)` makes every worker
-build its own input from `dataset_fn` (TensorFlow's way: data never passes
-through the coordinator). `iter()` of it gives a `PerWorkerIterator`, passed
-to scheduled functions through their arguments; on each worker it is that
-worker's iterator of `PerReplica` batches over its devices.
-
-`ParameterServerStrategy.experimental_distribute_dataset(batches)` instead
-iterates batches on the coordinator and ships each with the step that
-consumes it (`WorkerBatch`), which is what `Trainer.fit` does with arrays.
-
-`ParameterServerStrategy.distribute_datasets_from_function(dataset_fn)` is the
-per-worker input seen from the coordinator (`PerWorkerBatches`): each item is
-a `PerWorkerBatch`, "the next batch of the worker that runs this step", which
-a `strategy.function` step scheduled with it takes from that worker's own
-pipeline; `Trainer.fit` reads a `DatasetCreator` this way.
+`ClusterCoordinator.create_per_worker_dataset(dataset_fn)`: every worker
+builds its own input (TensorFlow's way); its `PerWorkerIterator` is that
+worker's iterator of `PerReplica` batches. `experimental_distribute_dataset`
+iterates on the coordinator and ships each batch with its step
+(`WorkerBatch`). `distribute_datasets_from_function(dataset_fn)` seen from
+the coordinator (`PerWorkerBatches`) yields "the next batch of the worker
+that runs this step"; `Trainer.fit` reads a `DatasetCreator` this way.
 """
 
 from __future__ import annotations

@@ -1,26 +1,19 @@
 """What a `ServerVariables` handle forwards to the object it holds.
 
-A metric or a train state placed on the parameter servers is used on the
-coordinator as TensorFlow's tutorial uses its metric variables:
-`accuracy.result()` after `coordinator.join()`, `accuracy.reset_states()`
-between epochs. The handle has none of the held object's methods, so it
-forwards them, with the meaning each has on a variable:
+A metric or train state on the parameter servers is used on the coordinator
+as TensorFlow's tutorial uses its metric variables (`accuracy.result()`,
+`accuracy.reset_states()`), with the meaning each method has on a variable:
 
-- attributes and methods that only read (`result()`, `compute()`, `.step`)
-  run on a copy read from the servers (after the functions scheduled so
-  far);
-- a method that changes its object in place (flax nnx's `reset()` and
-  `update()`) runs on that copy, and the changed copy is written back;
-- Keras' in-place `reset_state()` / `reset_states()` of a `jdist.metrics`
-  metric writes the reset metric back, as resetting a Keras metric's
-  variables does;
-- a method that returns a new object (`jdist.metrics`' `reset()` and
-  `update()`, a train state's `replace()`) is refused with the assignment to
-  write: its result is a plain value, and a handle replaced by it would
-  silently stop reaching the servers. So is `update_state()`, whose place is
-  inside a step.
+- what only reads (`result()`, `compute()`, `.step`) runs on a copy read
+  from the servers (after the functions scheduled so far);
+- what changes its object in place (nnx's `reset()`, `update()`) runs on
+  that copy, which is written back; so does Keras' `reset_state()` of a
+  `jdist.metrics` metric;
+- what returns a new object (`jdist.metrics`' `reset()`, a train state's
+  `replace()`) and `update_state()` are refused with the assignment to
+  write: a handle replaced by a plain value would stop reaching the servers.
 
-Arrays and plain containers (tuples, lists, dicts) forward nothing.
+Arrays and plain containers forward nothing.
 """
 
 from __future__ import annotations

@@ -1,26 +1,18 @@
 """`ParameterServerFunction`: a user's step, run on workers against the servers.
 
-The step is the one written for the synchronous strategies,
-`step(state, batch) -> (state, outputs)`. Which output is the new value of
-which variables is the function's `state_output` contract, never a guess
-from shapes (`core/state_output.py`): by default output 0 of a tuple is the
-new value of the one set of variables the step takes; `None` writes
-nothing; a place (index, key, function of the output) per set says where.
-An output that does not fit the contract is an error raised while the step
-is traced, before anything is sent to the servers. On a worker it runs as a
-`MirroredStrategy` step over the worker's devices, inside one `jax.jit` that
-also joins the variables' pieces before it and computes their changes after
-it: the worker reads its snapshot from the servers, runs the program, and
-sends each server the change of its pieces (new minus read for numbers, the
-new value for booleans and keys). A server refuses a change computed from
-variables more than `max_staleness` updates old; the worker then reads again
-and recomputes, so no applied update is staler than that.
+The step is the synchronous strategies' `step(state, batch) -> (state,
+outputs)`; its `state_output` contract (`core/state_output.py`) says which
+output is the new value of which variables, checked while the step is
+traced. On a worker it runs as a `MirroredStrategy` step over the worker's
+devices, in one `jax.jit` that also joins the variables' pieces before it
+and computes their changes after it: each server gets the change of its
+pieces (new minus read for numbers, the new value for booleans and keys). A
+server refuses a change computed from variables more than `max_staleness`
+updates old; the worker then reads again and recomputes.
 
-Called on the coordinator, the step is scheduled on a worker instead (as
-`coordinator.schedule(step, args)`); its result holds the variables' handles
-where the step returns their new value and `RemoteValue`s elsewhere. The
-first call with a new argument structure waits for its result to learn the
-output's structure; later calls return at once.
+Called on the coordinator, the step is scheduled on a worker; its result
+holds the variables' handles where the step returns their new value and
+`RemoteValue` objects elsewhere.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """Scheduled functions, their results, and the queue that hands them out.
 
-`Closure` is one `schedule()` call: the function, its arguments, and the
-`RemoteValue` its result goes to. `ClosureQueue` is what the coordinator's
-worker threads take closures from; it counts the ones in flight, puts back
-those whose worker failed, and keeps the first error for `join()` (after
-which the closures still queued are cancelled, as in TensorFlow). A failure
-nothing recovers from (a parameter server's) aborts the queue: waiters raise
-it at once, without waiting for the closures in flight.
+`Closure` is one `schedule()` call; `ClosureQueue` hands closures to the
+worker threads, counts those in flight, puts back those whose worker failed
+and keeps the first error for `join()` (cancelling the closures still
+queued, as in TensorFlow). A parameter server's failure aborts the queue:
+waiters raise it at once.
 """
 
 from __future__ import annotations

@@ -1,18 +1,14 @@
 """`ParameterServer`: one parameter-server task's variables and their versions.
 
-The same class serves both ways of running: an object in this process (the
-threads backend) or the body of a Ray actor (the Ray backend). It holds numpy
-arrays on the host, as TensorFlow's parameter servers hold variables on their
-CPU, and applies updates one at a time under a lock.
-
-Variables come in sets (one per `strategy.replicate` call); each set has a
-version on each server: how many updates the server applied to it. An update
-carries the version it was computed from, and is refused when the server
-has applied more than `max_staleness` updates since, or when the values were
-assigned (restored) since (the worker then reads again and recomputes). The
-answer to an update carries the values after it, which the worker uses for
-its next step: one round trip per step. Arrays are replaced, never changed
-in place, so a reader may keep what it read.
+An object in this process (threads backend) or the body of a Ray actor. It
+holds numpy arrays on the host, as TensorFlow's servers hold variables on
+their CPU, and applies updates one at a time under a lock. Each set of
+variables (one per `strategy.replicate`) has a version per server: the
+updates applied to it. An update carries the version it was computed from
+and is refused when more than `max_staleness` updates (or a restore) came
+since; the worker then reads again and recomputes. The answer to an update
+carries the values after it (one round trip per step). Arrays are replaced,
+never changed in place, so a reader may keep what it read.
 """
 
 from __future__ import annotations

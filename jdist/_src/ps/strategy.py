@@ -19,8 +19,6 @@ from jax.sharding import AxisType, Mesh
 
 from jdist._src.core import cross_replica
 from jdist._src.core import state_output as state_output_lib
-from jdist._src.core.reduce_op import ReduceOp
-from jdist._src.core.values import PerReplica, SyncOnRead, is_distributed
 from jdist._src.input.options import InputOptions
 from jdist._src.ps import cluster as cluster_lib
 from jdist._src.ps import worker as worker_lib
@@ -39,65 +37,47 @@ BACKENDS = ("threads", "ray")
 class ParameterServerStrategy(StrategyBase):
   """Asynchronous data parallelism: workers update variables on servers.
 
-  Variables (`strategy.replicate(state)`) live on the parameter servers,
-  split with `variable_partitioner` and spread round-robin. Steps are the
-  per-replica steps written for the synchronous strategies,
-  `step(state, batch) -> (state, outputs)`; a `jdist.ClusterCoordinator`
-  schedules them on the workers, each of which reads the variables, runs the
-  step on its own batch and devices, and sends the servers the change, with
-  no lock-step between workers.
+  Variables (`strategy.replicate(state)`) live on the parameter servers, split
+  with `variable_partitioner` and spread round-robin. The steps are the
+  synchronous strategies' `step(state, batch) -> (state, outputs)`; a
+  `jdist.ClusterCoordinator` schedules them on the workers, each of which
+  reads the variables, runs the step on its own batch and devices, and sends
+  the servers the change, with no lock-step between workers.
 
-  Updates are asynchronous: for numbers, a server adds the worker's change
-  (new value minus the value it read), so plain SGD is TensorFlow's
-  asynchronous SGD exactly. With one worker training is the same as on one
-  device, step by step; with `max_staleness=0` it is the same as one device
-  trained on the batches in the order the servers applied them, an order
-  that with several workers depends on timing and varies between runs. Optimizer state
-  (Adam's moments, step counts) gets the same treatment: moments mix
-  changes computed from slightly different reads, counts count every
-  applied step. Booleans and PRNG keys are replaced (the last update wins).
-
-  Staleness is bounded: a server refuses an update computed from variables
-  that it has updated more than `max_staleness` times since they were read;
-  the worker then reads again and recomputes the step on the same batch, so
-  no applied update is staler than that (with several servers, each server
-  checks its own variables).
+  A server adds each worker's change to numbers (new value minus the value it
+  read), so SGD is TensorFlow's asynchronous SGD; counters count every applied
+  step; booleans and PRNG keys take the last value written. A server refuses
+  an update computed from variables it has updated more than `max_staleness`
+  times since the read, and the worker recomputes the step on the same batch.
+  With one worker, or `max_staleness=0`, training is one device's over the
+  batches in the order the servers applied them (with several workers that
+  order depends on timing).
 
   Args:
-    cluster_resolver: the cluster: a `jdist.cluster_resolver.
-      TFConfigClusterResolver` (TF_CONFIG with "chief", "worker" and "ps"
-      tasks), a `LocalClusterResolver(num_workers, num_ps)`, a mapping of
-      roles to task lists, or None (TF_CONFIG if set, else one worker per
-      local device and one server).
+    cluster_resolver: a `jdist.cluster_resolver.TFConfigClusterResolver`
+      ("chief", "worker" and "ps" tasks), a `LocalClusterResolver(num_workers,
+      num_ps)`, a mapping of roles to task lists, or None (TF_CONFIG if set,
+      else one worker per local device and one server).
     variable_partitioner: a `jdist.FixedShardsPartitioner`,
-      `MinSizePartitioner` or `MaxSizePartitioner` (or any callable with
-      their signature) to split variables along their first axis; None keeps
-      every variable whole.
-    max_staleness: the most updates a server may have applied between a
-      worker's read and its update; default twice the number of workers.
-      0 makes training sequential (one update at a time, each on the latest
-      values; the order of several workers' updates still varies between
-      runs); `math.inf` never refuses (TensorFlow's behaviour).
-    timeout_seconds: how long a call to a parameter server may take before
-      the server counts as failed (`jdist.ParameterServerError`), and how
-      long a worker may be silent before it counts as lost (its functions
-      run again on the others): a Ray worker that does not answer a health
-      call, a threads worker whose function runs longer (its time
-      compiling and waiting on servers aside).
-    backend: "threads" (workers are threads of this process on its local
-      devices, servers objects in it) or "ray" (Ray actors; needs
-      `pip install jdist[ray]` and a Ray cluster, `ray.init()`).
-    ray_options: with backend="ray": `{"worker": {...}, "ps": {...}}` extra
-      options for the actors (`num_cpus`, `num_gpus`, `resources`,
-      `runtime_env`, `max_restarts`, ...), "devices_per_worker" (fake CPU
-      devices of a worker process, default 1), "max_workers" (workers
-      join, up to this many, whenever Ray's free resources fit one more:
-      a node joined; default: the cluster's worker count, so only a worker
-      that left is replaced) and "min_workers" (the fewest the job goes on
-      with once workers leave, default 1; below it `join()` and
-      `schedule()` raise `jdist.WorkerFailedError`). With max_workers, a
-      dataset function's `InputContext` counts `max_workers` input
-      pipelines, and `max_staleness` defaults to twice `max_workers`.
+      `MinSizePartitioner` or `MaxSizePartitioner` (or a callable with their
+      signature) splitting variables along their first axis; None: whole.
+    max_staleness: the most updates a server may apply between a worker's
+      read and its update; default twice the workers. 0 makes training
+      sequential; `math.inf` never refuses (TensorFlow's behaviour).
+    timeout_seconds: how long a server call may take before the server counts
+      as failed (`jdist.ParameterServerError`), and how long a scheduled
+      function may run (compile time and server waits aside), or a Ray worker
+      leave a health call unanswered, before its worker is lost.
+    backend: "threads" (workers are threads of this process, servers objects
+      in it) or "ray" (Ray actors; `pip install jdist[ray]` and `ray.init()`).
+    ray_options: with backend="ray": `{"worker": {...}, "ps": {...}}` actor
+      options (`num_cpus`, `num_gpus`, `resources`, `runtime_env`,
+      `max_restarts`, ...), "devices_per_worker" (fake CPU devices of a worker
+      process, default 1), "max_workers" (workers join up to this many when
+      Ray's free resources fit one; default the cluster's worker count) and
+      "min_workers" (below it every wait raises `jdist.WorkerFailedError`;
+      default 1). With max_workers, an `InputContext` counts `max_workers`
+      pipelines and `max_staleness` defaults to twice `max_workers`.
 
   Example:
     >>> import jdist, jax, jax.numpy as jnp, numpy as np
@@ -244,6 +224,13 @@ class ParameterServerStrategy(StrategyBase):
     return self._partitioner
 
   @property
+  def synchronous(self) -> bool:
+    """False: steps are scheduled on workers one call at a time, against
+    state the servers hold and update in place (see
+    `StrategyBase.synchronous`)."""
+    return False
+
+  @property
   def num_replicas_in_sync(self) -> int:
     """Replicas of one worker's step (its devices), as in TensorFlow."""
     ctx = worker_lib.current()
@@ -278,29 +265,20 @@ class ParameterServerStrategy(StrategyBase):
     """A step run on the workers; see `ParameterServerFunction`.
 
     Called inside a scheduled function it runs on that worker; called on the
-    coordinator it is scheduled (`coordinator.schedule`) and returns at once,
-    with the variables' handle where the step returns the new state.
+    coordinator it is scheduled and returns at once, with the variables' handle
+    where the step returns the new state.
 
     Args:
       fn: the per-replica step, as for the synchronous strategies.
       donate_argnums, static_argnums, static_argnames, check_state: as for
         the synchronous strategies' `function`.
       state_output: where the step returns the new value of the
-        `ServerVariables` it takes, which the workers write to the servers.
-        By default the step takes one set and returns its new value as
-        output 0 of a tuple or list (`return state, loss`, the synchronous
-        step's shape); a step returning only a value with the variables'
-        structure must say whether it is their new value (`lambda out: out`)
-        or computed from them (`None`). `None`: the step only reads
-        its variables (an evaluation) and nothing is written. An int (an
-        index of a tuple output), a str (a key of a dict output) or a
-        function of the output that returns the new state: that place. A
-        tuple of those (or None), one per set of variables in the order of
-        the arguments, for a step that takes several. An output that does
-        not hold the variables' new value where the contract says (another
-        structure, shape or dtype) is a `jdist.DistributionError` (or
-        `VaryingStateError`) naming the output and the variables, raised
-        before anything is written. Shapes never decide what is written.
+        `ServerVariables` it takes (written to the servers): by default output
+        0 of a tuple or list; `None` for a step that only reads; an int, a str
+        or a function of the output for another place; a tuple of those, one
+        per set of variables. An output that does not hold the variables' new
+        value there is a `jdist.DistributionError` (or `VaryingStateError`)
+        naming it, raised before anything is written; shapes never decide.
 
     Example:
       >>> import jdist, jax.numpy as jnp
@@ -344,21 +322,17 @@ class ParameterServerStrategy(StrategyBase):
   def distribute_datasets_from_function(self, dataset_fn, options=None):
     """Each worker's own input, seen from the coordinator.
 
-    Every worker builds its pipeline from `dataset_fn(input_context)` (as
-    `coordinator.create_per_worker_dataset` does; the data never passes
-    through the coordinator). Iterating the result here gives, without end,
-    "the next batch of the worker that runs the step": pass each to a
-    `strategy.function` step, scheduled from here, and bound the loop by a
-    number of steps (make the workers' datasets repeat). This is how
-    `Trainer.fit` reads a `jdist.DatasetCreator`. In a function scheduled by
-    hand, use `create_per_worker_dataset` and `next(iterator)` instead.
+    Every worker builds its pipeline from `dataset_fn(input_context)`; iterating
+    the result here gives, without end, "the next batch of the worker that runs
+    the step", for `strategy.function` steps scheduled from here (bound the loop
+    by a number of steps, and make the datasets repeat). `Trainer.fit` reads a
+    `jdist.DatasetCreator` this way; in a function scheduled by hand use
+    `create_per_worker_dataset` instead.
 
     Args:
-      dataset_fn: returns an iterable of a worker's batches (each one
-        step's, split over the worker's devices); it may take a
+      dataset_fn: returns an iterable of a worker's batches; it may take a
         `jdist.InputContext`.
-      options: only None (workers place batches as
-        `create_per_worker_dataset` does).
+      options: only None.
     """
     if options is not None:
       raise ValueError(
@@ -375,53 +349,24 @@ class ParameterServerStrategy(StrategyBase):
 
   def reduce(self, reduce_op, value: Any, axis: int | None = None) -> Any:
     """Combines per-replica values: on a worker over its replicas; on the
-    coordinator, of fetched results (`RemoteValue`s are fetched first)."""
+    coordinator, of fetched results (a `RemoteValue` is fetched first)."""
     ctx = worker_lib.current()
     if ctx is not None:
       return ctx.strategy.reduce(reduce_op, value, axis)
-    op = ReduceOp.of(reduce_op)
-    value = self.coordinator.fetch(value)
-
-    def one(node):
-      if isinstance(node, PerReplica):
-        v = node.validity
-        mask, count = (None, None) if v is None else (v.mask, v.num_valid)
-        return jax.tree.map(lambda x: np.asarray(cross_replica.reduce_stacked(
-            op, x, mask, count, axis)), node.values)
-      if isinstance(node, SyncOnRead):
-        return jax.tree.map(np.asarray, node.read())
-      return jax.tree.map(lambda x: np.asarray(cross_replica.reduce_mirrored(
-          op, x, axis)), node)
-    return jax.tree.map(one, value, is_leaf=is_distributed)
+    return cross_replica.reduce_fetched(reduce_op,
+                                        self.coordinator.fetch(value), axis)
 
   def gather(self, value: Any, axis: int = 0) -> Any:
     """Concatenates per-replica values (padding rows dropped), like `reduce`."""
     ctx = worker_lib.current()
     if ctx is not None:
       return ctx.strategy.gather(value, axis)
-    value = self.coordinator.fetch(value)
-
-    def one(node):
-      if not isinstance(node, PerReplica):
-        return node
-      keep = None
-      if node.validity is not None and axis == 0:
-        keep = np.flatnonzero(np.asarray(node.validity.mask).reshape(-1))
-      def leaf(x):
-        out = np.asarray(cross_replica.gather_stacked(x, axis))
-        return out if keep is None else out[keep]
-      return jax.tree.map(leaf, node.values)
-    return jax.tree.map(one, value, is_leaf=is_distributed)
+    return cross_replica.gather_fetched(self.coordinator.fetch(value), axis)
 
   def experimental_local_results(self, value: Any) -> tuple:
-    """The values of each replica of a fetched per-replica result."""
-    value = self.coordinator.fetch(value)
-    leaves = [x for x in jax.tree.leaves(value, is_leaf=is_distributed)
-              if isinstance(x, PerReplica)]
-    if not leaves:
-      return (value,)
-    n = leaves[0].num_replicas
-    return tuple(jax.tree.map(
-        lambda node: jax.tree.map(lambda x: x[i], node.values)
-        if isinstance(node, PerReplica) else node, value, is_leaf=is_distributed)
-        for i in range(n))
+    """The values of each replica: on a worker, of its replicas; on the
+    coordinator, of a fetched per-replica result."""
+    ctx = worker_lib.current()
+    if ctx is not None:
+      return ctx.strategy.experimental_local_results(value)
+    return cross_replica.local_results_fetched(self.coordinator.fetch(value))

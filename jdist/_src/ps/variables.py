@@ -1,15 +1,10 @@
 """`ServerVariables`: a pytree of variables held by the parameter servers.
 
-`ParameterServerStrategy.replicate(tree)` cuts every leaf into pieces (with
-the strategy's `variable_partitioner`; whole leaves otherwise), gives the
-pieces to the servers round-robin, as TensorFlow places variables, and returns
-a `ServerVariables` handle. Steps take the handle where they took the state;
-on a worker, the step reads the pieces, joins them, runs, and sends each
-server the change of its pieces.
-
-Leaves of numbers are updated by adding the worker's change (new minus what
-it read); boolean and PRNG-key leaves by replacing them (the last update
-wins). `SyncOnRead` values are stored aggregated and reach the step unplaced.
+`ParameterServerStrategy.replicate(tree)` cuts every leaf into pieces (the
+strategy's `variable_partitioner`), gives them to the servers round-robin,
+as TensorFlow places variables, and returns the handle steps take as their
+state. Numbers are updated by adding a worker's change, booleans and PRNG
+keys by replacing them; `SyncOnRead` values are stored aggregated.
 """
 
 from __future__ import annotations
@@ -26,9 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jdist._src.core import kinds
 from jdist._src.core import placement
 from jdist._src.core.reduce_op import VariableAggregation
-from jdist._src.core.values import RemoteState, SyncOnRead
+from jdist._src.core.values import RemoteState
 from jdist._src.errors import ParameterServerError
 from jdist._src.ps import forwarding
 from jdist._src.ps import partitioners
@@ -90,20 +86,16 @@ class LeafSpec:
     return tuple(x[p.rows[0]:p.rows[1]] for p in self.pieces)
 
 
-_is_sync = lambda x: isinstance(x, SyncOnRead)
-
-
 def plain(tree: Any) -> Any:
   """`tree` with every `SyncOnRead` replaced by its (aggregated) value."""
-  return jax.tree.map(lambda x: x.read() if _is_sync(x) else x, tree,
-                      is_leaf=_is_sync)
+  return jax.tree.map(lambda x: kinds.kind_of(x).read(x), tree,
+                      is_leaf=kinds.is_node)
 
 
 def _unplaced(tree: Any) -> Any:
   """`tree` with every `SyncOnRead` read and re-wrapped unplaced."""
-  return jax.tree.map(
-      lambda x: SyncOnRead(x.read(), x.aggregation) if _is_sync(x) else x,
-      tree, is_leaf=_is_sync)
+  return jax.tree.map(lambda x: kinds.kind_of(x).unplaced(x), tree,
+                      is_leaf=kinds.is_node)
 
 
 class Layout:
@@ -172,18 +164,11 @@ class Snapshot:
 class ServerVariables(RemoteState):
   """A pytree of variables held by the parameter servers.
 
-  `ParameterServerStrategy.replicate(tree)` returns one. Pass it to steps
-  where they take the state: a step run on a worker reads the variables,
-  computes, and sends the servers its change; the step's result holds the
-  handle where it returned the new state. On the coordinator, `read()` (or
-  `jdist.read_value`) gives the values and `assign()` replaces them.
-
-  A handle of an object (a metric, a train state) forwards its attributes
-  and methods (`accuracy.result()`, `accuracy.reset_state()`, nnx's
-  `metric.compute()`), with a variable's meaning: reads run on the values
-  read from the servers, in-place changes are written back, and a method
-  that returns a new object is refused with the assignment to write (see
-  `ps/forwarding.py`).
+  `ParameterServerStrategy.replicate(tree)` returns one; steps take it as
+  their state, and a step's result holds it where the new state was returned.
+  On the coordinator `read()` (or `jdist.read_value`) gives the values and
+  `assign()` replaces them. A handle of an object (a metric, a train state)
+  forwards its methods with a variable's meaning (`ps/forwarding.py`).
 
   Example:
     >>> import jdist, jax.numpy as jnp
@@ -215,8 +200,8 @@ class ServerVariables(RemoteState):
     self._layout_key = (treedef, tuple(
         (s.shape, str(s.dtype), s.kind, s.key_impl,
          tuple(p.rows for p in s.pieces)) for s in specs))
-    self._sums = (isinstance(tree, SyncOnRead) and
-                  tree.aggregation is VariableAggregation.SUM)
+    self._sums = (kinds.kind_of(tree).aggregation(tree) is
+                  VariableAggregation.SUM)
     self._value_type = type(tree)
     self._value_attributes = forwarding.attributes(tree)
     store.create(self._set_id, self._per_server(hosts),
@@ -397,23 +382,10 @@ def _delete_quietly(store, set_id: str) -> None:
 class ServerPlacement(placement.StatePlacement):
   """State held on the parameter servers, as `ServerVariables`.
 
-  `ParameterServerStrategy.replicate` makes the handle; steps run on the
-  workers and update the servers themselves, so nothing moves around a call
-  on the coordinator. The training layer reads the values (one read from
-  every server holding a piece, after the functions scheduled so far),
-  writes values into them (`ServerVariables.assign`), and asks their shapes
-  without reading anything.
-
-  Example:
-    >>> import jdist, jax.numpy as jnp
-    >>> strategy = jdist.ParameterServerStrategy(
-    ...     jdist.cluster_resolver.LocalClusterResolver(num_workers=1, num_ps=1))
-    >>> held = strategy.replicate({"w": jnp.zeros(2)})
-    >>> held = strategy.state_placement.write(held, {"w": jnp.ones(2)},
-    ...                                       strategy.mesh)
-    >>> strategy.state_placement.read(held)["w"].tolist()
-    [1.0, 1.0]
-    >>> jdist.ClusterCoordinator(strategy).shutdown()
+  Steps run on the workers and update the servers themselves, so nothing
+  moves around a call on the coordinator; `read` reads every server holding a
+  piece (after the functions scheduled so far), `write` assigns, `abstract`
+  reads nothing. See `StatePlacement`.
   """
 
   def read(self, held: ServerVariables) -> Any:
