@@ -78,6 +78,13 @@ def _fit(out: str) -> None:
   assert set(eval(evaluation)) == {"loss", "accuracy"}, out  # noqa: S307
 
 
+def _jax_meshes(out: str) -> None:
+  *losses, spec = out.splitlines()
+  losses = [float(line.split()[1]) for line in losses]
+  assert len(losses) == 4 and losses == sorted(losses, reverse=True), out
+  assert spec == "P(None, 'model')", out  # the page: still split
+
+
 # What the text says a program prints, by a line that only that program has.
 EXPECTED = {
     "print(epoch, strategy.reduce(jdist.ReduceOp.SUM, loss))": _losses_fall,
@@ -86,6 +93,7 @@ EXPECTED = {
     "jdist.ShardedOptimizer(": _sharded_optimizer,
     "ModelParallelStrategy(device_mesh=mesh)": _partition_metadata,
     "history = trainer.fit(x, y, batch_size=128, epochs=3": _fit,
+    "model = DotReluDot(16, rngs=nnx.Rngs(0))": _jax_meshes,
 }
 PAGES_WITH_PROGRAMS = [p for p in PAGES if programs(p)]
 

@@ -89,17 +89,19 @@ class _ConstraintMap(threading.local):
 
 
 _constraint_map = _ConstraintMap()
-_create_sharding = pjit._create_sharding_for_array  # JAX's own
+_prepare_shardings = pjit.prepare_axis_resources  # JAX's own
 
 
-def _create_sharding_mapped(mesh, x, name, api_name):
-  """JAX's `_create_sharding_for_array`, with a constraint's sharding first
+def _prepare_shardings_mapped(axis_resources, arg_name, *args, **kwargs):
+  """JAX's `prepare_axis_resources`, with a constraint's shardings first
   given to this thread's mapper (see `sharding_constraints_mapped`)."""
   mapper = _constraint_map.mapper
-  if (mapper is not None and x is not None and
-      api_name == "with_sharding_constraint"):
-    x = mapper(x)
-  return _create_sharding(mesh, x, name, api_name)
+  if mapper is not None and arg_name == "shardings":  # with_sharding_constraint
+    axis_resources = jax.tree.map(
+        lambda x: x if x is None else mapper(x), axis_resources,
+        is_leaf=lambda x: x is None or isinstance(
+            x, (jax.sharding.PartitionSpec, jax.sharding.Sharding)))
+  return _prepare_shardings(axis_resources, arg_name, *args, **kwargs)
 
 
 @contextlib.contextmanager
@@ -108,15 +110,15 @@ def sharding_constraints_mapped(mapper: Callable) -> Iterator[None]:
   `jax.lax.with_sharding_constraint` (a `PartitionSpec` or a `Sharding`) is
   replaced by `mapper(sharding)` before JAX reads it.
 
-  Private: JAX turns a constraint's sharding into one on the context mesh
-  inside `with_sharding_constraint`, then refuses a spec that names a
-  manual axis (the replica axis inside jdist's `shard_map`) or a sharding
-  on the concrete mesh there. A user's constraint, written for the global
-  program as flax's and JAX's guides write it, means per replica the same
-  spec without the replica axis; the public API has no hook to say so.
+  Private: JAX checks a constraint's sharding and turns it into one on the
+  context mesh inside `with_sharding_constraint`, then refuses a spec that
+  names a manual axis (the replica axis inside jdist's `shard_map`) or a
+  sharding on the concrete mesh there. A user's constraint, written for the
+  global program as flax's and JAX's guides write it, means per replica the
+  same spec without the replica axis; the public API has no hook to say so.
   Other threads, and constraints outside the block, are untouched.
   """
-  pjit._create_sharding_for_array = _create_sharding_mapped
+  pjit.prepare_axis_resources = _prepare_shardings_mapped
   previous, _constraint_map.mapper = _constraint_map.mapper, mapper
   try:
     yield

@@ -118,6 +118,18 @@ def _axes(entry) -> tuple:
   return entry if isinstance(entry, tuple) else (entry,)
 
 
+def _known_once(spec: P, names) -> P:
+  """`spec` without the axes that are not in `names` and without an axis's
+  second use."""
+  seen: set = set()
+
+  def keep(axis) -> bool:
+    fresh = axis in names and axis not in seen
+    seen.add(axis)
+    return fresh
+  return P(*(_keeping(entry, keep) for entry in spec))
+
+
 def _keeping(entry, keep):
   """One dimension's entry of a spec with the axes `keep` refuses left out."""
   if entry is None or entry is P.UNCONSTRAINED:
@@ -139,8 +151,9 @@ def constraint(strategy, sharding: Any, *, in_step: bool,
   number. Otherwise the spec stays, without the replica axis in a step.
 
   Args:
-    strict: raise for another mesh or an unknown axis; else leave them out
-      (to read shapes only, before jdist checks the layouts itself).
+    strict: raise for another mesh or an unknown axis; else leave those
+      out, and an axis's second use (to read shapes only, before jdist
+      checks the layouts itself with messages that name the parameter).
 
   Raises:
     StrategyMismatchError: a `NamedSharding` on another mesh.
@@ -156,8 +169,7 @@ def constraint(strategy, sharding: Any, *, in_step: bool,
   if all(name == axis for name in mesh.axis_names):
     return P()
   if not strict:
-    known = lambda entry: _keeping(entry, lambda a: a in mesh.axis_names)
-    spec = P(*map(known, spec))
+    spec = _known_once(spec, mesh.axis_names)
   elif on is not None and not same_mesh(on, mesh):
     raise StrategyMismatchError(
         f"with_sharding_constraint in code {strategy!r} runs was given a "

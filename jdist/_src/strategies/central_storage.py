@@ -14,10 +14,12 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import jax
+from jax.sharding import Mesh
 from jax.sharding import SingleDeviceSharding
 
 from jdist._src.core import placement
 from jdist._src.core.values import is_distributed
+from jdist._src.strategies.device_mesh import DeviceMesh
 from jdist._src.strategies.spmd import Strategy
 from jdist._src.strategies.devices import (from_mesh, resolve_device,
                                            resolve_devices)
@@ -116,7 +118,7 @@ class CentralStorageStrategy(Strategy):
 
   def __init__(self, compute_devices: Sequence[Any] | None = None,
                parameter_device: Any = None, *, axis_name: str | None = None,
-               mesh=None):
+               mesh: Mesh | DeviceMesh | None = None):
     if mesh is not None:
       compute_devices, axis_name = from_mesh(
           mesh, "CentralStorageStrategy", devices=compute_devices,

@@ -24,7 +24,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdist._src.strategies.device_mesh import (DeviceMesh, as_device_mesh,
@@ -53,7 +53,7 @@ class LayoutMap(collections.abc.MutableMapping):
     P()
   """
 
-  def __init__(self, device_mesh: DeviceMesh):
+  def __init__(self, device_mesh: DeviceMesh | Mesh):
     self._mesh = as_device_mesh(device_mesh, "LayoutMap's device_mesh")
     self._rules: dict[str, P] = {}
 

@@ -6,8 +6,10 @@ import functools
 from typing import Any, Callable, Sequence
 
 import jax
+from jax.sharding import Mesh
 
 from jdist._src.strategies import cross_device_ops as cross_device_ops_lib
+from jdist._src.strategies.device_mesh import DeviceMesh
 from jdist._src.strategies.spmd import Strategy
 from jdist._src.strategies.devices import (from_mesh, resolve_device,
                                            resolve_devices)
@@ -49,7 +51,7 @@ class MirroredStrategy(Strategy):
 
   def __init__(self, devices: Sequence[Any] | None = None, *,
                axis_name: str | None = None, cross_device_ops=None,
-               mesh=None):
+               mesh: Mesh | DeviceMesh | None = None):
     self._cross_device_ops = cross_device_ops_lib.from_argument(
         cross_device_ops)
     if mesh is not None:
@@ -83,7 +85,7 @@ class OneDeviceStrategy(Strategy):
   """
 
   def __init__(self, device: Any = None, *, axis_name: str | None = None,
-               mesh=None):
+               mesh: Mesh | DeviceMesh | None = None):
     candidates = jax.local_devices()
     if mesh is not None:
       devices, axis_name = from_mesh(mesh, "OneDeviceStrategy",

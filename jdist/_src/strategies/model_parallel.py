@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdist._src.core import kinds, placement
@@ -118,7 +118,7 @@ class ModelParallelStrategy(Strategy):
   """
 
   def __init__(self, *, layout_map: LayoutMap | None = None,
-               device_mesh: DeviceMesh | None = None,
+               device_mesh: DeviceMesh | Mesh | None = None,
                batch_dim_name: str | None = None,
                fsdp_axis: str | None = None,
                logical_axis_rules=None):

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import jax
+from jax.sharding import Mesh
 
 from jdist._src.multiprocess import runtime as runtime_lib
+from jdist._src.strategies.device_mesh import DeviceMesh
 from jdist._src.strategies.spmd import Strategy
 from jdist._src.strategies.devices import from_mesh, replica_order
 
@@ -44,7 +46,8 @@ class MultiWorkerMirroredStrategy(Strategy):
   """
 
   def __init__(self, cluster_resolver=None, communication_options=None, *,
-               axis_name: str | None = None, mesh=None):
+               axis_name: str | None = None,
+               mesh: Mesh | DeviceMesh | None = None):
     self._cluster_config = runtime_lib.initialize(cluster_resolver).config
     self._cluster_resolver = cluster_resolver
     devices = replica_order(jax.devices())

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import jax
+from jax.sharding import Mesh
 
 from jdist._src.errors import ClusterError
 from jdist._src.multiprocess import runtime as runtime_lib
+from jdist._src.strategies.device_mesh import DeviceMesh
 from jdist._src.strategies.spmd import Strategy
 from jdist._src.strategies.devices import from_mesh, replica_order
 
@@ -48,7 +50,8 @@ class TPUStrategy(Strategy):
   """
 
   def __init__(self, cluster_resolver=None, communication_options=None, *,
-               axis_name: str | None = None, mesh=None):
+               axis_name: str | None = None,
+               mesh: Mesh | DeviceMesh | None = None):
     runtime_lib.initialize(cluster_resolver)
     devices = tpu_devices()
     if mesh is not None:
