@@ -72,24 +72,29 @@ def _linear_step(w, batch):
 
 
 def test_steps_run_inside_jax_set_mesh_of_their_mesh_and_refuse_another(
-    devices):
+    devices, tmp_path):
   mesh = jax.make_mesh((2,), ("data",), devices=devices[:2])  # Explicit
-  strategy = jdist.MirroredStrategy(mesh=mesh)
-  step = strategy.function(_linear_step)
   data = [np.arange(12, dtype=np.float32).reshape(4, 3) / 10]
+  for make in (jdist.MirroredStrategy, jdist.CentralStorageStrategy):
+    strategy = make(mesh=mesh)
+    step = strategy.function(_linear_step)
 
-  def run():
-    w = strategy.init(jnp.ones, 3)
-    for batch in strategy.experimental_distribute_dataset(data):
-      w, loss, outputs = step(w, batch)
-    return (np.asarray(w), float(strategy.reduce("sum", loss)),
-            np.asarray(strategy.gather(outputs)))
+    def run(strategy=strategy, step=step):
+      w = strategy.init(jnp.ones, 3)
+      for batch in strategy.experimental_distribute_dataset(data):
+        w, loss, outputs = step(w, batch)
+      return (np.asarray(w), float(strategy.reduce("sum", loss)),
+              np.asarray(strategy.gather(outputs))), w
 
-  outside = run()
-  with jax.set_mesh(mesh):  # the strategy's own mesh: used
-    inside = run()
-  for a, b in zip(outside, inside):
-    np.testing.assert_allclose(a, b, rtol=1e-6)
+    outside, _ = run()
+    with jax.set_mesh(mesh):  # the strategy's own mesh: used
+      inside, w = run()
+      manager = jdist.CheckpointManager(tmp_path / make.__name__)
+      manager.save(1, {"w": w})
+      restored = manager.restore({"w": w})
+    for a, b in zip(outside, inside):
+      np.testing.assert_allclose(a, b, rtol=1e-6)
+    np.testing.assert_array_equal(restored["w"], outside[0])
   other = jax.make_mesh((2, 2), ("a", "b"), devices=devices[:4])
   for call in (run, lambda: strategy.init(jnp.ones, 3)):
     with jax.set_mesh(other), pytest.raises(
@@ -215,7 +220,8 @@ class Mlp(nnx.Module):
     return self.l1(jax.lax.with_sharding_constraint(h, P("data", "model")))
 
 
-def test_an_nnx_model_made_under_set_mesh_trains_in_fit_as_one_device(devices):
+def test_an_nnx_model_made_under_set_mesh_trains_in_fit_as_one_device(
+    devices, tmp_path):
   x, y = _digits()
   loss = jdist.losses.SparseCategoricalCrossentropy(from_logits=True)
   mesh = _mesh22(devices)  # jax.make_mesh's Explicit axes
@@ -225,7 +231,8 @@ def test_an_nnx_model_made_under_set_mesh_trains_in_fit_as_one_device(devices):
     trainer = jdist.Trainer(model, optimizer=optax.sgd(0.1), loss=loss,
                             strategy=jdist.ModelParallelStrategy(
                                 device_mesh=mesh))
-    history = trainer.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    history = trainer.fit(x, y, batch_size=16, epochs=1, verbose=0,
+                          callbacks=[jdist.ModelCheckpoint(tmp_path / "ckpt")])
   assert model.l0.kernel.sharding.spec == P(None, "model")  # trained in place
   with nnx.use_eager_sharding(False):
     reference = Mlp(nnx.Rngs(0))

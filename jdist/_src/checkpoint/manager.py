@@ -27,6 +27,7 @@ metadata.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -39,6 +40,7 @@ from jdist._src import current
 from jdist._src.checkpoint import checkpointer as ckpt_lib
 from jdist._src.checkpoint import snapshots as snapshots_lib
 from jdist._src.checkpoint.checkpointer import Checkpointer
+from jdist._src.core import mesh_context
 from jdist._src.core import placement
 from jdist._src.errors import CheckpointNotFoundError
 from jdist._src.multiprocess import ranks
@@ -81,6 +83,16 @@ def _meta_leaf(meta: dict) -> np.ndarray:
   size = max(4096, 1 << (len(raw) - 1).bit_length())
   return np.frombuffer(raw.ljust(size), np.uint8)
 
+
+
+def _outside_user_mesh(method):
+  """`method` run with a mesh the user set (`jax.set_mesh`) set aside: the
+  checkpoint's programs run over the state's own devices."""
+  @functools.wraps(method)
+  def run(self, *args, **kwargs):
+    with mesh_context.set_aside():
+      return method(self, *args, **kwargs)
+  return run
 
 class CheckpointManager:
   """Saves and restores a custom loop's state (any pytree of arrays).
@@ -203,6 +215,7 @@ class CheckpointManager:
     step = self.latest_step
     return None if step is None else os.path.join(self.directory, str(step))
 
+  @_outside_user_mesh
   def save(self, step: int, state: Any) -> str | None:
     """Writes `state` as checkpoint `step` (every process calls it).
 
@@ -259,6 +272,7 @@ class CheckpointManager:
       self._names = (treedef, names)  # (flattened in the same order)
     return names, stored
 
+  @_outside_user_mesh
   def restore(self, like: Any, step: int | None = None) -> Any:
     """The newest usable checkpoint (or checkpoint `step`), shaped and
     placed like `like`.

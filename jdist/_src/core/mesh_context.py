@@ -112,6 +112,21 @@ def on_mesh(mesh: Mesh, what: str, fn):
   return traced
 
 
+def set_aside(mesh: Mesh | None = None,
+              what: str = "") -> contextlib.AbstractContextManager:
+  """Outside a trace: a mesh the user set (`jax.set_mesh`) set aside for the
+  block, after `check_context` accepts it (if `mesh` is given), so that
+  jdist's programs over a strategy's state (its steps, checkpoints,
+  metrics, state held on one device) run as they do without one. Nothing
+  changes where no mesh is set, or inside a trace."""
+  concrete, abstract = _context_meshes()
+  if (concrete is None and abstract.empty) or jax_compat.inside_trace():
+    return contextlib.nullcontext()
+  if mesh is not None:
+    check_context(mesh, what)
+  return jax.set_mesh(None)
+
+
 def _axes(entry) -> tuple:
   if entry is None or entry is P.UNCONSTRAINED:
     return ()

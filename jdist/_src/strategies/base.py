@@ -187,6 +187,24 @@ class StrategyBase(abc.ABC):
       value = fn(*args, **kwargs)
     return self.replicate(value)
 
+  def outside_user_mesh(self) -> contextlib.AbstractContextManager:
+    """For the block: a mesh the user set (`jax.set_mesh`), which must be
+    this strategy's (its axes may be Explicit), set aside, so that jdist's
+    programs over the strategy's state run as they do without one. The
+    `Trainer` runs `fit`, `evaluate` and `predict` in it.
+
+    Raises:
+      jdist.StrategyMismatchError: another mesh is in context.
+
+    Example:
+      >>> import jax, jdist
+      >>> mesh = jax.make_mesh((len(jax.devices()),), ("data",))
+      >>> strategy = jdist.MirroredStrategy(mesh=mesh)
+      >>> with jax.set_mesh(mesh), strategy.outside_user_mesh():
+      ...   assert jax.sharding.get_mesh().empty
+    """
+    return mesh_context.set_aside(self.mesh, repr(self))
+
   def mesh_scope(self, *, strict: bool = True
                  ) -> contextlib.AbstractContextManager:
     """The strategy's mesh in JAX's context (`jax.set_mesh`), for code that

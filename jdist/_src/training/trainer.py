@@ -11,6 +11,7 @@ answers as Keras' `Model` does (`history`, `stop_training`, `optimizer`,
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import jax
@@ -29,6 +30,16 @@ from jdist._src.training.checks import DataChecks
 from jdist._src.training.program import (TrainingProgram, TrainState,
                                          check_count)
 from jdist._src.training.progress import ProgressBar
+
+
+def _outside_user_mesh(method):
+  """`method` run with a mesh the user set (the strategy's) set aside
+  (`strategy.outside_user_mesh()`)."""
+  @functools.wraps(method)
+  def run(self, *args, **kwargs):
+    with self.strategy.outside_user_mesh():
+      return method(self, *args, **kwargs)
+  return run
 
 class Trainer:
   """Trains a flax model with an optax optimizer on a jdist strategy.
@@ -365,6 +376,7 @@ class Trainer:
 
   # --- fit -----------------------------------------------------------------
 
+  @_outside_user_mesh
   def fit(self, x=None, y=None, *, batch_size: int | None = None,
           epochs: int = 1, steps_per_epoch: int | None = None,
           validation_data=None, validation_split: float = 0.0,
@@ -456,6 +468,7 @@ class Trainer:
 
   # --- evaluate and predict ------------------------------------------------
 
+  @_outside_user_mesh
   def evaluate(self, x=None, y=None, *, batch_size: int | None = None,
                steps: int | None = None, sample_weight=None,
                callbacks: Sequence = (), verbose=0) -> dict:
@@ -484,6 +497,7 @@ class Trainer:
                          self._totals.new(), self._totals.means, cbs,
                          ProgressBar(verbose, 1), source.steps_per_epoch)
 
+  @_outside_user_mesh
   def predict(self, x, *, batch_size: int | None = None,
               steps: int | None = None, callbacks: Sequence = (), verbose=0):
     """The model's outputs for every example of `x`, in order, on the host.
