@@ -57,7 +57,7 @@ try:
 except ImportError:  # pragma: no cover - depends on the jax version
   all_gather_invariant = None
 
-# --- a user's mesh context and sharding constraints ----------------------------
+# --- a user's mesh context and sharding constraints --------------------------
 
 
 def context_mesh():

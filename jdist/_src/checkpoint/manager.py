@@ -27,7 +27,6 @@ metadata.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -83,16 +82,6 @@ def _meta_leaf(meta: dict) -> np.ndarray:
   size = max(4096, 1 << (len(raw) - 1).bit_length())
   return np.frombuffer(raw.ljust(size), np.uint8)
 
-
-
-def _outside_user_mesh(method):
-  """`method` run with a mesh the user set (`jax.set_mesh`) set aside: the
-  checkpoint's programs run over the state's own devices."""
-  @functools.wraps(method)
-  def run(self, *args, **kwargs):
-    with mesh_context.set_aside():
-      return method(self, *args, **kwargs)
-  return run
 
 class CheckpointManager:
   """Saves and restores a custom loop's state (any pytree of arrays).
@@ -215,7 +204,6 @@ class CheckpointManager:
     step = self.latest_step
     return None if step is None else os.path.join(self.directory, str(step))
 
-  @_outside_user_mesh
   def save(self, step: int, state: Any) -> str | None:
     """Writes `state` as checkpoint `step` (every process calls it).
 
@@ -237,15 +225,18 @@ class CheckpointManager:
       TypeError: a leaf of `state` is not an array (a Python float or int).
     """
     step = int(step)
-    if self._snapshots is not None:
-      # The snapshot taken at an earlier call, written in the background.
-      self._snapshots.flush(wait=False)
-      if step % self._snapshot_every == 0:
-        self._snapshot(step, state)
-    if self._save_every is not None and step % self._save_every:
-      return None
-    if not self._ckpt.save(step, state, {}):
-      return None
+    # A mesh the user set is set aside: the checkpoint's programs run over
+    # the state's own devices.
+    with mesh_context.set_aside():
+      if self._snapshots is not None:
+        # The snapshot taken at an earlier call, written in the background.
+        self._snapshots.flush(wait=False)
+        if step % self._snapshot_every == 0:
+          self._snapshot(step, state)
+      if self._save_every is not None and step % self._save_every:
+        return None
+      if not self._ckpt.save(step, state, {}):
+        return None
     return os.path.join(self.directory, str(step))
 
   def _snapshot(self, step: int, state: Any, meta: dict | None = None
@@ -272,7 +263,6 @@ class CheckpointManager:
       self._names = (treedef, names)  # (flattened in the same order)
     return names, stored
 
-  @_outside_user_mesh
   def restore(self, like: Any, step: int | None = None) -> Any:
     """The newest usable checkpoint (or checkpoint `step`), shaped and
     placed like `like`.
@@ -299,11 +289,12 @@ class CheckpointManager:
       TypeError: a leaf of `like` is not an array (a Python float or int).
     """
     strategy = self._strategy or current.get_strategy()
-    if self._snapshots is not None:
-      got = self._restore_snapshot(like, strategy.mesh, step)
-      if got is not None:
-        return got
-    restored = self._ckpt.restore(like, strategy.mesh, step=step)
+    with mesh_context.set_aside():  # as in save
+      if self._snapshots is not None:
+        got = self._restore_snapshot(like, strategy.mesh, step)
+        if got is not None:
+          return got
+      restored = self._ckpt.restore(like, strategy.mesh, step=step)
     if restored is None:
       raise CheckpointNotFoundError(
           f"{self.directory} holds no checkpoint to restore. Check "

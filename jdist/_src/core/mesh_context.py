@@ -45,7 +45,8 @@ def describe(mesh) -> str:
   comma = "," if len(mesh.axis_types) == 1 else ""
   text = f"Mesh({axes}, axis_types=({types}{comma}))"
   if isinstance(mesh, Mesh):
-    text += " on " + ", ".join(f"{d.platform}:{d.id}" for d in mesh.devices.flat)
+    devices = mesh.devices.flat
+    text += " on " + ", ".join(f"{d.platform}:{d.id}" for d in devices)
   return text
 
 

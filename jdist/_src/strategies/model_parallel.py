@@ -269,7 +269,8 @@ class ModelParallelStrategy(Strategy):
     Example:
       >>> import jax, jax.numpy as jnp, jdist
       >>> n = len(jax.devices())
-      >>> layout_map = jdist.LayoutMap(jdist.DeviceMesh((1, n), ("data", "model")))
+      >>> mesh = jdist.DeviceMesh((1, n), ("data", "model"))
+      >>> layout_map = jdist.LayoutMap(mesh)
       >>> layout_map["w"] = (None, "model")
       >>> strategy = jdist.ModelParallelStrategy(layout_map=layout_map)
       >>> strategy.replicate({"w": jnp.ones((2, 4))})["w"].sharding.spec

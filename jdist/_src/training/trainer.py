@@ -11,7 +11,6 @@ answers as Keras' `Model` does (`history`, `stop_training`, `optimizer`,
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Sequence
 
 import jax
@@ -30,16 +29,6 @@ from jdist._src.training.checks import DataChecks
 from jdist._src.training.program import (TrainingProgram, TrainState,
                                          check_count)
 from jdist._src.training.progress import ProgressBar
-
-
-def _outside_user_mesh(method):
-  """`method` run with a mesh the user set (the strategy's) set aside
-  (`strategy.outside_user_mesh()`)."""
-  @functools.wraps(method)
-  def run(self, *args, **kwargs):
-    with self.strategy.outside_user_mesh():
-      return method(self, *args, **kwargs)
-  return run
 
 class Trainer:
   """Trains a flax model with an optax optimizer on a jdist strategy.
@@ -376,7 +365,6 @@ class Trainer:
 
   # --- fit -----------------------------------------------------------------
 
-  @_outside_user_mesh
   def fit(self, x=None, y=None, *, batch_size: int | None = None,
           epochs: int = 1, steps_per_epoch: int | None = None,
           validation_data=None, validation_split: float = 0.0,
@@ -458,7 +446,10 @@ class Trainer:
                        fit_loop=self._loop)
     bar = ProgressBar(verbose, epochs)
     try:
-      self._loop.run(plan, cbs, bar)
+      # A mesh the user set (the strategy's) set aside: jdist's programs
+      # over the state (steps, checkpoints) run as they do without one.
+      with self.strategy.outside_user_mesh():
+        self._loop.run(plan, cbs, bar)
     finally:
       bar.close()
       cbs.close()
@@ -468,7 +459,6 @@ class Trainer:
 
   # --- evaluate and predict ------------------------------------------------
 
-  @_outside_user_mesh
   def evaluate(self, x=None, y=None, *, batch_size: int | None = None,
                steps: int | None = None, sample_weight=None,
                callbacks: Sequence = (), verbose=0) -> dict:
@@ -486,8 +476,9 @@ class Trainer:
     static = self._prepare(source, "evaluation data")
     cbs = CallbackList(callbacks, trainer=self, params={"steps": steps,
                                                         "verbose": verbose})
-    return self._evaluate_source(source, static, self.state, cbs,
-                                 verbose=verbose)
+    with self.strategy.outside_user_mesh():  # as fit's loop
+      return self._evaluate_source(source, static, self.state, cbs,
+                                   verbose=verbose)
 
   def _evaluate_source(self, source, static: int | None, state,
                        cbs: CallbackList, verbose=0) -> dict:
@@ -497,7 +488,6 @@ class Trainer:
                          self._totals.new(), self._totals.means, cbs,
                          ProgressBar(verbose, 1), source.steps_per_epoch)
 
-  @_outside_user_mesh
   def predict(self, x, *, batch_size: int | None = None,
               steps: int | None = None, callbacks: Sequence = (), verbose=0):
     """The model's outputs for every example of `x`, in order, on the host.
@@ -516,9 +506,10 @@ class Trainer:
                                                         "verbose": verbose})
     inputs = source.distributed(self.strategy, 0, options=self._input_options,
                                 batch_size=static, inputs_only=True)
-    return loop.predict(self.make_predict_function(), self.state, inputs,
-                        self.strategy, cbs, ProgressBar(verbose, 1),
-                        source.steps_per_epoch)
+    with self.strategy.outside_user_mesh():  # as fit's loop
+      return loop.predict(self.make_predict_function(), self.state, inputs,
+                          self.strategy, cbs, ProgressBar(verbose, 1),
+                          source.steps_per_epoch)
 
   def export(self) -> Any:
     """The trained model in its own terms.
