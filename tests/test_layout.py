@@ -6,6 +6,7 @@ an import moved into a function to hide one fails here, with its place.
 
 import ast
 import pathlib
+import sys
 
 import pytest
 
@@ -16,12 +17,20 @@ ROOT = pathlib.Path(jdist.__file__).parent
 # Lowest first; a module may import its own layer and the ones below.
 LAYERS = [
     ("jdist._src.errors", "jdist._src.jax_compat"),
-    ("jdist._src.multiprocess",),
+    # `jdist launch`: nothing but the standard library (see the test below).
+    ("jdist._src.launcher",),
+    # The runtime inside each process (`jdist.initialize`).
+    ("jdist._src.runtime",),
     ("jdist._src.core",),
     ("jdist._src.input",),
-    ("jdist._src.strategies",),
+    # The strategies, and what a strategy's scope tells Keras (the
+    # keras.distribution it sets while open).
+    ("jdist._src.strategies", "jdist._src.keras.distribution",
+     "jdist._src.keras.loading"),
     ("jdist._src.current", "jdist._src.ops", "jdist._src.equivalence",
-     "jdist._src.diagnose"),
+     "jdist._src.diagnose", "jdist._src.planning",
+     # Keras models, optimizers, losses and metrics as jdist values.
+     "jdist._src.keras"),
     # A separate engine (asynchronous, not one SPMD program): it runs the
     # strategies' steps on workers against parameter servers.
     ("jdist._src.ps",),
@@ -136,6 +145,31 @@ def test_no_import_cycles():
   for node in sorted(graph):
     if node not in state:
       visit(node)
+
+
+def test_the_launcher_imports_nothing_but_the_standard_library():
+  # `jdist launch` and its agents start in a tenth of a second because they
+  # load neither JAX nor NumPy (test_launch.py runs it); any import of a
+  # package outside the standard library, or of jdist outside the launcher,
+  # could bring them in.
+  wrong = []
+  for name, path in MODULES.items():
+    if not name.startswith("jdist._src.launcher"):
+      continue
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Import):
+        targets = [a.name for a in node.names]
+      elif isinstance(node, ast.ImportFrom) and node.level == 0:
+        targets = [node.module]
+      else:
+        continue
+      for target in targets:
+        top = target.split(".")[0]
+        if (top not in sys.stdlib_module_names and
+            not target.startswith("jdist._src.launcher")):
+          wrong.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: "
+                       f"imports {target}")
+  assert not wrong, "\n".join(wrong)
 
 
 def test_the_training_layer_does_not_know_the_parameter_server_engine():
@@ -264,13 +298,16 @@ def test_no_function_is_longer_than_sixty_lines():
 
 
 def test_importing_jdist_leaves_flax_and_orbax_unimported():
-  """Every process of a job imports jdist: flax and orbax (a third of a
-  second and more each) load only in programs that use them."""
+  """Every process of a job imports jdist: flax, orbax and keras (a third
+  of a second and more each) load only in programs that use them, also
+  once the Trainer and a strategy's scope are used."""
   import subprocess
   import sys
   out = subprocess.run(
-      [sys.executable, "-c", "import sys, jdist; print(sorted({m.split('.')[0] "
-       "for m in sys.modules} & {'flax', 'orbax'}))"],
+      [sys.executable, "-c", "import sys, jdist; jdist.Trainer\n"
+       "with jdist.MirroredStrategy().scope(): pass\n"
+       "print(sorted({m.split('.')[0] for m in sys.modules} & "
+       "{'flax', 'orbax', 'keras', 'tensorflow'}))"],
       capture_output=True, text=True, timeout=120, check=True)
   assert out.stdout.strip() == "[]", out.stdout + out.stderr
 

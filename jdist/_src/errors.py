@@ -44,6 +44,11 @@ class ShardingError(DistributionError):
   """Optimizer state cannot be split over the replicas as asked."""
 
 
+class MemoryBudgetError(DistributionError):
+  """A step's per-device memory, planned from its compiled program before
+  it runs, exceeds the device's memory or the budget given."""
+
+
 class ProgramMismatchError(DistributionError):
   """Processes of one run compiled different programs for the same step."""
 
@@ -124,6 +129,7 @@ class OutOfRangeError(Error, IndexError):
 PUBLIC = (Error, DistributionError, DoubleReductionError, VaryingStateError,
           LossScalingError,
           StrategyMismatchError, ProgramMismatchError, ShardingError,
+          MemoryBudgetError,
           ReplicaContextError,
           ClusterError, CollectiveTimeoutError, PeerFailureError,
           CheckpointError, CheckpointNotFoundError, CheckpointMismatchError,

@@ -23,6 +23,7 @@ from jax._src import mesh as mesh_lib
 from jax._src import pjit
 from jax._src import xla_bridge
 from jax._src.clusters import cloud_tpu_cluster
+from jax._src.random import prng as jax_prng
 
 # --- inside shard_map ----------------------------------------------------------
 
@@ -176,16 +177,21 @@ def _rewritten_checkpoint(eqn, inputs, rules) -> list | None:
     return eqn.primitive.bind(*inputs, **params)
 
 
-def eval_jaxpr_rewriting(closed_jaxpr, args, rules: dict) -> list:
+def eval_jaxpr_rewriting(closed_jaxpr, args, rules: dict, *,
+                         retype: bool = False) -> list:
   """Evaluates a `jax.make_jaxpr` result on its flat `args` inside the current
   trace, binding `rules[primitive](*inputs, **params)` for each primitive that
   `rules` names.
 
   Jitted calls that use such a primitive are inlined (the rule reaches into
   them) and a `jax.checkpoint`'s body is rewritten; other bodies (scan, cond,
-  custom derivatives) are bound as they are. Private: JAX has no public way to
-  replace a primitive while evaluating a jaxpr, and this loop uses its
-  internal bind parameters and equation context.
+  custom derivatives) are bound as they are. With `retype`, a rule may
+  return a value varying over more manual axes of a `shard_map` than the one
+  it replaces (a replica's own rows): every jitted call is inlined, and a
+  primitive's inputs that vary over fewer axes than the others are cast to
+  varying first, as tracing the same operations would. Private: JAX has no
+  public way to replace a primitive while evaluating a jaxpr, and this loop
+  uses its internal bind parameters and equation context.
   """
   jaxpr = closed_jaxpr.jaxpr
   env: dict = {}
@@ -199,21 +205,58 @@ def eval_jaxpr_rewriting(closed_jaxpr, args, rules: dict) -> list:
     inputs = [read(v) for v in eqn.invars]
     body = _body(eqn)
     outputs = None
-    if body is not None and uses_primitives(getattr(body, "jaxpr", body),
-                                            rules):
-      outputs = (eval_jaxpr_rewriting(body, inputs, rules)
+    if body is not None and (
+        (retype and hasattr(body, "consts")) or
+        uses_primitives(getattr(body, "jaxpr", body), rules)):
+      outputs = (eval_jaxpr_rewriting(body, inputs, rules, retype=retype)
                  if hasattr(body, "consts") else
                  _rewritten_checkpoint(eqn, inputs, rules))
     if outputs is None:
       bind = rules.get(eqn.primitive, eqn.primitive.bind)
       params = (eqn.params if eqn.primitive in rules else
                 eqn.primitive.get_bind_params(eqn.params))
+      if retype and eqn.primitive.name == "pvary":
+        # The cast tracing inserted: now to the axes not varied over yet.
+        bind, params = _pvary_remaining, {"axes": params["axes"]}
+      elif retype and eqn.primitive not in rules:
+        inputs = _varying_alike(inputs)
       with eqn.ctx.manager:
         outputs = bind(*inputs, **params)
       if not eqn.primitive.multiple_results:
         outputs = [outputs]
     env.update(zip(eqn.outvars, outputs))
   return [read(v) for v in jaxpr.outvars]
+
+
+def _varying_alike(values: list) -> list:
+  """`values` cast to vary over every manual axis any of them varies over
+  (what JAX's own operations do to their operands before binding)."""
+  axes = [varying_axes(v) for v in values]
+  union = frozenset().union(*axes)
+  return [v if a == union or not hasattr(v, "shape") else
+          jax.lax.pcast(v, tuple(sorted(union - a)), to="varying")
+          for v, a in zip(values, axes)]
+
+
+def _pvary_remaining(*values, axes):
+  """`pvary` of `values` to those of `axes` each does not vary over yet."""
+  out = []
+  for v in values:
+    rest = tuple(a for a in axes if a not in varying_axes(v))
+    out.append(jax.lax.pcast(v, rest, to="varying") if rest else v)
+  return out if len(values) > 1 else out[0]
+
+
+def random_bits_primitive():
+  """The primitive every draw of random bits from a key binds
+  (`random_bits[bit_width, shape]`), which `jax.random.uniform`,
+  `bernoulli`, `normal`, ... reduce to.
+
+  Private: the public API draws bits (`jax.random.bits`) but does not name
+  the primitive, which a rule of `eval_jaxpr_rewriting` is keyed by.
+  """
+  return jax_prng.random_bits_p
+
 
 # --- the distributed runtime ------------------------------------------------------
 

@@ -122,6 +122,36 @@ class GPT(nn.Module):
   num_layers: int = 2
   mlp_dim: int = 128
 
+  def train_flops(self, tokens) -> float:
+    """FLOPs of one training step (forward and backward pass) on `tokens`,
+    by the model's own count: what model FLOPs utilization (MFU) counts.
+
+    Each matrix product of an `(m, k)` by a `(k, n)` matrix is `2 m k n`
+    FLOPs: per token and block, attention's query, key, value and output
+    projections `8 d^2`, the MLP `4 d f`, and attention's scores and
+    weighted values `4 d` per key attended to, of which a causal mask
+    leaves `(length + 1) / 2` on average (the masked half is computed by
+    the program but not counted); the head `2 d v` per token. Embedding
+    lookups, layer norms, softmax and the optimizer are not counted. The
+    backward pass is twice the forward.
+
+    Args:
+      tokens: the model's input `(batch, length)`: an array, a
+        `jax.ShapeDtypeStruct`, or its shape.
+
+    Example:
+      >>> from jdist.examples.models import GPT
+      >>> GPT(vocab_size=32, max_len=8, embed_dim=16, num_heads=4,
+      ...     num_layers=1, mlp_dim=64).train_flops((2, 8))
+      357888.0
+    """
+    batch, length = tuple(getattr(tokens, "shape", tokens))[-2:]
+    d, f = self.embed_dim, self.mlp_dim
+    attention = 4 * d * (length + 1) / 2
+    per_token = (self.num_layers * (8 * d * d + 4 * d * f + attention) +
+                 2 * d * self.vocab_size)
+    return 3.0 * batch * length * per_token
+
   @nn.compact
   def __call__(self, tokens, train: bool = False):
     del train  # no dropout

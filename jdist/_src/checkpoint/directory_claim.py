@@ -42,9 +42,9 @@ import time
 import uuid
 
 from jdist._src.errors import CheckpointDirectoryError, CheckpointInUseError
-from jdist._src.multiprocess import liveness
-from jdist._src.multiprocess import ranks
-from jdist._src.multiprocess import runtime as runtime_lib
+from jdist._src.launcher import job_env
+from jdist._src.launcher import liveness
+from jdist._src.runtime import runtime as runtime_lib
 
 LOCK_NAME = "jdist.lock"
 HEARTBEAT_SECONDS = 10.0
@@ -93,8 +93,8 @@ def _owner_record(runtime) -> dict:
           "coordinator": (runtime.config.coordinator_address
                           if runtime.config else None),
           "since": time.strftime("%Y-%m-%d %H:%M:%S"),
-          "run": os.environ.get(ranks.ENV_RUN_ID),
-          "attempt": int(os.environ.get(ranks.ENV_RESTART_COUNT, "0")),
+          "run": os.environ.get(job_env.ENV_RUN_ID),
+          "attempt": int(os.environ.get(job_env.ENV_RESTART_COUNT, "0")),
           "command": " ".join(sys.argv)[:200]}
 
 
@@ -314,8 +314,14 @@ class DirectoryClaim:
       os.rmdir(self.directory)  # fails if a new owner has claimed it since
 
 
-def claim(directory: str) -> DirectoryClaim:
+def claim(directory: str, tidy=None) -> DirectoryClaim:
   """Claims `directory` for this job's checkpoints (every process calls it).
+
+  Args:
+    directory: the checkpoint directory.
+    tidy: a function of the directory that process 0 runs once it holds
+      the lock, before any process goes on (it finishes what a killed
+      owner left half done).
 
   Raises:
     jdist.CheckpointDirectoryError: some process cannot create or write the
@@ -329,6 +335,8 @@ def claim(directory: str) -> DirectoryClaim:
     _prepare(directory)
     if runtime.process_id == 0:
       lock_path = _take(directory, me)
+      if tidy is not None:
+        tidy(directory)
   except CheckpointDirectoryError as e:
     problem = {"kind": type(e).__name__, "message": str(e)}
   problems = {runtime.process_id: problem} if problem else {}

@@ -7,12 +7,13 @@ code passes it. It keeps the Trainer's guarantees: the directory is claimed
 for this job (another running job writing there is an error, and saves that
 a killed job left half-written are removed when orbax opens the directory,
 at the first save or restore there), each checkpoint's metadata and arrays
-are checksummed (a corrupt newest checkpoint is skipped with a warning), and
-a checkpoint restores onto any number of devices or processes in the layout
-of the state it is restored into.
+are checksummed (a corrupt newest checkpoint is skipped with a warning, and
+`restored_step` and `latest_step` then name the step restored), a save of a
+step that exists replaces it, and a checkpoint restores onto any number of
+devices or processes in the layout of the state it is restored into.
 
 With `snapshot_every=N`, in a `jdist launch` job, it also keeps the newest
-state in host memory (`snapshots.py`): `save` takes a snapshot every N
+state in host memory (`snapshots/`): `save` takes a snapshot every N
 steps, and a background thread writes it to the job's directory under
 /dev/shm (and each process's part, as a replica, to the next process's)
 while the loop goes on, and `restore` takes the newest of the
@@ -40,10 +41,9 @@ from jdist._src.checkpoint import checkpointer as ckpt_lib
 from jdist._src.checkpoint import snapshots as snapshots_lib
 from jdist._src.checkpoint.checkpointer import Checkpointer
 from jdist._src.core import mesh_context
-from jdist._src.core import placement
 from jdist._src.errors import CheckpointNotFoundError
-from jdist._src.multiprocess import ranks
-from jdist._src.multiprocess import snapshot_dir
+from jdist._src.launcher import job_env
+from jdist._src.launcher import snapshot_dir
 
 
 # The leaf that holds the metadata saved with a snapshot (`BackupAndRestore`:
@@ -64,7 +64,7 @@ def check_steps(name: str, value) -> int | None:
 def launched_job(snapshot_every: int | None) -> str | None:
   """This `jdist launch` job's run id, or None; with `snapshot_every`, a
   ValueError when there is none (the snapshots need one)."""
-  run_id = os.environ.get(ranks.ENV_RUN_ID)
+  run_id = os.environ.get(job_env.ENV_RUN_ID)
   if snapshot_every is not None and not run_id:
     raise ValueError(
         f"snapshot_every={snapshot_every}: in-memory snapshots are kept for "
@@ -90,7 +90,8 @@ class CheckpointManager:
     directory: where the checkpoints go (one orbax step directory each).
     max_to_keep: keep only the newest N checkpoints (None: all).
     strategy: whose devices `restore` places the state on (default: the
-      strategy in scope when `restore` is called).
+      devices the state given to `restore` is placed on, else the strategy
+      in scope when `restore` is called).
     save_every: `save` writes to `directory` only at the steps that are a
       multiple of it (None: at every call). With `snapshot_every`, call
       `save` at every step and let these two choose.
@@ -103,6 +104,9 @@ class CheckpointManager:
       through the JAX runtime), so that the snapshot outlives one host; only
       the newest complete snapshot is kept (on one machine); the launcher
       removes them when the job ends.
+
+  Attributes:
+    restored_step: the step the last `restore` restored (None before one).
 
   Raises:
     ValueError: `snapshot_every` outside `jdist launch` (it names the job's
@@ -122,9 +126,19 @@ class CheckpointManager:
     ...     _ = manager.save(step, state)
     ...   manager.steps, manager.latest_step
     ...   restored = manager.restore(state)
+    ...   manager.restored_step
     ([2, 3], 3)
+    3
     >>> restored["w"].tolist()
     [3.0, 3.0, 3.0]
+
+    Resuming a loop: restore first, then read the step restored (a corrupt
+    newest checkpoint is skipped with a warning, and `latest_step` then
+    names the one restored):
+
+    >>> if manager.latest_step is not None:  # doctest: +SKIP
+    ...   state = manager.restore(state)
+    >>> start = manager.latest_step or 0  # doctest: +SKIP
 
     In a `jdist launch` job, a snapshot in memory every 10 steps and a
     checkpoint on disk every 100 (the loop calls `save` at every step):
@@ -149,13 +163,15 @@ class CheckpointManager:
                               claim=True)
     self._snapshots = None
     self._names = None  # (treedef, names) of the state snapshotted last
+    # The step the last `restore` restored (None before one).
+    self.restored_step: int | None = None
     if snapshot_every is not None:
       # One directory per manager of the job, named by its checkpoint directory.
       name = hashlib.sha256(self.directory.encode()).hexdigest()[:16]
       try:
         self._snapshots = snapshots_lib.Snapshots(
             os.path.join(snapshot_dir.job_directory(run_id), name),
-            attempt=int(os.environ.get(ranks.ENV_RESTART_COUNT, "0")))
+            attempt=int(os.environ.get(job_env.ENV_RESTART_COUNT, "0")))
         self._agreed_snapshot_step()
       except BaseException:
         self._ckpt.close()  # the directory's claim goes with the manager
@@ -170,13 +186,19 @@ class CheckpointManager:
   def latest_step(self) -> int | None:
     """The newest checkpoint's step, or None when there is none: the newest
     of the persistent checkpoints and of the in-memory snapshot (with
-    `snapshot_every`), the step `restore` resumes from."""
-    steps = self.steps
-    disk = steps[-1] if steps else None
+    `snapshot_every`), leaving out those `restore` found corrupt. After
+    `restore`, the step it restored, until the next `save`: a loop reads
+    its start here after restoring (see the class's example)."""
+    disk = self._disk_step()
     memory = self.snapshot_step
     if memory is None or (disk is not None and disk > memory):
       return disk
     return memory
+
+  def _disk_step(self) -> int | None:
+    """The newest persistent checkpoint not found corrupt, or None."""
+    steps = [s for s in self.steps if s not in self._ckpt.corrupt]
+    return steps[-1] if steps else None
 
   @property
   def snapshot_step(self) -> int | None:
@@ -207,7 +229,9 @@ class CheckpointManager:
   def save(self, step: int, state: Any) -> str | None:
     """Writes `state` as checkpoint `step` (every process calls it).
 
-    With `save_every`, only at its multiples; with `snapshot_every`, also
+    A checkpoint `step` already in the directory is replaced (the new one is
+    written aside, then renamed into its place). With `save_every`, only at
+    its multiples; with `snapshot_every`, also
     (first) as the in-memory snapshot at its multiples: taken now, and
     written by a background thread from the next call on.
     A state with NaN or infinite values is not written (a warning says so),
@@ -223,8 +247,11 @@ class CheckpointManager:
       OSError: with `snapshot_every`, writing the snapshot before this one
         failed (in the background: raised at the next call).
       TypeError: a leaf of `state` is not an array (a Python float or int).
+      ValueError: the manager was closed (its lock on the directory went
+        with it).
     """
     step = int(step)
+    self._ckpt.check_open(step)
     # A mesh the user set is set aside: the checkpoint's programs run over
     # the state's own devices.
     with mesh_context.set_aside():
@@ -281,6 +308,10 @@ class CheckpointManager:
     snapshot that cannot be used (a part missing or unreadable) leaves the
     persistent directory to it, and process 0 prints a line that says why.
 
+    It sets `restored_step` (and `latest_step`) to the step restored.
+    Without a `strategy`, the state is placed on the mesh of `like`'s
+    leaves (those placed by a strategy), else on the current strategy's.
+
     Raises:
       jdist.CheckpointNotFoundError: the directory holds no checkpoint.
       jdist.CheckpointMismatchError: the checkpoint holds another state
@@ -288,19 +319,34 @@ class CheckpointManager:
       jdist.CheckpointError: every checkpoint there is corrupt.
       TypeError: a leaf of `like` is not an array (a Python float or int).
     """
-    strategy = self._strategy or current.get_strategy()
+    mesh = self._mesh(like)
     with mesh_context.set_aside():  # as in save
       if self._snapshots is not None:
-        got = self._restore_snapshot(like, strategy.mesh, step)
+        got = self._restore_snapshot(like, mesh, step)
         if got is not None:
+          self.restored_step = self._snapshots.complete[0]
           return got
-      restored = self._ckpt.restore(like, strategy.mesh, step=step)
+      restored = self._ckpt.restore(like, mesh, step=step)
     if restored is None:
       raise CheckpointNotFoundError(
           f"{self.directory} holds no checkpoint to restore. Check "
           "`manager.latest_step is not None` first, and train from the "
           "initial state when it is None.")
-    return restored[0]
+    state, meta = restored
+    self.restored_step = int(meta["step"])
+    return state
+
+  def _mesh(self, like: Any):
+    """The mesh `restore` places the state on: the strategy's, else the one
+    mesh `like`'s leaves are placed on, else the current strategy's."""
+    if self._strategy is not None:
+      return self._strategy.mesh
+    meshes = {getattr(x.sharding, "mesh", None)
+              for x in jax.tree_util.tree_leaves(like)
+              if isinstance(x, jax.Array)}
+    if len(meshes) == 1 and None not in meshes:
+      return meshes.pop()
+    return current.get_strategy().mesh
 
   def _restore_snapshot(self, like, mesh, step: int | None, *,
                         with_meta: bool = False):
@@ -308,8 +354,7 @@ class CheckpointManager:
     meta)`), or None (the persistent directory's turn). Every process calls
     it and gets the same answer."""
     self._snapshots.flush()
-    steps = self.steps
-    group, note, disk = self._snapshots.agree(steps[-1] if steps else None)
+    group, note, disk = self._snapshots.agree(self._disk_step())
     where = (f"the checkpoint of step {disk} in {self.directory}"
              if disk is not None else f"{self.directory} (no checkpoint there)")
     if group is None or (step is not None and group[0] != step):
@@ -372,7 +417,7 @@ class BackupManager(CheckpointManager):
   fit's metadata (position, logs, history, data state), on disk and in the
   in-memory snapshots, and fit takes its snapshots from a callback (fit's
   next step donates the state's arrays: the snapshot packs a copy of them
-  when it is taken, `snapshots.py`). Not public: a
+  when it is taken, `snapshots/store.py`). Not public: a
   custom loop uses `CheckpointManager`."""
 
   @property

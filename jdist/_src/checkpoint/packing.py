@@ -1,6 +1,6 @@
 """A process's blocks of a snapshot as bytes, in one program on one device.
 
-A snapshot (`snapshots.py`) needs the bytes of the blocks of the state this
+A snapshot (`snapshots/`) needs the bytes of the blocks of the state this
 process holds (its part, written to a file) and of those of them the next
 process lacks (its copy, sent to it by `peer_copy.py`). Copying each leaf to
 the host on its own costs a dispatch and a transfer per leaf, on the loop's

@@ -2,7 +2,7 @@
 
 So that a snapshot outlives a host, process k's part is also held by process
 (k+1) mod n, which writes it after its own part, in its own file on its own
-host, as the replica of process k (`snapshots.py`). The bytes go through the JAX runtime,
+host, as the replica of process k (`snapshots/`). The bytes go through the JAX runtime,
 as one jitted collective over a mesh of one device per process: each process
 has packed the blocks of its part that the next process does not hold itself
 (of the state's addressable shards, one copy of each, as raw bytes) into one

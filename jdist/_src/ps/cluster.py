@@ -16,7 +16,7 @@ from typing import Mapping
 import jax
 
 from jdist._src.errors import ClusterError
-from jdist._src.multiprocess.tf_config import TFConfigClusterResolver
+from jdist._src.runtime.tf_config import TFConfigClusterResolver
 
 
 @dataclasses.dataclass(frozen=True)

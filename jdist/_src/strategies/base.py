@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable
 from jdist._src.core import context
 from jdist._src.core import mesh_context
 from jdist._src.core import placement
+from jdist._src.keras import distribution as keras_dist
 
 # Compilations of one step (or one piece of code given to run) after which
 # jdist warns that something makes it compile again and again.
@@ -43,6 +44,12 @@ class StrategyBase(abc.ABC):
     >>> isinstance(jdist.MirroredStrategy(), StrategyBase)
     True
   """
+
+  # What Keras's own fit runs as while this strategy's scope is open
+  # (`keras/distribution.py`): "data_parallel", "model_parallel", None (the
+  # default strategy: Keras is left alone), or "unsupported" (fit fails,
+  # naming jdist.Trainer).
+  keras_distribution = keras_dist.UNSUPPORTED
 
   def __init__(self, *,
                state_placement: placement.StatePlacement | None = None):
@@ -104,13 +111,20 @@ class StrategyBase(abc.ABC):
   def scope(self) -> contextlib.AbstractContextManager:
     """Makes this the current strategy: `jdist.get_strategy()` returns it.
 
+    In a program that uses Keras (JAX backend) it also sets the
+    `keras.distribution` that Keras's own `fit` reads, on this strategy's
+    devices: `DataParallel` for data-parallel strategies, `ModelParallel`
+    with the `LayoutMap` for `ModelParallelStrategy`; one that Keras's fit
+    cannot run makes fit fail naming `jdist.Trainer`. A Keras model made
+    in the scope keeps it after the scope closes, as in TensorFlow.
+
     Example:
       >>> import jdist
       >>> strategy = jdist.MirroredStrategy()
       >>> with strategy.scope():
       ...   assert jdist.get_strategy() == strategy and jdist.has_strategy()
     """
-    return context.strategy_scope(self)
+    return keras_dist.scope(self, context.strategy_scope(self))
 
   def run(self, fn: Callable, args=(), kwargs=None) -> Any:
     """Runs `fn(*args, **kwargs)` on every replica, as `tf.distribute` does.

@@ -116,6 +116,9 @@ class CentralStorageStrategy(Strategy):
     True
   """
 
+  # Keras on JAX cannot hold variables on one device and compute on others.
+  keras_distribution = "unsupported"
+
   def __init__(self, compute_devices: Sequence[Any] | None = None,
                parameter_device: Any = None, *, axis_name: str | None = None,
                mesh: Mesh | DeviceMesh | None = None):

@@ -11,7 +11,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from jdist._src.multiprocess import runtime as runtime_lib
+from jdist._src.runtime import runtime as runtime_lib
 
 
 def default_devices(shape: tuple) -> np.ndarray:

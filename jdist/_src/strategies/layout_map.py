@@ -137,8 +137,16 @@ class LayoutMap(collections.abc.MutableMapping):
     Raises:
       ValueError: no key equals any of them and more than one matches.
     """
-    key = self._key(_tails(path), path)
+    key = self.key_of(path)
     return None if key is None else self._rules[key]
+
+  def key_of(self, path: str) -> str | None:
+    """The key that lays out the array at `path` (see `layout_of`), or None.
+
+    Raises:
+      ValueError: no key equals `path` or a tail and more than one matches.
+    """
+    return self._key(_tails(path), path)
 
   @property
   def output_keys(self) -> tuple:
@@ -225,10 +233,16 @@ class LayoutMap(collections.abc.MutableMapping):
     self.warn_unmatched([n for n, x, _ in entries if np.ndim(x)])
     return jax.tree_util.tree_unflatten(jax.tree.structure(tree), specs)
 
+  def unmatched(self, names: list[str]) -> list[str]:
+    """The parameter keys that match none of the paths `names` (nor their
+    tails); output-layout keys lay out layers' outputs, not parameters (see
+    `warn_unmatched_outputs`)."""
+    return [key for key in self._rules
+            if not key.endswith(_OUTPUT) and not _matches_any(key, names)]
+
   def warn_unmatched(self, names: list[str]) -> None:
     """Warns for each parameter key that matches none of the paths `names`
-    (output-layout keys lay out layers' outputs, not parameters: see
-    `warn_unmatched_outputs`).
+    (see `unmatched`).
 
     Args:
       names: the paths of the tree's arrays of one dimension or more. None
@@ -237,13 +251,12 @@ class LayoutMap(collections.abc.MutableMapping):
     """
     if not names:
       return
-    for key in self._rules:
-      if not key.endswith(_OUTPUT) and not _matches_any(key, names):
-        warnings.warn(
-            f"LayoutMap key {key!r} matches no parameter; the paths are "
-            f"{names[:20]}{' ...' if len(names) > 20 else ''}. Keys match a "
-            "whole path or a tail after a '/' (re.fullmatch).",
-            stacklevel=3)
+    for key in self.unmatched(names):
+      warnings.warn(
+          f"LayoutMap key {key!r} matches no parameter; the paths are "
+          f"{names[:20]}{' ...' if len(names) > 20 else ''}. Keys match a "
+          "whole path or a tail after a '/' (re.fullmatch).",
+          stacklevel=3)
 
   def shardings(self, tree: Any) -> Any:
     """A `NamedSharding` on the mesh for every leaf of `tree`."""

@@ -117,6 +117,8 @@ class ModelParallelStrategy(Strategy):
     P(None, 'model')
   """
 
+  keras_distribution = "model_parallel"  # ModelParallel, with its LayoutMap
+
   def __init__(self, *, layout_map: LayoutMap | None = None,
                device_mesh: DeviceMesh | Mesh | None = None,
                batch_dim_name: str | None = None,

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdist._src.core import cross_replica
@@ -26,9 +26,9 @@ from jdist._src.core import state_output as state_output_lib
 from jdist._src.core.function import DistributedFunction
 from jdist._src.input import dataset as input_lib
 from jdist._src.input.options import InputOptions
-from jdist._src.multiprocess import runtime as runtime_lib
-from jdist._src.multiprocess.options import CommunicationOptions
-from jdist._src.multiprocess.program_check import StepGuard
+from jdist._src.runtime import runtime as runtime_lib
+from jdist._src.runtime.options import CommunicationOptions
+from jdist._src.runtime.program_check import StepGuard
 from jdist._src.strategies import output_layouts
 from jdist._src.strategies.base import StrategyBase
 
@@ -50,6 +50,8 @@ class Strategy(StrategyBase):
     >>> float(strategy.reduce("sum", loss))
     9.0
   """
+
+  keras_distribution = "data_parallel"  # Keras's fit in its scope: see StrategyBase
 
   def __init__(self, devices: Sequence[Any], *, axis_name: str = "replica",
                communication_options=None,
@@ -139,6 +141,26 @@ class Strategy(StrategyBase):
       [P()]
     """
     return [P() for _ in jax.tree.leaves(tree)]
+
+  def shardings(self, tree: Any) -> Any:
+    """The `NamedSharding` each leaf of `tree` has as state of this strategy:
+    whole on every device of the mesh (as `replicate` places it), the leaves
+    of a `jdist.Sharded` split as it says. `ModelParallelStrategy` lays
+    leaves out by its rules. Nothing is placed: `tree` may hold
+    `jax.ShapeDtypeStruct` values (planning a state before it exists).
+
+    Example:
+      >>> import jdist, jax.numpy as jnp
+      >>> strategy = jdist.MirroredStrategy()
+      >>> strategy.shardings({"w": jnp.zeros((2, 3))})["w"].spec
+      P()
+    """
+    specs = []
+    for node in jax.tree.leaves(tree, is_leaf=kinds.has_layouts):
+      own = kinds.kind_of(node).layouts(node)
+      specs.extend([P()] if own is None else own)
+    return jax.tree_util.tree_unflatten(jax.tree.structure(tree), [
+        NamedSharding(self._mesh, spec) for spec in specs])
 
   def keep_layouts(self, outputs: Any) -> Any:
     """Inside a traced step: its outputs, held in this strategy's layouts.

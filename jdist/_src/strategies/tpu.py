@@ -6,7 +6,7 @@ import jax
 from jax.sharding import Mesh
 
 from jdist._src.errors import ClusterError
-from jdist._src.multiprocess import runtime as runtime_lib
+from jdist._src.runtime import runtime as runtime_lib
 from jdist._src.strategies.device_mesh import DeviceMesh
 from jdist._src.strategies.spmd import Strategy
 from jdist._src.strategies.devices import from_mesh, replica_order
