@@ -159,9 +159,10 @@ class LayoutMap(collections.abc.MutableMapping):
     ("batch", None)`), found as `layout_of` finds a parameter's.
 
     Keras constrains a layer's output to it (`with_sharding_constraint`);
-    jdist does inside a step, for flax modules and Keras layers at `path`
-    (their path in the model: `Dense_1`, `block/mlp`, `sequential/d2`).
-    A step sees one replica: the replica axis is left out of the spec.
+    jdist does inside a step for flax modules at `path` (their path in the
+    model: `Dense_1`, `block/mlp`), and a Keras layer's path is Keras's
+    (`sequential/d2`). A step sees one replica: a constraint there leaves
+    the replica axis out of the spec.
 
     Raises:
       ValueError: see `layout_of`.
@@ -188,9 +189,10 @@ class LayoutMap(collections.abc.MutableMapping):
             f"LayoutMap key {key!r} is an output-layout key (as in Keras, it "
             "lays out the output of the layer at its path), but it matches "
             f"the output of no layer the step ran; the layers are {shown}"
-            f"{more}. jdist applies it to flax modules (linen, nnx) and "
-            "Keras layers inside a step, named by their path in the model "
-            "(a key matches a path or its tail after a '/').", stacklevel=3)
+            f"{more}. Inside its steps jdist applies it to flax modules "
+            "(linen, nnx), named by their path in the model (a key matches "
+            "a path or its tail after a '/'); Keras's own fit under the "
+            "strategy's scope applies it to Keras layers.", stacklevel=3)
 
   def spec_for(self, path: str, shape: tuple) -> P:
     """The checked `PartitionSpec` of an array of `shape` at `path` (see
