@@ -1,10 +1,8 @@
 """Every error jdist raises on purpose, under one base class, `jdist.Error`.
 
-Each error also keeps the builtin base that code catching it used before
-(`ValueError` for a wrong setup, `RuntimeError` for a failure while running,
-`FileNotFoundError` for a missing checkpoint), so `except ValueError` still
-works. The docs' "Errors that say what to do" (docs/errors.md) lists them with
-where each is raised.
+Each error also keeps a builtin base (`ValueError` for a wrong setup,
+`RuntimeError` for a failure while running, ...), so `except ValueError`
+still works. docs/errors.md lists where each is raised.
 
 Example:
   >>> import jdist
@@ -69,9 +67,8 @@ class CollectiveTimeoutError(Error, RuntimeError):
 class PeerFailureError(Error, RuntimeError):
   """Another process of the run failed, so this one cannot continue.
 
-  Raised by a rendezvous outside XLA (the program check, the input
-  agreement) that learns of the failure. A process blocked inside an XLA
-  collective cannot raise: the process monitor prints
+  Raised by a rendezvous outside XLA that learns of the failure; a process
+  blocked inside an XLA collective cannot raise, so its monitor prints
   `jdist.PeerFailureError: ...` and ends the process instead.
   """
 
@@ -100,11 +97,10 @@ class CheckpointMismatchError(DistributionError):
 class WorkerFailedError(Error, RuntimeError):
   """A worker of a parameter-server cluster failed (or hung).
 
-  The coordinator runs the worker's functions again on the other workers (a
-  function may run more than once); raise it from a scheduled function to
-  say that its worker is unusable (the threads backend's stand-in for a
-  dead worker). It reaches `join()` only when fewer workers are left than
-  the strategy's `ray_options["min_workers"]` (default 1).
+  The coordinator runs the worker's functions again on the other workers;
+  raise it from a scheduled function to say its worker is unusable. It
+  reaches `join()` only when fewer workers are left than
+  `ray_options["min_workers"]` (default 1).
   """
 
 
@@ -113,8 +109,8 @@ class ParameterServerError(Error, RuntimeError):
   `timeout_seconds`): its variables are lost.
 
   Raised by `ClusterCoordinator.join()`, `schedule()` and `done()`, and by
-  reading variables, within the strategy's `timeout_seconds`. Restart the
-  cluster and restore the variables from a checkpoint.
+  reading variables. Restart the cluster and restore the variables from a
+  checkpoint.
   """
 
 

@@ -1,22 +1,10 @@
 """Checkpoints of a train state with orbax-checkpoint: saving, restoring,
-replacing.
+replacing (the format and its checks: docs/checkpoints.md).
 
-Each checkpoint is an orbax step directory with two items: `state` (the
-train state's arrays as a nested dict named by their paths) and `meta`
-(`metadata.py`: JSON with the training position, every leaf's shape, dtype
-and content hash, sealed by a SHA-256).
-orbax writes a step into a temporary directory and renames it when complete,
-so a crash mid-save leaves the previous checkpoints as they were; a save of
-a step that exists is written aside and renamed over it (`_replace`). On
-restore, a checkpoint whose files cannot be read, whose metadata fails its
-SHA-256 or whose arrays, as read, fail their content hashes is skipped with
-a warning and the one before it is used; a checkpoint of a different model
-is an error.
-
-Arrays are restored with the target's sharding on the current mesh
-(replicated, or split over the replicas for a `jdist.ShardedOptimizer`'s
-state), so a checkpoint saved on 4 devices (or 2 processes) restores onto 2
-devices (or 1 process) and back.
+A checkpoint is an orbax step directory with two items, `state` (the arrays
+nested by their paths) and `meta` (`metadata.py`). Arrays are restored with
+the target's shardings, so any device or process count restores any
+checkpoint.
 """
 
 from __future__ import annotations
@@ -60,9 +48,8 @@ def _is_key(x) -> bool:
 def _paths(tree, fmt: str) -> list:
   """`(path, leaf)` of every leaf of `tree`, in its flattening order.
 
-  A `jdist.Sharded` adds no level to the paths (from format 3 on): sharded
-  optimizer state has the names of the mirrored state it equals, leaf for
-  leaf, so either checkpoint loads into the other.
+  A `jdist.Sharded` adds no level to the paths (from format 3 on), so sharded
+  and mirrored optimizer state load into each other.
   """
   if fmt in (_NESTED_FORMAT, _UNCHECKED_FORMAT):
     return jax.tree_util.tree_flatten_with_path(tree)[0]
@@ -77,8 +64,7 @@ def _paths(tree, fmt: str) -> list:
 
 
 def _flatten(tree, fmt: str = FORMAT) -> tuple[list[str], list, Any]:
-  """Leaves of `tree` with stable '/'-joined path names (as `fmt` names
-  them)."""
+  """Leaves of `tree` with '/'-joined path names, as `fmt` names them."""
   with_path = _paths(tree, fmt)
   treedef = jax.tree_util.tree_structure(tree)
   names = ["/".join(_name(e) for e in path) for path, _ in with_path]
@@ -117,16 +103,14 @@ def nonfinite_leaves(state) -> list[str]:
 
 
 def _storable(leaves) -> list:
-  """The leaves as stored: PRNG keys as their data (abstract keys, a
-  `jax.eval_shape` target's, as abstract data)."""
+  """The leaves as stored: PRNG keys as their key data."""
   return [(jax.random.key_data(x) if isinstance(x, jax.Array) else
            jax.eval_shape(jax.random.key_data, x)) if _is_key(x) else x
           for x in leaves]
 
 
 def _arrays_only(names, leaves) -> None:
-  """Raises TypeError, naming them, for leaves that are not arrays (a
-  Python float or int: no dtype or shape of its own to save and check)."""
+  """Raises TypeError naming the leaves that are not arrays."""
   bad = [f"{n} (a {type(x).__module__.replace('builtins', 'Python')} "
          f"{type(x).__name__}: {x!r:.40})"
          for n, x in zip(names, leaves)
@@ -141,8 +125,7 @@ def _arrays_only(names, leaves) -> None:
 
 
 def storable_leaves(tree) -> tuple[list[str], list, list, Any]:
-  """`(names, stored, leaves, treedef)` of `tree`: its leaves' path names,
-  the leaves as stored (PRNG keys as their data), the leaves, its treedef.
+  """`(names, stored, leaves, treedef)` of `tree` (stored: keys as data).
 
   Raises:
     TypeError: a leaf is not an array (a Python float or int).
@@ -153,10 +136,8 @@ def storable_leaves(tree) -> tuple[list[str], list, list, Any]:
 
 
 def placed(wholes: list, stored: list, leaves: list, treedef, mesh) -> Any:
-  """The tree of `wholes` (host arrays, one whole leaf each, PRNG keys as
-  their data) placed on `mesh` as the target's leaves are (`stored`, as
-  `storable_leaves` gives them, and `leaves`): split where they are split
-  over this mesh, otherwise whole on every device."""
+  """The tree of `wholes` (host arrays) placed on `mesh` as the target's
+  leaves are: split where they are split over this mesh, else whole."""
   replicated = NamedSharding(mesh, P())
   out = []
   for whole, like, target in zip(wholes, stored, leaves):
@@ -169,9 +150,7 @@ def placed(wholes: list, stored: list, leaves: list, treedef, mesh) -> Any:
 
 
 def _target_sharding(leaf, replicated: NamedSharding) -> NamedSharding:
-  """Where a leaf is restored: split as the target's leaf is (optimizer
-  state sharded over this mesh's replicas, orbax reads each device's block),
-  otherwise whole on every device."""
+  """Where a leaf is restored: split as the target's leaf, else replicated."""
   sharding = getattr(leaf, "sharding", None)
   if (isinstance(sharding, NamedSharding) and
       sharding.mesh == replicated.mesh and any(sharding.spec)):
@@ -189,9 +168,7 @@ def _swap_in(directory: str, step: int) -> None:
 
 
 def _finish_replacing(directory: str) -> None:
-  """Finishes or drops a replacement that a killed job left (the owner, when
-  it claims the directory): a new checkpoint written whole whose step is
-  missing goes into its place; whatever else is left is deleted."""
+  """Completes or drops a replacement a killed job left (run by the owner)."""
   side = os.path.join(directory, _REPLACING)
   try:
     entries = os.listdir(side)
@@ -205,27 +182,9 @@ def _finish_replacing(directory: str) -> None:
 
 
 class Checkpointer:
-  """Saves and restores train states in `directory` with orbax.
-
-  Args:
-    directory: where the step directories go (created if needed).
-    max_to_keep: keep only this many newest checkpoints (None: all).
-    claim: claim the directory for this job (`directory_claim.py`): check
-      that every process can write it and lock it against other jobs, until
-      `close`. Writers claim; `load_checkpoint` only reads.
-
-  Raises:
-    jdist.CheckpointDirectoryError: (with `claim`) the directory is a file
-      or cannot be written.
-    jdist.CheckpointInUseError: (with `claim`) another running job owns it.
-
-  Example:
-    >>> import jdist, tempfile
-    >>> from jdist._src.checkpoint.checkpointer import Checkpointer
-    >>> ckpt = Checkpointer(tempfile.mkdtemp())
-    >>> ckpt.steps()
-    []
-  """
+  """Saves and restores train states in `directory` with orbax, keeping
+  `max_to_keep` newest; with `claim`, the directory is claimed for this job
+  until `close` (`directory_claim.py`: writers claim, readers do not)."""
 
   def __init__(self, directory, *, max_to_keep: int | None = None,
                claim: bool = False):
@@ -240,10 +199,8 @@ class Checkpointer:
 
   @property
   def _manager(self):
-    """orbax's CheckpointManager of the directory, opened at the first save
-    or restore that needs it: its creation is a barrier of every process
-    (all call `save` and `restore`), and a restart that resumes from memory
-    never needs it."""
+    """orbax's CheckpointManager, opened at first use: opening it is a barrier
+    of every process, which a resume from memory never needs."""
     if self._opened is None:
       import orbax.checkpoint as ocp  # slow to import: only when checkpointing
       # The owner removes what saves that died left behind (a reader must
@@ -258,8 +215,7 @@ class Checkpointer:
     return self._opened
 
   def steps(self) -> list[int]:
-    """Steps of the complete checkpoints, oldest first (the step directories
-    orbax has renamed into place; read without opening orbax)."""
+    """Steps of the complete checkpoints, oldest first (without orbax)."""
     try:
       entries = os.scandir(self.directory)
     except (FileNotFoundError, NotADirectoryError):
@@ -269,15 +225,10 @@ class Checkpointer:
                     if _STEP.fullmatch(e.name) and e.is_dir())
 
   def save(self, step: int, state, meta: dict) -> bool:
-    """Writes `state` and `meta` as checkpoint `step` (all processes call it).
-
-    A checkpoint `step` already there is replaced: the new one is written
-    aside, then renamed into its place (`_replace`). A state with NaN or
-    infinite values is not written (a warning says so): with `max_to_keep`,
-    it would rotate the last good checkpoints away.
-
-    Returns:
-      Whether this state is now checkpoint `step` in the directory.
+    """Writes `state` and `meta` as checkpoint `step` (all processes call it),
+    replacing one there; returns whether it is now checkpoint `step` (a state
+    with NaN or infinite values is not written, with a warning, so
+    `max_to_keep` never rotates the last good checkpoints away).
 
     Raises:
       ValueError: the checkpointer was closed.
@@ -314,8 +265,7 @@ class Checkpointer:
     return True
 
   def check_open(self, step: int) -> None:
-    """Raises ValueError, before anything is written, once `close` ran: the
-    claim on the directory went with it (another job may own it now)."""
+    """Raises ValueError once `close` ran (the claim went with it)."""
     if self._closed:
       raise ValueError(
           f"Cannot save step {step} to {self.directory}: its checkpoint "
@@ -335,11 +285,11 @@ class Checkpointer:
         "the loss becomes NaN.", UserWarning, stacklevel=4)
 
   def _replace(self, step: int, args) -> None:
-    """Writes checkpoint `step` over the one there (every process calls
-    it): orbax writes it whole in `_REPLACING/<step>`, then process 0
-    renames the old one out of the way and the new one into its place (a
-    reader finds the old checkpoint, then, for the moment between two
-    renames, none, then the new one; never a mix), and deletes the old."""
+    """Writes checkpoint `step` over the one there (every process calls it).
+
+    orbax writes it whole aside; process 0 then renames the old one away and
+    the new one in, so a reader never sees a mix of the two.
+    """
     side = os.path.join(self.directory, _REPLACING)
     self._ocp.Checkpointer(self._ocp.CompositeCheckpointHandler()).save(
         os.path.join(side, str(step)), args=args, force=True)
@@ -378,15 +328,12 @@ class Checkpointer:
           meta=ocp.args.JsonRestore()))["meta"]
 
   def restore(self, target, mesh, *, step: int | None = None):
-    """Restores the newest usable checkpoint onto `mesh`, shaped like `target`.
-
-    Returns:
-      `(state, meta)`, or None when the directory has no checkpoint.
+    """`(state, meta)` of the newest usable checkpoint (or `step`) onto `mesh`,
+    shaped like `target`; None when there is none.
 
     Raises:
       CheckpointMismatchError: the checkpoint holds another model.
-      jdist.CheckpointError: no checkpoint in the directory can be read (a
-        RuntimeError).
+      jdist.CheckpointError: no checkpoint in the directory can be read.
     """
     candidates = [step] if step is not None else self.steps()[::-1]
     if not candidates:
@@ -463,8 +410,7 @@ class Checkpointer:
     return f"  step {step}: {why}"
 
   def close(self, *, delete: bool = False) -> None:
-    """Lets the directory go; with `delete`, deletes it first (process 0).
-    `save` then raises."""
+    """Lets the directory go; with `delete`, deletes it first."""
     self._closed = True
     if self._opened is not None:
       self._opened.close()

@@ -1,28 +1,8 @@
-"""A content hash of a checkpoint's arrays that any mesh can verify.
+"""A content hash of a checkpoint's arrays that any mesh can verify
+(docs/checkpoints.md defines it).
 
-A checkpoint saved on 4 devices of 2 processes may be restored onto 2
-devices of 1 process: the blocks each process holds when it saves are not
-those it holds when it restores, and no process ever holds a whole leaf that
-is split over the processes. So the hash of a leaf is defined over its
-elements, not over any process's bytes: each 32-bit word `w` of the leaf's
-bits, at position `i`, is mixed with its position by murmur3's 32-bit
-finalizer (`_fmix`, a bijection of uint32): `h = fmix(w ^ i * 0x9E3779B9)`;
-the digest is two sums modulo 2**32, of `h` and of `h * (2i + 1)` (64 bits in
-all). A sum does not depend on the order of its terms, so each device sums
-its own block, XLA adds the blocks' sums (one small all-reduce), and every
-mesh computes the same value for the same content: what is hashed is the
-leaf, wherever it lies.
-
-What it catches: for a given position, `h` is a bijection of `w` and so is
-multiplying by an odd number, so any change confined to one word, such as a
-flipped bit, always changes both sums; moving a word changes its mix; other
-corruption goes undetected with a probability of about 2**-64. It is not a
-cryptographic hash: it finds damage, not forgery.
-
-The same program also says whether each leaf's values are all finite (a
-state with NaN or infinities is not saved), so a save reads the state once,
-on its devices, and moves 9 bytes a leaf to the host. A leaf whole on every
-device (a mirrored one) is read on one device only.
+Two sums of each 32-bit word mixed with its position: each device sums its
+own block and XLA adds the sums, so every mesh gets the same digest.
 
 Example:
   >>> import jax.numpy as jnp
@@ -47,8 +27,7 @@ _NARROW = {2: jnp.uint2, 4: jnp.uint4}  # unsigned types under a byte wide
 
 
 def _fmix(h: jax.Array) -> jax.Array:
-  """murmur3's 32-bit finalizer: a bijection of uint32 that spreads every
-  input bit over the output."""
+  """murmur3's 32-bit finalizer: a bijection of uint32."""
   h = h ^ (h >> 16)
   h = h * jnp.uint32(0x85EBCA6B)
   h = h ^ (h >> 13)
@@ -57,9 +36,8 @@ def _fmix(h: jax.Array) -> jax.Array:
 
 
 def _words(x: jax.Array) -> jax.Array:
-  """`x`'s bits as uint32 words: one word per element of 32 bits or fewer
-  (widened), several along a last axis for wider ones (64-bit types,
-  complex values as their real and imaginary parts)."""
+  """`x`'s bits as uint32 words: one per element of 32 bits or fewer, several
+  along a last axis for wider ones (complex: real and imaginary parts)."""
   if jnp.issubdtype(x.dtype, jnp.complexfloating):
     x = jnp.stack([x.real, x.imag], -1)
   bits = jax.dtypes.itemsize_bits(x.dtype)
@@ -74,8 +52,7 @@ def _words(x: jax.Array) -> jax.Array:
 
 
 def _positions(shape: tuple) -> jax.Array:
-  """Each element's row-major position in an array of `shape`, as uint32
-  (an array over 2**32 elements repeats positions: harmless for a hash)."""
+  """Each element's row-major position, as uint32 (wrapping past 2**32)."""
   position = jnp.zeros(shape, jnp.uint32)
   stride = 1
   for axis in reversed(range(len(shape))):
@@ -114,20 +91,15 @@ def _host(x) -> np.ndarray:
 
 
 def _one_copy(x):
-  """What to hash of leaf `x`: one device's copy of a leaf whole on every
-  device (the others hold the same bytes: hashing each would repeat the
-  work), else the leaf itself (each device hashes its block)."""
+  """One device's copy of a replicated leaf, else the leaf."""
   if isinstance(x, jax.Array) and x.sharding.is_fully_replicated:
     return x.addressable_data(0)
   return x
 
 
 def digests(leaves: list) -> tuple[list[str], list[bool]]:
-  """`(digests, finite)` of `leaves` (arrays, PRNG keys as their data): each
-  leaf's digest as 16 hexadecimal digits, the same on every mesh and every
-  process, and whether its values are all finite (every process calls it
-  for a leaf split over the processes: one program over the global arrays;
-  a leaf whole on every device is hashed from one device's copy)."""
+  """`(digests, finite)` of `leaves`: 16 hexadecimal digits each, the same on
+  every mesh, and whether its values are finite (every process calls it)."""
   groups: dict = {}  # one program per set of devices
   for i, x in enumerate(leaves):
     x = _one_copy(x)

@@ -1,14 +1,8 @@
 """A checkpoint's metadata: its format, its seal, and what it says about
 the arrays beside it.
 
-The `meta` item of a checkpoint is JSON: the training position and history
-(the caller's), the format, the step, every leaf's shape and dtype
-(`describe`), every leaf's content hash (`content_hash.py`), and a SHA-256
-of all of it (`seal`), checked before anything else is read (`unseal`).
-Checkpoints of formats 1 to 3 still load: format 3 checked its arrays by
-float sums compared with a tolerance (`changed` still does for them),
-format 2 named the leaves of sharded optimizer state with one more level
-(the `jdist.Sharded` around it), and format 1 had no SHA-256.
+Formats 1 to 3 still load: 3 checked its arrays by float sums, 2 named
+sharded optimizer state with one more level, 1 had no SHA-256.
 
 Example:
   >>> from jdist._src.checkpoint import metadata
@@ -48,17 +42,15 @@ def _sums(leaves):
 
 
 def _summed(got: list, meta: dict) -> bool:
-  """Whether arrays read from a checkpoint of format 1-3 match its float
-  sums (those formats' only check of their arrays)."""
+  """Whether arrays of a format 1-3 checkpoint match its float sums."""
   sums = [float(v) for v in placement.to_host(_sums(got))] if got else []
   return np.allclose(sums, meta.get("checksums", []), rtol=1e-5, atol=1e-6,
                      equal_nan=True)
 
 
 def changed(names: list, got: list, meta: dict) -> list[str]:
-  """The leaves of `got` (read from checkpoint `meta`) whose content is not
-  what was saved: those whose content hash differs (format 4), or all of
-  them when an older format's float sums differ."""
+  """The leaves of `got` whose content is not what was saved (by content
+  hash; for older formats, all of them when the float sums differ)."""
   if meta["format"] != FORMAT:
     return [] if _summed(got, meta) else names
   saved = meta.get("digests", {})
@@ -91,8 +83,7 @@ def unseal(meta: dict) -> tuple[dict, str | None]:
 
 
 def policy_change(saved: dict, names: list[str]) -> list[str]:
-  """The line that says a loss-scaling dtype policy was turned on or off
-  between the save and this trainer (its loss scale is in one state only)."""
+  """The line saying loss scaling was turned on or off since the save."""
   scaled = lambda ns: any("/loss_scale/" in f"/{n}/" for n in ns)
   if scaled(saved) == scaled(names):
     return []

@@ -1,13 +1,5 @@
 """`jdist.plan`: a step's per-device memory, FLOPs and layout, from its
-compiled program, before it runs.
-
-Modules, one concept each: `inputs` lays the arguments out without data,
-`memory` sorts their bytes per device by kind, `program` reads the compiled
-program (memory and cost analyses, collectives, compute dtype), `lint`
-finds layout mistakes, `peaks` holds the devices' peak FLOP/s (MFU),
-`alternatives` plans other layouts when one does not fit, and `report`
-holds the `Plan`.
-"""
+compiled program, before it runs."""
 
 from __future__ import annotations
 
@@ -41,38 +33,28 @@ def plan(step: Callable, state: Any, batch: Any, *, strategy=None,
          alternatives: bool = True, whole_above: int = WHOLE_ABOVE) -> Plan:
   """Plans a training step from its compiled program: nothing runs.
 
-  The step is compiled ahead of time (`lower(...).compile()`) for `state`
-  and `batch` laid out as the strategy lays them out, and the plan reads,
-  per device: the bytes of the arguments by kind (parameters, optimizer
-  state, other state, the batch), of the outputs, and of the program's
-  temporaries (XLA's `memory_analysis()`), so its peak; the FLOPs of one
-  step (`cost_analysis()`, and the model's own count when given); the bytes
-  of each collective by the mesh axes it runs over; the dtype the step's
-  matrix products take and the device's peak FLOP/s in it (for MFU);
-  and layout notes (large parameters whole on every device, LayoutMap keys
-  that match nothing, splits into shards under 128 elements).
-
-  When the peak exceeds the memory limit (`memory_budget`, else the
-  device's `memory_stats()["bytes_limit"]`; CPUs report none), other
-  layouts of the same step on the same devices are compiled and planned
-  (FSDP over more devices, keeping any model axes) until one fits, and
-  `plan.check()` raises `jdist.MemoryBudgetError` naming it.
+  The step is compiled ahead of time for `state` and `batch` laid out as the
+  strategy lays them out. The plan reads, per device, the arguments' bytes by
+  kind, the outputs' and temporaries' (so the peak), the FLOPs of one step,
+  each collective's bytes by mesh axis, the compute dtype and the device's
+  peak FLOP/s in it (for MFU), and notes on the layout. When the peak exceeds
+  the memory limit (`memory_budget`, else the device's `bytes_limit`; CPUs
+  report none), other layouts of the step are compiled and planned until one
+  fits, and `plan.check()` raises `jdist.MemoryBudgetError` naming it.
 
   Args:
-    step: a `strategy.function` step (its own program is planned, so a
-      later call does not compile it again) or a plain per-replica
-      function `step(state, batch) -> (state, outputs)` (planned as
-      `strategy.function(step)`: pass `donate_argnums=(0,)` through a
-      `strategy.function` step to plan it reusing the state's buffers).
+    step: a `strategy.function` step (its own program is planned, so a later
+      call does not compile it again) or a plain per-replica function
+      `step(state, batch) -> (state, outputs)`.
     state: the state: arrays (placed ones keep their layout), or
-      `jax.ShapeDtypeStruct` values (`jax.eval_shape(init)`: a model too large
-      for one device is planned without being built).
-    batch: one global batch (arrays or `ShapeDtypeStruct` values with a leading
-      batch axis), or a `PerReplica` batch of the strategy.
+      `jax.ShapeDtypeStruct` values (`jax.eval_shape(init)`: a model too
+      large for one device is planned without being built).
+    batch: one global batch (arrays or `ShapeDtypeStruct` values with a
+      leading batch axis), or a `PerReplica` batch of the strategy.
     strategy: the strategy; default: the step's own, else a
-      `MirroredStrategy` over every local device (as `jdist.diagnose`).
+      `MirroredStrategy` over every local device.
     model_flops: FLOPs of one step by the model's own count (all devices),
-      for MFU; the plan shows it next to XLA's count.
+      for MFU, shown next to XLA's count.
     memory_budget: bytes a device may use (an int, or "16GB", "512MiB"),
       in place of the device's own limit.
     alternatives: plan other layouts when this one does not fit.
@@ -126,9 +108,8 @@ def plan(step: Callable, state: Any, batch: Any, *, strategy=None,
 def plan_program(step, strategy, state: Any, batch: Any, *,
                  model_flops: float | None, limit: tuple,
                  whole_above: int = WHOLE_ABOVE) -> Plan:
-  """The `Plan` of `step` (a jdist step of `strategy`) for `state` and the
-  global or distributed `batch`, under the memory `limit` (`(bytes or
-  None, where it comes from)`)."""
+  """The `Plan` of `step` (a jdist step of `strategy`) for `state` and a
+  global or distributed `batch`, under `limit` (`(bytes or None, source)`)."""
   state = inputs.laid_out(strategy, state)
   batch = inputs.distributed_batch(strategy, batch)
   return read_plan(step.lower(state, batch), strategy,
@@ -140,12 +121,9 @@ def plan_program(step, strategy, state: Any, batch: Any, *,
 def read_plan(lowered, strategy, state_leaves: list, other_leaves: list, *,
               model_flops: float | None, limit: tuple,
               whole_above: int = WHOLE_ABOVE, detail: bool = True) -> Plan:
-  """The `Plan` of a step `lowered` for arguments whose arrays are
-  `state_leaves` (the state, which the layout notes read) and
-  `other_leaves` (the batch, ...), compiling it (the compiled program is
-  the one a call of the same jitted function with such arguments runs).
-  Without `detail`, the program's text is not read: no collectives, and
-  the compute dtype only where the device has a known peak."""
+  """The `Plan` of a `lowered` step, compiling it; `state_leaves` are what the
+  layout notes read. Without `detail`, the program's text is not read (no
+  collectives; the compute dtype only where the device has a known peak)."""
   device = strategy.mesh.devices.flat[0]
   facts = program.read(lowered, lowered.compile(), strategy.mesh,
                        detail=detail or peaks.known(device.device_kind))
@@ -173,9 +151,8 @@ def read_plan(lowered, strategy, state_leaves: list, other_leaves: list, *,
 
 
 def memory_limit(strategy, budget: int | None) -> tuple:
-  """`(bytes a device may use, where that comes from)`: the budget, else
-  the first device's `bytes_limit` where its backend reports one, else
-  `(None, "")`."""
+  """`(bytes a device may use, where that comes from)`: the budget, else the
+  first device's `bytes_limit`, else `(None, "")`."""
   if budget is not None:
     return budget, "memory_budget"
   device = strategy.mesh.devices.flat[0]

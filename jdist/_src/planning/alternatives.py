@@ -1,17 +1,7 @@
-"""Other layouts of the same step on the same devices, to say what fits.
-
-When a plan's peak exceeds the memory limit, the candidates below are each
-compiled and planned, least sharded first, until one fits: the advice comes
-from their compiled programs, not from a rule of thumb.
-
-The candidates keep every mesh axis that lays the model out (a LayoutMap's
-or flax metadata's "model" axis, a pipeline's stage axis) with its size and
-rules, and spread the other devices between data parallelism and FSDP
-(each parameter, its gradient and optimizer state split over the FSDP
-axis): on 8 devices with ("data", "model") = (4, 2), FSDP over 2 then 4
-devices, with 2 then 1 replicas. A caller may put its own candidates first
-(the Trainer's `shard_optimizer_state=True`).
-"""
+"""Other layouts of the same step on the same devices, to say what fits:
+each compiled and planned, least sharded first, until one fits. They keep
+every mesh axis that lays the model out and spread the other devices
+between data parallelism and FSDP."""
 
 from __future__ import annotations
 
@@ -27,9 +17,8 @@ from jdist._src.strategies.model_parallel import ModelParallelStrategy
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-  """A layout to plan: what it is, the code that asks for it, its strategy
-  (None where it keeps the step's), and what else the caller needs to plan
-  it."""
+  """A layout to plan: its name, the code that asks for it, its strategy
+  (None: the step's), and what else planning it needs."""
 
   name: str
   how: str
@@ -38,8 +27,7 @@ class Candidate:
 
 
 def fsdp_candidates(strategy) -> list[Candidate]:
-  """FSDP over more of `strategy`'s devices, least first (see the module
-  docstring); none for one device."""
+  """FSDP over more of `strategy`'s devices, least first (none for one)."""
   mesh = strategy.mesh
   names, sizes = tuple(mesh.axis_names), tuple(mesh.devices.shape)
   batch = strategy.axis_name
@@ -72,8 +60,7 @@ def fsdp_candidates(strategy) -> list[Candidate]:
 
 def evaluate(candidates: Iterable[Candidate],
              plan_of: Callable[[Candidate], Any]) -> tuple:
-  """Plans each candidate in turn (`plan_of`) until one fits; returns the
-  `Alternative` values planned, with why those that could not be were not."""
+  """Plans each candidate until one fits; the `Alternative`s planned."""
   out = []
   for c in candidates:
     try:

@@ -1,13 +1,6 @@
 """A step's arguments as a plan compiles them: shapes, dtypes and layouts,
-no data.
-
-The state may be given placed (its arrays' own layouts count), as host
-arrays or as `jax.ShapeDtypeStruct` values (`jax.eval_shape` of an init
-function: a model too large to build can still be planned); the latter are
-laid out as the strategy holds state (`Strategy.shardings`: whole on every
-device, or a `ModelParallelStrategy`'s rules). A global batch becomes the
-`PerReplica` batch its distributed dataset would give, abstract.
-"""
+no data (unplaced leaves laid out as the strategy holds state; a global
+batch as the abstract `PerReplica` its distributed dataset would give)."""
 
 from __future__ import annotations
 
@@ -28,9 +21,8 @@ _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
 
 
 def laid_out(strategy, state: Any) -> Any:
-  """`state` as `jax.ShapeDtypeStruct` values with the layout each leaf has (a
-  placed array on the strategy's devices, or a struct that carries one) or
-  gets as this strategy's state."""
+  """`state` as `jax.ShapeDtypeStruct` values with each leaf's own layout (on
+  the strategy's devices) or the one the strategy gives its state."""
   devices = set(strategy.mesh.devices.flat)
   shardings = strategy.shardings(state)
 
@@ -66,9 +58,8 @@ def _dtype(x: Any):
 
 
 def distributed_batch(strategy, batch: Any) -> PerReplica:
-  """The abstract `PerReplica` that `strategy`'s distributed dataset makes
-  of the global `batch` (arrays or `ShapeDtypeStruct` values with a leading
-  batch axis); a `PerReplica` is taken as it is.
+  """The abstract `PerReplica` the strategy's distributed dataset makes of a
+  global `batch` (a `PerReplica` is taken as it is).
 
   Raises:
     ValueError: the leaves disagree on the batch size, or it does not
@@ -102,8 +93,7 @@ def distributed_batch(strategy, batch: Any) -> PerReplica:
 
 
 def global_batch(batch: Any) -> Any:
-  """The global batch of `batch` as `ShapeDtypeStruct` values: a `PerReplica`'s
-  rows joined again, other leaves' shapes as they are."""
+  """The global batch of `batch` as `ShapeDtypeStruct` values."""
   if not kinds.is_node(batch):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x),
                                                        _dtype(x)), batch)

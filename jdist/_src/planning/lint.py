@@ -1,17 +1,6 @@
-"""Layout notes: what a plan finds wrong with how the state is laid out.
-
-Three findings, each a sentence with the arrays and bytes it is about:
-
-- under a strategy whose replicas span devices, a parameter at or above a
-  size (`whole_above` bytes per device) that no layout splits: every
-  device holds it whole;
-- `LayoutMap` keys that match no array of the state (a misspelt path
-  leaves its parameters whole, silently in Keras);
-- a layout that splits an array into shards of fewer than 128 elements per
-  device, where the communication to gather or reduce it costs more than
-  the memory it saves: by the rule that asked for it (a LayoutMap key,
-  `fsdp_axis`, or flax's partition metadata).
-"""
+"""Layout notes: large parameters whole on every device of a replica that
+spans devices, `LayoutMap` keys that match nothing (Keras leaves them
+silent), and shards under `MIN_SHARD_ELEMENTS` per device."""
 
 from __future__ import annotations
 

@@ -1,21 +1,7 @@
-"""What each device holds of a step's arguments: bytes by what they are.
-
-Every argument of a step is an array with a layout (a `NamedSharding`), so
-the bytes one device holds of it follow from its shape, its dtype and how
-its layout splits it: nothing is placed or read. The arguments are sorted
-into four kinds, the rows of a plan:
-
-  parameters        leaves under a `params` key or attribute (a jdist or
-                    flax `TrainState`, a `{"params": ...}` dict); in a state
-                    with no `params` anywhere, every floating-point leaf
-                    that is not optimizer state (a bare parameter tree)
-  optimizer state   leaves under an `opt_state` key or attribute, or inside
-                    an optax state (its `NamedTuple` classes; also inside
-                    `ShardedOptimizer`'s `jdist.Sharded`)
-  other state       the rest of the state (step counters, random keys,
-                    batch-norm statistics)
-  batch             the distributed batch, with its validity mask
-"""
+"""What each device holds of a step's arguments, from shapes, dtypes and
+layouts alone, by kind: parameters (under `params`; without one, every
+float leaf that is not optimizer state), optimizer state (under
+`opt_state`, or an optax state), other state, and the batch."""
 
 from __future__ import annotations
 
@@ -38,18 +24,9 @@ KINDS = (PARAMETERS, OPTIMIZER, OTHER, BATCH)
 
 @dataclasses.dataclass(frozen=True)
 class Leaf:
-  """One array argument of a step, as one device holds it.
-
-  Attributes:
-    path: its keys from the argument's root, joined by "/".
-    kind: one of `KINDS`.
-    shape: its global shape.
-    dtype: its dtype's name.
-    spec: the mesh axes that split each dimension (None: whole), as its
-      `PartitionSpec` says.
-    device_shape: the shape of one device's block of it.
-    device_bytes: the bytes of that block.
-  """
+  """One array argument of a step as one device holds it: its path, kind,
+  global shape, dtype, the mesh axes splitting each dimension (`spec`), and
+  one device's block's shape and bytes."""
 
   path: str
   kind: str
@@ -66,8 +43,7 @@ class Leaf:
 
 
 def device_shape(x: Any) -> tuple:
-  """The shape of one device's block of `x`: a `jax.Array`, or a
-  `jax.ShapeDtypeStruct` (whole when it has no sharding)."""
+  """The shape of one device's block of `x` (whole without a sharding)."""
   shape = tuple(np.shape(x))
   sharding = getattr(x, "sharding", None)
   return shape if sharding is None else tuple(sharding.shard_shape(shape))
@@ -97,8 +73,7 @@ def _spec(x: Any) -> tuple:
 
 
 def _is_optax_state(x: Any) -> bool:
-  """An optax state: one of optax's `NamedTuple` classes (a chain's tuple
-  holds them; `ShardedOptimizer`'s state holds its optimizer's)."""
+  """An optax state: one of optax's `NamedTuple` classes."""
   return isinstance(x, tuple) and hasattr(x, "_fields") and (
       type(x).__module__.split(".")[0] == "optax")
 
@@ -119,8 +94,7 @@ def _named(tree: Any):
 
 
 def state_leaves(state: Any) -> list[Leaf]:
-  """Each array leaf of `state` (arrays or `ShapeDtypeStruct` values with their
-  shardings), sorted into parameters, optimizer state and other state."""
+  """Each array leaf of `state`, sorted by kind."""
   named = [(p, x, opt) for p, x, opt in _named(state) if hasattr(x, "dtype")]
   has_params = any("params" in p.split("/") for p, _, _ in named)
 
@@ -137,8 +111,7 @@ def state_leaves(state: Any) -> list[Leaf]:
 
 
 def batch_leaves(batch: Any) -> list[Leaf]:
-  """Each array of a distributed batch as the step takes it (a
-  `PerReplica`'s values and validity, a group of batches')."""
+  """Each array of a distributed batch as the step takes it."""
   return [_leaf(f"batch/{path_name(path)}".rstrip("/"), BATCH, x)
           for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]
           if hasattr(x, "dtype")]

@@ -1,17 +1,10 @@
-"""Peak FLOP/s of one device, by the device kind JAX reports and the dtype
-a step computes in: the denominator of model FLOPs utilization (MFU).
+"""Peak FLOP/s of one device by device kind and compute dtype: the
+denominator of model FLOPs utilization (MFU).
 
-Each figure is the vendor's published dense peak (without structured
-sparsity, which doubles NVIDIA's headline figures), per JAX device: a TPU
-v4, v5p, v5e or v6e chip is one JAX device, a TPU v2 or v3 chip is two (one
-per core), so those chips' figures are halved here. "float32" is the peak
-at JAX's default matmul precision, which computes float32 products with
-TensorFloat-32 on NVIDIA Ampere and newer and with one bfloat16 pass on
-TPUs (`jax_default_matmul_precision` set to "highest" or "float32" asks for
-full float32 instead, whose peak the table does not claim).
-
-A device kind or dtype not in the table has no peak, and its MFU is "n/a"
-(every CPU): a guessed peak is how an MFU above 100% gets reported.
+Each figure is the vendor's dense peak per JAX device (a TPU v2 or v3 chip
+is two). "float32" is the peak at JAX's default matmul precision (TF32 on
+NVIDIA, one bfloat16 pass on TPUs). An unknown kind or dtype has no peak
+and its MFU is "n/a": a guessed peak is how an MFU above 100% is reported.
 """
 
 from __future__ import annotations
@@ -82,8 +75,8 @@ def known(device_kind: str) -> bool:
 
 
 def peak_flops(device_kind: str, dtype: str | None) -> float | None:
-  """One device's dense peak FLOP/s for products in `dtype`, or None where
-  the table does not know it (a CPU, an unlisted device or dtype).
+  """One device's dense peak FLOP/s for products in `dtype`, or None where the
+  table does not know it.
 
   Example:
     >>> from jdist._src.planning.peaks import peak_flops
@@ -105,17 +98,10 @@ def peak_flops(device_kind: str, dtype: str | None) -> float | None:
 
 @dataclasses.dataclass(frozen=True)
 class Throughput:
-  """How fast a measured step computed, against what the devices can.
-
-  Attributes:
-    flops_per_second: the compiled program's FLOPs over all devices per
-      second of the measured step (what the hardware ran).
-    flops_per_second_per_device: the same, per device.
-    mfu: model FLOPs utilization: the model's FLOPs per step (its own
-      count where known, else the compiled program's) over the step time
-      and the devices' summed peak; None where the peak is unknown.
-    mfu_counts: "model" or "compiled": whose FLOPs `mfu` counts.
-  """
+  """How fast a measured step computed: the compiled program's FLOP/s (over
+  all devices, and per device), and MFU: the model's FLOPs (its own count
+  where known, else the program's, per `mfu_counts`) over the step time and
+  the devices' summed peak (None where unknown)."""
 
   flops_per_second: float
   flops_per_second_per_device: float

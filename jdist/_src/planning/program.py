@@ -1,14 +1,7 @@
-"""What a compiled step says about itself, before it runs.
-
-From XLA's analyses of the compiled program (one device's part of it, the
-program every device runs): `memory_analysis()` gives the bytes of its
-arguments, its outputs, the outputs that reuse a donated argument's buffer
-and its temporary allocation; `cost_analysis()` its FLOPs. Its collectives,
-with their sizes and the mesh axes they run over, are read from its HLO as
-`jdist.diagnose` reads them (`diagnose/hlo.py`). The dtype its matrix
-products and convolutions take is read from the program as lowered (before
-XLA's own passes, which may widen them on a backend without that type).
-"""
+"""What a compiled step says about itself, before it runs: XLA's memory and
+cost analyses, its collectives (as `jdist.diagnose` reads them), and the
+dtype its matrix products take in the lowered program (before XLA's passes
+may widen them)."""
 
 from __future__ import annotations
 
@@ -32,27 +25,10 @@ _ELEMENT = {"f64": "float64", "f32": "float32", "bf16": "bfloat16",
 
 @dataclasses.dataclass(frozen=True)
 class ProgramFacts:
-  """One device's view of a compiled step.
-
-  Attributes:
-    argument_bytes: bytes of its arguments.
-    output_bytes: bytes of its outputs (XLA's count: the output arrays, and
-      the table of their addresses, 8 bytes each, that a tuple of outputs
-      takes on the device).
-    output_array_bytes: bytes of the output arrays alone, from their
-      shapes and layouts.
-    alias_bytes: bytes of the outputs written into a donated argument's
-      buffer (counted once, as arguments).
-    temp_bytes: its temporary allocation (activations, gradients,
-      gathered parameters, ...).
-    flops: FLOPs one device runs per call (XLA's count).
-    collectives: `((axes, kind, count, bytes), ...)`: its collectives by
-      the mesh axes they run over ("data", "data+model"; "?" where the
-      program does not say) and kind, with the bytes of their results per
-      device, largest first.
-    compute_dtype: the dtype most of its matrix products and convolutions
-      take (by their operands' elements), or None if it has none.
-  """
+  """One device's view of a compiled step: XLA's bytes of its arguments,
+  outputs (with 8 bytes an output for their address table), the output
+  arrays alone, the outputs aliasing donated buffers and its temporaries; its
+  FLOPs; its collectives by mesh axes and kind; its compute dtype."""
 
   argument_bytes: int
   output_bytes: int
@@ -65,21 +41,16 @@ class ProgramFacts:
 
   @property
   def peak_bytes(self) -> int:
-    """What the program needs on a device while it runs: its arguments, its
-    outputs that reuse no argument's buffer and its temporary allocation.
-
-    XLA:CPU's own `peak_memory_in_bytes` leaves the temporaries out (seen
-    on jax 0.10.2: it is the arguments and outputs alone), so the plan adds
-    the parts on every backend.
-    """
+    """What the program needs on a device while it runs: arguments, outputs that
+    reuse no argument's buffer, and temporaries (XLA:CPU's own
+    `peak_memory_in_bytes` leaves the temporaries out)."""
     return (self.argument_bytes + self.output_bytes - self.alias_bytes +
             self.temp_bytes)
 
 
 def read(lowered, compiled, mesh, *, detail: bool = True) -> ProgramFacts:
-  """The facts of `compiled` (and of `lowered`, the program it came from),
-  whose collectives run over `mesh`; without `detail`, its text is not read
-  (no collectives, no compute dtype)."""
+  """The facts of `compiled` (from `lowered`), whose collectives run over
+  `mesh`; without `detail`, no collectives and no compute dtype."""
   memory = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   if isinstance(cost, (list, tuple)):  # one dict per program on older JAX
@@ -101,9 +72,8 @@ def read(lowered, compiled, mesh, *, detail: bool = True) -> ProgramFacts:
 
 
 def collectives_by_axes(text: str, mesh) -> tuple:
-  """`((axes, kind, count, bytes), ...)` of a compiled program's
-  collectives over `mesh`, largest first (groups of one device, which move
-  nothing, left out)."""
+  """`((axes, kind, count, bytes), ...)` of a program's collectives over
+  `mesh`, largest first (groups of one device left out)."""
   if mesh.devices.size < 2:
     return ()
   names, shape = tuple(mesh.axis_names), tuple(mesh.devices.shape)
@@ -120,8 +90,8 @@ def collectives_by_axes(text: str, mesh) -> tuple:
 
 
 def compute_dtype(text: str) -> str | None:
-  """The dtype that most of a lowered program's matrix products and
-  convolutions take, weighed by their operands' elements.
+  """The dtype most of a lowered program's matrix products and convolutions
+  take, weighed by their operands' elements.
 
   Example:
     >>> from jdist._src.planning.program import compute_dtype

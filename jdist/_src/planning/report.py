@@ -1,12 +1,4 @@
-"""`jdist.Plan`: a step's memory, FLOPs and layout, known before it runs.
-
-A plan is a frozen value of numbers read from the compiled program and the
-state's layouts (`jdist.plan` makes it). `print(plan)` shows a table,
-`plan.as_dict()` gives the numbers, `plan.check()` raises
-`jdist.MemoryBudgetError` when the step would not fit, and
-`plan.throughput(seconds_per_step)` turns a measured step time into FLOP/s
-and MFU.
-"""
+"""`jdist.Plan`: a step's memory, FLOPs and layout, known before it runs."""
 
 from __future__ import annotations
 
@@ -21,15 +13,9 @@ from jdist._src.planning.memory import format_bytes
 
 @dataclasses.dataclass(frozen=True)
 class Alternative:
-  """Another layout of the same step on the same devices, planned.
-
-  Attributes:
-    name: what it is ("FSDP over 'fsdp' (4 devices)").
-    how: the code that asks for it.
-    plan: its `Plan` (None if it could not be planned).
-    problem: why it could not be planned, or "".
-    strategy: its strategy, where a strategy is all it changes (else None).
-  """
+  """Another layout of the same step on the same devices: its name, the code
+  that asks for it, its `Plan` (or why it could not be planned), and its
+  strategy where a strategy is all it changes."""
 
   name: str
   how: str
@@ -42,14 +28,14 @@ class Alternative:
 class Plan:
   """What one device holds and does in a step, from its compiled program.
 
-  Every byte count is per device (the arrays' blocks on one device, the
-  program one device runs); nothing ran to get them.
+  Every byte count is per device; nothing ran to get them. `print(plan)`
+  shows a table, `check()` raises when the step would not fit, and
+  `throughput(seconds_per_step)` gives FLOP/s and MFU.
 
   Attributes:
     strategy: the strategy's repr.
     platform: the devices' platform ("cpu", "gpu", "tpu").
-    device_kind: the devices' kind as JAX reports it ("NVIDIA H100 80GB
-      HBM3", "TPU v5 lite", "cpu").
+    device_kind: the devices' kind as JAX reports it ("TPU v5 lite").
     num_devices: devices the step runs on.
     num_replicas: replicas (a replica may span devices).
     mesh: `((axis, size), ...)`.
@@ -61,17 +47,17 @@ class Plan:
     temp_bytes: the compiled program's temporary allocation.
     program_argument_bytes: the compiled program's arguments (equal to the
       sum of `arguments`).
-    program_output_bytes: the compiled program's outputs: `output_bytes`
-      and the table of their addresses (8 bytes an array) on the device.
+    program_output_bytes: the compiled program's outputs, with the table of
+      their addresses (8 bytes an array).
     flops_per_device: XLA's count of the FLOPs one device runs per step.
     model_flops: FLOPs per step by the model's own count (all devices), or
-      None where jdist was not given one.
+      None.
     compute_dtype: the dtype most matrix products take, or None.
-    peak_flops_per_device: the device's dense peak FLOP/s in that dtype
-      (`peaks.PEAKS`), or None where unknown (CPU).
+    peak_flops_per_device: the device's dense peak FLOP/s in that dtype, or
+      None where unknown (CPU).
     collectives: `((axes, kind, count, bytes), ...)` per step and device.
     largest: `((path, kind, bytes), ...)`: the largest arrays per device.
-    notes: layout notes (`planning/lint.py`).
+    notes: layout notes.
     memory_limit: the bytes a device may use: `memory_budget`, else the
       device's `bytes_limit`; None if neither is known.
     memory_limit_source: where `memory_limit` comes from.
@@ -119,8 +105,8 @@ class Plan:
 
   @property
   def peak_bytes(self) -> int:
-    """Per device while the step runs: its arguments, its outputs that
-    reuse no donated buffer and its temporaries (see `ProgramFacts`)."""
+    """Per device while the step runs: arguments, outputs that reuse no
+    donated buffer, and temporaries."""
     return (self.program_argument_bytes + self.program_output_bytes -
             self.alias_bytes + self.temp_bytes)
 
@@ -137,11 +123,9 @@ class Plan:
     return self.peak_bytes <= self.memory_limit
 
   def throughput(self, seconds_per_step: float) -> peaks.Throughput:
-    """Achieved FLOP/s and MFU for a measured step time.
-
-    Achieved FLOP/s is the compiled program's FLOPs over the time; MFU is
-    the model's own count where known (else the compiled count) over the
-    time and the devices' peak, "n/a" where the peak is unknown.
+    """Achieved FLOP/s (the compiled program's FLOPs over the time) and MFU
+    (the model's count where known, over the time and the devices' peak;
+    "n/a" where the peak is unknown) for a measured step time.
 
     Args:
       seconds_per_step: the measured wall time of one step.
@@ -173,12 +157,11 @@ class Plan:
     return out
 
   def check(self) -> "Plan":
-    """Raises `jdist.MemoryBudgetError` when the step's peak exceeds the
-    memory limit; returns the plan otherwise (or when no limit is known).
+    """Raises `jdist.MemoryBudgetError` when the step's peak exceeds the memory
+    limit; returns the plan otherwise.
 
-    The error names the largest parts of the peak and arrays, and the
-    first alternative layout whose plan fits (each was compiled), or the
-    smallest if none does.
+    The error names the largest parts of the peak and arrays, and the first
+    alternative layout whose plan fits, or the smallest if none does.
     """
     if self.fits is False:
       raise MemoryBudgetError(self.budget_message())
@@ -210,8 +193,8 @@ class Plan:
 
 
 def change(plan: Plan, other: Plan) -> str:
-  """`other` against `plan`: "parameters + optimizer state A -> B; peak C
-  -> D (fits E)"."""
+  """`other` against `plan`: "parameters + optimizer state A -> B; peak C ->
+  D (fits E)"."""
   limit = other.memory_limit
   fits = "" if limit is None else (
       f" ({'fits' if other.fits else 'over'} {format_bytes(limit)})")

@@ -1,16 +1,9 @@
 """Which snapshot every process restores, and reading it.
 
-Restoring is collective: the processes exchange which parts and replicas
-each one's host holds (through the runtime's key-value store), take the
-newest complete snapshot (each of its processes' parts exists somewhere, in
-its own file or as its replica in the next process's), read it (a process's
-part where its host has it, else its replica), and exchange whether each
-could; if any could not (a part unreadable, or this host lacks the blocks
-it needs), every process falls back to the persistent directory. The state
-may be restored on another number of processes: each process assembles each
-leaf whole from the blocks of the parts it sees, and cuts its own shards out
-of it. With a replicated (mirrored) state every part holds the whole state,
-so any single part is enough.
+The processes exchange which parts each host holds, take the newest
+snapshot every part of which exists somewhere, read it, and exchange whether
+each could; else all fall back to the persistent directory. Each assembles
+every leaf whole and cuts its own shards, so the process count may change.
 """
 
 from __future__ import annotations
@@ -27,8 +20,7 @@ from jdist._src.runtime import runtime as runtime_lib
 
 def _seen(directory: str) -> dict:
   """`{(step, attempt, world): ({ranks}, {ranks})}`: the processes whose
-  parts, and whose replicas, are on this host (the file of process k holds
-  its part and the replica of process k - 1's)."""
+  parts, and whose replicas, are on this host."""
   seen: dict = {}
   for group, rank in groups(os.listdir(directory)):
     parts, replicas = seen.setdefault(group, (set(), set()))
@@ -38,13 +30,10 @@ def _seen(directory: str) -> dict:
 
 
 def agree(directory: str, newest_checkpoint: int | None = None) -> tuple:
-  """`(group, note, newest_checkpoint, from_replicas)`: the newest snapshot
-  of which every process's part (or its replica) exists on the job's hosts,
-  as `(step, attempt, world)`, or None; `note` says why newer snapshots are
-  not used (or ""); the newest of the persistent checkpoints the processes
-  see (each passes its own), so that every process chooses the same of the
-  two; and the processes whose parts of `group` only their replicas hold.
-  Every process calls it and gets the same answer."""
+  """`(group, note, newest_checkpoint, from_replicas)`, the same on every
+  process: the newest complete snapshot `(step, attempt, world)` or None, why
+  newer ones are not used, the newest persistent step any process sees, and
+  the processes whose parts only replicas hold."""
   mine = [[*g, sorted(p), sorted(r)] for g, (p, r) in _seen(directory).items()]
   runtime = runtime_lib.current()
   key = f"jdist/snapshots/{runtime.next_sequence('snapshots')}/"
@@ -73,9 +62,7 @@ def agree(directory: str, newest_checkpoint: int | None = None) -> tuple:
 
 
 def _parts(files, group) -> list:
-  """The files of `group` on this host to read (`files`: this process's
-  `retention.Files`), its own first: each process's part is in its file,
-  or where that is not here, as its replica in the next process's file."""
+  """The files of `group` on this host to read, this process's own first."""
   world = group[2]
   paths, found = [], set()
   for r in sorted(range(world), key=lambda r: r != files.rank):  # own first
@@ -89,20 +76,15 @@ def _parts(files, group) -> list:
 
 
 def saved_shape(files, group, name: str) -> list | None:
-  """The shape of leaf `name` in snapshot `group`, as the header of the
-  first of its files on this host says (a leaf whose shape the reader
-  cannot know, such as `CheckpointManager`'s metadata), or None (`read`
-  then says what is wrong)."""
+  """The shape of leaf `name` in snapshot `group`, from a header, or None."""
   paths = _parts(files, group)
   return files_lib.header_shape(paths[0], name) if paths else None
 
 
 def read(files, group, described: dict) -> tuple:
-  """`(leaves, problem)`: the whole of each leaf named in `described`
-  (`{name: [shape, dtype]}`, in order) from snapshot `group`, as numpy
-  arrays, assembled from the parts this host holds; or `(None, why)`, why
-  the first process that could not read it could not (every process calls
-  it, and they learn from each other: all read it, or none does)."""
+  """`(leaves, problem)`: each leaf of `described` (`{name: [shape, dtype]}`)
+  whole, as numpy, from snapshot `group`; or `(None, why)`. Every process
+  calls it: all read it, or none does."""
   leaves, problem = _read(files, group, described)
   runtime = runtime_lib.current()
   key = f"jdist/snapshot_read/{runtime.next_sequence('snapshot_read')}/"

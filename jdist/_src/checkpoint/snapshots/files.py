@@ -1,14 +1,8 @@
 """A snapshot file: writing its buffers, checking its values, reading it.
 
-A process's file is `MAGIC`, the length of its header (8 bytes, little
-endian), its header (JSON: step, CRC-32 of the data, attempt, rank, world,
-and each leaf's name, shape, dtype and blocks, for its part and for the
-replica it holds), then the data: the part's blocks, then the replica's.
-It is written under a temporary name and renamed when complete (tmpfs needs
-no fsync), so a reader never sees half a file; a reader checks the CRC-32
-before it uses a byte. A part whose values are not all finite is not
-written (the packing program's last byte says so; the leaf is then found
-on the host to name it).
+A file is `MAGIC`, the header's length (8 bytes, little endian), the JSON
+header (with the data's CRC-32, checked before a byte is used), then the
+part's and the replica's blocks. It is renamed into place when complete.
 """
 
 from __future__ import annotations
@@ -34,12 +28,8 @@ def say(message: str) -> None:
 
 
 def write_all(path: str, buffers: list, spare: tuple | None = None) -> tuple:
-  """Writes `buffers` (of bytes, one dimension: `bytes`, uint8 arrays) to a
-  new file `path`, or, with `spare` (`(fd, size)` of a file open under that
-  name), over that file (no file made, no page of memory taken anew), cut
-  to their length; one `writev` (more only when the system writes less at
-  once). Returns `(fd, size)`: the file stays open, to be written over
-  again once its snapshot is old (`retention.py`)."""
+  """Writes `buffers` in one `pwritev` to a new file `path`, or over `spare`
+  (`(fd, size)` of an open file); returns `(fd, size)`, the file left open."""
   fd, size = spare or (os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC,
                                 0o600), 0)
   try:
@@ -58,9 +48,8 @@ def write_all(path: str, buffers: list, spare: tuple | None = None) -> tuple:
 
 
 def _unpacked(packed) -> tuple:
-  """`(data, finite)`: the bytes of a buffer `packing.py` made (this
-  process's block of it, when it spans the processes), and its last byte,
-  whether no value in it is NaN or infinite; `(empty, True)` for None."""
+  """`(data, finite)` of a buffer `packing.py` made: its bytes and its last
+  byte; `(empty, True)` for None."""
   if packed is None:
     return np.zeros(0, np.uint8), True
   raw = packed if type(packed) is np.ndarray else _host_bytes(packed)
@@ -68,8 +57,7 @@ def _unpacked(packed) -> tuple:
 
 
 def _host_bytes(x) -> np.ndarray:
-  """The bytes of `x` (this process's block of it, when it spans the
-  processes) on the host."""
+  """The bytes of `x` (this process's block of it) on the host."""
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
     x = x.addressable_data(0)
   return np.asarray(x)
@@ -77,10 +65,7 @@ def _host_bytes(x) -> np.ndarray:
 
 def checked(step: int, layout: "layout_lib.Layout", packed,
             host: list) -> list | None:
-  """The arrays of a part to write (its bytes on devices, then its leaves
-  on the host), or None, with a line, when a value of it is NaN or
-  infinite (the packing program's byte says whether; the leaf is then
-  found on the host)."""
+  """The arrays of a part to write, or None (with a line) for NaN or inf."""
   data, finite = _unpacked(packed)
   if finite and not host:  # the usual case
     return [data]
@@ -104,10 +89,7 @@ def checked(step: int, layout: "layout_lib.Layout", packed,
 
 def replica(step: int, layout: "layout_lib.Layout",
             received) -> np.ndarray | None:
-  """The bytes of the replica to write (the blocks of the part of the
-  process before this one that this one does not hold, `layout`), from
-  those the copy brought; None, with a line, when a value of them is NaN
-  or infinite (that process does not write its part either)."""
+  """The bytes of the replica to write, or None (with a line) for NaN or inf."""
   data, finite = _unpacked(received)
   if not finite:
     bad = layout.nonfinite(data)
@@ -132,9 +114,7 @@ def dtype(name: str) -> np.dtype:
 
 
 def fill(raw: bytes, described: dict, full: dict, covered: dict) -> str | None:
-  """Copies the blocks of a process's file (its part, and the replica it
-  holds) into `full` (marking `covered`); what is wrong with it, or
-  None."""
+  """Copies a process's file's blocks into `full`; what is wrong, or None."""
   if not raw.startswith(MAGIC) or len(raw) < len(MAGIC) + 8:
     return "is not a snapshot part"
   (n,) = struct.unpack("<Q", raw[len(MAGIC):len(MAGIC) + 8])
@@ -166,8 +146,7 @@ def fill(raw: bytes, described: dict, full: dict, covered: dict) -> str | None:
 
 
 def header_shape(path: str, name: str) -> list | None:
-  """The shape of leaf `name` as the header of the file at `path` says, or
-  None (the file cannot be read or does not name it)."""
+  """The shape of leaf `name` in the header of the file at `path`, or None."""
   try:
     with open(path, "rb") as f:
       start = f.read(len(MAGIC) + 8)
@@ -180,9 +159,8 @@ def header_shape(path: str, name: str) -> list | None:
 
 def buffers(group, rank: int, header: bytes, arrays: list) -> list:
   """The buffers of process `rank`'s file of snapshot `group`: `MAGIC`, the
-  header's length, the header (its start, with the step, the CRC-32 of
-  `arrays`, the attempt and the rank, in a short buffer of its own before
-  `header`, its layout's rest), then `arrays` (its data)."""
+  header's length, the header's start (step, CRC-32 of `arrays`, attempt,
+  rank), the rest of the header, then `arrays`."""
   crc = 0
   for raw in arrays:
     crc = zlib.crc32(raw, crc)

@@ -1,15 +1,9 @@
 """Which blocks of a state each process writes, and in what order.
 
-A process's part of a snapshot holds its distinct blocks of every leaf (its
-addressable shards, one copy of each: a leaf whole on every device is one
-block), leaves on devices first, then those on the host (whole). Its file
-also holds the replica of the part of the process before it: the blocks of
-that part this process does not hold itself (with a mirrored state,
-nothing). Every process works out every process's blocks alike, from the
-shardings, so each knows what the next one lacks and sends it. `plan`
-works this out once per state layout: the layouts of the part and of the
-replica, the header that describes them, and the `packing.py` program that
-packs the part's bytes (and the copy for the next process) in one dispatch.
+A part holds a process's distinct blocks of every leaf, leaves on devices
+first; the replica, the blocks of the previous process's part this one lacks.
+Every process works every process's blocks out alike from the shardings, once
+per state layout (`plan`).
 """
 
 from __future__ import annotations
@@ -28,9 +22,8 @@ def _bounds(index, shape) -> list:
 
 
 def _blocks(leaf, process: int) -> list:
-  """`[(bounds, device)]` of process `process`'s distinct blocks of `leaf`,
-  in the order of the sharding's devices (every process works out every
-  process's blocks alike); `device` None for a leaf whole on every device."""
+  """`[(bounds, device)]` of process `process`'s distinct blocks of `leaf`, in
+  the order of the sharding's devices (`device` None for a replicated leaf)."""
   shape = np.shape(leaf)
   if not isinstance(leaf, jax.Array) or leaf.sharding.is_fully_replicated:
     return [([[0, d] for d in shape], None)]  # the common case, and a fast one
@@ -45,9 +38,8 @@ def _blocks(leaf, process: int) -> list:
 
 
 def _picker(leaf, blocks: list, target) -> tuple:
-  """`(pick, devices)`: a function that takes the data of `blocks` (this
-  process's) out of a leaf like `leaf`, and the device each is on (a block
-  whole on every device: the one on `target` if it is one of them)."""
+  """`(pick, devices)`: a function that takes this process's `blocks` out of a
+  leaf like `leaf`, and the device of each (preferring `target`)."""
   if not blocks:
     return (lambda x: []), []
   if not isinstance(leaf, jax.Array):
@@ -65,15 +57,10 @@ def _picker(leaf, blocks: list, target) -> tuple:
 
 
 class Layout:
-  """A state's blocks on process `process` (with `but`, those process `but`
-  does not hold: what a replica on it needs), in the order of its file: the
-  blocks of the leaves on devices first (one buffer, `packing.py`), then
-  those of the leaves on the host (whole). It holds the header's
-  description of them (`entries`, JSON), their sizes, and (on this process,
-  `target`: the device to pack them on) how to pick them: `picks`, `(leaf
-  index, pick)` of each leaf on devices, whose blocks are `keys` (`(leaf
-  index, bounds)`) on `devices`, and `host`, the indices of the leaves on
-  the host."""
+  """A state's blocks on process `process` in the order of its file (with
+  `but`: those process `but` lacks); `entries` describe them for the header,
+  and on this process `picks`, `keys`, `devices` and `host` say how to take
+  them."""
 
   def __init__(self, names: list, leaves: list, process: int,
                but: int | None = None, target=None):
@@ -113,10 +100,9 @@ class Layout:
     self._runs = _runs(self.sizes[:self.on_device])  # (to check for NaN)
 
   def nonfinite(self, data) -> int | None:
-    """The file-order index of the first leaf on devices whose inexact
-    values in `data` (their bytes, laid out as this layout says) hold NaN
-    or inf, or None. One sum per run of blocks of one type (NaN and inf
-    survive a sum); leaf by leaf only when one is not finite."""
+    """The file-order index of the first leaf on devices with NaN or infinite
+    values in `data`, or None (one sum per run of blocks of one type; leaf by
+    leaf only when one is not finite)."""
     if all(finite(data, *run) for run in self._runs):
       return None
     offset = 0
@@ -129,12 +115,9 @@ class Layout:
 
 
 def one_program_mesh(leaves: list, mine: "Layout", copies: list):
-  """The mesh over which one program can pack every process's blocks and
-  send each its copy (`packing.packer_across`), or None: every leaf on
-  devices is split (or not) over one mesh of one device per process, each
-  process holds one block of each, and every process sends the next the
-  blocks at the same positions, as many bytes (`copies`: the layouts of
-  what each process sends)."""
+  """The mesh over which `packing.packer_across` can pack and send every
+  process's blocks (one device per process, one block of each leaf each, the
+  same positions and bytes sent), or None."""
   arrays = [leaves[i] for i, _ in mine.picks]
   if (not arrays or len(mine.keys) != len(arrays)
       or len(arrays) != sum(isinstance(x, jax.Array) for x in leaves)
@@ -153,8 +136,7 @@ def one_program_mesh(leaves: list, mine: "Layout", copies: list):
 
 
 def _runs(sizes: list) -> list:
-  """`[(dtype, offset, nbytes)]`: the runs of consecutive inexact blocks of
-  one type among `sizes` (a layout's)."""
+  """`[(dtype, offset, nbytes)]`: runs of inexact blocks of one type."""
   runs, offset = [], 0
   for dtype, inexact, nbytes in sizes:
     for n in nbytes:
@@ -176,16 +158,9 @@ def finite(data, dtype: np.dtype, offset: int, nbytes: int) -> bool:
 
 
 def plan(names: list, leaves: list, rank: int, world: int, peer) -> tuple:
-  """`(mine, before, plan)`: the layouts of process `rank`'s blocks of
-  `leaves` and of those of the process before it that this one does not
-  hold (the replica it writes; None without `peer`, the copy to the next
-  process, as in a job of one process), and `plan`: `(program, target,
-  moves, length, across)`, the `packing.packer` program, the device it
-  runs on, the positions of the blocks to move there first, the bytes each
-  process sends the next (0: no copy, as for a mirrored state), and whether
-  the program is `packing.packer_across`'s (it takes the leaves, and also
-  makes the copy); `mine.header`: the header of this process's file after
-  its step, checksum, attempt and rank (which the writer fills in)."""
+  """`(mine, before, plan)` for process `rank`: the layouts of its part and of
+  its replica (None without `peer`), and `(program, target, moves, length,
+  across)` to pack them; `mine.header` is the file's header."""
   mine, before, program = _plan(names, leaves, rank, world, peer)
   replica = "" if before is None else (
       f', "replica": {{"rank": {(rank - 1) % world}, '

@@ -1,29 +1,12 @@
-"""A process's snapshot files: which it keeps, which it removes, and the
-spare it writes the next snapshot over.
+"""A process's snapshot files: which it keeps, and the spare it writes the
+next snapshot over.
 
-A process removes every file but its last two snapshots' and the new one's,
-when it writes one: all processes have written the one before its last.
-Why, with the writing in the background: a process's writer writes snapshot
-k only once its blocks are there, that is once the step that computed them
-has run, and that step needed every process's collectives; each process
-dispatches that step (later than snapshot k-1's) after its `write` of
-snapshot k-1, which waited for its writer to finish snapshot k-2: so every
-process's part of k-2 is there. The process that completes a snapshot (its
-file and the files of the others it finds hold all of its parts; at 2
-processes its own file does, and it looks for no other) removes the older
-ones it wrote, and, when its own file does not hold all the parts, those
-the other processes wrote. So at rest the directory holds the newest
-complete snapshot (on one machine; across hosts, until the next two
-snapshots, also the ones before it), and the launcher removes the directory
-when the job ends.
-
-A process lists the directory once, at its first write (the files of earlier
-attempts, the temporary files of writers that died); after that it removes
-the files it wrote, by name. It keeps its files open; when one's snapshot is
-old, it does not remove it but renames it back to its temporary name and
-writes the next snapshot over it (its spare: no file made or removed, no
-page of memory taken anew; at most `SPARE_BYTES`, a larger file is
-removed; `close_files` and `clear` remove the spare).
+Writing snapshot k, a process removes every file but those of its last two
+snapshots and k's. That is safe: its writer writes k only after the step that
+computed it, which needed every process, and each process dispatched that
+step after its `write` of k-1 waited for k-2 to be written; so every part of
+k-2 exists. An old file of at most `SPARE_BYTES` is renamed back to the
+temporary name and written over (no page of memory taken anew).
 """
 
 from __future__ import annotations
@@ -77,8 +60,7 @@ class Files:
     return self._prefix + part_name(*group[:2], rank, group[2])
 
   def holds_all(self, group) -> bool:
-    """Whether this host holds every part of `group` (in its files or as
-    their replicas), looking only at the files it needs to."""
+    """Whether this host holds every part of `group` (in files or replicas)."""
     found = set(held(self.rank, self.world))
     for r in range(self.world):  # part r: in file r, or in r + 1's
       for k in () if r in found else (r, (r + 1) % self.world):
@@ -88,13 +70,9 @@ class Files:
     return len(found) == self.world
 
   def keep_only(self, keep: set, others: bool = False) -> None:
-    """Removes the files of the snapshots not in `keep`: at this process's
-    first write (and the first after `clear`), every such file in the
-    directory, and the temporary files of writers that died (one listing);
-    after it, those this process wrote (it knows their names: no listing);
-    with `others`, also those the other processes wrote of the snapshots
-    this process wrote (a process that cannot tell that the snapshot is
-    complete leaves its own to the one that can)."""
+    """Removes the files of the snapshots not in `keep` (at the first write, any
+    in the directory and those of dead writers; then this process's own; with
+    `others`, the other processes' files of those snapshots too)."""
     if not self._swept:
       try:
         entries = os.listdir(self.directory)
@@ -118,10 +96,7 @@ class Files:
           pass  # another process of this host removed it first
 
   def _retire(self, path: str, fd: int, size: int) -> None:
-    """Makes this process's file of an old snapshot its spare: renamed to
-    its temporary name (which no reader takes), kept open, and written
-    over with the next snapshot (`put`): no file made or removed, and no
-    page of memory taken anew, a snapshot."""
+    """Makes this process's file of an old snapshot its spare."""
     try:
       os.rename(path, self._tmp)
       self._spare = (fd, size)
@@ -129,9 +104,7 @@ class Files:
       os.close(fd)
 
   def put(self, group, buffers: list) -> None:
-    """Writes this process's file of snapshot `group` (`buffers`, as
-    `files.buffers` makes them) under a temporary name (over the spare, if
-    there is one), renamed when complete."""
+    """Writes this process's file of snapshot `group`, renamed when complete."""
     tmp, path = self._tmp, self.path(group, self.rank)
     spare, self._spare = self._spare, None
     try:
@@ -149,8 +122,7 @@ class Files:
     self._written[group] = (path, fd, size)
 
   def close_files(self) -> None:
-    """Closes the files this process keeps open (it forgets them), and
-    removes its spare."""
+    """Closes the files this process keeps open, and removes its spare."""
     if self._spare is not None:
       os.close(self._spare[0])
       try:
@@ -164,8 +136,7 @@ class Files:
                      self._written.items()}
 
   def remove(self, entries: list, keep: set) -> None:
-    """Removes, of `entries`, the files of the snapshots not in `keep`, and
-    the temporary files of writers that died."""
+    """Removes, of `entries`, old snapshots' files and dead writers' files."""
     for entry in entries:
       group, _, pid = parse(entry)
       gone = ((group is not None and group not in keep)
@@ -177,9 +148,8 @@ class Files:
           pass  # another process of this host removed it first
 
   def clear(self) -> None:
-    """Removes the snapshots on this host (every process calls it, after
-    a collective that every process enters once it has written its last,
-    such as `agree`)."""
+    """Removes the snapshots on this host (every process calls it, after a
+    collective entered once every process wrote its last, such as `agree`)."""
     self.close_files()
     self.remove(os.listdir(self.directory), keep=set())
     self._written, self._swept = {}, False

@@ -1,21 +1,9 @@
 """`Snapshots`: the in-memory snapshots of one `CheckpointManager` in a job.
 
-Every `snapshot_every` steps each process writes the blocks of the state it
-holds to one file in the job's snapshot directory under /dev/shm
-(`launcher/snapshot_dir.py`): host memory that outlives the training
-processes, so a restarted job resumes without reading the persistent
-directory. `write` takes a snapshot: one jitted program packs this
-process's blocks into one buffer on its device (and those the next process
-lacks into another, `packing.py`), and starts the second's copy to the next
-process (`peer_copy.py`); one dispatch and one collective per snapshot,
-whatever the number of leaves, the layout worked out once per state layout
-(`layout.py`). The buffers are copies, so a step that donates the state's
-arrays next does not touch them. The next `save` of the manager hands the
-snapshot to the writer thread (`writer.py`), which copies the buffers to
-the host and writes the process's file (`files.py`) while the loop goes on;
-`restore` and `close` write it at once. At most one snapshot is in flight:
-`write` first waits for the one before it. Which files are kept is
-`retention.py`'s; which snapshot a restore takes, `agreement.py`'s.
+`write` dispatches one program that packs this process's blocks (and the
+copy for the next process); the next `save` hands the snapshot to the
+writer thread, which writes the file while the loop goes on. At most one
+snapshot is in flight.
 """
 
 from __future__ import annotations
@@ -75,22 +63,8 @@ class Snapshots:
     self.from_replicas: list = []
 
   def write(self, step: int, names: list, leaves: list) -> None:
-    """Takes snapshot `step` of `leaves` (every process calls it).
-
-    It waits for the snapshot before it to be written (at most one in
-    flight), then dispatches one program that packs this process's blocks
-    into one buffer (and those the next process lacks into another,
-    `packing.py`) and, in a job of several processes, the copy of the other
-    to the next process (`peer_copy.py`); the writer thread copies the
-    buffers to the host (off the loop's thread, where an accelerator's
-    transfer costs the loop nothing).
-    The next `flush(wait=False)` (the manager's next `save`) hands the
-    snapshot to the writer thread, which writes this process's file: the
-    part, and the replica of the part the process before sent; `flush()`
-    (the manager's `restore`, `close`) writes it at once. Either way the
-    step that computed it has been dispatched by then and the loop does not
-    wait for it. The buffers are copies: a later step may donate the
-    state's arrays.
+    """Takes snapshot `step` of `leaves` (every process calls it), after waiting
+    for the one before; `flush` writes it.
 
     Raises:
       The error of the snapshot before it, if its writer failed.
@@ -120,15 +94,9 @@ class Snapshots:
     self._pending = (int(step), mine, packed, host, before, received)
 
   def flush(self, wait: bool = True) -> bool | None:
-    """Writes this process's file of the snapshot taken last, if not yet
-    written (the part, and the replica of the part of the process before
-    this one); with `wait=False`, hands it to the writer thread and returns
-    at once.
-
-    Returns:
-      None with `wait=False`, or if there was none to write; else whether
-      the last snapshot was written: not when it holds NaN or infinite
-      values (the snapshot before it stays the newest).
+    """Writes this process's file of the last snapshot taken, if not yet
+    written (with `wait=False`: hands it to the writer thread and returns
+    None); returns whether it was written (not with NaN or infinite values).
 
     Raises:
       The error of the writer thread's last snapshot, if it failed.
@@ -158,8 +126,7 @@ class Snapshots:
       self._files.close_files()
 
   def _write(self, pending: tuple) -> bool:
-    """Writes snapshot `pending` (on the writer thread, or the training
-    thread): see `flush`."""
+    """Writes snapshot `pending` (see `flush`)."""
     step, layout, packed, host, before, received = pending
     if isinstance(received, int):  # one buffer: the part, then the copy
       both = np.asarray(packed.addressable_data(0))  # (spans the processes)
@@ -188,9 +155,7 @@ class Snapshots:
     return True
 
   def _plan(self, names: list, leaves: list) -> tuple:
-    """`layout.plan` of `leaves`, worked out once per names, shapes, dtypes
-    and shardings, so that a snapshot costs little more than its copies and
-    its file."""
+    """`layout.plan` of `leaves`, worked out once per state layout."""
     key = [(x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves]
     if self._layouts_key is None or self._layouts_key != (names, key):
       self._layouts_key = (list(names), key)
@@ -199,15 +164,12 @@ class Snapshots:
     return self._layouts
 
   def clear(self) -> None:
-    """Removes the snapshots on this host (every process calls it, after
-    a collective that every process enters once it has written its last,
-    such as `agree`)."""
+    """Removes the snapshots on this host (see `Files.clear`)."""
     self._files.clear()
     self.complete = self._before = None
 
   def agree(self, newest_checkpoint: int | None = None) -> tuple:
-    """`(group, note, newest_checkpoint)` of `agreement.agree`; sets
-    `from_replicas` (every process calls it)."""
+    """`agreement.agree`, setting `from_replicas` (every process calls it)."""
     group, note, disk, self.from_replicas = agreement.agree(
         self.directory, newest_checkpoint)
     return group, note, disk
@@ -217,6 +179,5 @@ class Snapshots:
     return agreement.saved_shape(self._files, group, name)
 
   def read(self, group, described: dict) -> tuple:
-    """`agreement.read`: `(leaves, problem)` of snapshot `group` (every
-    process calls it)."""
+    """`agreement.read` of snapshot `group` (every process calls it)."""
     return agreement.read(self._files, group, described)

@@ -1,13 +1,6 @@
-"""The background thread that writes a process's snapshot files.
-
-One daemon thread per `Snapshots` runs one job at a time (writing the
-snapshot taken last) while the training loop goes on; the job's error is
-raised on the loop's thread at its next call, never lost. At the process's
-exit, a write in flight is waited for a few seconds (`EXIT_WAIT_SECONDS`):
-the thread is a daemon, so a write stuck on a dead peer's copy does not
-hold the exit, and a part it did not finish is a temporary file that no
-reader takes.
-"""
+"""The background thread that writes a process's snapshot files; its error
+is raised on the loop's thread at the next call. At exit a write in flight
+is waited for `EXIT_WAIT_SECONDS` at most."""
 
 from __future__ import annotations
 
@@ -23,8 +16,7 @@ _LIVE: "weakref.WeakSet" = weakref.WeakSet()  # the writers to wait for at exit
 
 
 class Writer:
-  """One background daemon thread that runs one job at a time: `start` a
-  job, `wait` for it (its result, or its error raised here)."""
+  """One daemon thread running one job at a time: `start` it, `wait` for it."""
 
   def __init__(self, name: str):
     self._name = name
@@ -35,8 +27,7 @@ class Writer:
     self._result, self._error = None, None
 
   def start(self, job) -> None:
-    """Runs `job()` on the thread (the one before must have been waited
-    for)."""
+    """Runs `job()` on the thread (the one before must have been waited for)."""
     if not self._idle.is_set():
       raise RuntimeError("a snapshot is already being written")
     if self._thread is None:
@@ -75,8 +66,7 @@ class Writer:
     return self._error is not None
 
   def wait(self, timeout: float | None = None):
-    """The last job's result (None if none, or not done in `timeout`);
-    raises its error, once."""
+    """The last job's result (None if none or late); raises its error once."""
     if not self._idle.wait(timeout):
       return None
     error, self._error = self._error, None
@@ -97,8 +87,7 @@ _AT_EXIT = False  # whether `_wait_at_exit` is registered
 
 
 def _wait_at_exit() -> None:
-  """A snapshot being written as the process exits: waited for (a few
-  seconds at most), its error printed."""
+  """Waits a few seconds for a snapshot being written at exit."""
   for writer in list(_LIVE):
     try:
       writer.wait(EXIT_WAIT_SECONDS)
