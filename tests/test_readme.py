@@ -78,6 +78,13 @@ def _fit(out: str) -> None:
   assert set(eval(evaluation)) == {"loss", "accuracy"}, out  # noqa: S307
 
 
+def _jax_meshes(out: str) -> None:
+  *losses, spec = out.splitlines()
+  losses = [float(line.split()[1]) for line in losses]
+  assert len(losses) == 4 and losses == sorted(losses, reverse=True), out
+  assert spec == "P(None, 'model')", out  # the page: still split
+
+
 def _planning(out: str) -> None:
   assert re.search(r"^  parameters +53\.1 KB$", out, re.M), out
   assert re.search(r"^  optimizer state +106\.2 KB$", out, re.M), out
@@ -112,6 +119,7 @@ EXPECTED = {
     "jdist.ShardedOptimizer(": _sharded_optimizer,
     "ModelParallelStrategy(device_mesh=mesh)": _partition_metadata,
     "history = trainer.fit(x, y, batch_size=128, epochs=3": _fit,
+    "model = DotReluDot(16, rngs=nnx.Rngs(0))": _jax_meshes,
     "trainer.fit(x, y, batch_size=64, epochs=3, verbose=0)": _keras_trainer,
     "print(keras.distribution.distribution())": _keras_fit_in_scope,
     "model_fns.assign(variables)": _keras_custom_loop,

@@ -6,15 +6,20 @@ function says why the public API does not suffice.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import threading
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.extend
 import numpy as np
 # Private modules, each used by one function below (see its docstring).
 from jax._src import cloud_tpu_init
+from jax._src import core as _core
 from jax._src import clusters
 from jax._src import distributed
+from jax._src import mesh as mesh_lib
+from jax._src import pjit
 from jax._src import xla_bridge
 from jax._src.clusters import cloud_tpu_cluster
 from jax._src.random import prng as jax_prng
@@ -50,6 +55,74 @@ try:
   from jax._src.lax.parallel import all_gather_invariant
 except ImportError:  # pragma: no cover - depends on the jax version
   all_gather_invariant = None
+
+# --- a user's mesh context and sharding constraints --------------------------
+
+
+def context_mesh():
+  """The concrete mesh a user's `jax.set_mesh` put in context, or None.
+
+  Private: the public `jax.sharding.get_mesh()` refuses to answer inside
+  `jax.jit`, where jdist traces its steps and compares this mesh with the
+  strategy's (the abstract mesh that is public there has no devices).
+  """
+  mesh = mesh_lib.get_concrete_mesh()
+  return None if mesh is None or mesh.empty else mesh
+
+
+def inside_trace() -> bool:
+  """Whether JAX is tracing (inside `jax.jit`, `eval_shape`, ...), where
+  `jax.set_mesh` refuses to run.
+
+  Private: JAX's test for it (`core.trace_state_clean`) is internal.
+  """
+  return not _core.trace_state_clean()
+
+
+class _ConstraintMap(threading.local):
+  """This thread's mapping of `with_sharding_constraint`'s shardings."""
+
+  def __init__(self):
+    super().__init__()
+    self.mapper = None
+
+
+_constraint_map = _ConstraintMap()
+_prepare_shardings = pjit.prepare_axis_resources  # JAX's own
+
+
+def _prepare_shardings_mapped(axis_resources, arg_name, *args, **kwargs):
+  """JAX's `prepare_axis_resources`, with a constraint's shardings first
+  given to this thread's mapper (see `sharding_constraints_mapped`)."""
+  mapper = _constraint_map.mapper
+  if mapper is not None and arg_name == "shardings":  # with_sharding_constraint
+    axis_resources = jax.tree.map(
+        lambda x: x if x is None else mapper(x), axis_resources,
+        is_leaf=lambda x: x is None or isinstance(
+            x, (jax.sharding.PartitionSpec, jax.sharding.Sharding)))
+  return _prepare_shardings(axis_resources, arg_name, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def sharding_constraints_mapped(mapper: Callable) -> Iterator[None]:
+  """In this thread, for the block: each sharding given to
+  `jax.lax.with_sharding_constraint` (a `PartitionSpec` or a `Sharding`) is
+  replaced by `mapper(sharding)` before JAX reads it.
+
+  Private: JAX checks a constraint's sharding and turns it into one on the
+  context mesh inside `with_sharding_constraint`, then refuses a spec that
+  names a manual axis (the replica axis inside jdist's `shard_map`) or a
+  sharding on the concrete mesh there. A user's constraint, written for the
+  global program as flax's and JAX's guides write it, means per replica the
+  same spec without the replica axis; the public API has no hook to say so.
+  Other threads, and constraints outside the block, are untouched.
+  """
+  pjit.prepare_axis_resources = _prepare_shardings_mapped
+  previous, _constraint_map.mapper = _constraint_map.mapper, mapper
+  try:
+    yield
+  finally:
+    _constraint_map.mapper = previous
 
 # --- rewriting a traced function ------------------------------------------------
 

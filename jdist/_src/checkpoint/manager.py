@@ -19,6 +19,7 @@ from jdist._src import current
 from jdist._src.checkpoint import checkpointer as ckpt_lib
 from jdist._src.checkpoint import snapshots as snapshots_lib
 from jdist._src.checkpoint.checkpointer import Checkpointer
+from jdist._src.core import mesh_context
 from jdist._src.errors import CheckpointNotFoundError
 from jdist._src.launcher import job_env
 from jdist._src.launcher import snapshot_dir
@@ -217,15 +218,18 @@ class CheckpointManager:
     """
     step = int(step)
     self._ckpt.check_open(step)
-    if self._snapshots is not None:
-      # The snapshot taken at an earlier call, written in the background.
-      self._snapshots.flush(wait=False)
-      if step % self._snapshot_every == 0:
-        self._snapshot(step, state)
-    if self._save_every is not None and step % self._save_every:
-      return None
-    if not self._ckpt.save(step, state, {}):
-      return None
+    # A mesh the user set is set aside: the checkpoint's programs run over
+    # the state's own devices.
+    with mesh_context.set_aside():
+      if self._snapshots is not None:
+        # The snapshot taken at an earlier call, written in the background.
+        self._snapshots.flush(wait=False)
+        if step % self._snapshot_every == 0:
+          self._snapshot(step, state)
+      if self._save_every is not None and step % self._save_every:
+        return None
+      if not self._ckpt.save(step, state, {}):
+        return None
     return os.path.join(self.directory, str(step))
 
   def _snapshot(self, step: int, state: Any, meta: dict | None = None
@@ -266,12 +270,13 @@ class CheckpointManager:
       TypeError: a leaf of `like` is not an array (a Python float or int).
     """
     mesh = self._mesh(like)
-    if self._snapshots is not None:
-      got = self._restore_snapshot(like, mesh, step)
-      if got is not None:
-        self.restored_step = self._snapshots.complete[0]
-        return got
-    restored = self._ckpt.restore(like, mesh, step=step)
+    with mesh_context.set_aside():  # as in save
+      if self._snapshots is not None:
+        got = self._restore_snapshot(like, mesh, step)
+        if got is not None:
+          self.restored_step = self._snapshots.complete[0]
+          return got
+      restored = self._ckpt.restore(like, mesh, step=step)
     if restored is None:
       raise CheckpointNotFoundError(
           f"{self.directory} holds no checkpoint to restore. Check "

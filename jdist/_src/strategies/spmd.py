@@ -11,6 +11,7 @@ elsewhere.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Iterable, Sequence
 
 import jax
@@ -28,6 +29,7 @@ from jdist._src.input.options import InputOptions
 from jdist._src.runtime import runtime as runtime_lib
 from jdist._src.runtime.options import CommunicationOptions
 from jdist._src.runtime.program_check import StepGuard
+from jdist._src.strategies import output_layouts
 from jdist._src.strategies.base import StrategyBase
 
 
@@ -67,6 +69,7 @@ class Strategy(StrategyBase):
                               axis_types=(AxisType.Auto,))
     self._communication_options = CommunicationOptions.of(
         communication_options)
+    self._warned_outputs: set = set()  # output-layout keys warned about
     # Only a mesh that spans processes needs the runtime's cross-process checks.
     self._runtime = self._step_guard = None
     if placement.spans_processes(self._mesh):
@@ -116,6 +119,14 @@ class Strategy(StrategyBase):
   def num_replicas_in_sync(self) -> int:
     """How many replicas run each step."""
     return len(self._devices)
+
+  def step_scope(self, args: tuple) -> contextlib.AbstractContextManager:
+    """Entered while one replica's step is traced, with its arguments: the
+    `layout_map`'s output-layout keys constrain the outputs of the flax
+    layers the step runs (`strategies/output_layouts.py`)."""
+    return output_layouts.applied(self.layout_map,
+                                  output_layouts.nnx_modules(args),
+                                  self._warned_outputs)
 
   def replica_layouts(self, tree: Any) -> list:
     """The layout within a replica of each leaf of `tree`, in flattening

@@ -314,7 +314,8 @@ class Trainer:
       sample = jax.tree.map(lambda a: np.asarray(a)[:1], x)
       self._checks.initialised_with(sample)
       program = self._step_functions().program
-      program.check_init(init_key, sample)
+      with self.strategy.mesh_scope(strict=False):  # shapes only
+        program.check_init(init_key, sample)
       # Made by the strategy: under ModelParallelStrategy each array is born
       # in its layout (compiled with output shardings), never whole.
       self.state = self.strategy.init(program.init, init_key, rng_key, sample)
@@ -335,8 +336,9 @@ class Trainer:
 
   def _prepare(self, source, what: str, *, with_loss: bool = True,
                micro_batches: int = 1) -> int | None:
-    """Checks the data against the model before any step (`checks.py`);
-    returns the static global batch size (None: the pipelines batch).
+    """Checks the data against the model before any step (`checks.py`),
+    tracing it under the strategy's mesh; returns the static global batch
+    size (None: the pipelines batch).
 
     Args:
       what: the data's name in messages ("training data", ...).
@@ -344,6 +346,13 @@ class Trainer:
       micro_batches: the micro-batches each replica's share is split into
         (gradient accumulation, when training).
     """
+    with self.strategy.mesh_scope():
+      return self._checked(source, what, with_loss=with_loss,
+                           micro_batches=micro_batches)
+
+  def _checked(self, source, what: str, *, with_loss: bool,
+               micro_batches: int) -> int | None:
+    """`_prepare` under the strategy's mesh."""
     sample = source.peek()
     self.build(sample["x"])
     strategy = self.strategy
@@ -455,7 +464,10 @@ class Trainer:
     bar = ProgressBar(verbose, epochs, plan=planned,
                       batches_per_call=self._batches_per_call)
     try:
-      self._loop.run(plan, cbs, bar)
+      # A mesh the user set (the strategy's) set aside: jdist's programs
+      # over the state (steps, checkpoints) run as they do without one.
+      with self.strategy.outside_user_mesh():
+        self._loop.run(plan, cbs, bar)
     finally:
       bar.close()
       cbs.close()
@@ -505,8 +517,9 @@ class Trainer:
     static = self._prepare(source, "evaluation data")
     cbs = CallbackList(callbacks, trainer=self, params={"steps": steps,
                                                         "verbose": verbose})
-    return self._evaluate_source(source, static, self.state, cbs,
-                                 verbose=verbose)
+    with self.strategy.outside_user_mesh():  # as fit's loop
+      return self._evaluate_source(source, static, self.state, cbs,
+                                   verbose=verbose)
 
   def _evaluate_source(self, source, static: int | None, state,
                        cbs: CallbackList, verbose=0) -> dict:
@@ -534,9 +547,10 @@ class Trainer:
                                                         "verbose": verbose})
     inputs = source.distributed(self.strategy, 0, options=self._input_options,
                                 batch_size=static, inputs_only=True)
-    return loop.predict(self.make_predict_function(), self.state, inputs,
-                        self.strategy, cbs, ProgressBar(verbose, 1),
-                        source.steps_per_epoch)
+    with self.strategy.outside_user_mesh():  # as fit's loop
+      return loop.predict(self.make_predict_function(), self.state, inputs,
+                          self.strategy, cbs, ProgressBar(verbose, 1),
+                          source.steps_per_epoch)
 
   def export(self) -> Any:
     """The trained model in its own terms.
