@@ -118,6 +118,7 @@ _EXPORTS = {
     "metrics": "jdist.metrics",
     "mirrored": "jdist._src.strategies.mirrored",
     "multi_step": "jdist._src.core.multi_step",
+    "pipeline": "jdist._src.ops.pipeline",
     "read_value": "jdist._src.core.values",
     "scale_regularization_loss": "jdist._src.ops.losses",
 }

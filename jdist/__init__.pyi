@@ -98,6 +98,9 @@ from jdist._src.ops.losses import (
     compute_average_loss as compute_average_loss,
     scale_regularization_loss as scale_regularization_loss,
 )
+from jdist._src.ops.pipeline import (
+    pipeline as pipeline,
+)
 from jdist._src.ops.precision import (
     DTypePolicy as DTypePolicy,
 )
@@ -297,6 +300,7 @@ __all__ = [
     "metrics",
     "mirrored",
     "multi_step",
+    "pipeline",
     "read_value",
     "scale_regularization_loss",
 ]

@@ -15,7 +15,9 @@ import numpy as np
 # Private modules, each used by one function below (see its docstring).
 from jax._src import cloud_tpu_init
 from jax._src import clusters
+from jax._src import core as jax_core
 from jax._src import distributed
+from jax._src import mesh as jax_mesh
 from jax._src import xla_bridge
 from jax._src.clusters import cloud_tpu_cluster
 
@@ -51,6 +53,45 @@ try:
   from jax._src.lax.parallel import all_gather_invariant
 except ImportError:  # pragma: no cover - depends on the jax version
   all_gather_invariant = None
+
+_NESTED_RESIDUALS_FIXED = []
+
+
+def fix_nested_shard_map_residuals() -> None:
+  """Lets autodiff go through a `shard_map` nested in another one.
+
+  Differentiating a map that is manual over one axis inside a map manual over
+  another (the pipeline's over "stage" in a step's over "data"), jax 0.10.2
+  gives each residual the out spec of every axis it varies over
+  (`ShapedArray.nospec`), the outer map's axis too, and the compiler rejects
+  it ("operates on axis 'data' which is already bound by a parent
+  sdy.manual_computation"). Inside the outer map that axis is implicit, so
+  the fix leaves out of the spec every axis that is already manual where the
+  residual is made and that the inner map does not make manual (jax's own
+  comment there asks whether only the newly manual names should count).
+  Specs that do not name such an axis, every spec of a map that is not
+  nested, are unchanged. Installed once, by the first pipeline traced.
+  """
+  if _NESTED_RESIDUALS_FIXED:
+    return
+  original = jax_core.ShapedArray.nospec
+
+  def nospec(self, mesh, check_vma, all_names):
+    spec = original(self, mesh, check_vma, all_names)
+    outer = set(jax_mesh.get_abstract_mesh().manual_axes) - set(all_names)
+    if not check_vma or not outer or not spec or spec[0] is None:
+      return spec
+    names = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+    kept = tuple(n for n in names if n not in outer)
+    if kept == names:
+      return spec
+    return jax.sharding.PartitionSpec(
+        (kept if len(kept) > 1 else kept[0]) if kept else None,
+        unreduced=spec.unreduced, reduced=spec.reduced)
+
+  jax_core.ShapedArray.nospec = nospec
+  _NESTED_RESIDUALS_FIXED.append(original)
+
 
 # --- rewriting a traced function ------------------------------------------------
 

@@ -58,6 +58,13 @@ class StrategyBase(abc.ABC):
     return self._state_placement
 
   @property
+  def pipeline(self):
+    """How `jdist.pipeline` runs stacked layers in this strategy's steps (a
+    `PipelineSchedule`), or None: one after another on each replica. Only
+    `jdist.ModelParallelStrategy(pipeline_axis=...)` has one."""
+    return None
+
+  @property
   def extended(self):
     """Compatibility with code that reads `strategy.extended`: the strategy."""
     return self

@@ -1,0 +1,230 @@
+"""`jdist.pipeline`: a model's stacked layers, run as pipeline stages when
+the step's strategy has a pipeline axis, and one after another otherwise.
+
+Under `ModelParallelStrategy(pipeline_axis=...)` the call is one SPMD
+program: a `jax.shard_map` manual over the pipeline axis alone (inside the
+step's map over the replicas), so the other axes (FSDP, tensor parallelism)
+stay the compiler's. Each stage holds its slice of the stacked layers (the
+layer dimension split over the axis by the LayoutMap or flax metadata) and
+runs a loop of `V * M + S - 1` iterations (`PipelineSchedule`): the first
+stage reads microbatch inputs (or, in a circular schedule, what the last
+stage sent back), every stage runs its layers and passes the result to the
+next with `lax.ppermute`, and the last stage writes the outputs, which a
+`psum` over the axis gives to every stage. A stage skips its work in the
+bubble (`lax.cond`). The whole loop is differentiated by autodiff, so the
+backward pass is the same schedule in reverse and the user's step is
+unchanged.
+
+A circular schedule's virtual stage `q` runs on stage `q % S`, but the
+LayoutMap splits the layer dimension into contiguous blocks: the call
+regroups the layers (`(V, S, k)`, stage on the middle axis), which costs an
+all-to-all of the stacked parameters per step (and one of their gradient),
+and leaves the parameters in the order every other layout and checkpoint
+shares.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jdist._src import jax_compat
+from jdist._src.core import context
+from jdist._src.errors import DistributionError
+from jdist._src.strategies.pipeline_schedule import PipelineSchedule
+
+
+def pipeline(layer_fn: Callable[[Any, Any], Any], stacked_params: Any,
+             x: Any) -> Any:
+  """Runs `L` stacked layers over `x`, as pipeline stages under a strategy
+  with a pipeline axis, one after another otherwise.
+
+  `layer_fn(params, x)` is one layer: it takes one layer's parameters (the
+  leaves of `stacked_params` without their leading dimension) and
+  activations, and returns activations of the same shapes and dtypes.
+  Called in a step of `jdist.ModelParallelStrategy(pipeline_axis=...)`,
+  the layers run as `strategy.pipeline` schedules them: each replica's batch
+  is split into microbatches (rows `i, i + M, i + 2M, ...` form microbatch
+  `i`), and each stage runs its layers on them. Anywhere else (one device,
+  a strategy with no pipeline axis, `strategy.init`) the same call runs the
+  layers in order, so the model is the same function everywhere. Rows must
+  not interact inside a layer (no batch statistics): each microbatch runs
+  apart.
+
+  Args:
+    layer_fn: one layer, `(params, x) -> x`.
+    stacked_params: a pytree of arrays whose leading dimension is the layer
+      (the same size `L` for every leaf). Lay that dimension out over the
+      pipeline axis (a LayoutMap key `("stage", ...)`), so that each stage
+      holds its own layers.
+    x: the activations: an array, or a pytree of arrays, with the batch as
+      leading dimension.
+
+  Returns:
+    The activations after the `L` layers, shaped as `x`.
+
+  Raises:
+    jdist.DistributionError: `layer_fn` changes the activations' shapes,
+      the leaves of `stacked_params` disagree on `L`, `L` is not a multiple
+      of stages x repeats, or a replica's batch is not a multiple of
+      `num_microbatches` (all while the step is traced, before it runs).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jdist
+    >>> def layer(w, h):
+    ...   return jnp.tanh(h @ w)
+    >>> ws = jnp.stack([jnp.eye(3)] * 4)  # 4 layers
+    >>> jdist.pipeline(layer, ws, jnp.ones((2, 3))).shape
+    (2, 3)
+  """
+  num_layers = _num_layers(stacked_params)
+  _check_layer(layer_fn, stacked_params, x)
+  replica = context.current_replica_context()
+  schedule = None if replica is None else replica.strategy.pipeline
+  if schedule is None:
+    return _sequential(layer_fn, stacked_params, x)
+  return _pipelined(layer_fn, stacked_params, x, schedule, num_layers,
+                    replica.strategy.num_replicas_in_sync)
+
+
+def _num_layers(stacked_params: Any) -> int:
+  sizes = {jnp.shape(p)[0] if jnp.ndim(p) else None
+           for p in jax.tree.leaves(stacked_params)}
+  if len(sizes) != 1 or None in sizes:
+    raise DistributionError(
+        "jdist.pipeline's stacked_params must be arrays whose leading "
+        "dimension is the layer, the same for every leaf; their leading "
+        f"sizes are {sorted(sizes, key=str)}.")
+  return sizes.pop()
+
+
+def _check_layer(layer_fn: Callable, stacked_params: Any, x: Any) -> None:
+  """Raises unless `layer_fn` maps `x` to activations shaped as `x`."""
+  one = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape[1:], p.dtype),
+                     stacked_params)
+  out = jax.eval_shape(layer_fn, one, x)
+  shapes = jax.tree.map(lambda a: (jnp.shape(a), jnp.result_type(a)), x)
+  out_shapes = jax.tree.map(lambda a: (a.shape, a.dtype), out)
+  if out_shapes != shapes:
+    raise DistributionError(
+        "jdist.pipeline's layer_fn must return activations shaped as it "
+        f"takes them (one stage passes them to the next): it took {shapes} "
+        f"and returned {out_shapes}.")
+
+
+def _sequential(layer_fn: Callable, stacked_params: Any, x: Any) -> Any:
+  """The layers one after another: a `lax.scan` over the layer dimension."""
+  return lax.scan(lambda h, p: (layer_fn(p, h), None), x, stacked_params)[0]
+
+
+def _pipelined(layer_fn: Callable, stacked_params: Any, x: Any,
+               schedule: PipelineSchedule, num_layers: int,
+               num_replicas: int) -> Any:
+  """The layers as `schedule`'s stages (see the module's docstring)."""
+  s, m, v = schedule.num_stages, schedule.num_microbatches, schedule.num_repeats
+  per_stage = schedule.layers_per_stage(num_layers)
+  rows = {jnp.shape(a)[0] for a in jax.tree.leaves(x)}
+  if len(rows) != 1:
+    raise DistributionError(
+        "jdist.pipeline's activations must share their leading (batch) "
+        f"dimension; their sizes are {sorted(rows)}.")
+  rows = rows.pop()
+  size = schedule.microbatch_size(rows, num_replicas)
+  # Strided microbatches: a batch split over devices in blocks (FSDP) stays
+  # split along the microbatch's rows.
+  micro = jax.tree.map(
+      lambda a: a.reshape(size, m, *a.shape[1:]).swapaxes(0, 1), x)
+  layers = jax.tree.map(
+      lambda p: p.reshape(v, s, per_stage, *p.shape[1:]), stacked_params)
+  typed = not context.varying_types_untracked()
+  jax_compat.fix_nested_shard_map_residuals()
+  loop = jax.shard_map(
+      lambda w, xs: _stage_loop(layer_fn, schedule, w, xs),
+      in_specs=(P(None, schedule.axis), P()), out_specs=P(),
+      axis_names={schedule.axis}, check_vma=typed)
+  out = loop(layers, micro)
+  return jax.tree.map(
+      lambda a: a.swapaxes(0, 1).reshape(rows, *a.shape[2:]), out)
+
+
+def _stage_fn(layer_fn: Callable, remat: bool) -> Callable:
+  """One stage's work: its layers over one microbatch, in order."""
+  def run(w, h):
+    return _sequential(layer_fn, w, h)
+  return jax.checkpoint(run) if remat else run
+
+
+def _stage_loop(layer_fn: Callable, schedule: PipelineSchedule, w: Any,
+                micro: Any) -> Any:
+  """Inside the map over the pipeline axis: one stage's loop.
+
+  Args:
+    w: this stage's layers, each leaf `(V, 1, k, ...)`.
+    micro: every microbatch's input, each leaf `(M, b, ...)`.
+
+  Returns:
+    Every microbatch's output `(M, b, ...)`, the same on every stage.
+  """
+  axis, s = schedule.axis, schedule.num_stages
+  m, v = schedule.num_microbatches, schedule.num_repeats
+  w = jax.tree.map(lambda p: p[:, 0], w)
+  stage = lax.axis_index(axis)
+  vary = _varying_like(axis, w, micro)
+  buffer = vary(jax.tree.map(lambda a: jnp.zeros_like(a[0]), micro))
+  outputs = vary(jax.tree.map(jnp.zeros_like, micro))
+  # Circular: what the last stage sent back, until the first stage's turn.
+  returned = vary(jax.tree.map(jnp.zeros_like, micro)) if v > 1 else None
+  run = _stage_fn(layer_fn, schedule.remat)
+  forward = [(i, i + 1) for i in range(s - 1)] + ([(s - 1, 0)] if v > 1 else [])
+
+  def body(t, carry):
+    buffer, outputs, returned = carry
+    k = t - stage
+    busy = (k >= 0) & (k < v * m)
+    k = jnp.clip(k, 0, v * m - 1)
+    mb, repeat = k % m, k // m
+    fresh = _at(micro, mb)
+    if v > 1:  # file what came back from the last stage, then read it
+      came = (t - s) % m
+      returned = jax.tree.map(
+          lambda r, b: r.at[came].set(jnp.where(t >= s, b, r[came])),
+          returned, buffer)
+      fresh = _where(repeat == 0, fresh, _at(returned, mb))
+    inputs = _where(stage == 0, fresh, buffer)
+    layers = jax.tree.map(lambda p: p[repeat], w)
+    y = lax.cond(busy, run, lambda _, h: h, layers, inputs)
+    done = busy & (stage == s - 1) & (repeat == v - 1)
+    outputs = jax.tree.map(
+        lambda o, a: o.at[mb].set(jnp.where(done, a, o[mb])), outputs, y)
+    buffer = jax.tree.map(lambda a: lax.ppermute(a, axis, forward), y)
+    return buffer, outputs, returned
+
+  _, outputs, _ = lax.fori_loop(0, schedule.iterations, body,
+                                (buffer, outputs, returned))
+  return jax.tree.map(lambda o: lax.psum(o, axis), outputs)
+
+
+def _at(tree: Any, i) -> Any:
+  return jax.tree.map(lambda a: a[i], tree)
+
+
+def _where(pred, a: Any, b: Any) -> Any:
+  return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
+
+
+def _varying_like(axis: str, *trees) -> Callable:
+  """A function typing a tree's arrays as varying over `axis` and over every
+  axis the leaves of `trees` vary over (a loop's carry must keep its type)."""
+  want = {axis}.union(*(jax_compat.varying_axes(x)
+                        for x in jax.tree.leaves(trees)))
+
+  def vary(tree):
+    def one(x):
+      missing = tuple(sorted(want - jax_compat.varying_axes(x)))
+      return lax.pcast(x, missing, to="varying") if missing else x
+    return jax.tree.map(one, tree)
+  return vary
