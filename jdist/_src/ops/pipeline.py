@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from jdist._src import jax_compat
 from jdist._src.core import context
+from jdist._src.core import conv_layout
 from jdist._src.errors import DistributionError
 from jdist._src.strategies.pipeline_schedule import PipelineSchedule
 
@@ -88,7 +89,7 @@ def pipeline(layer_fn: Callable[[Any, Any], Any], stacked_params: Any,
   if schedule is None:
     return _sequential(layer_fn, stacked_params, x)
   return _pipelined(layer_fn, stacked_params, x, schedule, num_layers,
-                    replica.strategy.num_replicas_in_sync)
+                    replica.strategy)
 
 
 def _num_layers(stacked_params: Any) -> int:
@@ -122,8 +123,7 @@ def _sequential(layer_fn: Callable, stacked_params: Any, x: Any) -> Any:
 
 
 def _pipelined(layer_fn: Callable, stacked_params: Any, x: Any,
-               schedule: PipelineSchedule, num_layers: int,
-               num_replicas: int) -> Any:
+               schedule: PipelineSchedule, num_layers: int, strategy) -> Any:
   """The layers as `schedule`'s stages (see the module's docstring)."""
   s, m, v = schedule.num_stages, schedule.num_microbatches, schedule.num_repeats
   per_stage = schedule.layers_per_stage(num_layers)
@@ -133,7 +133,7 @@ def _pipelined(layer_fn: Callable, stacked_params: Any, x: Any,
         "jdist.pipeline's activations must share their leading (batch) "
         f"dimension; their sizes are {sorted(rows)}.")
   rows = rows.pop()
-  size = schedule.microbatch_size(rows, num_replicas)
+  size = schedule.microbatch_size(rows, strategy.num_replicas_in_sync)
   # Strided microbatches: a batch split over devices in blocks (FSDP) stays
   # split along the microbatch's rows.
   micro = jax.tree.map(
@@ -142,13 +142,31 @@ def _pipelined(layer_fn: Callable, stacked_params: Any, x: Any,
       lambda p: p.reshape(v, s, per_stage, *p.shape[1:]), stacked_params)
   typed = not context.varying_types_untracked()
   jax_compat.fix_nested_shard_map_residuals()
+  wide = conv_layout.runs_on_cpu(strategy)
+  dtypes = jax.tree.map(lambda a: a.dtype, (layers, micro))
   loop = jax.shard_map(
-      lambda w, xs: _stage_loop(layer_fn, schedule, w, xs),
+      lambda w, xs: _stage_loop(layer_fn, schedule, w, xs, dtypes),
       in_specs=(P(None, schedule.axis), P()), out_specs=P(),
       axis_names={schedule.axis}, check_vma=typed)
-  out = loop(layers, micro)
+  out = loop(*_widened((layers, micro), wide))
   return jax.tree.map(
-      lambda a: a.swapaxes(0, 1).reshape(rows, *a.shape[2:]), out)
+      lambda a, t: a.astype(t.dtype).swapaxes(0, 1).reshape(
+          rows, *a.shape[2:]), out, x)
+
+
+def _widened(tree: Any, wide: bool) -> Any:
+  """`tree` with its floats narrower than 32 bits in float32, when `wide`.
+
+  XLA:CPU aborts on a bfloat16 all-reduce in a partly manual program; the
+  values that cross the pipeline's map, where the sums over the axes are
+  (below), do it in float32 there. Exact: those sums add zeros, or add
+  gradients that the step would sum in float32 anyway.
+  """
+  def one(a):
+    if wide and jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize < 4:
+      return a.astype(jnp.float32)
+    return a
+  return jax.tree.map(one, tree)
 
 
 def _stage_fn(layer_fn: Callable, remat: bool) -> Callable:
@@ -159,21 +177,30 @@ def _stage_fn(layer_fn: Callable, remat: bool) -> Callable:
 
 
 def _stage_loop(layer_fn: Callable, schedule: PipelineSchedule, w: Any,
-                micro: Any) -> Any:
+                micro: Any, dtypes: tuple) -> Any:
   """Inside the map over the pipeline axis: one stage's loop.
+
+  The layers and the inputs are typed as varying over every axis before the
+  loop, so that autodiff sums their gradients over the replicas and the
+  stages once, after it, rather than at every iteration.
 
   Args:
     w: this stage's layers, each leaf `(V, 1, k, ...)`.
     micro: every microbatch's input, each leaf `(M, b, ...)`.
+    dtypes: the dtypes of `(w, micro)` as the layers take them (they may
+      come `_widened`).
 
   Returns:
-    Every microbatch's output `(M, b, ...)`, the same on every stage.
+    Every microbatch's output `(M, b, ...)` summed over the stages (the
+    last stage's, on every stage), in the dtype `micro` came in.
   """
   axis, s = schedule.axis, schedule.num_stages
   m, v = schedule.num_microbatches, schedule.num_repeats
-  w = jax.tree.map(lambda p: p[:, 0], w)
   stage = lax.axis_index(axis)
   vary = _varying_like(axis, w, micro)
+  edge = jax.tree.map(lambda a: a.dtype, micro)
+  w, micro = jax.tree.map(lambda a, t: a.astype(t), vary((w, micro)), dtypes)
+  w = jax.tree.map(lambda p: p[:, 0], w)
   buffer = vary(jax.tree.map(lambda a: jnp.zeros_like(a[0]), micro))
   outputs = vary(jax.tree.map(jnp.zeros_like, micro))
   # Circular: what the last stage sent back, until the first stage's turn.
@@ -203,9 +230,9 @@ def _stage_loop(layer_fn: Callable, schedule: PipelineSchedule, w: Any,
     buffer = jax.tree.map(lambda a: lax.ppermute(a, axis, forward), y)
     return buffer, outputs, returned
 
-  _, outputs, _ = lax.fori_loop(0, schedule.iterations, body,
-                                (buffer, outputs, returned))
-  return jax.tree.map(lambda o: lax.psum(o, axis), outputs)
+  outputs = lax.fori_loop(0, schedule.iterations, body,
+                          (buffer, outputs, returned))[1]
+  return jax.tree.map(lambda o, t: lax.psum(o.astype(t), axis), outputs, edge)
 
 
 def _at(tree: Any, i) -> Any:
