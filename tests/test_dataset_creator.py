@@ -154,6 +154,8 @@ def test_what_fit_refuses_with_a_dataset_creator(digits_flat):
       trainer.fit(creator, verbose=0)
     with pytest.raises(ValueError, match="takes no y, batch_size"):
       trainer.fit(creator, y, batch_size=32, steps_per_epoch=5, verbose=0)
+    with pytest.raises(TypeError, match="feeds fit only"):
+      trainer.evaluate(creator)
     assert trainer.global_step == 0
   finally:
     strategy.coordinator.shutdown()

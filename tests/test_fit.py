@@ -426,7 +426,8 @@ def test_configuration_errors():
 
 def test_batch_size_that_cannot_split_over_replicas(split):
   (x, y), _ = split
-  with pytest.raises(ValueError, match="cannot split evenly over 4 replicas"):
+  with pytest.raises(ValueError, match=r"cannot split evenly over 4 replicas"
+                     r".* Or pass pad_to_replicas=True to jdist.Trainer"):
     trainer_on(4).fit(x, y, batch_size=30, verbose=0)
 
 

@@ -183,6 +183,32 @@ def test_ranks_die_with_a_killed_launcher(script):
   assert [d for d in left if os.path.exists(d)] == []
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stopped_elastic_launcher_ends_within_its_grace_period(script, sig):
+  """SIGTERM or SIGINT to an elastic `jdist launch`: it forwards the signal,
+  kills what still runs after `--grace-period` (its ranks ignore SIGTERM, as
+  JAX's preemption handler does), and ends, with every process, within the
+  grace period and 3 s; its rendezvous does not outlive it."""
+  grace = 2
+  args = ["--nnodes", "2", "--max-restarts", "3", "--grace-period", grace,
+          script(STUBBORN)]
+  with harness.launched(args, ["[0] ready", "[1] ready"]) as (launcher, ranks):
+    assert len(ranks) == 2, ranks
+    sent = time.monotonic()
+    os.kill(launcher.popen.pid, sig)
+    code = launcher.popen.wait(timeout=60)
+    took = time.monotonic() - sent
+    print(f"{signal.Signals(sig).name}: the launcher ended {took:.2f} s later")
+    assert code == 128 + sig, launcher.output()[-3000:]
+    assert took < grace + 3, took
+    assert harness.wait_gone(ranks, timeout=1) == []
+    name = signal.Signals(sig).name
+    killed = ("; processes [0, 1] were still running after the grace period "
+              f"of {grace} s and were killed" if sig == signal.SIGTERM else "")
+    assert (f"jdist launch: stopped by {name}, which it forwarded to the "
+            f"processes{killed}.") in launcher.output(), launcher.output()
+
+
 @pytest.mark.parametrize("culprit, peer_delay, culprit_delay", [
     (0, 0.0, 1.0),  # process 0, which hosts the coordinator, lingers for its peers
     (1, 0.5, 0.5),  # both end within one poll of the launcher

@@ -273,3 +273,74 @@ def test_importing_jdist_leaves_flax_and_orbax_unimported():
        "for m in sys.modules} & {'flax', 'orbax'}))"],
       capture_output=True, text=True, timeout=120, check=True)
   assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_the_trainer_is_a_thin_facade_over_small_modules():
+  # The Trainer wires the training program, the compiled steps, the loop and
+  # the data together; what each does lives in a module of its own.
+  trainer = MODULES["jdist._src.training.trainer"]
+  imported = sorted({t for t, _, _ in _imports(trainer)})
+  assert len(imported) <= 12, imported
+  long = [f"{path.relative_to(ROOT.parent)}: {n} lines"
+          for name, path in MODULES.items()
+          if name.startswith("jdist._src.training")
+          for n in [len(path.read_text().splitlines())] if n > 600]
+  assert not long, "\n".join(long)
+
+
+# What a value does depends on its kind, asked of the kind table
+# (`core/kinds.py`); only the table and the classes themselves test types.
+KIND_TABLE = ("jdist._src.core.kinds", "jdist._src.core.values")
+
+
+def _value_classes() -> set:
+  """The classes the kind table registers (`register(Cls, kind)` in
+  kinds.py), and their base `DistributedValue`."""
+  tree = ast.parse(MODULES["jdist._src.core.kinds"].read_text())
+  registered = {node.args[0].id for node in ast.walk(tree)
+                if isinstance(node, ast.Call) and
+                getattr(node.func, "id", "") == "register" and node.args and
+                isinstance(node.args[0], ast.Name)}
+  return registered | {"DistributedValue"}
+
+
+def _class_names(node) -> set:
+  """The class names an `isinstance` argument or a comparison names."""
+  parts = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) \
+      else [node]
+  return {p.id if isinstance(p, ast.Name) else p.attr for p in parts
+          if isinstance(p, (ast.Name, ast.Attribute))}
+
+
+def _type_tests(path, classes: set) -> list:
+  """`(line, text)` of each test of a value's class against `classes`:
+  isinstance, issubclass, `type(x) is C`, `x.__class__ == C`, `case C()`."""
+  out = []
+  for node in ast.walk(ast.parse(path.read_text())):
+    named = set()
+    if isinstance(node, ast.Call) and getattr(node.func, "id", "") in (
+        "isinstance", "issubclass") and len(node.args) == 2:
+      named = _class_names(node.args[1])
+    elif isinstance(node, ast.Compare):
+      sides = [node.left] + node.comparators
+      if any((isinstance(s, ast.Call) and getattr(s.func, "id", "") == "type")
+             or (isinstance(s, ast.Attribute) and s.attr == "__class__")
+             for s in sides):
+        named = set().union(*(_class_names(s) for s in sides))
+    elif isinstance(node, ast.MatchClass):
+      named = _class_names(node.cls)
+    if named & classes:
+      out.append((node.lineno, ast.unparse(node)))
+  return out
+
+
+def test_value_classes_are_told_apart_only_by_the_kind_table():
+  classes = _value_classes()
+  assert {"PerReplica", "SyncOnRead", "Sharded", "BatchGroup"} <= classes
+  wrong = [f"{path.relative_to(ROOT.parent)}:{line}: {text}"
+           for name, path in MODULES.items() if name not in KIND_TABLE
+           for line, text in _type_tests(path, classes)]
+  assert not wrong, (
+      "Behaviour per kind of value goes through its ValueKind "
+      "(jdist/_src/core/kinds.py: kinds.kind_of(x).<method>): " +
+      "\n".join(wrong))

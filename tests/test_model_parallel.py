@@ -45,6 +45,35 @@ def test_device_mesh_needs_one_name_per_axis(devices):
     jdist.DeviceMesh((2, 2), ("data",), devices[:4])
 
 
+def test_device_mesh_refuses_sizes_that_are_not_counts_and_repeated_devices(
+    devices):
+  # int() made (2, 2.5) a (2, 2) mesh; -1 reached numpy's reshape and a
+  # repeated device XLA's "Device 0 not unique".
+  for shape, size in [((2, 2.5), "2.5"), ((2, -2), "-2"), ((-2, -2), "-2"),
+                      ((4, 0), "0"), ((True, 4), "True")]:
+    with pytest.raises(ValueError, match=rf"DeviceMesh shape .*: axis "
+                       rf"'[ab]' has size {size}, which is not a positive "
+                       "integer"):
+      jdist.DeviceMesh(shape, ("a", "b"), devices[:4])
+  assert jdist.DeviceMesh((np.int64(2), 2), ("a", "b"), devices[:4]).shape == (
+      2, 2)
+  with pytest.raises(ValueError, match=r"DeviceMesh devices list .* twice "
+                     r"\(at positions 0 and 3, flattened\)"):
+    jdist.DeviceMesh((2, 2), ("a", "b"), devices[:3] + [devices[0]])
+
+
+def test_a_layout_naming_an_axis_twice_is_refused_when_set(mesh22):
+  layout_map = jdist.LayoutMap(mesh22)
+  for layout in [("model", "model"), P(("data", "model"), None, "model")]:
+    with pytest.raises(ValueError, match=r"LayoutMap\['dense_0/kernel'\] = "
+                       r".* names mesh axis 'model' for dimensions 0 and \d of "
+                       r"the parameters it matches, but an axis can split one "
+                       r"dimension only"):
+      layout_map["dense_0/kernel"] = layout
+  assert len(layout_map) == 0
+
+
+# --- LayoutMap ---------------------------------------------------------------
 # --- LayoutMap ---------------------------------------------------------------
 
 
@@ -163,11 +192,13 @@ def _batches(n=4, size=8):
            rng.normal(size=(size, 4)).astype(np.float32)) for _ in range(n)]
 
 
-def _train(strategy, params, opt_state, outer_jit=False):
+def _train(strategy, params, opt_state, outer_jit=False, batches=None,
+           options=None):
   step = strategy.function(_step)
   step = jax.jit(step) if outer_jit else step
   losses = []
-  for batch in strategy.experimental_distribute_dataset(_batches()):
+  for batch in strategy.experimental_distribute_dataset(
+      _batches() if batches is None else batches, options):
     params, opt_state, loss = step(params, opt_state, batch)
     losses.append(float(strategy.reduce("sum", loss)))
   return params, opt_state, losses
@@ -266,14 +297,27 @@ def test_fsdp_splits_each_replicas_batch(devices):
   assert x.addressable_shards[0].data.shape == (1, 2, 3)
 
 
-def test_batch_that_fsdp_cannot_split_is_an_error(devices):
+def test_pad_to_replicas_pads_each_replicas_batch_for_fsdp_too(devices):
+  """Batches of 6 on 2 replicas x 2 FSDP devices: refused, the error naming
+  the option; with `pad_to_replicas=True` padded to 8 (a multiple of the 4
+  parts, 2 rows masked), and the training equals one device's on the 6."""
+  batches = _batches(3, size=6)
   mesh = jdist.DeviceMesh((2, 2), ("data", "fsdp"), devices[:4])
   strategy = jdist.ModelParallelStrategy(
       layout_map=jdist.LayoutMap(mesh), fsdp_axis="fsdp")
   with pytest.raises(ValueError, match=r"global batch of 6 examples cannot "
                      r"split evenly over 4 parts \(2 replicas x 2 devices of "
-                     r"'fsdp'\)"):
-    next(iter(strategy.experimental_distribute_dataset(_batches(1, size=6))))
+                     r"'fsdp'\).* Or pass options=jdist.InputOptions\("
+                     r"pad_to_replicas=True\)"):
+    next(iter(strategy.experimental_distribute_dataset(batches)))
+  params = strategy.init(_make_params)
+  run = _train(strategy, params, strategy.init(_TX.init, params),
+               batches=batches,
+               options=jdist.InputOptions(pad_to_replicas=True))
+  one = jdist.OneDeviceStrategy(devices[0])
+  params = one.replicate(_make_params())
+  _assert_same(run, _train(one, params, one.replicate(_TX.init(params)),
+                           batches=batches))
 
 
 def test_batch_that_the_replicas_cannot_split_is_an_error(mesh22):

@@ -128,6 +128,14 @@ def test_fit_on_4_fsdp_equals_one_device(devices, one_device_run):
   assert _shard_shape(params["Dense_1"]["kernel"]) == (4, 4)
   trace = trainer.state.opt_state[0].trace
   assert _shard_shape(trace["Dense_1"]["kernel"]) == (4, 4)
+  # A batch the 4 devices of the replica cannot share: refused before a step
+  # runs, the error naming the option that pads it.
+  x, y = _data()
+  with pytest.raises(ValueError, match=r"global batch of 6 examples cannot "
+                     r"split evenly over 4 parts \(1 replicas x 4 devices of "
+                     r"'fsdp'\).* Or pass pad_to_replicas=True to jdist.Trainer"):
+    trainer.fit(x, y, batch_size=6, epochs=1, verbose=0)
+  assert trainer.state.step == 8  # 2 epochs of 4 steps, and none since
 
 
 @pytest.mark.parametrize("options", [{"steps_per_execution": 2},

@@ -380,6 +380,19 @@ def test_nnx_logical_names_are_mapped_by_the_rules(devices):
   assert _shard_shape(kernel) == (8, 8)
 
 
+def test_an_axis_named_for_two_dimensions_names_the_parameter(devices):
+  # JAX's DuplicateSpecError names neither the parameter nor the metadata.
+  strategy = _strategy(devices, "data_by_model")
+  dense = nn.Dense(8, kernel_init=nn.with_partitioning(_INIT, ("model",
+                                                               "model")))
+  with pytest.raises(ValueError, match=r"'params/kernel' of shape \(8, 8\): "
+                     r"its layout \('model', 'model'\) names mesh axis "
+                     r"'model' for dimensions 0 and 1, but an axis can split "
+                     r"one dimension only.*in its flax metadata "
+                     r"\(nn.with_partitioning\)"):
+    _init_linen(strategy, dense)
+
+
 def test_an_indivisible_dimension_names_path_shape_axis_and_size(devices):
   strategy = _strategy(devices, "data_by_model", logical_axis_rules=_RULES)
   with pytest.raises(ValueError, match=r"'params/Dense_0/bias' of shape "

@@ -15,6 +15,7 @@ the server (a timeout of its own) starts another.
 
 import logging
 import os
+import re
 import signal
 import threading
 import time
@@ -323,6 +324,48 @@ def test_worker_stopped_is_lost_and_its_functions_run_elsewhere(digits_split,
   assert f"did not answer for timeout_seconds={TIMEOUT}" in message
   assert " scheduled function(s) it had run again" in message
   # Ray restarts it (a new process importing JAX: up to a minute loaded).
+  assert wait_for(lambda: len(actor_pids("TrainingWorker")) == 2, 120)
+
+
+def test_worker_blocked_in_python_is_lost_as_under_threads(clusters, tmp_path,
+                                                           caplog):
+  # A function asleep in Python keeps its worker answering health calls
+  # (they have a thread of their own): its run time is what counts, as a
+  # threads worker's does, and the outcome is the threads backend's.
+  _, coordinator = clusters.healthy()
+  marker = str(tmp_path / "blocked")
+
+  def blocks_once():
+    try:  # the first call to start sleeps, the others return at once
+      fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+      return os.getpid()
+    os.write(fd, str(os.getpid()).encode())
+    os.close(fd)
+    time.sleep(40)
+    return os.getpid()
+
+  with caplog.at_level(logging.WARNING, logger="jdist"):
+    results = [coordinator.schedule(blocks_once) for _ in range(4)]
+    coordinator.join()
+  took = time.time() - os.stat(marker).st_mtime
+  print(f"join returned {took:.2f} s after a function blocked")
+  assert took < 3 * TIMEOUT, took
+  with open(marker) as f:
+    blocked = int(f.read())
+  ran_on = coordinator.fetch(results)  # every one ran, elsewhere
+  assert blocked not in ran_on, (blocked, ran_on)
+  lost = [r for r in caplog.records if r.name.startswith("jdist")]
+  assert len(lost) == 1, [r.getMessage() for r in lost]
+  assert re.match(r"Worker [01] failed \(Worker [01] did not finish a "
+                  rf"scheduled function within timeout_seconds={TIMEOUT} "
+                  r"\(compiling and waiting on parameter servers aside\)",
+                  lost[0].getMessage()), lost[0].getMessage()
+  # It, and the one Ray had queued behind it (a Ray worker is sent its
+  # next function while it runs one), if any.
+  assert re.search(r"; [12] scheduled function\(s\) it had run again",
+                   lost[0].getMessage()), lost[0].getMessage()
+  assert wait_gone([blocked]) == []  # killed, for Ray to restart it
   assert wait_for(lambda: len(actor_pids("TrainingWorker")) == 2, 120)
 
 

@@ -8,9 +8,10 @@ from typing import Any, Callable, Iterable
 import jax
 import numpy as np
 
+from jdist._src.core import kinds
 from jdist._src.core import placement
 from jdist._src.core.reduce_op import ReduceOp
-from jdist._src.core.values import PerReplica, read_value
+from jdist._src.core.values import read_value
 from jdist._src.strategies.mirrored import MirroredStrategy, OneDeviceStrategy
 
 
@@ -41,13 +42,14 @@ def run_training(strategy, step_fn: Callable, state: Any, batches: Iterable,
 
 def _comparable(strategy, out, scalar_reduce):
   def one(node):
-    if isinstance(node, PerReplica):
-      rank = np.ndim(jax.tree.leaves(node.values)[0]) - 1
+    kind = kinds.kind_of(node)
+    if kind is kinds.PER_REPLICA:
+      rank = np.ndim(jax.tree.leaves(kind.payload(node))[0]) - 1
       if rank == 0:
         return strategy.reduce(scalar_reduce, node)
       return strategy.gather(node, axis=0)
     return node
-  out = jax.tree.map(one, out, is_leaf=lambda x: isinstance(x, PerReplica))
+  out = jax.tree.map(one, out, is_leaf=kinds.is_node)
   return placement.to_host(out)
 
 

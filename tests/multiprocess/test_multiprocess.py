@@ -353,8 +353,11 @@ def test_a_terminated_launcher_kills_ranks_stuck_in_a_collective(tmp_path):
       job, ranks):
     assert len(ranks) == 2, ranks
     time.sleep(1)  # process 0 is in step 4 now
+    sent = time.monotonic()
     os.kill(job.popen.pid, signal.SIGTERM)
     assert job.popen.wait(timeout=20) == 128 + signal.SIGTERM, job.output()
+    took = time.monotonic() - sent
+    assert took < 2 + 3, took  # the grace period, and a moment
     assert harness.wait_gone(ranks, timeout=2) == []
     assert ("stopped by SIGTERM, which it forwarded to the processes; "
             "processes [0, 1] were still running after the grace period of "

@@ -30,8 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jdist._src.core import kinds
 from jdist._src.core import placement
-from jdist._src.core.values import Sharded
 from jdist._src.errors import CheckpointError, CheckpointMismatchError
 from jdist._src.checkpoint import directory_claim
 from jdist._src.checkpoint import orbax_errors
@@ -66,12 +66,12 @@ def _paths(tree, fmt: str) -> list:
   """
   if fmt in (_NESTED_FORMAT, _UNCHECKED_FORMAT):
     return jax.tree_util.tree_flatten_with_path(tree)[0]
-  is_sharded = lambda x: isinstance(x, Sharded)
   pairs = []
   for path, x in jax.tree_util.tree_flatten_with_path(
-      tree, is_leaf=is_sharded)[0]:
-    inner = jax.tree_util.tree_flatten_with_path(x.value)[0] \
-        if is_sharded(x) else [((), x)]
+      tree, is_leaf=kinds.is_named_as_payload)[0]:
+    inner = jax.tree_util.tree_flatten_with_path(
+        kinds.kind_of(x).payload(x))[0] \
+        if kinds.is_named_as_payload(x) else [((), x)]
     pairs.extend((path + sub, leaf) for sub, leaf in inner)
   return pairs
 

@@ -30,7 +30,6 @@ from jdist._src.core import kinds
 from jdist._src.core import probe
 from jdist._src.core.plan import InputPlan
 from jdist._src.core.replica_context import ReplicaContext
-from jdist._src.core.values import PerReplica
 from jdist._src.errors import (Error, ReplicaContextError,
                                StrategyMismatchError)
 
@@ -582,9 +581,9 @@ def _flat(out: Any, args: tuple, donated, *, whole: bool) -> Any:
       multi-process watch to feed).
   """
   donated = {donated} if isinstance(donated, int) else set(donated)
-  sources = {id(a.packed): i for i, a in enumerate(args)
-             if type(a) is PerReplica and a.packed is not None and
-             i not in donated}
+  validities = [kinds.kind_of(a).validity(a) for a in args]
+  sources = {id(v.packed): i for i, v in enumerate(validities)
+             if v is not None and i not in donated}
   leaves, treedef = jax.tree_util.tree_flatten(out)
   kept, forwarded = [], []
   for position, leaf in enumerate(leaves):

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, Iterator
 import jax
 import numpy as np
 
+from jdist._src.core import kinds
 from jdist._src.core import placement
 from jdist._src.core.values import BatchGroup, PerReplica, ValueContext
 from jdist._src.input import host
@@ -185,10 +186,12 @@ class DistributedIterator:
     self._placer = host.Placer(strategy)
     self._buffer = collections.deque()
     self._pad = options.pad_to_replicas
+    # What a global batch splits into (the replicas, and FSDP's devices).
+    self._split = host.batch_split(strategy)
     # The static (padded) batch, and the most real rows a batch may have.
     self._size = self._full = batch_size
     if batch_size is not None and self._pad:
-      self._size = host.padded_size(batch_size, strategy.num_replicas_in_sync)
+      self._size = host.padded_size(batch_size, self._split[0])
     self._done = False
     self._steps = steps
     self.position = 0  # items handed out so far
@@ -377,9 +380,11 @@ class DistributedIterator:
     if self._size is None:
       # Only a batch that is all of the data may be short, unless asked:
       # then it is a short last batch, padded like one.
-      if size % n and not self._pad and next(self._source, _END) is not _END:
-        raise indivisible_error(size, n)
-      self._size, self._full = host.padded_size(size, n), size
+      parts = self._split[0]
+      if (size % parts and not self._pad and
+          next(self._source, _END) is not _END):
+        raise indivisible_error(size, *self._split)
+      self._size, self._full = host.padded_size(size, parts), size
     elif size > self._full:
       raise ValueError(
           f"A batch of {size} examples follows batches of {self._full}. Batches "
@@ -435,9 +440,7 @@ _NONE = object()  # no item read ahead (None is the end of the data)
 
 def per_replica_spec(item: PerReplica | BatchGroup) -> Any:
   """`jax.ShapeDtypeStruct`s of one replica's batch (of one batch of a group)."""
-  skip = 2 if isinstance(item, BatchGroup) else 1
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[skip:], x.dtype),
-                      item.values)
+  return kinds.kind_of(item).batch_spec(item)
 
 
 def _name(obj: Any) -> str:
@@ -454,11 +457,12 @@ def from_values(strategy, value_fn: Callable) -> PerReplica:
   return PerReplica(host.Placer(strategy).put(stacked))
 
 
-def indivisible_error(size: int, n: int) -> ValueError:
-  """The error for a global batch that `n` replicas cannot share, with
-  the option that pads it."""
+def indivisible_error(size: int, n: int, parts: str = "replicas"
+                      ) -> ValueError:
+  """The error for a global batch that `n` parts (`host.batch_split`)
+  cannot share, with the option that pads it."""
   return ValueError(
-      f"{host.split_error(size, n)} Or pass options=jdist.InputOptions("
+      f"{host.split_error(size, n, parts)} Or pass options=jdist.InputOptions("
       "pad_to_replicas=True) to pad every such batch with masked rows (an "
       "elastic job restarted on another number of processes keeps its "
       "global batch so).")
@@ -468,12 +472,12 @@ def global_batches(strategy, dataset: Iterable, *,
                    options: InputOptions | None = None,
                    global_batch_size: int | None = None) -> DistributedDataset:
   """See `Strategy.experimental_distribute_dataset`."""
-  n = strategy.num_replicas_in_sync
+  n, parts = host.batch_split(strategy)
   if global_batch_size is not None and global_batch_size <= 0:
-    raise host.split_error(global_batch_size, n)
+    raise host.split_error(global_batch_size, n, parts)
   if (global_batch_size is not None and global_batch_size % n and
       not InputOptions.of(options).pad_to_replicas):
-    raise indivisible_error(global_batch_size, n)
+    raise indivisible_error(global_batch_size, n, parts)
   return DistributedDataset(
       strategy, dataset, Mode.GLOBAL, options=options,
       batch_size=global_batch_size,

@@ -92,6 +92,25 @@ def padded_size(rows: int, multiple: int) -> int:
   return rows + (-rows) % multiple
 
 
+def batch_split(strategy) -> tuple[int, str]:
+  """How many equal parts a global batch splits into, and what they are
+  called in messages: the replicas, times the devices of the within-replica
+  batch axis (FSDP splits each replica's batch too).
+
+  Example:
+    >>> import jax, jdist
+    >>> from jdist._src.input.host import batch_split
+    >>> batch_split(jdist.MirroredStrategy(jax.local_devices()[:2]))
+    (2, 'replicas')
+  """
+  n = strategy.num_replicas_in_sync
+  inner = strategy.replica_batch_axis
+  if inner is None:
+    return n, "replicas"
+  k = strategy.mesh.shape[inner]
+  return n * k, f"parts ({n} replicas x {k} devices of {inner!r})"
+
+
 def _check_inner_split(local_rows, n: int, axis: str, k: int,
                        batch_axis: int) -> None:
   """Raises unless each replica's batch (axis `batch_axis` of its rows)

@@ -25,8 +25,9 @@ class InputOptions:
       thread. It pays when the host has work to do per batch while the
       devices run, and costs where the thread contends for Python's lock (one
       CPU device, ready numpy batches). One process only.
-    pad_to_replicas: pad a global batch that the replicas do not divide with
-      zero rows up to the next multiple, and mask them, as a short last batch
+    pad_to_replicas: pad a global batch that the replicas (under FSDP, times
+      each replica's devices) do not divide with zero rows up to the next
+      multiple, and mask them, as a short last batch
       is (without it, such a batch is an error): an elastic job restarted on
       fewer processes keeps its global batch. jdist's losses, metrics and
       `reduce(MEAN)` leave the padding out; metrics written by hand must use

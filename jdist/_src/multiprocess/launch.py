@@ -24,7 +24,9 @@ each launcher is that host's node.
   the end of its error output.
 * SIGINT or SIGTERM to the launcher is forwarded (a SIGTERM lets a training
   job save, see `BackupAndRestore`); processes still running after the grace
-  period are killed. The launcher's nodes then leave the job.
+  period are killed. The launcher's nodes then leave the job, and it ends
+  (within the grace period and a moment: a rendezvous it hosts does not wait
+  for a job that has no end to announce).
 * The job's in-memory snapshots (`jdist.CheckpointManager(snapshot_every=)`,
   in this host's /dev/shm, named by `JDIST_RUN_ID`) are removed when the job
   ends, whether it completed or failed (`snapshot_dir.py`); a launcher that

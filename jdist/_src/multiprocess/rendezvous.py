@@ -188,10 +188,12 @@ class Rendezvous:
             "failures": [f.asdict() for f in self.failures], "end": self.end,
             "gone": m.gone}
 
-  def everyone_told(self) -> bool:
-    """Whether every live node has seen how the job ended."""
-    return self.end is not None and all(
-        m.told_end or m.gone for m in self._members.values())
+  def unneeded(self) -> bool:
+    """Whether the rendezvous has nothing left to tell: every live node has
+    seen how the job ended, or the job has no end to tell (asked by the
+    launcher that hosts it once its own nodes left, stopped by a signal:
+    the others lose it either way)."""
+    return self.end is None or all(m.told_end for m in self._live())
 
   # --- transitions --------------------------------------------------------------
 

@@ -126,11 +126,12 @@ class Server:
     return handlers[op](member, **request)
 
   def close(self, linger: float) -> None:
-    """Stops serving, after every node saw the end (at most `linger` s)."""
+    """Stops serving once no node needs it (every node saw the end, or
+    left), waiting at most `linger` s for that."""
     deadline = time.monotonic() + linger
     while time.monotonic() < deadline:
       with self._lock:
-        if self.state.everyone_told():
+        if self.state.unneeded():
           break
       time.sleep(0.05)
     self._closed.set()

@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 from jdist._src import current
 from jdist._src.core import context
 from jdist._src.core import in_step
+from jdist._src.core import kinds
 from jdist._src.core.values import Sharded
 from jdist._src.errors import ReplicaContextError, ShardingError
 from jdist._src.ops import elementwise
@@ -321,7 +322,7 @@ class ShardedOptimizer:
           "ShardedOptimizer.update runs inside a step (strategy.run or "
           "strategy.function): each replica updates its own block of the "
           "state there.")
-    if not isinstance(state, Sharded):
+    if kinds.kind_of(state) is not kinds.SHARDED:
       raise TypeError(
           "ShardedOptimizer.update needs the state its init returned (a "
           f"jdist.Sharded), got {type(state).__name__}.")

@@ -2,8 +2,9 @@
 
 `schedule(fn, args, kwargs)` queues a function and returns a `RemoteValue`
 at once; one thread per worker takes functions from the queue and runs them
-on its worker. A function whose worker fails (or is silent for
-`timeout_seconds`) goes back to the front of the queue and runs on another
+on its worker. A function whose worker fails (or hangs: the function runs
+past `timeout_seconds`, compiling and server waits aside, or a Ray worker is
+silent that long) goes back to the front of the queue and runs on another
 ("at least once"); the worker is restarted empty and a warning says so. A
 function's error reaches `join()`, `done()` or the next `schedule()` and
 cancels the functions still queued; a parameter server's failure does so at

@@ -15,91 +15,19 @@ import concurrent.futures
 import queue
 import threading
 import time
-import weakref
 from typing import Callable
 
 import jax
-import jax.monitoring
 
 from jdist._src.errors import ParameterServerError, WorkerFailedError
 from jdist._src.ps import worker as worker_lib
+from jdist._src.ps.excused import EXCUSED, listen_to_compiles
 from jdist._src.ps.server import ParameterServer, unanswered
 from jdist._src.strategies.mirrored import MirroredStrategy
 
 # How often a worker's thread is looked at again while its function is past
 # the timeout but compiling or waiting on a parameter server.
 _RECHECK_SECONDS = 0.05
-
-# JAX's phases of making an executable: each records its start (a scalar)
-# and its duration, in the thread that runs it.
-_COMPILE_EVENTS = frozenset({
-    "/jax/core/compile/jaxpr_trace_duration",
-    "/jax/core/compile/jaxpr_to_mlir_module_duration",
-    "/jax/core/compile/backend_compile_duration"})
-
-
-class ExcusedTime:
-  """Per thread, the time that does not count against a threads worker's
-  timeout: compiling, and waiting for parameter servers. Thread-safe."""
-
-  def __init__(self):
-    self._lock = threading.Lock()
-    self._total = weakref.WeakKeyDictionary()  # thread -> seconds, ended
-    self._since = weakref.WeakKeyDictionary()  # thread -> (start, depth)
-
-  def begin(self, thread: threading.Thread) -> None:
-    with self._lock:
-      start, depth = self._since.get(thread, (time.monotonic(), 0))
-      self._since[thread] = (start, depth + 1)
-
-  def end(self, thread: threading.Thread) -> None:
-    with self._lock:
-      if thread not in self._since:
-        return  # its start was not seen
-      start, depth = self._since.pop(thread)
-      if depth > 1:
-        self._since[thread] = (start, depth - 1)
-      else:
-        self._total[thread] = (self._total.get(thread, 0.0) +
-                               time.monotonic() - start)
-
-  def seconds(self, thread: threading.Thread) -> float:
-    """The excused seconds of `thread` so far, the current phase included."""
-    with self._lock:
-      seconds = self._total.get(thread, 0.0)
-      if thread in self._since:
-        seconds += time.monotonic() - self._since[thread][0]
-      return seconds
-
-  def active(self, thread: threading.Thread) -> bool:
-    with self._lock:
-      return thread in self._since
-
-
-EXCUSED = ExcusedTime()
-_listening = threading.Lock()
-_listeners: list = []
-
-
-def _on_scalar(event: str, value, **kwargs) -> None:
-  del value, kwargs
-  if event in _COMPILE_EVENTS:
-    EXCUSED.begin(threading.current_thread())
-
-
-def _on_duration(event: str, duration: float, **kwargs) -> None:
-  del duration, kwargs
-  if event in _COMPILE_EVENTS:
-    EXCUSED.end(threading.current_thread())
-
-
-def listen_to_compiles() -> None:
-  """Counts JAX's compilations as excused time (once per process)."""
-  with _listening:
-    if not _listeners:
-      jax.monitoring.register_scalar_listener(_on_scalar)
-      jax.monitoring.register_event_duration_secs_listener(_on_duration)
-      _listeners.append(True)
 
 
 class TaskThread:
@@ -229,16 +157,15 @@ class ThreadWorker:
 
   def submit(self, closure):
     thread = self._thread.thread
-    return (time.monotonic() - EXCUSED.seconds(thread), self._thread.submit(
+    return (EXCUSED.clock(thread), self._thread.submit(
         worker_lib.run, self.context, closure.fn, closure.args,
         closure.kwargs))
 
   def result(self, ticket):
-    started, future = ticket  # started: a time minus the excused seconds
+    started, future = ticket  # started: a reading of the thread's clock
     thread = self._thread.thread
     while True:
-      late = (time.monotonic() - EXCUSED.seconds(thread) - started -
-              self._timeout)
+      late = EXCUSED.clock(thread) - started - self._timeout
       if late >= 0 and not EXCUSED.active(thread):
         break
       wait = _RECHECK_SECONDS if late >= 0 else -late

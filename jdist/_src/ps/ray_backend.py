@@ -26,6 +26,7 @@ import jax
 
 from jdist._src.errors import ParameterServerError, WorkerFailedError
 from jdist._src.ps import worker as worker_lib
+from jdist._src.ps.excused import EXCUSED, listen_to_compiles
 from jdist._src.ps.remote import to_numpy
 from jdist._src.ps.server import ParameterServer, unanswered
 from jdist._src.strategies.mirrored import MirroredStrategy
@@ -46,9 +47,16 @@ def _pickle():
 
 
 class TrainingWorker:
-  """The body of a worker actor: a worker context over its process's devices."""
+  """The body of a worker actor: a worker context over its process's devices.
+
+  It times the function it runs as a threads worker is timed (its time
+  compiling and waiting on parameter servers aside), and says how long it has
+  run when asked (`health`, answered by a thread of its own).
+  """
 
   def __init__(self, index: int, num_workers: int, strategy_bytes: bytes):
+    listen_to_compiles()
+    self._running = None  # (thread, its clock) of the function running
     strategy = _pickle().loads(strategy_bytes)
     # The process's own devices (XLA_FLAGS of its runtime_env on CPU).
     # A read is a round trip: start each step from the values the servers
@@ -74,8 +82,25 @@ class TrainingWorker:
       self._ctx.definitions[name] = pickle.loads(data)
     fn = self._functions[key]
     args, kwargs = pickle.loads(args_bytes)
-    value = worker_lib.run(self._ctx, fn, args, kwargs)
+    # Timed from here: loading the function may import modules, which does
+    # not count, as it does not under threads.
+    thread = threading.current_thread()
+    self._running = (thread, EXCUSED.clock(thread))
+    try:
+      value = worker_lib.run(self._ctx, fn, args, kwargs)
+    finally:
+      self._running = None
     return pickle.dumps(to_numpy(value))
+
+  def health(self) -> tuple:
+    """`(seconds, excused)`: how long the function running has run, its
+    time compiling and waiting on servers aside (0 when none runs), and
+    whether it is compiling or waiting on a server now."""
+    running = self._running
+    if running is None:
+      return 0.0, False
+    thread, started = running
+    return EXCUSED.clock(thread) - started, EXCUSED.active(thread)
 
   def restart(self) -> None:
     self._ctx.restart()
@@ -103,24 +128,30 @@ class RayStore:
           "stopped the cluster); their variables are gone.")
     refs = {s: getattr(self._actors[s], m).remote(*a)
             for s, (m, a) in calls.items()}
-    out = {}
     deadline = time.monotonic() + self._timeout
-    for s, ref in refs.items():
-      try:
-        out[s] = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
-      except ray.exceptions.GetTimeoutError:
-        raise unanswered(s, self._addresses[s], self._timeout) from None
-      except ray.exceptions.RayActorError as e:
-        raise ParameterServerError(
-            f"Parameter server {s} ({self._addresses[s]}) is unavailable: its "
-            f"actor died ({type(e).__name__}). Its variables are lost: restart "
-            "the cluster and restore them from a checkpoint.") from None
-      except ray.exceptions.RayTaskError as e:
-        cause = getattr(e, "cause", None)
-        raise ParameterServerError(
-            f"Parameter server {s} ({self._addresses[s]}) failed: "
-            f"{type(cause).__name__}: {cause}") from None
-    return out
+    # A worker's time waiting here is the servers' to account for.
+    EXCUSED.begin(threading.current_thread())
+    try:
+      return {s: self._get(ray, s, ref, deadline) for s, ref in refs.items()}
+    finally:
+      EXCUSED.end(threading.current_thread())
+
+  def _get(self, ray, s: int, ref, deadline: float):
+    """Server `s`'s answer `ref`, waited for until `deadline`."""
+    try:
+      return ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+    except ray.exceptions.GetTimeoutError:
+      raise unanswered(s, self._addresses[s], self._timeout) from None
+    except ray.exceptions.RayActorError as e:
+      raise ParameterServerError(
+          f"Parameter server {s} ({self._addresses[s]}) is unavailable: its "
+          f"actor died ({type(e).__name__}). Its variables are lost: restart "
+          "the cluster and restore them from a checkpoint.") from None
+    except ray.exceptions.RayTaskError as e:
+      cause = getattr(e, "cause", None)
+      raise ParameterServerError(
+          f"Parameter server {s} ({self._addresses[s]}) failed: "
+          f"{type(cause).__name__}: {cause}") from None
 
   def create(self, set_id, per_server: dict, kinds: dict) -> None:
     self._call({s: ("create", (set_id, shards, kinds[s]))
@@ -160,8 +191,18 @@ _log = logging.getLogger(__name__)
 # How often the cluster's free resources are looked at for a worker to add.
 _WATCH_EVERY = 0.5
 
-# A busy worker is asked whether it lives every this fraction of the timeout.
+# A busy worker is asked how it does every this fraction of the timeout.
 _PING_EVERY = 0.25
+
+# Why a busy worker counts as hung (`RayWorker._wait`), as the error says it.
+_HUNG = {
+    "silent": "Worker {index} did not answer for timeout_seconds={timeout:g} "
+              "while it ran a scheduled function: it hangs (stopped, or stuck "
+              "outside Python).",
+    "slow": "Worker {index} did not finish a scheduled function within "
+            "timeout_seconds={timeout:g} (compiling and waiting on parameter "
+            "servers aside): it counts as hung.",
+}
 
 # How long a worker whose process died may take to come back (Ray restarts it)
 # before its functions are left to the other workers for good.
@@ -202,15 +243,15 @@ class RayWorker:
       # failure may take Ray a while to report).
       raise WorkerFailedError(
           f"Worker {self.index} hung with this function queued.")
-    if not self._hung and not self._wait(ref):
+    why = "" if self._hung else self._wait(ref)
+    if why:
       ray.kill(self.actor, no_restart=False)
       self._sent.clear()
       self._hung = True
       raise WorkerFailedError(
-          f"Worker {self.index} did not answer for timeout_seconds="
-          f"{self._timeout:g} while it ran a scheduled function: it hangs "
-          "(stopped, or stuck outside Python). Its process was killed for "
-          "Ray to restart it, and its functions run again on a worker.")
+          _HUNG[why].format(index=self.index, timeout=self._timeout) +
+          " Its process was killed for Ray to restart it, and its functions "
+          "run again on a worker.")
     try:
       out = ray.get(ref)
     except ray.exceptions.RayActorError as e:
@@ -222,30 +263,44 @@ class RayWorker:
       raise _unwrap(e) from None
     return _pickle().loads(out)
 
-  def _wait(self, ref) -> bool:
+  def _wait(self, ref) -> str:
     """Waits for `ref` while the actor answers health calls (answered by a
-    thread of their own while it runs a function); False once it has not
-    answered one for `timeout`."""
+    thread of their own while it runs a function).
+
+    Returns:
+      "" once `ref` is ready; a key of `_HUNG` once the actor has not
+      answered a health call for `timeout` ("silent"), or its function has
+      run for `timeout`, compiling and waiting on servers aside ("slow").
+    """
     ray = _ray()
     heard = time.monotonic()
-    ping, next_ping = self._ping(), None
+    ping, next_ping = self._health(), None
     while True:
       now = time.monotonic()
       if now - heard > self._timeout:
-        return False
+        return "silent"
       wake = heard + self._timeout if next_ping is None else next_ping
       refs = [ref] if ping is None else [ref, ping]
       ready, _ = ray.wait(refs, num_returns=1, timeout=max(0.0, wake - now))
       if ref in ready:
-        return True
+        return ""
       if ping is not None and ping in ready:
-        heard = time.monotonic()
-        ping, next_ping = None, heard + self._timeout * _PING_EVERY
+        try:
+          seconds, excused = ray.get(ping)
+        except ray.exceptions.RayError:  # dead: `ref` says how
+          seconds, excused = 0.0, True
+        else:
+          heard = time.monotonic()
+        if seconds > self._timeout and not excused:
+          return "slow"
+        # Asked again when its time is up, or sooner to hear it lives.
+        ping, next_ping = None, time.monotonic() + max(0.05, min(
+            self._timeout * _PING_EVERY, self._timeout - seconds))
       elif ping is None and time.monotonic() >= next_ping:
-        ping, next_ping = self._ping(), None
+        ping, next_ping = self._health(), None
 
-  def _ping(self):
-    return self.actor.ping.options(concurrency_group="health").remote()
+  def _health(self):
+    return self.actor.health.options(concurrency_group="health").remote()
 
   def recover(self) -> bool:
     """Waits for Ray to bring the actor back; False if it will not.

@@ -19,8 +19,6 @@ from jax.sharding import AxisType, Mesh
 
 from jdist._src.core import cross_replica
 from jdist._src.core import state_output as state_output_lib
-from jdist._src.core.reduce_op import ReduceOp
-from jdist._src.core.values import PerReplica, SyncOnRead, is_distributed
 from jdist._src.input.options import InputOptions
 from jdist._src.ps import cluster as cluster_lib
 from jdist._src.ps import worker as worker_lib
@@ -67,9 +65,9 @@ class ParameterServerStrategy(StrategyBase):
       read and its update; default twice the workers. 0 makes training
       sequential; `math.inf` never refuses (TensorFlow's behaviour).
     timeout_seconds: how long a server call may take before the server counts
-      as failed (`jdist.ParameterServerError`), and how long a worker may be
-      silent (a Ray worker's health call, a threads worker's function, compile
-      time and server waits aside) before it is lost.
+      as failed (`jdist.ParameterServerError`), and how long a scheduled
+      function may run (compile time and server waits aside), or a Ray worker
+      leave a health call unanswered, before its worker is lost.
     backend: "threads" (workers are threads of this process, servers objects
       in it) or "ray" (Ray actors; `pip install jdist[ray]` and `ray.init()`).
     ray_options: with backend="ray": `{"worker": {...}, "ps": {...}}` actor
@@ -226,6 +224,13 @@ class ParameterServerStrategy(StrategyBase):
     return self._partitioner
 
   @property
+  def synchronous(self) -> bool:
+    """False: steps are scheduled on workers one call at a time, against
+    state the servers hold and update in place (see
+    `StrategyBase.synchronous`)."""
+    return False
+
+  @property
   def num_replicas_in_sync(self) -> int:
     """Replicas of one worker's step (its devices), as in TensorFlow."""
     ctx = worker_lib.current()
@@ -348,49 +353,20 @@ class ParameterServerStrategy(StrategyBase):
     ctx = worker_lib.current()
     if ctx is not None:
       return ctx.strategy.reduce(reduce_op, value, axis)
-    op = ReduceOp.of(reduce_op)
-    value = self.coordinator.fetch(value)
-
-    def one(node):
-      if isinstance(node, PerReplica):
-        v = node.validity
-        mask, count = (None, None) if v is None else (v.mask, v.num_valid)
-        return jax.tree.map(lambda x: np.asarray(cross_replica.reduce_stacked(
-            op, x, mask, count, axis)), node.values)
-      if isinstance(node, SyncOnRead):
-        return jax.tree.map(np.asarray, node.read())
-      return jax.tree.map(lambda x: np.asarray(cross_replica.reduce_mirrored(
-          op, x, axis)), node)
-    return jax.tree.map(one, value, is_leaf=is_distributed)
+    return cross_replica.reduce_fetched(reduce_op,
+                                        self.coordinator.fetch(value), axis)
 
   def gather(self, value: Any, axis: int = 0) -> Any:
     """Concatenates per-replica values (padding rows dropped), like `reduce`."""
     ctx = worker_lib.current()
     if ctx is not None:
       return ctx.strategy.gather(value, axis)
-    value = self.coordinator.fetch(value)
-
-    def one(node):
-      if not isinstance(node, PerReplica):
-        return node
-      keep = None
-      if node.validity is not None and axis == 0:
-        keep = np.flatnonzero(np.asarray(node.validity.mask).reshape(-1))
-      def leaf(x):
-        out = np.asarray(cross_replica.gather_stacked(x, axis))
-        return out if keep is None else out[keep]
-      return jax.tree.map(leaf, node.values)
-    return jax.tree.map(one, value, is_leaf=is_distributed)
+    return cross_replica.gather_fetched(self.coordinator.fetch(value), axis)
 
   def experimental_local_results(self, value: Any) -> tuple:
-    """The values of each replica of a fetched per-replica result."""
-    value = self.coordinator.fetch(value)
-    leaves = [x for x in jax.tree.leaves(value, is_leaf=is_distributed)
-              if isinstance(x, PerReplica)]
-    if not leaves:
-      return (value,)
-    n = leaves[0].num_replicas
-    return tuple(jax.tree.map(
-        lambda node: jax.tree.map(lambda x: x[i], node.values)
-        if isinstance(node, PerReplica) else node, value, is_leaf=is_distributed)
-        for i in range(n))
+    """The values of each replica: on a worker, of its replicas; on the
+    coordinator, of a fetched per-replica result."""
+    ctx = worker_lib.current()
+    if ctx is not None:
+      return ctx.strategy.experimental_local_results(value)
+    return cross_replica.local_results_fetched(self.coordinator.fetch(value))

@@ -21,9 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jdist._src.core import kinds
 from jdist._src.core import placement
 from jdist._src.core.reduce_op import VariableAggregation
-from jdist._src.core.values import RemoteState, SyncOnRead
+from jdist._src.core.values import RemoteState
 from jdist._src.errors import ParameterServerError
 from jdist._src.ps import forwarding
 from jdist._src.ps import partitioners
@@ -85,20 +86,16 @@ class LeafSpec:
     return tuple(x[p.rows[0]:p.rows[1]] for p in self.pieces)
 
 
-_is_sync = lambda x: isinstance(x, SyncOnRead)
-
-
 def plain(tree: Any) -> Any:
   """`tree` with every `SyncOnRead` replaced by its (aggregated) value."""
-  return jax.tree.map(lambda x: x.read() if _is_sync(x) else x, tree,
-                      is_leaf=_is_sync)
+  return jax.tree.map(lambda x: kinds.kind_of(x).read(x), tree,
+                      is_leaf=kinds.is_node)
 
 
 def _unplaced(tree: Any) -> Any:
   """`tree` with every `SyncOnRead` read and re-wrapped unplaced."""
-  return jax.tree.map(
-      lambda x: SyncOnRead(x.read(), x.aggregation) if _is_sync(x) else x,
-      tree, is_leaf=_is_sync)
+  return jax.tree.map(lambda x: kinds.kind_of(x).unplaced(x), tree,
+                      is_leaf=kinds.is_node)
 
 
 class Layout:
@@ -203,8 +200,8 @@ class ServerVariables(RemoteState):
     self._layout_key = (treedef, tuple(
         (s.shape, str(s.dtype), s.kind, s.key_impl,
          tuple(p.rows for p in s.pieces)) for s in specs))
-    self._sums = (isinstance(tree, SyncOnRead) and
-                  tree.aggregation is VariableAggregation.SUM)
+    self._sums = (kinds.kind_of(tree).aggregation(tree) is
+                  VariableAggregation.SUM)
     self._value_type = type(tree)
     self._value_attributes = forwarding.attributes(tree)
     store.create(self._set_id, self._per_server(hosts),

@@ -65,6 +65,32 @@ class StrategyBase(abc.ABC):
     return None
 
   @property
+  def synchronous(self) -> bool:
+    """Whether every step is one SPMD program over the mesh, run in
+    lock-step by all replicas (True here; False for
+    `ParameterServerStrategy`, whose steps are scheduled on workers).
+
+    What the training layer asks instead of the strategy's type: a
+    synchronous strategy's step may run several batches per call
+    (`jdist.multi_step`, `steps_per_execution`), may donate the state it is
+    given, and returns state that is an immutable value (reading it after a
+    step waits for that step only). An asynchronous one runs one step per
+    call and holds its state remotely, updated in place.
+
+    Example:
+      >>> import jdist
+      >>> jdist.MirroredStrategy().synchronous
+      True
+    """
+    return True
+
+  @property
+  def replica_batch_axis(self) -> str | None:
+    """The mesh axis that splits each replica's batch over its devices
+    (FSDP: `ModelParallelStrategy(fsdp_axis=...)`), or None."""
+    return None
+
+  @property
   def extended(self):
     """Compatibility with code that reads `strategy.extended`: the strategy."""
     return self

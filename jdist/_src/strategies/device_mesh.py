@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Sequence
 
 import jax
@@ -35,6 +36,56 @@ def default_devices(shape: tuple) -> np.ndarray:
       per_process, across, devices, process_is_granule=True)
 
 
+def _sizes(shape: tuple, axis_names: tuple) -> tuple:
+  """`shape` as Python ints, each checked to be a positive integer (numpy's
+  -1 for "the rest" is not a size here, nor is a float, which `int()` would
+  round down)."""
+  for size, name in zip(shape, axis_names):
+    if (isinstance(size, bool) or not isinstance(size, numbers.Integral)
+        or size < 1):
+      raise ValueError(
+          f"DeviceMesh shape {shape}: axis {name!r} has size {size!r}, which "
+          "is not a positive integer. Each size is the number of devices "
+          "along its axis (an int of at least 1), and the sizes multiply to "
+          "the number of devices, for example (2, 2) for 4.")
+  return tuple(int(size) for size in shape)
+
+
+def _check_unique(devices: list) -> None:
+  """Raises unless every device appears once."""
+  first = {}
+  for i, device in enumerate(devices):
+    if device in first:
+      raise ValueError(
+          f"DeviceMesh devices list {device} twice (at positions "
+          f"{first[device]} and {i}, flattened): a device takes one place "
+          "of the mesh. Pass each device once, for example "
+          "jax.devices()[:n] for a mesh of n devices.")
+    first[device] = i
+
+
+def repeated_axis(spec) -> tuple[str, int, int] | None:
+  """`(axis, first dimension, second dimension)` of the first mesh axis that
+  the layout `spec` (one entry per dimension: None, an axis or a tuple of
+  axes) names for two dimensions, or None. JAX refuses such a layout: an
+  axis splits one dimension of an array.
+
+  Example:
+    >>> from jdist._src.strategies.device_mesh import repeated_axis
+    >>> repeated_axis(("model", None, "model")), repeated_axis((None, "model"))
+    (('model', 0, 2), None)
+  """
+  seen = {}
+  for dim, axes in enumerate(spec):
+    for axis in axes if isinstance(axes, tuple) else (axes,):
+      if axis is None:
+        continue
+      if axis in seen:
+        return axis, seen[axis], dim
+      seen[axis] = dim
+  return None
+
+
 class DeviceMesh:
   """Devices laid out on a grid whose axes have names.
 
@@ -57,7 +108,8 @@ class DeviceMesh:
 
   Raises:
     ValueError: the shape and the names differ in length, a name repeats,
-      or the mesh's size is not the number of devices.
+      a size is not a positive integer, a device is given twice, or the
+      mesh's size is not the number of devices.
 
   Example:
     >>> import jax, jdist
@@ -68,16 +120,17 @@ class DeviceMesh:
 
   def __init__(self, shape: Sequence[int], axis_names: Sequence[str],
                devices: Sequence[Any] | None = None):
-    shape = tuple(int(s) for s in shape)
-    axis_names = tuple(axis_names)
+    shape, axis_names = tuple(shape), tuple(axis_names)
     if len(shape) != len(axis_names):
       raise ValueError(
           f"DeviceMesh shape {shape} has {len(shape)} axes but axis_names "
           f"{axis_names} has {len(axis_names)}: give one name per axis.")
     if len(set(axis_names)) != len(axis_names):
       raise ValueError(f"DeviceMesh axis_names {axis_names} repeat a name.")
+    shape = _sizes(shape, axis_names)
     devices = list(np.asarray(default_devices(shape) if devices is None
                               else devices, dtype=object).ravel())
+    _check_unique(devices)
     if math.prod(shape) != len(devices):
       raise ValueError(
           f"DeviceMesh shape {shape} holds {math.prod(shape)} devices but "
@@ -132,6 +185,14 @@ class DeviceMesh:
       remedy: the end of the message: where to put None instead.
     """
     shape = tuple(shape)
+    repeated = repeated_axis(spec)
+    if repeated is not None:
+      axis, first, second = repeated
+      return (
+          f"Parameter {path!r} of shape {shape}: its layout {tuple(spec)} "
+          f"names mesh axis {axis!r} for dimensions {first} and {second}, "
+          "but an axis can split one dimension only. Give the other "
+          f"dimension another axis, {remedy}")
     for dim, (size, axes) in enumerate(zip(shape, spec)):
       axes = axes if isinstance(axes, tuple) else (axes,)
       split = int(np.prod([self.axis_size(a) for a in axes if a]))

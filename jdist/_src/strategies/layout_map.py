@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jdist._src.strategies.device_mesh import DeviceMesh
+from jdist._src.strategies.device_mesh import DeviceMesh, repeated_axis
 from jdist._src.strategies.partition_metadata import named_leaves, path_name
 
 
@@ -75,6 +75,12 @@ class LayoutMap(collections.abc.MutableMapping):
       for axis in axes if isinstance(axes, tuple) else (axes,):
         if axis is not None:
           self._mesh.check_axis(axis, f"LayoutMap[{key!r}] = {tuple(layout)}")
+    if (repeated := repeated_axis(layout)) is not None:
+      raise ValueError(
+          f"LayoutMap[{key!r}] = {tuple(layout)} names mesh axis "
+          f"{repeated[0]!r} for dimensions {repeated[1]} and {repeated[2]} of "
+          "the parameters it matches, but an axis can split one dimension "
+          "only. Give the other dimension another axis, or None.")
     self._rules[key] = P(*layout)
 
   def __getitem__(self, path: str) -> P | None:

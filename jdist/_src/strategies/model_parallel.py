@@ -13,17 +13,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdist._src.core import kinds, placement
-from jdist._src.core.values import Sharded
 from jdist._src.strategies.device_mesh import DeviceMesh
 from jdist._src.strategies.layout_map import LayoutMap
 from jdist._src.strategies.partition_metadata import (
     PartitionMetadata, is_box, named_leaves, named_nodes, warn_unruled)
 from jdist._src.strategies.pipeline_schedule import PipelineSchedule
 from jdist._src.strategies.spmd import Strategy
-
-
-def _is_sharded(x: Any) -> bool:
-  return isinstance(x, Sharded)
 
 
 def _uses(spec: P, axis: str) -> bool:
@@ -263,13 +258,15 @@ class ModelParallelStrategy(Strategy):
       ValueError: a layout names an axis the mesh does not have, or splits a
         dimension that the axis's size does not divide.
     """
-    names, nodes, _ = named_nodes(tree, stop=_is_sharded)
+    names, nodes, _ = named_nodes(tree, stop=kinds.has_layouts)
     unruled, specs, paths = [], [], []
     for name, node in zip(names, nodes):
-      if isinstance(node, Sharded):
-        specs.extend(node.partition_specs())
+      kind = kinds.kind_of(node)
+      own = kind.layouts(node)
+      if own is not None:
+        specs.extend(own)
         paths.extend(f"{name}/{inner}" if name else inner
-                     for inner, _, _ in named_leaves(node.value))
+                     for inner, _, _ in named_leaves(kind.payload(node)))
         continue
       box = node if is_box(node) else None
       for leaf in (jax.tree.leaves(node) if box is not None else [node]):
@@ -332,11 +329,12 @@ class ModelParallelStrategy(Strategy):
 
     kept = []
     for name, node in zip(names, nodes):
-      if isinstance(node, Sharded):  # its own layout: replicas and within
-        leaves, leaf_tree = jax.tree.flatten(node.value)
-        kept.append(node.replace(jax.tree.unflatten(leaf_tree, [
+      own = kinds.kind_of(node).layouts(node)
+      if own is not None:  # its own layout: replicas and within
+        leaves, leaf_tree = jax.tree.flatten(node)
+        kept.append(jax.tree.unflatten(leaf_tree, [
             jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
-            for x, spec in zip(leaves, node.partition_specs())])))
+            for x, spec in zip(leaves, own)]))
       elif kinds.is_node(node):
         kept.append(node)
       elif is_box(node):

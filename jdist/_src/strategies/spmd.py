@@ -19,10 +19,10 @@ from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 from jdist._src.core import cross_replica
+from jdist._src.core import kinds
 from jdist._src.core import placement
 from jdist._src.core import state_output as state_output_lib
 from jdist._src.core.function import DistributedFunction
-from jdist._src.core.values import PerReplica, Sharded, SyncOnRead
 from jdist._src.input import dataset as input_lib
 from jdist._src.input.options import InputOptions
 from jdist._src.multiprocess import runtime as runtime_lib
@@ -114,12 +114,6 @@ class Strategy(StrategyBase):
   def num_replicas_in_sync(self) -> int:
     """How many replicas run each step."""
     return len(self._devices)
-
-  @property
-  def replica_batch_axis(self) -> str | None:
-    """The mesh axis that splits each replica's batch over its devices
-    (FSDP: `ModelParallelStrategy(fsdp_axis=...)`), or None."""
-    return None
 
   def replica_layouts(self, tree: Any) -> list:
     """The layout within a replica of each leaf of `tree`, in flattening
@@ -251,23 +245,8 @@ class Strategy(StrategyBase):
     them gives back the value; `PerReplica` and `Sharded` values are left
     where they are.
     """
-    n = self.num_replicas_in_sync
-
-    def place(node):
-      if isinstance(node, (PerReplica, Sharded)):
-        return node
-      if isinstance(node, SyncOnRead):
-        if node.per_replica:
-          return node
-        rows = node.replica_rows(n, np)
-        ids = list(placement.local_replica_ids(self._mesh, self._axis_name))
-        return SyncOnRead(placement.put_per_replica(
-            jax.tree.map(lambda x: x[ids], rows.value), self._mesh,
-            self._axis_name, n), node.aggregation, True)
-      return self._state_placement.put(node, self._mesh)
-
-    return jax.tree.map(place, tree, is_leaf=lambda x: isinstance(
-        x, (PerReplica, SyncOnRead, Sharded)))
+    return jax.tree.map(lambda node: kinds.kind_of(node).replicate(node, self),
+                        tree, is_leaf=kinds.is_node)
 
   def experimental_distribute_dataset(self, dataset: Iterable, options=None, *,
                                       global_batch_size: int | None = None):

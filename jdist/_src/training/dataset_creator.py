@@ -21,7 +21,8 @@ import itertools
 from typing import Any, Callable, Iterator
 
 from jdist._src.input.context import InputContext
-from jdist._src.training import data as data_lib
+from jdist._src.training import batches as batches_lib
+from jdist._src.training.source import Source
 
 
 class DatasetCreator:
@@ -86,91 +87,98 @@ class _PipelineInput:
 
   def __call__(self, input_context: InputContext) -> Iterator[dict]:
     for i, batch in enumerate(self._creator(input_context)):
-      yield data_lib.host_batch(batch, i, True, self._class_weight,
+      yield batches_lib.host_batch(batch, i, True, self._class_weight,
                                 self._check)
 
 
-class CreatorSource:
-  """fit's `Source` for a `DatasetCreator` (see `data.Source`).
+class CreatorSource(Source):
+  """fit's `Source` for a `DatasetCreator`: its batches come from the
+  strategy's `distribute_datasets_from_function`, one pipeline per input
+  pipeline (per worker under parameter servers), not from this host.
 
   Args:
     creator: the `DatasetCreator`.
-    strategy: the strategy training runs under.
+    num_replicas: the replicas of the strategy training runs under (the
+      host's own pipeline, built to check the model on one batch, is told
+      it).
     steps_per_epoch: batches (steps) per epoch; required.
     class_weight: Keras' `class_weight`, applied where the batches are read.
-    batches_per_call: batches each call of the train function takes
-      (`steps_per_execution`, gradient accumulation): above 1, the items
-      are `BatchGroup`s of that many batches.
 
   Raises:
-    ValueError: no `steps_per_epoch`, or one that is not a multiple of
-      `batches_per_call`.
+    ValueError: no `steps_per_epoch`.
   """
 
   one_shot = True
-  pass_length = None  # (each worker's iterator continues from epoch to epoch)
+  whole_calls = True  # (a pipeline's iterator is read in whole calls)
 
-  def __init__(self, creator: DatasetCreator, *, strategy,
-               steps_per_epoch: int | None, class_weight=None,
-               batches_per_call: int = 1):
+  def __init__(self, creator: DatasetCreator, *, num_replicas: int,
+               steps_per_epoch: int | None, class_weight=None):
     if steps_per_epoch is None:
       raise ValueError(
           "fit(jdist.DatasetCreator(...)) needs steps_per_epoch, as in "
           "TensorFlow: the dataset should be endless (repeated), so only "
           "steps_per_epoch says where an epoch ends.")
-    if steps_per_epoch % batches_per_call:
-      raise ValueError(
-          f"fit(jdist.DatasetCreator(...)) with steps_per_epoch="
-          f"{steps_per_epoch}: each compiled call takes {batches_per_call} "
-          "batches (steps_per_execution, gradient_accumulation_steps), so "
-          f"steps_per_epoch must be a multiple of {batches_per_call}.")
     self.steps_per_epoch = int(steps_per_epoch)
-    self._per_call = batches_per_call
     self._creator = creator
-    self._strategy = strategy
+    self._num_replicas = num_replicas
     self._class_weight = class_weight
     self._first = None
     self._check = None
-    self._iterator = None
+    self._iterator = None  # (per_call, the pipelines' iterator), once read
 
   def peek(self) -> dict:
     """One batch, from a pipeline this host builds for it (the whole data as
     one pipeline); the model and the objectives are checked on it."""
     if self._first is None:
-      context = InputContext(1, 0, self._strategy.num_replicas_in_sync)
+      context = InputContext(1, 0, self._num_replicas)
       for batch in self._creator(context):
-        self._first = data_lib.host_batch(batch, 0, True, self._class_weight,
-                                          None)
+        self._first = batches_lib.host_batch(batch, 0, True,
+                                             self._class_weight, None)
         break
       else:
         raise ValueError("The DatasetCreator's dataset_fn gave no batches.")
     return self._first
+
+  def batches(self, epoch: int, start: int = 0) -> Iterator[dict]:
+    """Refused: the batches are the pipelines', read through `distributed`."""
+    raise TypeError(
+        "A DatasetCreator's batches are built by each input pipeline, not on "
+        "this host: fit reads them through the strategy. evaluate and "
+        "predict take arrays or a dataset.")
 
   def check_targets(self, check: Callable) -> None:
     """Checks the peeked batch's targets now, and every batch's as read."""
     check(self.peek()["y"], lambda row: f"row {row} of batch 0")
     self._check = check
 
-  def distributed(self, epoch: int, start: int = 0) -> Iterator:
-    """The epoch's distributed batches from `start` on, continuing one
-    iterator of the strategy's `distribute_datasets_from_function` all fit
-    long (under parameter servers: each item is "the next batch of the worker
-    that runs the step")."""
-    del epoch
-    if self._iterator is None:
-      dataset = self._strategy.distribute_datasets_from_function(
+  def distributed(self, strategy, epoch: int, start: int = 0, *,
+                  options=None, batch_size: int | None = None,
+                  per_call: int = 1, inputs_only: bool = False) -> Iterator:
+    """The epoch's items from `start` on, continuing one iterator of the
+    strategy's `distribute_datasets_from_function` all fit long (under
+    parameter servers: each item is "the next batch of the worker that runs
+    the step"), in groups of `per_call` when a call takes several. The
+    pipelines batch for themselves: `options` and `batch_size` do not
+    apply."""
+    del epoch, options, batch_size
+    if inputs_only:
+      raise TypeError("A DatasetCreator feeds fit only.")
+    if self._iterator is None or self._iterator[0] != per_call:
+      dataset = strategy.distribute_datasets_from_function(
           _PipelineInput(self._creator, self._class_weight, self._check))
-      if self._per_call > 1:
-        dataset = dataset.group(self._per_call)
-      self._iterator = iter(dataset)
-    return itertools.islice(self._iterator,
-                            (self.steps_per_epoch - start) // self._per_call)
+      if per_call > 1:
+        dataset = dataset.group(per_call)
+      self._iterator = (per_call, iter(dataset))
+    return itertools.islice(self._iterator[1],
+                            (self.steps_per_epoch - start) // per_call)
 
-  def state(self, consumed: int) -> dict:
-    del consumed
-    return {}
+  def static_batch_size(self, strategy, what: str, *, micro_batches: int = 1,
+                        pad: bool = False) -> int | None:
+    """None: each pipeline batches for itself (per-replica batches)."""
+    del strategy, what, micro_batches, pad
+    return None
 
   def resume(self, state: dict, consumed: int) -> None:
-    # The pipelines cannot be rewound: a resumed fit reads fresh ones (as
-    # TensorFlow's does), from the resumed position's epoch and batch.
+    """The pipelines cannot be rewound: a resumed fit reads fresh ones (as
+    TensorFlow's does), from the resumed position's epoch and batch."""
     del state, consumed

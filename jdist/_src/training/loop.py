@@ -1,11 +1,11 @@
 """The batch loops of `fit`, `evaluate` and `predict`, and the state of a fit.
 
-`FitLoop` is one `fit` while it runs: the train state (given to it, returned
-by `run`), the step count, where it is (epoch, batch, batches taken from the
-data), whether to stop, the epoch's running totals, the History, and the data
+`FitLoop` is a Trainer's loop, between fits too: the train state, the step
+count, where training is (epoch, batch, batches taken from the data),
+whether to stop, the epoch's running totals, the History, and the data
 source. It owns all of it, hands itself to the callbacks
-(`callback.fit_loop`), and is what a checkpoint stores besides the train state
-and what a resume restores.
+(`callback.fit_loop`), and is what a checkpoint stores besides the train
+state and what a resume restores. A `fit` is one `run` of a `FitPlan`.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import jax
 import numpy as np
 
 from jdist._src.core import placement
-from jdist._src.core.function import DistributedFunction
 from jdist._src.input.options import InputOptions
-from jdist._src.training import data as data_lib
-from jdist._src.training import steps as steps_lib
+from jdist._src.training import epochs as epochs_lib
+from jdist._src.training import shuffle_order
+from jdist._src.training import totals as totals_lib
 from jdist._src.training.callbacks import CallbackList, LazyLogs
 from jdist._src.training.history import History
 from jdist._src.training.progress import ProgressBar
@@ -45,27 +45,17 @@ class Position(NamedTuple):
     return Position(self.epoch + 1, 0, self.consumed)
 
 
-class FitLoop:
-  """One `fit` of a `Trainer`: its loop and everything the loop carries.
+class FitPlan(NamedTuple):
+  """What one `fit` runs: the loop's inputs that change from one fit to the
+  next (the state, position and history are the loop's own).
 
-  The loop is given the train state, owns it while it runs, and returns it
-  (as an optax `update` returns its state). Callbacks reach what it owns
-  through the trainer (`self.model.state`, `self.model.stop_training`, as
-  Keras callbacks write them), which forwards to the running loop, or
-  through `self.fit_loop`.
-
-  Args:
+  Attributes:
     train_function: the compiled `(state, totals, batch) -> (state, totals)`
       (above one `steps_per_execution`, a `jdist.multi_step` step that takes
       a `BatchGroup`).
-    source: the training data (`data.py`).
-    state: the train state, held as `strategy` holds it.
-    strategy: the strategy the steps run on (it reads and writes the state,
-      and distributes the batches).
+    source: the training data (a `source.Source`: the loop reads each
+      epoch's calls through its `distributed`).
     epochs: train until this epoch.
-    initial_epoch: the epoch to start at.
-    validate: `validate(state, callbacks) -> logs`, or None without
-      validation data.
     make_totals: `make_totals(sums or None) -> totals`: fresh (or restored)
       running sums of the loss and metrics, placed on the devices.
     read_logs: `read_logs(state) -> read`, called after each step whose
@@ -73,62 +63,82 @@ class FitLoop:
       or the progress bar), with the state it returned: `read(totals) ->
       logs` (their means, on the host) keeps what the logs need of that
       state (the next step may donate it).
+    initial_epoch: the epoch to start at.
+    validate: `validate(state, callbacks) -> logs`, or None without
+      validation data.
     batch_size: the static global batch size (the first batch's, or a short
       only batch's padded size; None: the distributed dataset decides).
+    options: the `InputOptions` the batches are distributed with.
     steps_per_execution: batches per call of `train_function` (Keras' name;
       with gradient accumulation at least one group).
     batches_per_step: batches per optimizer step (gradient accumulation:
       the train function joins this many batches into one step).
-    batches: `batches(epoch, start) -> iterable` of what the train function
-      takes for each call in the epoch from batch `start` on (batches, or
-      groups of `steps_per_execution`); default: `source`'s batches through
-      the strategy's `experimental_distribute_dataset`.
     skipped: a `mixed_precision.SkippedBatches` for a loss-scaled optimizer
       (fit then warns, once an epoch, about batches skipped at the scale's
       floor), or None.
-    options: the `InputOptions` the batches are distributed with.
+  """
+
+  train_function: Any
+  source: Any
+  epochs: int
+  make_totals: Callable
+  read_logs: Callable
+  initial_epoch: int = 0
+  validate: Callable | None = None
+  batch_size: int | None = None
+  options: InputOptions | None = None
+  steps_per_execution: int = 1
+  batches_per_step: int = 1
+  skipped: Any = None
+
+
+class FitLoop:
+  """A `Trainer`'s training loop and everything it carries, fits or not.
+
+  The loop holds the train state, always: the trainer's `state`,
+  `stop_training`, `global_step` and `position` are the loop's. A `fit`
+  is one `run` of a `FitPlan`, which trains the state in place of the
+  loop (a copy of it, when the steps donate their state). Callbacks reach
+  what the loop owns through the trainer (`self.model.state`,
+  `self.model.stop_training`, as Keras callbacks write them), or through
+  `self.fit_loop`; the loop never sees the trainer.
+
+  Args:
+    strategy: the strategy the steps run on (it reads and writes the state,
+      and distributes the batches); may be given later, before any state.
 
   Attributes:
-    position: the epoch and batch training is at.
+    strategy: that strategy.
+    position: the epoch and batch training is at (where the last fit
+      ended, between fits).
     stop_training: set (by a callback, through `trainer.stop_training`) to
-      end training after the current batch.
+      end training after the current batch; each fit starts with False, and
+      after it, it says whether the fit was stopped.
+    source: the data of the running (or last) fit.
     steps_per_execution: batches per call of the train function.
     batches_per_step: batches per optimizer step.
     last_execution: batches the last call of the train function ran (1, or
       up to `steps_per_execution`): `global_step` moved by this much over
       `batches_per_step`.
     totals: the epoch's running sums on the devices (`jdist.metrics`).
-    history: the run's `History`.
+    history: the last fit's `History` (None before the first).
   """
 
-  def __init__(self, train_function, source, state, *, strategy,
-               epochs: int, initial_epoch: int = 0,
-               validate: Callable | None = None, make_totals: Callable,
-               read_logs: Callable, batch_size: int | None = None,
-               steps_per_execution: int = 1, batches_per_step: int = 1,
-               batches: Callable | None = None, skipped=None,
-               options: InputOptions | None = None):
-    self.source = source
-    self.history = History()
-    self.position = Position(epoch=initial_epoch)
+  def __init__(self, strategy=None):
+    self.strategy = strategy
+    self.history: History | None = None
+    self.position = Position()
     self.stop_training = False
-    self.steps_per_execution = steps_per_execution
-    self.batches_per_step = batches_per_step
+    self.source = None
+    self.steps_per_execution = 1
+    self.batches_per_step = 1
     self.last_execution = 1
     self.totals = None
-    self._strategy = strategy
-    self._train_function = train_function
-    self._epochs = epochs
-    self._validate = validate
-    self._make_totals = make_totals
-    self._read_logs = read_logs
-    self._batch_size = batch_size
-    self._options = options
+    self._plan: FitPlan | None = None
     self._resume_sums = None
     self._warned_nonfinite = False
-    self._skipped = skipped
-    self._batches = batches
-    self.state = state
+    self._state = None
+    self._step = 0
 
   @property
   def state(self):
@@ -137,17 +147,18 @@ class FitLoop:
 
   @state.setter
   def state(self, held) -> None:
-    """Replaces the train state (a callback restoring weights); the step
-    count follows the new state."""
+    """Replaces the train state (built, loaded, or restored by a callback);
+    the step count follows the new state (one read of its step)."""
     self._state = held
-    self._step = int(placement.to_host(
-        self._strategy.state_placement.read(held).step))
+    self._step = 0 if held is None else int(placement.to_host(
+        self.strategy.state_placement.read(held).step))
 
   @property
   def global_step(self) -> int:
     """Optimizer steps applied so far: the state's own step, known on the
     host without a read from the devices after every step (read when the
-    state is given or replaced, then moved by the steps each call ran)."""
+    state is given or replaced, then moved by the steps each call ran, and
+    read again when a fit on remotely held state ends)."""
     return self._step
 
   @property
@@ -166,7 +177,7 @@ class FitLoop:
 
   def logs(self) -> dict:
     """The epoch's logs so far, read from the devices."""
-    return self._read_logs(self._state)(self.totals)
+    return self._plan.read_logs(self._state)(self.totals)
 
   # --- checkpoints ----------------------------------------------------------
 
@@ -175,8 +186,8 @@ class FitLoop:
     pos = self.position
     sums = None
     if pos.batch and self.totals is not None:
-      sums = steps_lib.read_sums(
-          self._strategy, self._strategy.state_placement.read(self.totals))
+      sums = totals_lib.read_sums(
+          self.strategy, self.strategy.state_placement.read(self.totals))
     return {"epoch": pos.epoch, "batch": pos.batch, "consumed": pos.consumed,
             "sums": sums, "history": self.history.to_dict(),
             "data": self.source.state(pos.consumed)}
@@ -184,8 +195,8 @@ class FitLoop:
   def restore(self, state, meta: dict) -> None:
     """Continues from a restored checkpoint (used by `BackupAndRestore`):
     `state` (its value, with its step) and `meta` (its `checkpoint_meta`)."""
-    self.state = self._strategy.state_placement.write(
-        self._state, state, self._strategy.mesh)
+    self.state = self.strategy.state_placement.write(
+        self._state, state, self.strategy.mesh)
     self.position = Position(int(meta["epoch"]), int(meta["batch"]),
                              int(meta["consumed"]))
     if self.position.batch % self.batches_per_step:
@@ -206,21 +217,68 @@ class FitLoop:
     """Epoch `epoch`'s batches, when known (shorter than `steps_per_epoch`
     for the epoch that reaches the end of a pass: `data.epoch_span`)."""
     source = self.source
-    return data_lib.epoch_span(epoch, source.steps_per_epoch,
-                               source.pass_length)[2]
+    return epochs_lib.epoch_span(epoch, source.steps_per_epoch,
+                                 source.pass_length)[2]
 
-  def run(self, cbs: CallbackList, bar: ProgressBar):
-    """Trains until the last epoch or a callback stops it; returns the state."""
-    logs: dict = {}
+  def run(self, plan: FitPlan, cbs: CallbackList, bar: ProgressBar
+          ) -> History:
+    """Trains as `plan` says, until its last epoch or a callback stops it;
+    returns the fit's `History`.
+
+    The trained state stays the loop's, also when an exception ends the fit
+    (the steps that ran stay applied, as Keras' variables do).
+    """
+    self._start(plan)
+    try:
+      self._run_epochs(cbs, bar)
+    finally:
+      shuffle_order.shutdown()  # the worker drawing permutations ahead
+    if not self.strategy.synchronous:
+      self.state = self._state  # the step count the servers applied
+    return self.history
+
+  def _start(self, plan: FitPlan) -> None:
+    """Takes `plan`'s inputs and starts a fit's own records.
+
+    Raises:
+      ValueError: an epoch of known length would end inside an
+        accumulation group (`epochs.check_whole_groups`).
+    """
+    epochs_lib.check_whole_groups(
+        plan.source, range(plan.initial_epoch, plan.epochs),
+        plan.batches_per_step, plan.steps_per_execution)
+    epochs_lib.warn_mid_pass_start(plan.source, plan.initial_epoch,
+                                   stacklevel=5)
+    if self.strategy.synchronous:
+      # The train function donates the state: a copy is trained, so arrays
+      # read before fit (`trainer.params`, an nnx module `export` updated)
+      # stay valid. Those of `trainer.state` read during fit are valid
+      # until the next step (`EarlyStopping` copies what it keeps).
+      self._state = placement.copy_arrays(self._state)
+    self._plan = plan
+    self.source = plan.source
+    self.history = History()
+    self.position = Position(epoch=plan.initial_epoch)
+    self.stop_training = False
+    self.steps_per_execution = plan.steps_per_execution
+    self.batches_per_step = plan.batches_per_step
+    self.last_execution = 1
+    self.totals = None
+    self._resume_sums = None
+    self._warned_nonfinite = False
+
+  def _run_epochs(self, cbs: CallbackList, bar: ProgressBar) -> None:
+    """The epochs of `run`, from the position on."""
+    plan, logs = self._plan, {}
     cbs.call("on_train_begin", {})
-    while self.position.epoch < self._epochs:
+    while self.position.epoch < plan.epochs:
       epoch, start = self.position.epoch, self.position.batch
-      self.totals = self._make_totals(self._resume_sums if start else None)
+      self.totals = plan.make_totals(self._resume_sums if start else None)
       self._resume_sums = None
       cbs.call("on_epoch_begin", epoch, {})
       bar.start_epoch(epoch, self.epoch_length(epoch), initial=start)
-      if self._skipped is not None:
-        self._skipped.start_epoch(self._state)
+      if plan.skipped is not None:
+        plan.skipped.start_epoch(self._state)
       if not self._run_epoch(epoch, start, cbs, bar) and start == 0:
         warnings.warn(
             f"The training data ran out at epoch {epoch + 1}: no batches were "
@@ -228,8 +286,8 @@ class FitLoop:
             "(or a re-iterable dataset) for every epoch.", UserWarning)
         break
       logs = self.logs()
-      if self._validate is not None:
-        val_logs = self._validate(self._state, cbs)
+      if plan.validate is not None:
+        val_logs = plan.validate(self._state, cbs)
         logs.update({f"val_{k}": v for k, v in val_logs.items()})
       self.position = self.position.next_epoch()
       self.totals = None
@@ -240,20 +298,14 @@ class FitLoop:
       if self.stop_training:
         break
     cbs.call("on_train_end", logs)
-    return self._state
 
   def _run_epoch(self, epoch: int, start: int, cbs: CallbackList,
                  bar: ProgressBar) -> int:
     """Trains on the epoch's batches from `start`; the steps that ran."""
-    ran = 0
-    if self._batches is not None:
-      batches = self._batches(epoch, start)
-    else:
-      batches = self._strategy.experimental_distribute_dataset(
-          self.source.batches(epoch, start), self._options,
-          global_batch_size=self._batch_size)
-      if self.steps_per_execution > 1:
-        batches = batches.group(self.steps_per_execution)
+    ran, plan = 0, self._plan
+    batches = self.source.distributed(
+        self.strategy, epoch, start, options=plan.options,
+        batch_size=plan.batch_size, per_call=self.steps_per_execution)
     # The batch logs' reader keeps what the logs need of each step's state
     # (the next step donates it): made only when something may read them.
     # The bar alone reads them only when it redraws: the plain loop serves it.
@@ -262,29 +314,29 @@ class FitLoop:
     grouped = self.steps_per_execution > 1
     per_step = self.batches_per_step
     if not (logged or begin or grouped or per_step > 1 or
-            self._skipped is not None):
+            plan.skipped is not None):
       return self._run_plain(batches, bar)
     logged = logged or bar.reads_logs
-    step = _CarriedStep(self._train_function)
+    step = _CarriedStep(plan.train_function, self.strategy.synchronous)
     for batch in batches:
       # As Keras: once per execution, begin with its first batch's index
       # and end with its last one's.
       steps = batch.num_steps if grouped else 1
       index = self.position.batch
       if steps % per_step:
-        self._check_whole_group(epoch, index, steps)
+        epochs_lib.check_group_end(epoch, index, steps, per_step)
       if begin:
         cbs.call("on_train_batch_begin", index, {})
       self._state, self.totals = step(self._state, self.totals, batch)
       self._step += steps // per_step
-      if self._skipped is not None:
-        self._skipped.record(self._state, index, steps)
+      if plan.skipped is not None:
+        plan.skipped.record(self._state, index, steps)
       self.last_execution = steps
       self.position = self.position.next_batch(steps)
       batch_logs = None
       if logged:
         batch_logs = LazyLogs(functools.partial(
-            self._read_logs(self._state), self.totals))
+            plan.read_logs(self._state), self.totals))
         cbs.call("on_train_batch_end", index + steps - 1, batch_logs)
       bar.step(batch_logs, steps)
       ran += steps
@@ -304,10 +356,10 @@ class FitLoop:
     times a second): then the logs it shows are read at once, before the
     next step donates the state they come from.
     """
-    train, ran, drawn = self._train_function, 0, 0
+    train, ran, drawn = self._plan.train_function, 0, 0
     self.last_execution = 1
     carried = (train.carry(self._state, self.totals)
-               if isinstance(train, DistributedFunction) else None)
+               if self.strategy.synchronous else None)
     call = (self._call_train if carried is None else
             functools.partial(train.call_carried, carried))
     draws = bar.reads_logs
@@ -337,32 +389,19 @@ class FitLoop:
     def read() -> dict:
       state, totals = (carried.values() if carried is not None else
                        (self._state, self.totals))
-      return self._read_logs(state)(totals)
+      return self._plan.read_logs(state)(totals)
     return LazyLogs(read)
 
   def _call_train(self, batch) -> None:
     """One train step on the loop's state and totals, called as usual."""
-    self._state, self.totals = self._train_function(self._state, self.totals,
-                                                    batch)
-
-  def _check_whole_group(self, epoch: int, index: int, batches: int) -> None:
-    """Refuses a trailing partial accumulation group (data whose length was
-    not known before the epoch ended), before it runs."""
-    k = self.batches_per_step
-    if batches % k == 0:
-      return
-    raise ValueError(
-        f"Epoch {epoch + 1} ended after {index + batches} batches, not a "
-        f"multiple of gradient_accumulation_steps={k}: its last {batches % k} "
-        "batch(es) cannot make a whole optimizer step and were not trained "
-        "on (the steps before stay applied). Keras carries their gradients "
-        "into the next epoch; jdist applies whole groups only. Pass "
-        f"steps_per_epoch as a multiple of {k}, with data that lasts.")
+    self._state, self.totals = self._plan.train_function(
+        self._state, self.totals, batch)
 
   def _warn(self, epoch: int, logs: dict) -> None:
     """The epoch's warnings: steps skipped at the loss scale's floor (every
     epoch they happen in), a non-finite loss (once a fit)."""
-    message = None if self._skipped is None else self._skipped.end_epoch(epoch)
+    skipped = self._plan.skipped
+    message = None if skipped is None else skipped.end_epoch(epoch)
     if message is not None:
       warnings.warn(message, UserWarning, stacklevel=4)
     # The epoch's logs are on the host already: telling costs nothing.
@@ -384,11 +423,12 @@ class _CarriedStep:
   function's carried program (`DistributedFunction.carry`), the one
   `_run_plain` runs: whichever loop an epoch takes, fit compiles the step
   once. The values are rebuilt after every call (callbacks read them), and
-  carried anew when a callback replaced them."""
+  carried anew when a callback replaced them. Called as usual under an
+  asynchronous strategy (`synchronous` False: steps scheduled one by one)."""
 
-  def __init__(self, train):
+  def __init__(self, train, synchronous: bool):
     self._train = train
-    self._flat = isinstance(train, DistributedFunction)
+    self._flat = synchronous
     self._carried = None
     self._held = None  # the (state, totals) the carried leaves are
 

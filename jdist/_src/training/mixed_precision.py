@@ -24,14 +24,16 @@ from jdist._src.core import in_step
 from jdist._src.core import placement
 from jdist._src.ops import loss_scale
 from jdist._src.ops.precision import DTypePolicy
+from jdist._src.training.model import ModelAdapter
 
 
-class MixedPrecisionModel:
+class MixedPrecisionModel(ModelAdapter):
   """A model adapter (`model.py`) that applies a mixed `DTypePolicy`."""
 
-  def __init__(self, model, policy: DTypePolicy):
+  def __init__(self, model: ModelAdapter, policy: DTypePolicy):
     self.model = model
     self.policy = policy
+    self.writes_back = model.writes_back
 
   def check(self) -> None:
     self.model.check()

@@ -1,9 +1,11 @@
 """What `Trainer` needs of a model: initialise it, apply it, hand it back.
 
-Three kinds of model share one small interface (`init`, `apply`, `export`):
-a flax linen `Module`, a flax nnx `Module`, or a plain apply function with
-its parameters. `apply` is pure: it takes parameters and the model's other
-state and returns predictions and the new state, so it runs inside a step.
+Every kind of model reaches the training program through `adapt`, as an
+adapter with one small interface (`ModelAdapter`: `init`, `apply`, `export`,
+`check`, `writes_back`): a flax linen `Module`, a flax nnx `Module`, or a
+plain apply function with its parameters. `apply` is pure: it takes
+parameters and the model's other state and returns predictions and the new
+state, so it runs inside a step.
 
 Inside a training step on several replicas, flax's BatchNorm layers that
 were given no `axis_name` compute their statistics over the global batch
@@ -140,7 +142,35 @@ def _rebox(old: Any, new: Any) -> Any:
   return meta.replace_boxed(old, new)
 
 
-class LinenModel:
+class ModelAdapter:
+  """The interface every model adapter offers the training program.
+
+  Attributes:
+    writes_back: whether the Trainer writes the trained values back into
+      the user's model object after `fit` (`export`), as Keras' `fit`
+      leaves its model trained: True for models that hold their variables
+      (an nnx module), False for those given as functions of parameters.
+  """
+
+  writes_back = False
+
+  def check(self) -> None:
+    """Raises if the model cannot be called the way the trainer calls it."""
+
+  def init(self, key, x) -> tuple[Any, Any]:
+    """`(params, model_state)` for inputs like `x` (one example)."""
+    raise NotImplementedError
+
+  def apply(self, params, model_state, x, *, train: bool, rng=None):
+    """`(predictions, new model_state)`; pure, so it runs inside a step."""
+    raise NotImplementedError
+
+  def export(self, params, model_state) -> Any:
+    """The trained model in its own terms (see `Trainer.export`)."""
+    raise NotImplementedError
+
+
+class LinenModel(ModelAdapter):
   """A flax linen module: variables are `params` plus other collections.
 
   A `train` (or `training`) argument of `__call__` is set to True while
@@ -199,7 +229,7 @@ class LinenModel:
     return {"params": params, **model_state}
 
 
-class NnxModel:
+class NnxModel(ModelAdapter):
   """A flax nnx module: `nnx.Param` leaves train, the rest is model state.
 
   The module is put in training mode (`module.train()`) for training steps
@@ -209,6 +239,8 @@ class NnxModel:
   `training` or `deterministic` parameters get the mode. After `fit`, the
   trained state is written back into the module object, as Keras does.
   """
+
+  writes_back = True
 
   def __init__(self, module):
     from flax import nnx  # an nnx model: flax is imported
@@ -250,7 +282,7 @@ class NnxModel:
     return self.module
 
 
-class FunctionModel:
+class FunctionModel(ModelAdapter):
   """`apply_fn(params, x)` with its parameters.
 
   `apply_fn` may take `train=` (True while training) and `rng=` (the step's

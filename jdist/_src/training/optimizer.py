@@ -10,6 +10,40 @@ it directly. The view answers both from the trainer's optimizer state
 from __future__ import annotations
 
 import numpy as np
+import optax
+
+from jdist._src.core import placement
+
+
+def learning_rate(opt_state) -> float:
+  """The learning rate held in an optimizer state (`inject_hyperparams`).
+
+  Raises:
+    ValueError: the state holds no learning rate.
+  """
+  return float(np.asarray(placement.to_host(_learning_rate_leaf(opt_state))))
+
+
+def with_learning_rate(opt_state, value: float):
+  """`opt_state` with its learning rate set to `value` (its dtype kept).
+
+  Raises:
+    ValueError: the state holds no learning rate.
+  """
+  old = _learning_rate_leaf(opt_state)
+  return optax.tree_utils.tree_set(
+      opt_state, learning_rate=np.asarray(value, dtype=old.dtype))
+
+
+def _learning_rate_leaf(opt_state):
+  lr = optax.tree_utils.tree_get(opt_state, "learning_rate", default=None)
+  if lr is None:
+    raise ValueError(
+        "The optimizer's learning rate is not part of its state, so it "
+        "cannot be changed during training. Build the optimizer with "
+        "optax.inject_hyperparams, e.g. "
+        "optax.inject_hyperparams(optax.adam)(learning_rate=1e-3).")
+  return lr
 
 
 class Hyperparameter:

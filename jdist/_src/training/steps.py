@@ -1,10 +1,9 @@
-"""The per-replica train, evaluation and prediction steps `Trainer` runs.
+"""The per-replica train, evaluation and prediction steps of a
+`TrainingProgram`, and the checks that trace them against the data.
 
-Losses and metrics are `jdist.metrics` values: each replica adds its own
-examples (the padding of a short last batch left out) into `SyncOnRead` SUM
-sums on the devices, so the host reads them only when it wants to show them:
-no synchronisation per step. The epoch value of each is `total / count`,
-the exact mean over the examples seen, on any number of replicas.
+Each step adds its replica's examples to the running sums of the loss and
+metrics (`totals.py`); the checks trace the model, loss and metrics on the
+data's shapes before any step runs, so a mismatch is a clear error.
 """
 
 from __future__ import annotations
@@ -26,14 +25,6 @@ from jdist._src.ops import metrics as metrics_lib
 from jdist._src.ops.loss_objects import Loss
 from jdist._src.training import objectives
 from jdist._src.training.state import TrainState
-
-
-def make_totals(metrics: dict, weighted: dict | None = None) -> dict:
-  """Fresh running sums: the loss's, then one `Metric` per metric."""
-  totals = {"loss": metrics_lib.Mean("loss")}
-  totals.update({k: m.reset() for k, m in metrics.items()})
-  totals.update({k: m.reset() for k, m in (weighted or {}).items()})
-  return totals
 
 
 def _batch_size(x) -> int:
@@ -268,36 +259,3 @@ def _metric_error(name, what, y, y_pred, e) -> ValueError:
       f"The metric {name!r} cannot compare the {what}'s targets (shapes "
       f"{objectives.describe(y)}) with the model's predictions (shapes "
       f"{objectives.describe(y_pred)}): {type(e).__name__}: {e}")
-
-
-def restore_totals(totals: dict, sums: dict) -> dict:
-  """`totals` holding `sums` (from `read_sums`, e.g. a checkpoint's)."""
-  restored = {}
-  for name, metric in totals.items():
-    restored[name] = metric.with_sums(
-        sums.get(name, {"total": 0.0, "count": 0.0}))
-  return restored
-
-
-def device_sums(strategy, totals: dict) -> dict:
-  """`{name: {"total", "count"}}` summed over replicas, still on the devices.
-
-  `totals` is their value (`StatePlacement.read` of held totals).
-  """
-  sync = {k: m.totals for k, m in totals.items()}
-  if any(s.per_replica for s in sync.values()):
-    return strategy.reduce("sum", sync)
-  return {k: s.value for k, s in sync.items()}
-
-
-def read_sums(strategy, totals: dict) -> dict:
-  """`{name: {"total", "count"}}` on the host, over replicas (one transfer)."""
-  sums = placement.to_host(device_sums(strategy, totals))
-  return {k: {"total": float(v["total"]), "count": float(v["count"])}
-          for k, v in sums.items()}
-
-
-def means(totals: dict, sums: dict) -> dict[str, float]:
-  """`{name: value}`: each metric's result from its `read_sums` (the exact
-  mean over the examples seen; 0 before any)."""
-  return {k: float(totals[k].value_of(v)) for k, v in sums.items()}

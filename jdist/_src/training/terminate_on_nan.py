@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from jdist._src.core import placement
-from jdist._src.training import steps as steps_lib
+from jdist._src.training import totals as totals_lib
 from jdist._src.training.callbacks import Callback, is_chief
 
 
@@ -44,7 +44,7 @@ class TerminateOnNaN(Callback):
     totals = strategy.state_placement.read(self.fit_loop.totals)
     loss = totals["loss"].totals.value["total"]
     if not loss.is_fully_addressable:  # sum over processes: all see the same
-      loss = placement.host_local(steps_lib.device_sums(
+      loss = placement.host_local(totals_lib.device_sums(
           strategy, totals)["loss"]["total"])
     loss.copy_to_host_async()
     self._pending = (batch, loss)

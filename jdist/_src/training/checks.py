@@ -1,0 +1,88 @@
+"""What the Trainer checks of its data before any step runs.
+
+Before `fit`, `evaluate` or `predict` compiles a step, the model is traced
+on the data's first batch, the loss and the metrics against its predictions,
+the first batch's predictions and the targets against the loss
+(probabilities under a logits loss, labels that are not class indices): a
+mismatch is an error that names the data, before anything compiles or runs.
+Tracing costs a fixed ~0.1-0.2 s, more than a short fit's steps, so data of
+a shape already checked is not traced again.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from jdist._src.training import objectives
+from jdist._src.training import steps
+from jdist._src.training.program import TrainingProgram
+
+
+class DataChecks:
+  """The checks of one Trainer's data, each done once per shape.
+
+  Args:
+    program: the `TrainingProgram` the data is checked against.
+
+  Attributes:
+    initialised_for: the `steps.input_spec` of the inputs the model was
+      initialised from (named in the error when other data does not fit).
+  """
+
+  def __init__(self, program: TrainingProgram):
+    self._program = program
+    self.initialised_for = None
+    # (data spec, state spec) -> the model's output spec; and the keys whose
+    # loss and metrics were traced against it and found to fit.
+    self._output_specs: dict = {}
+    self._objectives_checked: set = set()
+    self._checked_first_batch = False
+
+  def initialised_with(self, sample) -> None:
+    """Notes the inputs the model is initialised from (one example)."""
+    self.initialised_for = steps.input_spec(sample)
+
+  def outputs(self, sample: dict, abstract_state, what: str):
+    """The model's output shapes for `sample` (traced once per shape).
+
+    Raises:
+      TypeError, ValueError: the model does not take the data's inputs.
+    """
+    key = _key(sample, abstract_state)
+    if key not in self._output_specs:
+      self._output_specs[key] = steps.output_spec(
+          self._program.model, abstract_state, sample, what,
+          self.initialised_for)
+    return self._output_specs[key]
+
+  def objectives(self, source, sample: dict, state, abstract_state,
+                 metrics: dict, what: str) -> None:
+    """Checks the loss and `metrics` (`{name: Metric}`) against the data's
+    targets and the model's predictions, once per shape; the first batch's
+    predictions once; and every target of `source` (arrays at once,
+    batches as they are read).
+
+    Args:
+      state: the train state's value (the first batch is predicted with it).
+
+    Raises:
+      ValueError: the loss or a metric does not fit the targets or the
+        predictions.
+    """
+    program = self._program
+    y_pred = self.outputs(sample, abstract_state, what)
+    key = _key(sample, abstract_state)
+    if key not in self._objectives_checked:
+      steps.check_objectives(program.loss, metrics, sample, y_pred, what)
+      self._objectives_checked.add(key)
+    if not self._checked_first_batch:
+      self._checked_first_batch = True
+      objectives.check_predictions(program.loss, steps.predictions(
+          program.model, state, sample["x"]))
+    num_classes = y_pred.shape[-1] if y_pred.ndim > 1 else None
+    source.check_targets(functools.partial(
+        objectives.check_targets, program.loss, num_classes=num_classes))
+
+
+def _key(sample: dict, abstract_state) -> tuple:
+  return steps.spec_key(sample), steps.spec_key(abstract_state)

@@ -1,0 +1,219 @@
+"""`TrainingProgram`: what training computes, as pure functions.
+
+A model adapter, a loss, metrics, an optax optimizer and a precision policy
+go in; out come the function that makes a fresh `TrainState` and the
+per-replica train, test and predict steps. Nothing here knows the strategy,
+the data or the loop: the Trainer has its strategy compile the steps
+(`step_functions.py`) and hands them to the fit loop (`loop.py`).
+
+Every kind of model, optimizer and loss reaches the program through one entry
+point each: `model.adapt` (a `ModelAdapter`), `optimizers.resolve` (an optax
+`GradientTransformation`), `objectives.resolve_loss` and
+`objectives.metric_items`. So the program, loss scaling, gradient
+accumulation and `ShardedOptimizer` only ever see adapters, optax and
+`jdist.losses` objects, whatever the user passed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jdist._src.ops import precision
+from jdist._src.ops.loss_objects import Loss
+from jdist._src.training import mixed_precision
+from jdist._src.training import model as model_lib
+from jdist._src.training import objectives
+from jdist._src.training import optimizers
+from jdist._src.training import steps
+from jdist._src.training.state import TrainState
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TrainingProgram:
+  """A model, loss, metrics, optimizer and precision policy as pure functions.
+
+  `init(init_key, rng_key, sample)` makes a fresh `TrainState`;
+  `train_step(state, totals, batch) -> (state, totals)`, `test_step(state,
+  totals, batch) -> totals` and `predict_step(state, batch) -> predictions`
+  run once per replica, inside a strategy's compiled step (`totals` are the
+  running `jdist.metrics` sums of the loss and of the metrics
+  `metrics_for` builds: `totals.make_totals`). Each property gives the same function object every time,
+  so a strategy compiles it once.
+
+  Attributes:
+    model: the model adapter (`model.ModelAdapter`), computing under `policy`.
+    loss: the `jdist.losses.Loss` the train step minimises.
+    optimizer: the optax transformation the train step applies (with loss
+      scaling under "mixed_float16"; `with_optimizer` swaps it, e.g. for its
+      `ShardedOptimizer`).
+    policy: the mixed precision `DTypePolicy`.
+    metric_items: `[(name, spec)]` of the metrics (`objectives.metric_items`).
+    weighted_items: the same for the metrics weighted by sample weights.
+    micro_batches: M: each replica's batch runs as M micro-batches.
+    batches_per_step: K: the train step takes K batches joined and makes one
+      optimizer step over them (gradient accumulation).
+    given_optimizer: the optimizer before loss scaling was added, to refuse
+      one that scales the loss already (built by hand).
+
+  Example:
+    >>> import jdist, jax, numpy as np, optax
+    >>> from jdist.examples.models import MLP
+    >>> from jdist._src.training.program import TrainingProgram
+    >>> program = TrainingProgram.make(
+    ...     MLP(classes=2), optimizer=optax.sgd(0.1),
+    ...     loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    >>> keys = jax.random.split(jax.random.key(0))
+    >>> state = program.init(*keys, np.zeros((1, 4), np.float32))
+    >>> int(state.step), program.metrics_names
+    (0, ['loss', 'accuracy'])
+  """
+
+  model: model_lib.ModelAdapter
+  loss: Loss
+  optimizer: optax.GradientTransformation
+  policy: precision.DTypePolicy
+  metric_items: tuple = ()
+  weighted_items: tuple = ()
+  micro_batches: int = 1
+  batches_per_step: int = 1
+  given_optimizer: optax.GradientTransformation | None = None
+
+  @classmethod
+  def make(cls, model, *, optimizer, loss, metrics=None, weighted_metrics=None,
+           params=None, dtype_policy="float32", micro_batches: int = 1,
+           batches_per_step: int = 1) -> "TrainingProgram":
+    """The program for what a user passes to `jdist.Trainer`.
+
+    Each argument goes through its entry point (`model.adapt`,
+    `optimizers.resolve`, `objectives.resolve_loss`, `metric_items`), and
+    the policy's loss scaling is decided here, from the optimizer alone, so
+    every step function made later uses the same optimizer.
+
+    Raises:
+      TypeError, ValueError: an argument jdist cannot train with, or metric
+        names used twice.
+    """
+    given = optimizers.resolve(optimizer)
+    policy = precision.policy_of(dtype_policy)
+    adapter = model_lib.adapt(model, params)
+    loss = objectives.resolve_loss(loss)
+    metric_items = tuple(objectives.metric_items(metrics))
+    weighted_items = tuple(objectives.metric_items(weighted_metrics,
+                                                   "weighted_metrics"))
+    clash = {n for n, _ in metric_items} & {n for n, _ in weighted_items}
+    if clash:
+      raise ValueError(f"Metric names {sorted(clash)} appear in both metrics "
+                       "and weighted_metrics; name them apart (a dict).")
+    check_count(batches_per_step, "gradient_accumulation_steps", minimum=1)
+    check_count(micro_batches, "micro_batches", minimum=1)
+    return cls(
+        model=mixed_precision.adapt(adapter, policy), loss=loss,
+        optimizer=mixed_precision.optimizer(given, policy), policy=policy,
+        metric_items=metric_items, weighted_items=weighted_items,
+        micro_batches=int(micro_batches),
+        batches_per_step=int(batches_per_step), given_optimizer=given)
+
+  def with_optimizer(self, tx: optax.GradientTransformation
+                     ) -> "TrainingProgram":
+    """This program with the train step applying `tx` instead."""
+    return dataclasses.replace(self, optimizer=tx)
+
+  # --- what the program is made of -------------------------------------------
+
+  @property
+  def weighted(self) -> frozenset:
+    """The names of the metrics that take sample weights."""
+    return frozenset(n for n, _ in self.weighted_items)
+
+  @property
+  def metrics_names(self) -> list[str]:
+    """The names in the logs, as Keras' `model.metrics_names`: "loss", then
+    the metrics and the weighted metrics."""
+    return ["loss"] + [n for n, _ in self.metric_items + self.weighted_items]
+
+  @property
+  def scales_loss(self) -> bool:
+    """Whether the optimizer scales the loss (fit logs its scale)."""
+    return mixed_precision.scales_loss(self.optimizer)
+
+  # --- the functions -----------------------------------------------------------
+
+  def init(self, init_key, rng_key, sample) -> TrainState:
+    """A fresh `TrainState` for inputs like `sample` (traceable: a strategy
+    computes it where it holds the state)."""
+    params, model_state = self.model.init(init_key, sample)
+    return TrainState(jnp.int32(0), params, self.optimizer.init(params),
+                      model_state, jax.random.key_data(rng_key))
+
+  def check_init(self, init_key, sample) -> None:
+    """Traces the model's initialisation for `sample` (nothing runs).
+
+    Raises:
+      ValueError: the model cannot be initialised with these inputs, has no
+        parameters, or its optimizer would scale the loss twice.
+    """
+    try:
+      params, _ = jax.eval_shape(self.model.init, init_key, sample)
+    except Exception as e:
+      raise ValueError(
+          f"The model cannot be initialised with inputs of shapes "
+          f"{objectives.describe(sample)} (one example of the data's x): "
+          f"{type(e).__name__}: {e}") from e
+    if not jax.tree.leaves(params):
+      raise ValueError(
+          "The model has no trainable parameters (its parameter tree is "
+          "empty), so training would change nothing. "
+          "Check that its layers are created (flax linen: in setup or "
+          "@nn.compact __call__; nnx: as attributes in __init__).")
+    mixed_precision.check_scaled_once(self.given_optimizer or self.optimizer,
+                                      self.optimizer, params)
+
+  @functools.cached_property
+  def train_step(self) -> Callable:
+    """`(state, totals, batch) -> (state, totals)`, per replica."""
+    return steps.make_train_step(
+        self.model, self.loss, self.optimizer, self.weighted,
+        micro_batches=self.micro_batches,
+        batches_per_step=self.batches_per_step)
+
+  @functools.cached_property
+  def test_step(self) -> Callable:
+    """`(state, totals, batch) -> totals`, per replica."""
+    return steps.make_eval_step(self.model, self.loss, self.weighted)
+
+  @functools.cached_property
+  def predict_step(self) -> Callable:
+    """`(state, batch) -> predictions`, per replica."""
+    return steps.make_predict_step(self.model)
+
+  def metrics_for(self, y, y_pred) -> dict:
+    """`{name: Metric}`, fresh, of the metrics then the weighted metrics,
+    for targets like `y` and predictions like `y_pred` (arrays or their
+    shapes: a metric's form may depend on them)."""
+    return {**objectives.build_metrics(self.metric_items, self.loss, y, y_pred),
+            **objectives.build_metrics(self.weighted_items, self.loss, y,
+                                       y_pred)}
+
+  def export(self, state: TrainState) -> Any:
+    """The trained model in its own terms (`ModelAdapter.export`)."""
+    return self.model.export(state.params, state.model_state)
+
+
+def check_count(value, name: str, *, minimum: int) -> None:
+  """Raises unless `value` is a whole number of at least `minimum`.
+
+  Raises:
+    TypeError: not a whole number.
+    ValueError: below `minimum`.
+  """
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise TypeError(f"{name} must be a whole number, got {value!r}.")
+  if value < minimum:
+    raise ValueError(f"{name} must be at least {minimum}, got {value}.")
