@@ -83,10 +83,10 @@ def pipeline(layer_fn: Callable[[Any, Any], Any], stacked_params: Any,
     (2, 3)
   """
   num_layers = _num_layers(stacked_params)
-  _check_layer(layer_fn, stacked_params, x)
   replica = context.current_replica_context()
   schedule = None if replica is None else replica.strategy.pipeline
   if schedule is None:
+    _check_layer(layer_fn, _at(stacked_params, 0), x)
     return _sequential(layer_fn, stacked_params, x)
   return _pipelined(layer_fn, stacked_params, x, schedule, num_layers,
                     replica.strategy)
@@ -103,11 +103,10 @@ def _num_layers(stacked_params: Any) -> int:
   return sizes.pop()
 
 
-def _check_layer(layer_fn: Callable, stacked_params: Any, x: Any) -> None:
-  """Raises unless `layer_fn` maps `x` to activations shaped as `x`."""
-  one = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape[1:], p.dtype),
-                     stacked_params)
-  out = jax.eval_shape(layer_fn, one, x)
+def _check_layer(layer_fn: Callable, params: Any, x: Any) -> None:
+  """Raises unless `layer_fn` maps `x` to activations shaped as `x` (traced
+  where the layers run: a layer may ask for the pipeline's axis)."""
+  out = jax.eval_shape(layer_fn, params, x)
   shapes = jax.tree.map(lambda a: (jnp.shape(a), jnp.result_type(a)), x)
   out_shapes = jax.tree.map(lambda a: (a.shape, a.dtype), out)
   if out_shapes != shapes:
@@ -169,11 +168,37 @@ def _widened(tree: Any, wide: bool) -> Any:
   return jax.tree.map(one, tree)
 
 
-def _stage_fn(layer_fn: Callable, remat: bool) -> Callable:
-  """One stage's work: its layers over one microbatch, in order."""
-  def run(w, h):
-    return _sequential(layer_fn, w, h)
-  return jax.checkpoint(run) if remat else run
+# What a stage's backward pass recomputes rather than keeps from its forward
+# pass: views and casts, which cost no arithmetic. Kept, the views of the
+# parameters (each layer's, sliced from the stage's) would be copied at every
+# iteration of the loop: the stage's parameters once per microbatch.
+_RECOMPUTED = frozenset({"dynamic_slice", "slice", "squeeze", "reshape",
+                         "gather", "broadcast_in_dim", "transpose",
+                         "convert_element_type"})
+
+
+def _saveable(primitive, *_, **__) -> bool:
+  return primitive.name not in _RECOMPUTED
+
+
+def _stage_fn(layer_fn: Callable, remat: bool, per_stage: int) -> Callable:
+  """One stage's work at one iteration: when `busy`, the layers of `repeat`
+  over one microbatch, in order; else the microbatch as it is (the bubble).
+
+  Each layer's parameters are sliced from the stage's where it runs, and
+  views are recomputed in the backward pass rather than kept (`_saveable`).
+  With `remat`, nothing is kept but the inputs.
+  """
+  def layers(w, repeat, h):
+    def one(h, j):
+      return layer_fn(jax.tree.map(lambda a: a[repeat, j], w), h), None
+    return lax.scan(one, h, jnp.arange(per_stage))[0]
+
+  def run(w, repeat, busy, h):
+    return lax.cond(busy, layers, lambda _, __, h: h, w, repeat, h)
+
+  return jax.checkpoint(run, policy=(
+      jax.checkpoint_policies.nothing_saveable if remat else _saveable))
 
 
 def _stage_loop(layer_fn: Callable, schedule: PipelineSchedule, w: Any,
@@ -201,11 +226,12 @@ def _stage_loop(layer_fn: Callable, schedule: PipelineSchedule, w: Any,
   edge = jax.tree.map(lambda a: a.dtype, micro)
   w, micro = jax.tree.map(lambda a, t: a.astype(t), vary((w, micro)), dtypes)
   w = jax.tree.map(lambda p: p[:, 0], w)
+  _check_layer(layer_fn, _at(_at(w, 0), 0), _at(micro, 0))
   buffer = vary(jax.tree.map(lambda a: jnp.zeros_like(a[0]), micro))
   outputs = vary(jax.tree.map(jnp.zeros_like, micro))
   # Circular: what the last stage sent back, until the first stage's turn.
   returned = vary(jax.tree.map(jnp.zeros_like, micro)) if v > 1 else None
-  run = _stage_fn(layer_fn, schedule.remat)
+  run = _stage_fn(layer_fn, schedule.remat, jax.tree.leaves(w)[0].shape[1])
   forward = [(i, i + 1) for i in range(s - 1)] + ([(s - 1, 0)] if v > 1 else [])
 
   def body(t, carry):
@@ -222,8 +248,7 @@ def _stage_loop(layer_fn: Callable, schedule: PipelineSchedule, w: Any,
           returned, buffer)
       fresh = _where(repeat == 0, fresh, _at(returned, mb))
     inputs = _where(stage == 0, fresh, buffer)
-    layers = jax.tree.map(lambda p: p[repeat], w)
-    y = lax.cond(busy, run, lambda _, h: h, layers, inputs)
+    y = run(w, repeat, busy, inputs)
     done = busy & (stage == s - 1) & (repeat == v - 1)
     outputs = jax.tree.map(
         lambda o, a: o.at[mb].set(jnp.where(done, a, o[mb])), outputs, y)
