@@ -78,6 +78,12 @@ def _fit(out: str) -> None:
   assert set(eval(evaluation)) == {"loss", "accuracy"}, out  # noqa: S307
 
 
+def _pipelines(out: str) -> None:
+  spec, equal = out.splitlines()
+  assert spec == "P('stage', None, 'model') (2, 16, 8)", out  # the page
+  assert equal == "equal to one device within 1e-6: True", out
+
+
 # What the text says a program prints, by a line that only that program has.
 EXPECTED = {
     "print(epoch, strategy.reduce(jdist.ReduceOp.SUM, loss))": _losses_fall,
@@ -86,6 +92,7 @@ EXPECTED = {
     "jdist.ShardedOptimizer(": _sharded_optimizer,
     "ModelParallelStrategy(device_mesh=mesh)": _partition_metadata,
     "history = trainer.fit(x, y, batch_size=128, epochs=3": _fit,
+    "@nnx.vmap(in_axes=0, out_axes=0)  # 4 blocks, stacked": _pipelines,
 }
 PAGES_WITH_PROGRAMS = [p for p in PAGES if programs(p)]
 
