@@ -37,6 +37,7 @@ import fault_times  # noqa: E402  (its RESULTS.md section)
 import fit_overhead  # noqa: E402  (its RESULTS.md section)
 import keras_models  # noqa: E402  (its RESULTS.md section)
 import model_parallel  # noqa: E402  (its RESULTS.md section)
+import pipelines  # noqa: E402  (its RESULTS.md section)
 import provenance  # noqa: E402  (a launched run's provenance)
 import ps  # noqa: E402  (its RESULTS.md section)
 import step_model  # noqa: E402  (issue 12's sections)
@@ -155,6 +156,7 @@ def main(argv=None) -> int:
       "model_parallel.py", 4, *extra,
       *(("--no-peers",) if args.no_peers else
         ("--peers-python", args.peers_python) if args.peers_python else ())))
+  lines += [""] + pipelines.section(_run("pipelines.py", 8, *extra))
   plugin = pathlib.Path(args.tpu_plugin)
   lines += [""] + mixed_precision_section(_run(
       "mixed_precision.py", 2, *extra,

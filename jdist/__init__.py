@@ -123,6 +123,7 @@ _EXPORTS = {
     "metrics": "jdist.metrics",
     "mirrored": "jdist._src.strategies.mirrored",
     "multi_step": "jdist._src.core.multi_step",
+    "pipeline": "jdist._src.ops.pipeline",
     "plan": "jdist._src.planning",
     "read_value": "jdist._src.core.values",
     "scale_regularization_loss": "jdist._src.ops.losses",

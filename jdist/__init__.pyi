@@ -97,6 +97,9 @@ from jdist._src.ops.losses import (
     compute_average_loss as compute_average_loss,
     scale_regularization_loss as scale_regularization_loss,
 )
+from jdist._src.ops.pipeline import (
+    pipeline as pipeline,
+)
 from jdist._src.ops.precision import (
     DTypePolicy as DTypePolicy,
 )
@@ -314,6 +317,7 @@ __all__ = [
     "metrics",
     "mirrored",
     "multi_step",
+    "pipeline",
     "plan",
     "read_value",
     "scale_regularization_loss",

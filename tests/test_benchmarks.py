@@ -449,3 +449,32 @@ def test_snapshot_loop_runs_and_renders():
   assert "| a snapshot every 10 steps, no replica |" in text, text
   split = loop["snapshot_seconds"]
   assert f"{split['write'] * 1e3:.2f} ms in the next `save`" in text, text
+
+
+def test_pipelines_measures_the_bubble_from_the_stages_busy_time(devices):
+  """benchmarks/pipelines.py's bubble on a tiny schedule: every stage's
+  every layer recorded forward and backward, the fractions the timeline's,
+  and the section shows what was measured."""
+  pl = _bench_module("pipelines")
+  r = pl.bubble(devices, 2, 1, width=32, rows=4, layers_per_stage=1, steps=1,
+                niceness=None)
+  assert r["formula"] == pytest.approx(1 / 3) and r["iterations"] == 3
+  assert 0 <= r["measured"] <= r["idle"] < 1, r
+  for stage in ("0", "1"):  # one layer per stage, 2 microbatches, 2 phases
+    phases = [phase for phase, _, _ in r["timeline"][stage]]
+    assert phases.count("forward") == phases.count("backward") == 2, r
+  res = {"config": pl.CONFIGS["quick"], "devices": 8, "device_kind": "cpu",
+         "bubble": [r], "seconds": 1.0,
+         "memory": {"GPipe M=4": {k: {"argument_bytes": 2**20,
+                                      "temp_bytes": 2**21 if k == "plain"
+                                      else 2**19} for k in ("plain", "remat")}},
+         "speed": {"PP": {"mesh": [1, 8, 1], "microbatches": 8,
+                          "steps_per_s": {"jdist": 2.0, "hand": 2.0},
+                          "ratio": 1.0, "ratio_spread": [0.9, 1.1],
+                          "seconds": {"jdist": [1.0], "hand": [1.0]},
+                          "loss_after": {"jdist": 1.0, "hand": 1.0}}},
+         "provenance": {"command": "python benchmarks/pipelines.py",
+                        "date": "today", "machine": "here", "load_before": "0"}}
+  text = "\n".join(pl.section(res))
+  assert f"**{r['measured']:.1%}**" in text and "33.3%" in text
+  assert "| 0.25x |" in text and "**1.000**" in text

@@ -109,6 +109,10 @@ def _keras_custom_loop(out: str) -> None:
   losses = [float(line.split()[-1]) for line in out.splitlines()
             if line.startswith("epoch ")]
   assert len(losses) == 3 and losses[-1] < losses[0], out
+def _pipelines(out: str) -> None:
+  spec, equal = out.splitlines()
+  assert spec == "P('stage', None, 'model') (2, 16, 8)", out  # the page
+  assert equal == "equal to one device within 1e-6: True", out
 
 
 # What the text says a program prints, by a line that only that program has.
@@ -124,6 +128,7 @@ EXPECTED = {
     "print(keras.distribution.distribution())": _keras_fit_in_scope,
     "model_fns.assign(variables)": _keras_custom_loop,
     "jdist.plan(step, shapes, batch, memory_budget=budget)": _planning,
+    "@nnx.vmap(in_axes=0, out_axes=0)  # 4 blocks, stacked": _pipelines,
 }
 PAGES_WITH_PROGRAMS = [p for p in PAGES if programs(p)]
 

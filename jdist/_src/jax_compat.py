@@ -124,6 +124,45 @@ def sharding_constraints_mapped(mapper: Callable) -> Iterator[None]:
   finally:
     _constraint_map.mapper = previous
 
+_NESTED_RESIDUALS_FIXED = []
+
+
+def fix_nested_shard_map_residuals() -> None:
+  """Lets autodiff go through a `shard_map` nested in another one.
+
+  Differentiating a map that is manual over one axis inside a map manual over
+  another (the pipeline's over "stage" in a step's over "data"), jax 0.10.2
+  gives each residual the out spec of every axis it varies over
+  (`ShapedArray.nospec`), the outer map's axis too, and the compiler rejects
+  it ("operates on axis 'data' which is already bound by a parent
+  sdy.manual_computation"). Inside the outer map that axis is implicit, so
+  the fix leaves out of the spec every axis that is already manual where the
+  residual is made and that the inner map does not make manual (jax's own
+  comment there asks whether only the newly manual names should count).
+  Specs that do not name such an axis, every spec of a map that is not
+  nested, are unchanged. Installed once, by the first pipeline traced.
+  """
+  if _NESTED_RESIDUALS_FIXED:
+    return
+  original = _core.ShapedArray.nospec
+
+  def nospec(self, mesh, check_vma, all_names):
+    spec = original(self, mesh, check_vma, all_names)
+    outer = set(mesh_lib.get_abstract_mesh().manual_axes) - set(all_names)
+    if not check_vma or not outer or not spec or spec[0] is None:
+      return spec
+    names = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+    kept = tuple(n for n in names if n not in outer)
+    if kept == names:
+      return spec
+    return jax.sharding.PartitionSpec(
+        (kept if len(kept) > 1 else kept[0]) if kept else None,
+        unreduced=spec.unreduced, reduced=spec.reduced)
+
+  _core.ShapedArray.nospec = nospec
+  _NESTED_RESIDUALS_FIXED.append(original)
+
+
 # --- rewriting a traced function ------------------------------------------------
 
 # Primitives whose body is inlined by `eval_jaxpr_rewriting` (a call of a

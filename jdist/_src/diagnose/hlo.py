@@ -4,7 +4,9 @@ its callbacks.
 A collective's devices are partition ids (positions in the mesh,
 row-major), written listed (`{{0,2},{1,3}}`), as an iota (`[2,2]<=[4]`,
 `[2,2]<=[2,2]T(1,0)`) or over a mesh of XLA's own
-(`mesh['axis_0'=2,'axis_1'=2] {'axis_0'}`).
+(`mesh['axis_0'=2,'axis_1'=2] {'axis_0'}`, its positions holding the ids
+in order or as `device_ids=([2,2]T(1,0))` lays them out); the mesh axes
+along which a group's ids vary are the axes it runs over.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ _LISTED = re.compile(
     r"(?:replica_groups|source_target_pairs)=\{((?:\{[\d,]*\},?)*)\}")
 _IOTA = re.compile(
     r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
-_XLA_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_XLA_MESH = re.compile(
+    r"replica_groups=mesh\[([^\]]*)\]"
+    r"(?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?\s*\{([^}]*)\}")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
@@ -92,11 +96,15 @@ def _groups(line: str) -> tuple[tuple[int, ...], ...] | None:
   if m:
     axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
     names = [name for name, _ in axes]
-    over = re.findall(r"'([^']+)'", m.group(2))
+    over = re.findall(r"'([^']+)'", m.group(4))
     if not set(over) <= set(names):
       return None
-    ids = np.arange(math.prod(int(n) for _, n in axes)).reshape(
-        [int(n) for _, n in axes])
+    ids = np.arange(math.prod(int(n) for _, n in axes))
+    if m.group(2):  # the ids as an iota, laid out over the mesh
+      ids = ids.reshape(_ints(m.group(2)))
+      if m.group(3):
+        ids = ids.transpose(_ints(m.group(3)))
+    ids = ids.reshape([int(n) for _, n in axes])
     kept = [i for i, name in enumerate(names) if name not in over]
     moved = [names.index(name) for name in over]
     ids = ids.transpose(kept + moved)

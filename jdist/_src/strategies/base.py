@@ -66,6 +66,13 @@ class StrategyBase(abc.ABC):
     return self._state_placement
 
   @property
+  def pipeline(self):
+    """How `jdist.pipeline` runs stacked layers in this strategy's steps (a
+    `PipelineSchedule`), or None: one after another on each replica. Only
+    `jdist.ModelParallelStrategy(pipeline_axis=...)` has one."""
+    return None
+
+  @property
   def synchronous(self) -> bool:
     """Whether every step is one SPMD program over the mesh, run in
     lock-step by all replicas (True here; False for

@@ -18,6 +18,7 @@ from jdist._src.strategies.device_mesh import DeviceMesh, as_device_mesh
 from jdist._src.strategies.layout_map import LayoutMap
 from jdist._src.strategies.partition_metadata import (
     PartitionMetadata, is_box, named_leaves, named_nodes, warn_unruled)
+from jdist._src.strategies.pipeline_schedule import PipelineSchedule
 from jdist._src.strategies.spmd import Strategy
 
 
@@ -73,6 +74,13 @@ class ModelParallelStrategy(Strategy):
   axis): each leaf keeps its parameter's layout within a replica
   (`replica_layouts`) and is split over `batch_dim_name` on top of it.
 
+  Pipeline parallelism is `pipeline_axis`: a within-replica axis whose
+  devices are the stages of every `jdist.pipeline` call in the step (a
+  model's stacked layers, their layer dimension split over that axis by the
+  layouts); MaxText's schedules, GPipe (`num_repeats=1`) and circular
+  (`num_repeats` virtual stages per stage), over `num_microbatches`
+  microbatches of each replica's batch.
+
   Args:
     layout_map: a `jdist.LayoutMap` over a `jdist.DeviceMesh`, or None to
       lay out from the state's flax metadata alone.
@@ -88,10 +96,22 @@ class ModelParallelStrategy(Strategy):
       Default: the rules of the `nn.logical_axis_rules` context open when
       the strategy is made (none outside one). A box's own rules
       (`with_logical_partitioning(..., rules=...)`) replace them, as in flax.
+    pipeline_axis: a mesh axis (not the batch or FSDP one) whose devices are
+      pipeline stages, or None.
+    num_microbatches: the microbatches `jdist.pipeline` splits each
+      replica's batch into (default: the number of stages); fewer than the
+      stages warns (most of the step would be bubble).
+    num_repeats: virtual stages per stage: 1 is GPipe, more is a circular
+      schedule (bubble `(S - 1) / (V * M + S - 1)`; needs
+      `num_microbatches >= S`).
+    pipeline_remat: rematerialize each stage's layers in the backward pass
+      (`jax.checkpoint`), keeping only their input per iteration.
 
   Raises:
     ValueError: no mesh (neither `layout_map` nor `device_mesh`), two
-      different meshes, or an axis name the mesh does not have.
+      different meshes, an axis name the mesh does not have, pipeline
+      settings without a `pipeline_axis`, or a circular schedule with fewer
+      microbatches than stages.
 
   Example:
     >>> import jax, jax.numpy as jnp, jdist
@@ -123,7 +143,11 @@ class ModelParallelStrategy(Strategy):
                device_mesh: DeviceMesh | Mesh | None = None,
                batch_dim_name: str | None = None,
                fsdp_axis: str | None = None,
-               logical_axis_rules=None):
+               logical_axis_rules=None,
+               pipeline_axis: str | None = None,
+               num_microbatches: int | None = None,
+               num_repeats: int = 1,
+               pipeline_remat: bool = False):
     if layout_map is not None and not isinstance(layout_map, LayoutMap):
       raise TypeError(
           "ModelParallelStrategy's layout_map must be a jdist.LayoutMap(mesh)"
@@ -157,6 +181,9 @@ class ModelParallelStrategy(Strategy):
     if logical_axis_rules is None:  # flax's open context (none if no flax)
       logical_axis_rules = (sys.modules["flax.linen"].get_logical_axis_rules()
                             if "flax.linen" in sys.modules else ())
+    self._pipeline = _schedule(device_mesh, pipeline_axis,
+                               (batch_dim_name, fsdp_axis), num_microbatches,
+                               num_repeats, pipeline_remat)
     self._fsdp_axis = fsdp_axis
     self._device_mesh = device_mesh
     self._layout_map = layout_map
@@ -193,11 +220,22 @@ class ModelParallelStrategy(Strategy):
     return self._fsdp_axis
 
   @property
+  def pipeline(self) -> PipelineSchedule | None:
+    """The pipeline's schedule (`pipeline_axis`, stages, microbatches,
+    repeats, remat), or None without a `pipeline_axis`."""
+    return self._pipeline
+
+  @property
   def identity(self) -> tuple:
-    return super().identity + (self.device_mesh, self._fsdp_axis)
+    return super().identity + (self.device_mesh, self._fsdp_axis,
+                               self._pipeline)
 
   def __repr__(self) -> str:
     fsdp = f", fsdp_axis={self._fsdp_axis!r}" if self._fsdp_axis else ""
+    pipe = self._pipeline
+    if pipe is not None:
+      fsdp += (f", pipeline_axis={pipe.axis!r}, num_microbatches="
+               f"{pipe.num_microbatches}, num_repeats={pipe.num_repeats}")
     return (f"ModelParallelStrategy({self.device_mesh!r}, "
             f"batch_dim_name={self.axis_name!r}{fsdp})")
 
@@ -429,6 +467,32 @@ class ModelParallelStrategy(Strategy):
 
 def _mib(size: int) -> str:
   return f"{size / 2**20:.3g} MiB" if size >= 2**16 else f"{size} bytes"
+
+
+def _schedule(mesh: DeviceMesh, axis: str | None, taken: tuple,
+              num_microbatches: int | None, num_repeats: int,
+              remat: bool) -> PipelineSchedule | None:
+  """The strategy's `PipelineSchedule`, or None without a pipeline axis.
+
+  Raises:
+    ValueError: see `ModelParallelStrategy`.
+  """
+  if axis is None:
+    if num_microbatches is not None or num_repeats != 1 or remat:
+      raise ValueError(
+          "num_microbatches, num_repeats and pipeline_remat configure a "
+          "pipeline; give the mesh axis of its stages too, for example "
+          "pipeline_axis='stage' on DeviceMesh((2, 2), ('data', 'stage')).")
+    return None
+  mesh.check_axis(axis, "pipeline_axis")
+  if axis in taken:
+    raise ValueError(
+        f"pipeline_axis {axis!r} is also the batch or FSDP axis; the stages "
+        "need a mesh axis of their own, for example DeviceMesh((2, 2, 2), "
+        "('data', 'stage', 'model')).")
+  stages = mesh.axis_size(axis)
+  return PipelineSchedule(axis, stages, num_microbatches or stages,
+                          num_repeats, bool(remat))
 
 
 def _no_eager_sharding():
