@@ -1,9 +1,6 @@
-"""Whether an optax update is elementwise: what `ShardedOptimizer` needs.
-
-Checked before the first step, by program (the update's jaxpr on one
-replica's blocks feeds no output from a primitive that mixes an array's
-elements) and by result (on a small random probe, the blocks' updates must
-put together the whole leaf's, which catches random draws and moved values).
+"""Whether an optax update is elementwise, as `ShardedOptimizer` needs:
+checked by program (no output from a primitive that mixes elements) and by
+result (the blocks' updates of a random probe make up the whole leaf's).
 """
 
 from __future__ import annotations
@@ -69,8 +66,7 @@ def _subjaxprs(eqn):
 
 
 def notable_by_output(jaxpr) -> list[frozenset]:
-  """For each output of `jaxpr`, the notable primitives it depends on (a
-  nested jaxpr counts for every output of its equation)."""
+  """For each output of `jaxpr`, the notable primitives it depends on."""
   deps = {}
 
   def of(v):
