@@ -21,7 +21,7 @@ from jdist._src.strategies.device_mesh import DeviceMesh
 
 def is_box(x: Any) -> bool:
   """Whether `x` is a linen `AxisMetadata` or an nnx `Variable` (False
-  while flax is not imported, which costs a third of a second)."""
+  while flax is not imported: importing it only to ask is slow)."""
   if "flax" not in sys.modules:
     return False
   from flax import nnx
