@@ -259,8 +259,7 @@ class ModelParallelStrategy(Strategy):
     distributed values as `Strategy.replicate` places them.
 
     Raises:
-      ValueError: a layout names an axis the mesh does not have, or splits a
-        dimension that the axis's size does not divide.
+      ValueError: see `partition_specs`.
 
     Example:
       >>> import jax, jax.numpy as jnp, jdist
@@ -377,9 +376,7 @@ class ModelParallelStrategy(Strategy):
     `logical_axis_rules`, so an eagerly sharded nnx model can be built in it.
 
     Raises:
-      ValueError: a layout names an axis the mesh does not have, or splits a
-        dimension that the axis's size does not divide (before anything
-        runs).
+      ValueError: see `partition_specs` (before anything runs).
     """
     # The layouts are read (and checked) before flax's eager sharding, or
     # linen's constraint on a boxed parameter, could fail on a bad axis with
