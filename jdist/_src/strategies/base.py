@@ -30,12 +30,6 @@ class StrategyBase(abc.ABC):
   Args:
     state_placement: where state is held between steps, and how the training
       layer reads and writes it (default: on the mesh's devices).
-
-  Example:
-    >>> import jdist
-    >>> from jdist._src.strategies.base import StrategyBase
-    >>> isinstance(jdist.MirroredStrategy(), StrategyBase)
-    True
   """
 
   # What Keras's own fit runs as while this strategy's scope is open

@@ -58,13 +58,7 @@ def _check_unique(devices: list) -> None:
 
 def repeated_axis(spec) -> tuple[str, int, int] | None:
   """`(axis, first dimension, second dimension)` of the first mesh axis that
-  the layout `spec` names for two dimensions (JAX refuses it), or None.
-
-  Example:
-    >>> from jdist._src.strategies.device_mesh import repeated_axis
-    >>> repeated_axis(("model", None, "model")), repeated_axis((None, "model"))
-    (('model', 0, 2), None)
-  """
+  the layout `spec` names for two dimensions (JAX refuses it), or None."""
   seen = {}
   for dim, axes in enumerate(spec):
     for axis in axes if isinstance(axes, tuple) else (axes,):

@@ -91,16 +91,6 @@ class PartitionMetadata:
     logical_axis_rules: pairs `(logical name, mesh axes)`. A linen box's
       own `rules` replace them, an nnx variable's `sharding_rules` are added
       to them, as in flax.
-
-  Example:
-    >>> import jax, jax.numpy as jnp, jdist
-    >>> import flax.linen as nn
-    >>> from jdist._src.strategies.partition_metadata import PartitionMetadata
-    >>> mesh = jdist.DeviceMesh((1, len(jax.devices())), ("data", "model"))
-    >>> reader = PartitionMetadata(mesh, (("mlp", "model"),))
-    >>> box = nn.LogicallyPartitioned(jnp.zeros((3, 8)), ("embed", "mlp"))
-    >>> reader.spec("Dense_0/kernel", (3, 8), box)
-    P(None, 'model')
   """
 
   def __init__(self, device_mesh: DeviceMesh, logical_axis_rules=()):
