@@ -2,7 +2,9 @@
 the step's strategy has a pipeline axis, and one after another otherwise.
 
 A second `jax.shard_map`, manual over the pipeline axis alone, inside the
-step's (ARCHITECTURE.md says how the loop is made cheap and correct).
+step's, so the other axes stay the compiler's. Each stage runs a loop of
+`PipelineSchedule.iterations`, passing activations on with `ppermute`;
+autodiff runs the same schedule backwards (docs/pipelines.md).
 """
 
 from __future__ import annotations
@@ -171,6 +173,9 @@ def _stage_loop(layer_fn: Callable, schedule: PipelineSchedule, w: Any,
   """Inside the map over the pipeline axis: one stage's loop over its layers
   `w` (leaves `(V, 1, k, ...)`) and the microbatches `micro` (`(M, b, ...)`,
   maybe `_widened` from `dtypes`); every microbatch's output, on every stage.
+
+  Both are typed as varying over every axis before the loop, so autodiff
+  sums their gradients once after it rather than at every iteration.
   """
   axis, s = schedule.axis, schedule.num_stages
   m, v = schedule.num_microbatches, schedule.num_repeats

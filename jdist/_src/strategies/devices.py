@@ -106,7 +106,7 @@ def _ring_order(devices: Sequence[Any]) -> tuple:
 def replica_order(devices: Sequence[Any]) -> tuple:
   """`devices` (of one platform) in replica order: on TPU and GPU the ring
   of the interconnect, as `jax.make_mesh` orders them (TPU slices one after
-  another); elsewhere, or with no known layout, by (process, id).
+  another); elsewhere by (process, id) (docs/many_hosts.md).
   """
   devices = tuple(devices)
   if not devices or devices[0].platform not in ("tpu", "gpu"):
