@@ -102,9 +102,8 @@ def tracing_step() -> bool:
 
 def may_call_step(strategy) -> bool:
   """Whether a step of `strategy` may be called here: outside every step (or
-  in its `merge_call`), and in no other strategy's scope. Asked at every step
-  call, so it is cheap; while `open_count` is 0 the answer is True without
-  asking (`if context.open_count and not context.may_call_step(...)`)."""
+  in its `merge_call`), and in no other strategy's scope (callers skip it
+  while `open_count` is 0)."""
   stacks = _stacks
   if stacks.replicas and stacks.replicas[-1] is not None:
     return False
@@ -114,10 +113,8 @@ def may_call_step(strategy) -> bool:
 
 @contextlib.contextmanager
 def untyped_replica() -> Iterator[None]:
-  """Marks the block as a trace whose varying-axis types are not tracked
-  (a step of one replica spanning several devices, mapped with
-  `check_vma=False`): every value counts as the replica's own
-  (`in_step.is_varying`), which over one replica is what it is."""
+  """Marks a trace whose varying-axis types are not tracked (one replica
+  over several devices, `check_vma=False`): every value counts as varying."""
   _stacks.untyped += 1
   try:
     yield

@@ -1,11 +1,5 @@
-"""The plan of a step's inputs: how each argument enters `jax.shard_map`.
-
-`DistributedFunction` traces a step under `jax.jit`; its arguments are then
-tracers (arrays), distributed values (`PerReplica`, `SyncOnRead`, ...), or
-other Python values. The plan asks each flattened argument's kind
-(`kinds.py`) for the global arrays it feeds the `shard_map` and their
-partition specs, and, inside the map, for each replica's view of it. It knows
-no kind itself.
+"""The plan of a step's inputs: how each argument enters `jax.shard_map`,
+asked of each flattened argument's kind (`kinds.py`); it knows no kind.
 """
 
 from __future__ import annotations
@@ -74,11 +68,8 @@ class InputPlan:
     return cls(in_tree, tuple(slots), tuple(leaves), tuple(specs), validity)
 
   def local_arguments(self, local: tuple) -> tuple:
-    """Inside the map: `(args, kwargs, validity)` as this replica sees them.
-
-    Args:
-      local: this replica's blocks of `leaves`.
-    """
+    """Inside the map: `(args, kwargs, validity)` as this replica sees them,
+    from its blocks of `leaves`."""
     pos, nodes = 0, []
     for slot in self.slots:
       chunk, pos = local[pos:pos + slot.count], pos + slot.count

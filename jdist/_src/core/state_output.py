@@ -1,12 +1,8 @@
 """`state_output`: where a step returns the new value of the state it took.
 
-`ParameterServerStrategy` writes a step's new state back to its servers
-itself, so which output is new state is stated, never inferred from shapes:
-a value that merely looks like the state (an evaluation's `w / norm(w)`)
-must not overwrite it. Every strategy's `function` takes `state_output`, so
-a step declared once runs under each; only the parameter servers act on it.
-
-The forms (checked here, read where the state is written):
+Stated, never inferred from shapes: `ParameterServerStrategy` writes the new
+state back to its servers, and a value that merely looks like the state
+must not overwrite it. Every strategy's `function` takes it. The forms:
 
 - `DEFAULT`: output 0 of a tuple or list is the new value of the one set of
   variables the step takes (`step(state, batch) -> (state, outputs)`). A
@@ -25,8 +21,7 @@ from typing import Any
 
 
 class _Default(enum.Enum):
-  """The type of `DEFAULT` (an enum member: it keeps its identity through
-  pickling to a Ray worker)."""
+  """The type of `DEFAULT` (an enum: its identity survives pickling)."""
 
   FIRST = "output 0"
 
@@ -75,6 +70,5 @@ def describe(place: Any) -> str:
 
 
 def whole(output: Any) -> Any:
-  """The place that is the whole output: the step returns only the new value
-  of its variables (`lambda out: out`, with a name for messages)."""
+  """The place that is the whole output (`lambda out: out`, named)."""
   return output

@@ -1,11 +1,8 @@
 """`Validity`: which rows of a batch are real examples, and how many globally.
 
-A short last batch is padded to the static batch shape so that the step does
-not recompile; its validity says which rows are padding and how many valid
-examples the global batch holds. Both travel as one int32 array, the mask in
-the first columns and the global count in the last (repeated on every row),
-so a step receives one extra buffer, not two, in the batch's own transfer.
-This module is the only place that knows that layout.
+A short last batch is padded to the static shape (no recompile). Mask and
+count travel as one int32 array (one extra buffer per step), a layout only
+this module knows.
 """
 
 from __future__ import annotations
@@ -45,10 +42,8 @@ class Validity:
 
   @classmethod
   def pack(cls, mask, num_valid=None) -> "Validity":
-    """Packs a boolean `mask` `(..., b)` and the global count (default: its sum).
-
-    Host (numpy) inputs give a host array, traced inputs a traced one.
-    """
+    """Packs a boolean `mask` `(..., b)` and the global count (default: its
+    sum); host inputs give a host array."""
     xp = _xp(mask)
     mask = xp.asarray(mask)
     if num_valid is None:
