@@ -1,12 +1,9 @@
 """What a compiled step's HLO text says: its collectives' sizes and mesh axes,
 its callbacks.
 
-A collective's devices are partition ids (positions in the mesh,
-row-major), written listed (`{{0,2},{1,3}}`), as an iota (`[2,2]<=[4]`,
-`[2,2]<=[2,2]T(1,0)`) or over a mesh of XLA's own
-(`mesh['axis_0'=2,'axis_1'=2] {'axis_0'}`, its positions holding the ids
-in order or as `device_ids=([2,2]T(1,0))` lays them out); the mesh axes
-along which a group's ids vary are the axes it runs over.
+A collective's groups are partition ids (row-major mesh positions), listed
+(`{{0,2},{1,3}}`), as an iota (`[2,2]<=[2,2]T(1,0)`) or over an XLA mesh
+(`mesh['axis_0'=2,'axis_1'=2] {'axis_0'}`, optionally with `device_ids=`).
 """
 
 from __future__ import annotations
