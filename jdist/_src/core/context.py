@@ -1,10 +1,8 @@
 """Which strategy's scope is open, and whether code runs inside a replica's step.
 
-Two thread-local stacks, as in TensorFlow: `strategy.scope()` pushes a strategy
-(cross-replica context), and tracing a step pushes its `ReplicaContext`
-(`merge_call` pushes None: cross-replica context inside a step). This module
-knows no strategy class: what applies outside both stacks (the default
-strategy) is decided at the top layer, in `jdist/_src/current.py`.
+Two thread-local stacks, as in TensorFlow: `strategy.scope()` pushes a
+strategy, tracing a step its `ReplicaContext` (`merge_call`: None). The
+default strategy is decided at the top layer (`jdist/_src/current.py`).
 """
 
 from __future__ import annotations
@@ -87,10 +85,8 @@ def replica_scope(replica_context) -> Iterator[Any]:
 
 
 def current_replica_context():
-  """The replica context of the step being traced, or None outside steps.
-
-  Also None inside `merge_call`, which runs in cross-replica context.
-  """
+  """The replica context of the step being traced, or None outside steps
+  (and inside `merge_call`)."""
   replicas = _stacks.replicas
   return replicas[-1] if replicas else None
 

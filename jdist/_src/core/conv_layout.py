@@ -1,9 +1,8 @@
 """Convolutions in the one layout XLA's CPU backend runs fast everywhere.
 
-XLA:CPU uses its fast kernels only for (batch, spatial..., features) and
-(spatial..., in, out) operands, and fixes other orders only at the program's
-top level: inside a loop body they compile to slow loop nests. For the loops
-jdist builds (`accumulate_gradients`, `multi_step`) on CPU.
+XLA:CPU fixes other orders than (batch, spatial..., features) and
+(spatial..., in, out) only at the top level: in a loop body they compile to
+slow loop nests. For the loops jdist builds, on CPU.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""Reductions inside a step (`cross_replica.py`: outside steps).
-
-With `check_vma=True` a gradient of mirrored parameters is typed invariant
-(autodiff summed it); `psum` of it would multiply it by the number of
-replicas, so `all_reduce(SUM, ...)` refuses invariant values.
+"""Reductions inside a step. `all_reduce(SUM, ...)` refuses invariant values
+(a gradient autodiff summed already): `psum` would multiply it by N.
 """
 
 from __future__ import annotations
@@ -43,8 +40,7 @@ def all_reduce(op, value: Any, axis_name: str, num_replicas: int) -> Any:
   """Reduces every leaf of `value` over the replica axis: invariant arrays.
 
   Raises:
-    DoubleReductionError: `op` is SUM and a leaf is already the same on every
-      replica (a gradient autodiff summed, or a value reduced before).
+    DoubleReductionError: `op` is SUM and a leaf is already invariant.
   """
   op = ReduceOp.of(op)
   leaves, treedef = jax.tree_util.tree_flatten_with_path(value)

@@ -1,12 +1,9 @@
 """Value kinds: what the engine does with each kind of value, in one table.
 
-Each kind of leaf (array, Python value, `PerReplica`, `SyncOnRead`,
-`Sharded`, `BatchGroup`) says once, in a `ValueKind`, how it enters a step's
-`shard_map`, what a replica sees, how it leaves and what the caller gets,
-and what it is outside steps (rows, placement, reading, layouts, checkpoint
-names). `plan.py` and `probe.py` ask each leaf's kind and know none; the
-table is described in ARCHITECTURE.md, "Value kinds". A new kind is one
-`DistributedValue` class and one `register(cls, kind)` here.
+Each kind of leaf says once, in a `ValueKind`, how it crosses a step and
+what it is outside steps; `plan.py` and `probe.py` ask it and know no kind
+(ARCHITECTURE.md, "Value kinds"). A new kind is one `DistributedValue`
+class and one `register(cls, kind)` here.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """A user's JAX mesh around jdist's programs, and what a sharding constraint
 means inside a replica's step (docs/jax_meshes.md says it for users).
 
-The mesh in context must be the strategy's own (same devices, same axis
-names; any axis types). Inside a replica, a constraint's spec is the global
-one without the replica axis; replicas of one device each keep every value
-whole. The strategy's `logical_axis_rules` are flax's rules in steps and in
-`outside_steps`.
+The mesh in context must be the strategy's own (any axis types). Inside a
+replica, a constraint's spec is the global one without the replica axis;
+replicas of one device each keep every value whole.
 """
 
 from __future__ import annotations

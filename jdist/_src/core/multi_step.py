@@ -23,8 +23,7 @@ class MultiStepFunction(DistributedFunction):
 
   Args:
     step: the per-batch step (a `strategy.function`).
-    batches_per_step: each call of `step` takes this many consecutive
-      batches of the group joined into one (gradient accumulation).
+    batches_per_step: batches joined into one per call (accumulation).
   """
 
   def __init__(self, step: DistributedFunction, batches_per_step: int = 1):

@@ -118,14 +118,8 @@ class StatePlacement:
     return held
 
   def write(self, held: Any, value: Any, mesh) -> Any:
-    """Writes `value` (same structure as `held`) into held state.
-
-    Host leaves are placed where this placement holds state; device arrays
-    and distributed values are kept where they are.
-
-    Returns:
-      The held state to use from now on (on the mesh: the placed value).
-    """
+    """Writes `value` (same structure as `held`) into held state and returns
+    the held state to use from now on; only host leaves are placed."""
     del held
     return jax.tree.map(
         lambda x: x if isinstance(x, jax.Array) or is_distributed(x)

@@ -38,8 +38,7 @@ class InputPlan:
     slots: one `ArgSlot` per flattened argument.
     leaves: the global arrays the `shard_map` takes, in order.
     specs: their partition specs.
-    validity: the `Validity` of the step's distributed batch (the first
-      argument whose kind has one), fed as the last input; or None.
+    validity: the step's batch `Validity` (fed as the last input), or None.
   """
 
   in_tree: Any

@@ -72,14 +72,11 @@ def probe(run_replica: Callable, leaves: tuple, specs: tuple, strategy, *,
     run_replica: `run_replica(*local) -> (outputs, state_trees)`: the user's
       step on one replica's inputs, and its arguments' `mirrored_structures`.
     leaves, specs: the `shard_map`'s inputs and their specs.
-    strategy, name: the step's strategy and name (for messages).
     check_state: raise `VaryingStateError` for state that stops being mirrored.
     program_check: if given, receives the probe's jaxpr.
     batch_rows: the per-replica batch size for the loss-scaling and draw
       checks; None skips both.
-    check_loss_scaling: look for the loss averaged over a replica's batch.
-    warn_draws: called with the message when the step draws alike on
-      every replica over its rows (None: not looked for).
+    warn_draws: called with the message for draws alike on every replica.
 
   Raises:
     VaryingStateError, LossScalingError: as the checks find.

@@ -1,10 +1,8 @@
 """Random draws that make a step differ from one device, found in its program.
 
 A draw with the step's mirrored key (flax's `Dropout`) gives every replica
-the same mask for different examples, where one device draws one mask over
-the global batch. In the trace: a `random_bits` result, not varying over the
-replica axis, whose leading axis is the replica's batch (nested programs
-included). `jdist.dropout` keys each example by its global position instead.
+the same mask for different examples. In the trace: a `random_bits` result,
+not varying over the replica axis, whose leading axis is the replica's batch.
 """
 
 from __future__ import annotations

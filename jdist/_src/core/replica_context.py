@@ -160,15 +160,9 @@ class DefaultReplicaContext:
 
 @dataclasses.dataclass(frozen=True)
 class StepBatch:
-  """What a function called inside a step knows of the step's batch.
-
-  Attributes:
-    mask: this replica's validity mask `(b,)`, or None (every row is real).
-    num_valid: the global number of valid examples, or None (unknown: count
-      the rows).
-    num_replicas: replicas running the step (1 outside steps).
-    replica_context: the running step's context, or None outside steps.
-  """
+  """What a function called inside a step knows of the step's batch: this
+  replica's `mask` and the global `num_valid` (None: every row is real, count
+  them), and the replicas and context (1 and None outside steps)."""
 
   mask: Any = None
   num_valid: Any = None

@@ -2,10 +2,9 @@
 
 A loss averaged over a replica's batch (`per_example.mean()`) gives gradients
 `num_replicas` times too large, since gradients of mirrored parameters are
-summed over replicas. Its trace shows a `broadcast_in_dim` of the constant
-`1/n` into a varying tensor whose leading axis is the replica's batch, feeding
-the gradient's `psum`. Correct scalings never match; a local mean with
-another constant or a computed divisor is missed (never a false alarm).
+summed over replicas. Its trace shows a `broadcast_in_dim` of `1/n` into a
+varying tensor of the replica's batch, feeding the gradient's `psum`. Misses
+are possible (a computed divisor); false alarms are not.
 """
 
 from __future__ import annotations

@@ -4,13 +4,10 @@ Stated, never inferred from shapes: `ParameterServerStrategy` writes the new
 state back to its servers, and a value that merely looks like the state
 must not overwrite it. Every strategy's `function` takes it. The forms:
 
-- `DEFAULT`: output 0 of a tuple or list is the new value of the one set of
-  variables the step takes (`step(state, batch) -> (state, outputs)`). A
-  whole output with the variables' structure must say what it is
-  (`lambda out: out` or `None`).
+- `DEFAULT`: output 0 of a tuple or list (`step(state, batch) -> (state,
+  outputs)`); a whole output shaped like the state must say what it is.
 - `None`: the step only reads its variables.
-- a place: an int (an index of a tuple or list output), a str (a key of a
-  mapping output) or a callable (given the output, returns the new state).
+- a place: an int (tuple index), a str (mapping key) or a callable.
 - a tuple of places (or None), one per set of variables, in argument order.
 """
 

@@ -26,9 +26,8 @@ class Validity:
   """A batch's validity mask and global count of valid examples.
 
   Attributes:
-    packed: int32 array `(..., b + 1)`: for each of the leading rows (one per
-      replica outside a step; none inside one), the mask of its `b` examples
-      followed by the global count.
+    packed: int32 array `(..., b + 1)`: per leading row (one per replica
+      outside a step), the mask of its `b` examples, then the global count.
 
   Example:
     >>> import numpy as np

@@ -225,11 +225,8 @@ class SyncOnRead(DistributedValue):
     return SyncOnRead(value, self.aggregation, self.per_replica)
 
   def read(self, replica_context=None) -> Any:
-    """Aggregates over replicas: the value a reader outside a step sees.
-
-    Inside a step it all-reduces over `replica_context` (default: the
-    running step's), so every replica reads the same aggregate.
-    """
+    """Aggregates over replicas (inside a step: all-reduces over
+    `replica_context`, default the running step's)."""
     if not self.per_replica:
       return self.value
     agg = self.aggregation
