@@ -45,9 +45,8 @@ def host_callbacks(hlo: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
-  """One collective of a compiled program: its `kind` ("all-reduce", ...), its
-  result's `bytes` per device, its `groups` of partition ids (None where not
-  in a known form), and the JAX operation it comes from (`op_name`, or "")."""
+  """One collective of a compiled program: `kind`, result `bytes` per device,
+  `groups` of partition ids (None: unknown form) and its JAX `op_name`."""
 
   kind: str
   bytes: int
@@ -115,8 +114,7 @@ def _groups(line: str) -> tuple[tuple[int, ...], ...] | None:
 
 
 def mesh_axes(groups, axis_names, mesh_shape) -> tuple[str, ...] | None:
-  """The mesh axes a collective's groups run over (those along which a
-  group's ids vary), or None for groups not known.
+  """The mesh axes along which a collective's groups vary (None: unknown).
 
   Example:
     >>> from jdist._src.diagnose.hlo import mesh_axes
