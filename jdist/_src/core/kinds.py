@@ -25,13 +25,8 @@ from jdist._src.errors import StrategyMismatchError
 
 @dataclasses.dataclass(frozen=True)
 class Inputs:
-  """What one argument feeds the step's `shard_map`.
-
-  Attributes:
-    leaves: the global arrays, in order.
-    specs: one `PartitionSpec` per leaf.
-    aux: what `ValueKind.local` needs to rebuild the argument in the map.
-  """
+  """What one argument feeds the step's `shard_map`: global arrays, one
+  `PartitionSpec` each, and what `ValueKind.local` rebuilds it from (`aux`)."""
 
   leaves: tuple
   specs: tuple

@@ -50,15 +50,8 @@ def _context_meshes():
 
 
 def check_context(mesh: Mesh, what: str) -> None:
-  """Raises unless the mesh in context (if any) is `mesh`.
-
-  Args:
-    mesh: the strategy's mesh.
-    what: who runs (for the message), as "ModelParallelStrategy(...)'s step".
-
-  Raises:
-    StrategyMismatchError: another mesh is in context.
-  """
+  """Raises `StrategyMismatchError` unless the mesh in context (if any) is
+  the strategy's `mesh`; `what` names who runs, for the message."""
   concrete, abstract = _context_meshes()
   user = concrete if concrete is not None else abstract
   if (concrete is None and abstract.empty) or same_mesh(user, mesh):

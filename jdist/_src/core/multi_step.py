@@ -152,11 +152,10 @@ def _replicas_first(x: Any) -> Any:
 def multi_step(step: DistributedFunction) -> MultiStepFunction:
   """Runs `step` once per batch of a `BatchGroup`, all in one compiled call.
 
-  Keras' `steps_per_execution` for a custom loop, with exactly the result of
-  K calls. `step` takes its carried values (state, metrics) first and the
-  batch last, and returns the new carried values first, then anything else;
-  those come back stacked on a step axis (a `PerReplica` loss as
-  `(replicas, K, ...)`), without validity mask: reduce them with SUM.
+  Keras' `steps_per_execution` for a custom loop. `step` takes its carried
+  values (state, metrics) first and the batch last, and returns the new
+  carried values first, then other outputs, which come back stacked on a
+  step axis (a `PerReplica` loss as `(replicas, K, ...)`, unmasked: SUM it).
 
   Args:
     step: a `strategy.function` step (its `donate_argnums` apply to the

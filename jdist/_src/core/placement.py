@@ -81,10 +81,9 @@ def put_per_replica(local_rows: Any, mesh, axis_name: str,
 class StatePlacement:
   """Where a strategy holds its state between steps, and how it is read and written.
 
-  The engine calls `to_compute` before and `to_storage` after each step of a
-  placement that `moves`; code that keeps state across steps `read`s,
-  `write`s and asks `abstract` without asking what the strategy is. This
-  default keeps a copy on every device of the mesh, so nothing moves.
+  The engine calls `to_compute` and `to_storage` around each step of a
+  placement that `moves`; state kept across steps goes through `read`,
+  `write` and `abstract`. This default mirrors state on the mesh.
 
   Example:
     >>> import jdist, numpy as np
@@ -160,10 +159,8 @@ def host_local(x: Any) -> Any:
 
 
 def copy_arrays(tree: Any) -> Any:
-  """A pytree with its device arrays copied (same placement), other leaves
-  as they are: what a caller keeps when a step donates the originals.
-  Local arrays go in one `jax.device_put` (one dispatch, not one per leaf).
-  """
+  """A pytree with its device arrays copied (same placement; local ones in
+  one dispatch): what a caller keeps when a step donates the originals."""
   leaves, treedef = jax.tree.flatten(tree)
   at = [i for i, a in enumerate(leaves) if isinstance(a, jax.Array)]
   arrays = [leaves[i] for i in at]

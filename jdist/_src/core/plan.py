@@ -16,13 +16,8 @@ from jdist._src.core.validity import Validity
 
 @dataclasses.dataclass(frozen=True)
 class ArgSlot:
-  """One flattened argument: its kind and what rebuilds it inside the map.
-
-  Attributes:
-    kind: the argument's `kinds.ValueKind`.
-    count: how many `shard_map` inputs it takes.
-    aux: the kind's `Inputs.aux` (what `kind.local` needs).
-  """
+  """One flattened argument: its kind, how many `shard_map` inputs it takes,
+  and the kind's `Inputs.aux` that rebuilds it inside the map."""
 
   kind: kinds.ValueKind
   count: int
@@ -33,12 +28,9 @@ class ArgSlot:
 class InputPlan:
   """How a call's arguments enter the step's `shard_map`.
 
-  Attributes:
-    in_tree: the structure of `(args, kwargs)`, distributed values as leaves.
-    slots: one `ArgSlot` per flattened argument.
-    leaves: the global arrays the `shard_map` takes, in order.
-    specs: their partition specs.
-    validity: the step's batch `Validity` (fed as the last input), or None.
+  `in_tree` is the structure of `(args, kwargs)` (distributed values as
+  leaves), one `ArgSlot` per leaf; `leaves` and `specs` are the `shard_map`'s
+  inputs; the batch's `validity` (or None) is fed as the last input.
   """
 
   in_tree: Any

@@ -27,14 +27,9 @@ def _flatten(out):
 
 @dataclasses.dataclass(frozen=True)
 class OutputPlan:
-  """How each output of a step leaves the `shard_map`, and is wrapped after.
-
-  Attributes:
-    tree: the outputs' structure, values kept whole in the step (`SyncOnRead`,
-      `Sharded`) as leaves.
-    kinds: one `kinds.ValueKind` per flattened output.
-    auxes: what each kind needs of its traced output (`ValueKind.out_aux`).
-  """
+  """How each output of a step leaves the `shard_map`, and is wrapped after:
+  the outputs' `tree` (values kept whole as leaves), and per leaf its kind and
+  `ValueKind.out_aux`."""
 
   tree: Any
   kinds: tuple
@@ -68,15 +63,9 @@ def probe(run_replica: Callable, leaves: tuple, specs: tuple, strategy, *,
           warn_draws: Callable | None = None) -> OutputPlan:
   """Traces the step once abstractly and returns its `OutputPlan`.
 
-  Args:
-    run_replica: `run_replica(*local) -> (outputs, state_trees)`: the user's
-      step on one replica's inputs, and its arguments' `mirrored_structures`.
-    leaves, specs: the `shard_map`'s inputs and their specs.
-    check_state: raise `VaryingStateError` for state that stops being mirrored.
-    program_check: if given, receives the probe's jaxpr.
-    batch_rows: the per-replica batch size for the loss-scaling and draw
-      checks; None skips both.
-    warn_draws: called with the message for draws alike on every replica.
+  `run_replica(*local) -> (outputs, state_trees)` runs the user's step on one
+  replica's inputs; `program_check` receives the jaxpr; `batch_rows` (the
+  per-replica batch) enables the loss-scaling and draw checks.
 
   Raises:
     VaryingStateError, LossScalingError: as the checks find.

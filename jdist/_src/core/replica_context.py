@@ -28,8 +28,7 @@ class ReplicaContext:
 
   Args:
     strategy: the strategy running the step.
-    validity: this replica's `Validity` (its rows of the step's distributed
-      batch), or None when the step got no distributed batch.
+    validity: this replica's rows' `Validity`, or None (no distributed batch).
 
   Example:
     >>> import jdist, jax.numpy as jnp
@@ -103,8 +102,7 @@ class ReplicaContext:
   def merge_call(self, merge_fn: Callable, args=(), kwargs=None) -> Any:
     """Runs `merge_fn(strategy, *args, **kwargs)` once over all replicas' values.
 
-    Arguments that differ between replicas reach `merge_fn` as `PerReplica`
-    values; the result is the same on every replica.
+    Arguments that differ between replicas reach it as `PerReplica` values.
     """
     kwargs = kwargs or {}
     n = self.num_replicas_in_sync
@@ -171,11 +169,8 @@ class StepBatch:
 
 
 def resolve_batch(mask=None, num_valid=None) -> StepBatch:
-  """The batch a step function should use: explicit values, else the step's.
-
-  Outside steps (or inside `merge_call`) there is one replica and no
-  implicit mask.
-  """
+  """The batch a step function should use: explicit values, else the step's
+  (outside steps and in `merge_call`: one replica, no implicit mask)."""
   ctx = context.current_replica_context()
   if ctx is None:
     return StepBatch(mask, num_valid)

@@ -37,11 +37,8 @@ _SUMS = {"psum", "psum_invariant", "psum2", "reduce_scatter"}
 
 @dataclasses.dataclass(frozen=True)
 class LocalMean:
-  """A mean over a replica-local tensor that a gradient sum depends on.
-
-  Attributes:
-    shape: the shape of the tensor averaged (its leading axis: the batch).
-  """
+  """A mean over a replica-local tensor of `shape` that a gradient sum
+  depends on."""
 
   shape: tuple
 
@@ -102,9 +99,8 @@ class _Walk:
         tainted[v] = taint
 
   def _arithmetic(self, eqn, known: dict, taint: frozenset) -> frozenset:
-    """Folds a scalar equation into `known`, and starts a candidate at a
-    broadcast of `1/n` into a varying tensor of `n` elements over the batch.
-    Returns the taint of the equation's outputs."""
+    """Folds a scalar equation into `known`, or starts a candidate at a
+    broadcast of `1/n`; returns the taint of the equation's outputs."""
     name = eqn.primitive.name
     ins = [_value(known, v) for v in eqn.invars]
     out = eqn.outvars[0] if eqn.outvars else None

@@ -1,8 +1,7 @@
 """`state_output`: where a step returns the new value of the state it took.
 
-Stated, never inferred from shapes: `ParameterServerStrategy` writes the new
-state back to its servers, and a value that merely looks like the state
-must not overwrite it. Every strategy's `function` takes it. The forms:
+Stated, never inferred from shapes (parameter servers write it back: a value
+that merely looks like the state must not overwrite it). The forms:
 
 - `DEFAULT`: output 0 of a tuple or list (`step(state, batch) -> (state,
   outputs)`); a whole output shaped like the state must say what it is.

@@ -22,8 +22,8 @@ from jdist._src.core.validity import Validity
 class DistributedValue:
   """A value spread over a strategy's replicas (as `tf.distribute.DistributedValues`).
 
-  The base of `PerReplica`, `SyncOnRead` and `Sharded`; pytree functions
-  that must keep such values whole pass `is_leaf=is_distributed`.
+  Pytree functions that must keep such values whole pass
+  `is_leaf=is_distributed`.
   """
 
   __slots__ = ()
@@ -34,9 +34,7 @@ class PerReplica(DistributedValue):
 
   Every leaf of `values` has shape `(num_replicas, ...)`; inside a step each
   replica sees its own slice. A distributed batch also has a `validity`
-  (`mask` of shape `(num_replicas, per_replica_batch)` and `num_valid`, the
-  global count; None for values that are not batches), held as one array
-  `packed`.
+  (its padding `mask` and global `num_valid`; None for other values).
 
   Example:
     >>> import jdist, jax.numpy as jnp

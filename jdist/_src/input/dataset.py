@@ -113,8 +113,8 @@ class DistributedDataset:
   def element_spec(self) -> Any:
     """What one replica's step receives of each batch (TensorFlow's name).
 
-    `jax.ShapeDtypeStruct`s of one replica's rows. Asked before any pass, it
-    reads the first batch, which the next `iter()` then yields.
+    `jax.ShapeDtypeStruct` values of one replica's rows. Asked before any
+    pass, it reads the first batch, which the next `iter()` then yields.
 
     Example:
       >>> import jdist, numpy as np
@@ -210,8 +210,8 @@ class DistributedIterator:
   def element_spec(self) -> Any:
     """What one replica's step receives of each batch (TensorFlow's name).
 
-    `jax.ShapeDtypeStruct`s of one replica's rows; it reads (and keeps) the
-    first batch, so in a multi-process run every process must ask.
+    `jax.ShapeDtypeStruct` values of one replica's rows; it reads (and keeps)
+    the first batch, so in a multi-process run every process must ask.
 
     Raises:
       ValueError: the data has no batches.
@@ -412,7 +412,7 @@ _NONE = object()  # no item read ahead (None is the end of the data)
 
 
 def per_replica_spec(item: PerReplica | BatchGroup) -> Any:
-  """`jax.ShapeDtypeStruct`s of one replica's batch."""
+  """`jax.ShapeDtypeStruct` values of one replica's batch."""
   return kinds.kind_of(item).batch_spec(item)
 
 
