@@ -49,8 +49,7 @@ def canonical_convolution(lhs, rhs, *, dimension_numbers, **params):
 def canonical_convolutions(fn: Callable) -> Callable:
   """`fn` with each of its convolutions in XLA:CPU's fast layout.
 
-  Convolutions inside jitted functions and `jax.checkpoint` are rewritten;
-  those in other nested bodies (scan, cond, custom derivatives) are not.
+  Not inside scan, cond or custom-derivative bodies (jit and remat: yes).
 
   Example:
     >>> import jax, jax.numpy as jnp

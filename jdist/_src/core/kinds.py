@@ -2,8 +2,9 @@
 
 Each kind of leaf says once, in a `ValueKind`, how it crosses a step and
 what it is outside steps; `plan.py` and `probe.py` ask it and know no kind
-(ARCHITECTURE.md, "Value kinds"). A new kind is one `DistributedValue`
-class and one `register(cls, kind)` here.
+(ARCHITECTURE.md, "Value kinds"). The map is manual over the replica axis
+only, so a kind's specs name that axis alone. A new kind is one
+`DistributedValue` class and one `register(cls, kind)` here.
 """
 
 from __future__ import annotations
@@ -473,7 +474,9 @@ def input_kind(x: Any) -> ValueKind:
 
 
 def output_kind(x: Any, axis: str) -> ValueKind:
-  """The kind of a step's output leaf `x`, traced inside the map."""
+  """The kind of a step's output leaf `x`, traced inside the map: a value
+  kept whole by its type's, an array `PER_REPLICA` if it varies over the
+  replicas, else `MIRRORED`."""
   kind = _BY_TYPE.get(type(x))
   if kind is not None and kind.kept_in_step:
     return kind
