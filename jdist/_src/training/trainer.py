@@ -350,8 +350,8 @@ class Trainer:
       self._totals = totals_lib.Totals(
           strategy, self._program.metrics_for(sample["y"], y_pred),
           scales_loss=self._program.scales_loss)
-    self._checks.objectives(source, sample, self._read(self.state), abstract,
-                            self._totals.metrics, what)
+    self._checks.objectives(source, sample, lambda: self._read(self.state),
+                            abstract, self._totals.metrics, what)
     return static
 
   # --- fit -----------------------------------------------------------------
@@ -406,7 +406,6 @@ class Trainer:
     Returns:
       The `History`; also `trainer.history`.
     """
-
     check_count(epochs, "epochs", minimum=0)
     check_count(initial_epoch, "initial_epoch", minimum=0)
     source = data_lib.make_source(
