@@ -46,36 +46,27 @@ class Position(NamedTuple):
 
 
 class FitPlan(NamedTuple):
-  """What one `fit` runs: the loop's inputs that change from one fit to the
-  next (the state, position and history are the loop's own).
+  """What one `fit` runs (the state, position and history are the loop's).
 
   Attributes:
     train_function: the compiled `(state, totals, batch) -> (state, totals)`
-      (above one `steps_per_execution`, a `jdist.multi_step` step that takes
-      a `BatchGroup`).
-    source: the training data (a `source.Source`: the loop reads each
-      epoch's calls through its `distributed`).
+      (a `BatchGroup` per call above one `steps_per_execution`).
+    source: the training data, a `source.Source`.
     epochs: train until this epoch.
     make_totals: `make_totals(sums or None) -> totals`: fresh (or restored)
-      running sums of the loss and metrics, placed on the devices.
-    read_logs: `read_logs(state) -> read`, called after each step whose
-      logs something may read (a callback overriding `on_train_batch_end`,
-      or the progress bar), with the state it returned: `read(totals) ->
-      logs` (their means, on the host) keeps what the logs need of that
-      state (the next step may donate it).
+      running sums of the loss and metrics, placed.
+    read_logs: `read_logs(state) -> read(totals) -> logs`, called after a
+      step whose logs may be read, with the state it returned (it keeps
+      what the logs need of it: the next step may donate it).
     initial_epoch: the epoch to start at.
-    validate: `validate(state, callbacks) -> logs`, or None without
-      validation data.
-    batch_size: the static global batch size (the first batch's, or a short
-      only batch's padded size; None: the distributed dataset decides).
+    validate: `validate(state, callbacks) -> logs`, or None.
+    batch_size: the static global batch size (None: the distributed
+      dataset decides).
     options: the `InputOptions` the batches are distributed with.
-    steps_per_execution: batches per call of `train_function` (Keras' name;
-      with gradient accumulation at least one group).
-    batches_per_step: batches per optimizer step (gradient accumulation:
-      the train function joins this many batches into one step).
+    steps_per_execution: batches per call of `train_function`.
+    batches_per_step: batches per optimizer step (accumulation).
     skipped: a `mixed_precision.SkippedBatches` for a loss-scaled optimizer
-      (fit then warns, once an epoch, about batches skipped at the scale's
-      floor), or None.
+      (fit warns about batches skipped at the scale's floor), or None.
   """
 
   train_function: Any
@@ -315,29 +306,31 @@ class FitLoop:
         batch_size=plan.batch_size, per_call=self.steps_per_execution)
     hooks = _Hooks(cbs, bar, plan.skipped is not None,
                    grouped=self.steps_per_execution > 1)
-    carry = _Carry(plan.train_function, self.strategy.synchronous)
+    carry = _Carry(plan.train_function)
     held = (self._state, self.totals)
     call = carry.start(*held)
-    per_step, ran, drawn = self.batches_per_step, 0, 0
+    per_call, draws, ran, drawn = hooks.per_call, hooks.draws, 0, 0
     self.last_execution = 1
     try:
       for batch in batches:
-        steps = batch.num_steps if hooks.grouped else 1
-        if hooks.per_call:
+        if per_call:  # the values rebuilt, the callbacks called
           if self._state is not held[0] or self.totals is not held[1]:
             call = carry.start(self._state, self.totals)  # replaced
-          self._begin_call(epoch, start + ran, steps, hooks)
-        call(batch)
-        self._step += steps // per_step
-        ran += steps
-        if hooks.per_call:
+          steps = self._begin_call(epoch, start + ran, batch, hooks)
+          call(batch)
+          self._step += steps // self.batches_per_step
+          ran += steps
           held = self._state, self.totals = carry.values()
           self._end_call(start + ran - steps, steps, hooks)
           drawn = ran
-        elif hooks.draws and bar.due():
-          bar.step(LazyLogs(functools.partial(self._logs_of, carry)),
-                   ran - drawn)
-          drawn = ran
+        else:  # the step and little else
+          call(batch)
+          self._step += 1
+          ran += 1
+          if draws and bar.due():
+            bar.step(LazyLogs(functools.partial(self._logs_of, carry)),
+                     ran - drawn)
+            drawn = ran
         if self.stop_training:
           break
     finally:
@@ -349,15 +342,17 @@ class FitLoop:
         bar.advance(ran - drawn)
     return ran
 
-  def _begin_call(self, epoch: int, index: int, steps: int,
-                  hooks: "_Hooks") -> None:
-    """Before a call of `steps` batches from batch `index`: the rule of
-    whole accumulation groups, and `on_train_batch_begin` (as Keras, once
-    per execution, with its first batch's index)."""
+  def _begin_call(self, epoch: int, index: int, batch,
+                  hooks: "_Hooks") -> int:
+    """Before a call on `batch` from batch `index`: the rule of whole
+    accumulation groups, and `on_train_batch_begin` (as Keras, once per
+    execution, with its first batch's index). Returns the call's batches."""
+    steps = batch.num_steps if hooks.grouped else 1
     if steps % self.batches_per_step:
       epochs_lib.check_group_end(epoch, index, steps, self.batches_per_step)
     if hooks.begin:
       hooks.cbs.call("on_train_batch_begin", index, {})
+    return steps
 
   def _end_call(self, index: int, steps: int, hooks: "_Hooks") -> None:
     """After a call of `steps` batches from batch `index`: the skipped
@@ -432,22 +427,20 @@ class _Carry:
   """The loop's state and totals between calls of the train function,
   held flat: `DistributedFunction.carry`'s program runs on their leaves and
   replaces them, so no pytree is built per call; whichever way an epoch
-  runs, fit compiles the step once. Under an asynchronous strategy, or
-  state the step cannot run flat (held off the mesh), the values are
-  passed whole, as a call takes them.
+  runs, fit compiles the step once. Where the step function cannot run
+  them flat (its `carry` gives None: a parameter-server step, state held
+  off the mesh), they are passed whole, as a call takes them.
   """
 
-  def __init__(self, train, synchronous: bool):
+  def __init__(self, train):
     self._train = train
-    self._synchronous = synchronous
     self._carried = None
     self._whole = None  # (state, totals), when not carried flat
 
   def start(self, state, totals) -> Callable:
     """Holds `(state, totals)`; returns `call(batch)`, which runs one call
     of the train function on them and keeps its result in their place."""
-    self._carried = (self._train.carry(state, totals)
-                     if self._synchronous else None)
+    self._carried = self._train.carry(state, totals)
     if self._carried is None:
       self._whole = (state, totals)
       return self._call_whole
