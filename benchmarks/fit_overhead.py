@@ -186,11 +186,16 @@ def count_steps(which: int) -> None:
     _callgrind("-d")
 
 
-def instructions(loops) -> dict | None:
+def instructions(loops, keep: str | None = None) -> dict | None:
   """Instructions per step of each of `loops` (indices into LOOPS) on the
   thread that runs it (one device), or None without valgrind: the
   difference between the runs of INSTRUCTION_EPOCHS epochs over the steps
-  between them, so each run's fixed cost drops out."""
+  between them, so each run's fixed cost drops out.
+
+  Args:
+    keep: a directory to keep callgrind's files in (`callgrind_annotate`
+      them for the instructions per function), or None.
+  """
   valgrind = shutil.which("valgrind")
   if valgrind is None or shutil.which("callgrind_control") is None:
     return None
@@ -198,6 +203,7 @@ def instructions(loops) -> dict | None:
   out = {"devices": 1, "steps_per_epoch": steps,
          "epochs": list(INSTRUCTION_EPOCHS)}
   with tempfile.TemporaryDirectory() as tmp:
+    tmp = keep or tmp
     for i in loops:
       prefix = f"{tmp}/{i}"
       subprocess.run(
@@ -230,6 +236,8 @@ def main(argv=None):
                       help="only count the instructions per step of these "
                            "loops (indices, default all; one device; "
                            "valgrind)")
+  parser.add_argument("--keep-profiles", metavar="DIR",
+                      help="with --instructions: keep callgrind's files in DIR")
   parser.add_argument("--count-steps", type=int,
                       help=argparse.SUPPRESS)  # what --instructions runs
   args = parser.parse_args(argv)
@@ -238,7 +246,7 @@ def main(argv=None):
     return
   if args.instructions:
     print(json.dumps(instructions(
-        [int(i) for i in args.instructions.split(",")])))
+        [int(i) for i in args.instructions.split(",")], args.keep_profiles)))
     return
   provenance.report(lambda: measure(QUICK if args.quick else FULL), section, args.json)
 

@@ -206,7 +206,7 @@ class FitLoop:
 
   def epoch_length(self, epoch: int) -> int | None:
     """Epoch `epoch`'s batches, when known (shorter than `steps_per_epoch`
-    for the epoch that reaches the end of a pass: `data.epoch_span`)."""
+    for the epoch that reaches the end of a pass: `epochs.epoch_span`)."""
     source = self.source
     return epochs_lib.epoch_span(epoch, source.steps_per_epoch,
                                  source.pass_length)[2]

@@ -3,7 +3,7 @@
 A thin facade. The `TrainingProgram` (`program.py`) holds what training
 computes, as pure functions; the strategy compiles its steps
 (`step_functions.py`); the `FitLoop` (`loop.py`) owns the train state and
-runs the batches that the data's `Source` (`data.py`) gives. The Trainer
+runs the batches that the data's `Source` (`source.py`) gives. The Trainer
 wires them together, checks the data before any step (`checks.py`), and
 answers as Keras' `Model` does (`history`, `stop_training`, `optimizer`,
 `metrics_names`, `train_function`, ...).
