@@ -36,7 +36,7 @@ import optax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from jdist._src.input import agreement  # noqa: E402
-from jdist._src.multiprocess import program_check  # noqa: E402
+from jdist._src.runtime import program_check  # noqa: E402
 
 QUICK = "--quick" in sys.argv[1:]
 STEPS, TRIALS = (5, 1) if QUICK else (200, 9)

@@ -66,10 +66,22 @@ FRAMEWORKS = {
         "Keras 3 (JAX) DataParallel, fit, steps_per_execution=32", "keras_jax.py",
         args=("--steps-per-execution", "32")),
     "tf_mirrored": Framework("TF MirroredStrategy", "tf_mirrored.py"),
+    # benchmarks/keras_models.py's rows (not in peers.py's default list):
+    # a Keras model in jdist's Trainer, the same model in flax through the
+    # Trainer, and Keras's own fit on the same JAX and Keras as jdist.
+    "jdist_keras": Framework("jdist Trainer fit, Keras model",
+                             "jdist_keras.py", peer=False),
+    "jdist_fit": Framework("jdist Trainer fit, flax model", "jdist_fit.py",
+                           peer=False),
+    "keras_jax_here": Framework(
+        "Keras 3 (JAX) DataParallel, fit (jdist's environment)",
+        "keras_jax.py", peer=False),
     "torch_ddp": Framework("torch DDP (gloo)", "torch_ddp.py", multiprocess=True),
     "accelerate": Framework("HF Accelerate (gloo)", "accelerate_ddp.py",
                             multiprocess=True),
 }
+KERAS_MODELS_ONLY = ("jdist_keras", "jdist_fit", "keras_jax_here")
+DEFAULT_FRAMEWORKS = [f for f in FRAMEWORKS if f not in KERAS_MODELS_ONLY]
 MODEL_LABELS = {"mlp": "MLP 10-16-10", "cnn": "CNN 28x28x1"}
 
 # MLP blocks are whole groups of 32 steps, for the steps_per_execution=32 rows.
@@ -321,7 +333,7 @@ def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="a fast smoke run")
   parser.add_argument("--json", action="store_true", help="print one JSON line at the end")
-  parser.add_argument("--frameworks", default=",".join(FRAMEWORKS))
+  parser.add_argument("--frameworks", default=",".join(DEFAULT_FRAMEWORKS))
   parser.add_argument("--models", default="mlp,cnn")
   parser.add_argument("--replicas", help="e.g. 1,2,4")
   parser.add_argument("--rounds", type=int)

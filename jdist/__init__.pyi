@@ -55,6 +55,7 @@ from jdist._src.errors import (
     DoubleReductionError as DoubleReductionError,
     Error as Error,
     LossScalingError as LossScalingError,
+    MemoryBudgetError as MemoryBudgetError,
     OutOfRangeError as OutOfRangeError,
     ParameterServerError as ParameterServerError,
     PeerFailureError as PeerFailureError,
@@ -78,12 +79,10 @@ from jdist._src.input.optional import (
 from jdist._src.input.options import (
     InputOptions as InputOptions,
 )
-from jdist._src.multiprocess.options import (
-    CommunicationOptions as CommunicationOptions,
-)
-from jdist._src.multiprocess.runtime import (
-    Runtime as Runtime,
-    initialize as initialize,
+from jdist._src.keras.functions import (
+    KerasFunctions as KerasFunctions,
+    KerasVariables as KerasVariables,
+    keras_functions as keras_functions,
 )
 from jdist._src.ops.accumulation import (
     accumulate_gradients as accumulate_gradients,
@@ -98,6 +97,9 @@ from jdist._src.ops.losses import (
     compute_average_loss as compute_average_loss,
     scale_regularization_loss as scale_regularization_loss,
 )
+from jdist._src.ops.pipeline import (
+    pipeline as pipeline,
+)
 from jdist._src.ops.precision import (
     DTypePolicy as DTypePolicy,
 )
@@ -107,6 +109,12 @@ from jdist._src.ops.random import (
 )
 from jdist._src.ops.sharded_optimizer import (
     ShardedOptimizer as ShardedOptimizer,
+)
+from jdist._src.planning import (
+    plan as plan,
+)
+from jdist._src.planning.report import (
+    Plan as Plan,
 )
 from jdist._src.ps.coordinator import (
     ClusterCoordinator as ClusterCoordinator,
@@ -129,6 +137,13 @@ from jdist._src.ps.strategy import (
 )
 from jdist._src.ps.variables import (
     ServerVariables as ServerVariables,
+)
+from jdist._src.runtime.options import (
+    CommunicationOptions as CommunicationOptions,
+)
+from jdist._src.runtime.runtime import (
+    Runtime as Runtime,
+    initialize as initialize,
 )
 from jdist._src.strategies.central_storage import (
     CentralStorageStrategy as CentralStorageStrategy,
@@ -233,11 +248,14 @@ __all__ = [
     "History",
     "InputContext",
     "InputOptions",
+    "KerasFunctions",
+    "KerasVariables",
     "LayoutMap",
     "LearningRateScheduler",
     "LossScaleState",
     "LossScalingError",
     "MaxSizePartitioner",
+    "MemoryBudgetError",
     "MinSizePartitioner",
     "MirroredStrategy",
     "ModelCheckpoint",
@@ -255,6 +273,7 @@ __all__ = [
     "PerReplica",
     "PerWorkerDataset",
     "PerWorkerIterator",
+    "Plan",
     "ProgramMismatchError",
     "ReduceOp",
     "ReductionToOneDevice",
@@ -292,11 +311,14 @@ __all__ = [
     "has_strategy",
     "in_cross_replica_context",
     "initialize",
+    "keras_functions",
     "loss_scale_optimizer",
     "losses",
     "metrics",
     "mirrored",
     "multi_step",
+    "pipeline",
+    "plan",
     "read_value",
     "scale_regularization_loss",
 ]

@@ -2,7 +2,7 @@
 
 import sys
 
-from jdist._src.multiprocess.launch import USAGE, main
+from jdist._src.launcher.launch import USAGE, main
 
 if __name__ == "__main__":
   if len(sys.argv) < 2 or sys.argv[1] != "launch":

@@ -13,15 +13,15 @@ Example:
   1
 """
 
-from jdist._src.multiprocess.cluster import ClusterConfig
-from jdist._src.multiprocess.cluster import ClusterResolver
-from jdist._src.multiprocess.cluster import EnvironmentClusterResolver
-from jdist._src.multiprocess.cluster import JaxClusterResolver
-from jdist._src.multiprocess.cluster import SimpleClusterResolver
-from jdist._src.multiprocess.cluster import TPUClusterResolver
-from jdist._src.multiprocess.resolution import resolve
-from jdist._src.multiprocess.tf_config import TFConfigClusterResolver
 from jdist._src.ps.cluster import LocalClusterResolver
+from jdist._src.runtime.cluster import ClusterConfig
+from jdist._src.runtime.cluster import ClusterResolver
+from jdist._src.runtime.cluster import EnvironmentClusterResolver
+from jdist._src.runtime.cluster import JaxClusterResolver
+from jdist._src.runtime.cluster import SimpleClusterResolver
+from jdist._src.runtime.cluster import TPUClusterResolver
+from jdist._src.runtime.resolution import resolve
+from jdist._src.runtime.tf_config import TFConfigClusterResolver
 
 __all__ = [
     "ClusterConfig",

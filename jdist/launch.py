@@ -13,7 +13,7 @@ Example:
 
 import sys
 
-from jdist._src.multiprocess.launch import main
+from jdist._src.launcher.launch import main
 
 __all__ = ["main"]
 

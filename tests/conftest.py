@@ -35,6 +35,9 @@ def xla_flags(devices: int) -> str:
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " +
                            xla_flags(4)).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Keras 3 runs on JAX in jdist (tests/test_keras*.py); chosen before any
+# test imports keras.
+os.environ.setdefault("KERAS_BACKEND", "jax")
 # pytest-xdist's workers inherit the cache of the run that started them.
 _OWNER = "JDIST_TESTS_XLA_CACHE_OWNER"
 if _OWNER not in os.environ:

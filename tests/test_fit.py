@@ -413,7 +413,7 @@ def test_targets_that_do_not_match_the_predictions(split):
 
 def test_configuration_errors():
   with pytest.raises(TypeError, match="optax GradientTransformation"):
-    jdist.Trainer(MLP(), optimizer="adam", loss=LOSS)
+    jdist.Trainer(MLP(), optimizer=3, loss=LOSS)
   with pytest.raises(ValueError, match="Unknown loss 'crossentropy'"):
     jdist.Trainer(MLP(), optimizer=optax.adam(1e-3), loss="crossentropy")
   with pytest.raises(ValueError, match="Unknown metric 'f1'"):

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from jdist._src.multiprocess import launch
+from jdist._src.launcher import launch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "multiprocess"))
 import harness  # noqa: E402
@@ -388,7 +388,7 @@ def test_too_few_nodes_end_the_job(script, tmp_path):
 
 def test_a_closed_rendezvous_leaves_no_thread_or_socket():
   import threading
-  from jdist._src.multiprocess import rendezvous, rendezvous_tcp
+  from jdist._src.launcher import rendezvous, rendezvous_tcp
   spec = rendezvous.JobSpec(1, 1, 0, ("train.py",))
   server = rendezvous_tcp.Server(rendezvous.Rendezvous(spec), "127.0.0.1", 0)
   client = rendezvous_tcp.Client(*server.address, timeout=10)

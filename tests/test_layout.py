@@ -6,6 +6,7 @@ an import moved into a function to hide one fails here, with its place.
 
 import ast
 import pathlib
+import sys
 
 import pytest
 
@@ -16,12 +17,20 @@ ROOT = pathlib.Path(jdist.__file__).parent
 # Lowest first; a module may import its own layer and the ones below.
 LAYERS = [
     ("jdist._src.errors", "jdist._src.jax_compat"),
-    ("jdist._src.multiprocess",),
+    # `jdist launch`: nothing but the standard library (see the test below).
+    ("jdist._src.launcher",),
+    # The runtime inside each process (`jdist.initialize`).
+    ("jdist._src.runtime",),
     ("jdist._src.core",),
     ("jdist._src.input",),
-    ("jdist._src.strategies",),
+    # The strategies, and what a strategy's scope tells Keras (the
+    # keras.distribution it sets while open).
+    ("jdist._src.strategies", "jdist._src.keras.distribution",
+     "jdist._src.keras.loading"),
     ("jdist._src.current", "jdist._src.ops", "jdist._src.equivalence",
-     "jdist._src.diagnose"),
+     "jdist._src.diagnose", "jdist._src.planning",
+     # Keras models, optimizers, losses and metrics as jdist values.
+     "jdist._src.keras"),
     # A separate engine (asynchronous, not one SPMD program): it runs the
     # strategies' steps on workers against parameter servers.
     ("jdist._src.ps",),
@@ -136,6 +145,31 @@ def test_no_import_cycles():
   for node in sorted(graph):
     if node not in state:
       visit(node)
+
+
+def test_the_launcher_imports_nothing_but_the_standard_library():
+  # `jdist launch` and its agents start in a tenth of a second because they
+  # load neither JAX nor NumPy (test_launch.py runs it); any import of a
+  # package outside the standard library, or of jdist outside the launcher,
+  # could bring them in.
+  wrong = []
+  for name, path in MODULES.items():
+    if not name.startswith("jdist._src.launcher"):
+      continue
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Import):
+        targets = [a.name for a in node.names]
+      elif isinstance(node, ast.ImportFrom) and node.level == 0:
+        targets = [node.module]
+      else:
+        continue
+      for target in targets:
+        top = target.split(".")[0]
+        if (top not in sys.stdlib_module_names and
+            not target.startswith("jdist._src.launcher")):
+          wrong.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: "
+                       f"imports {target}")
+  assert not wrong, "\n".join(wrong)
 
 
 def test_the_training_layer_does_not_know_the_parameter_server_engine():
@@ -264,13 +298,16 @@ def test_no_function_is_longer_than_sixty_lines():
 
 
 def test_importing_jdist_leaves_flax_and_orbax_unimported():
-  """Every process of a job imports jdist: flax and orbax (a third of a
-  second and more each) load only in programs that use them."""
+  """Every process of a job imports jdist: flax, orbax and keras (a third
+  of a second and more each) load only in programs that use them, also
+  once the Trainer and a strategy's scope are used."""
   import subprocess
   import sys
   out = subprocess.run(
-      [sys.executable, "-c", "import sys, jdist; print(sorted({m.split('.')[0] "
-       "for m in sys.modules} & {'flax', 'orbax'}))"],
+      [sys.executable, "-c", "import sys, jdist; jdist.Trainer\n"
+       "with jdist.MirroredStrategy().scope(): pass\n"
+       "print(sorted({m.split('.')[0] for m in sys.modules} & "
+       "{'flax', 'orbax', 'keras', 'tensorflow'}))"],
       capture_output=True, text=True, timeout=120, check=True)
   assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
@@ -286,3 +323,61 @@ def test_the_trainer_is_a_thin_facade_over_small_modules():
           if name.startswith("jdist._src.training")
           for n in [len(path.read_text().splitlines())] if n > 600]
   assert not long, "\n".join(long)
+
+
+# What a value does depends on its kind, asked of the kind table
+# (`core/kinds.py`); only the table and the classes themselves test types.
+KIND_TABLE = ("jdist._src.core.kinds", "jdist._src.core.values")
+
+
+def _value_classes() -> set:
+  """The classes the kind table registers (`register(Cls, kind)` in
+  kinds.py), and their base `DistributedValue`."""
+  tree = ast.parse(MODULES["jdist._src.core.kinds"].read_text())
+  registered = {node.args[0].id for node in ast.walk(tree)
+                if isinstance(node, ast.Call) and
+                getattr(node.func, "id", "") == "register" and node.args and
+                isinstance(node.args[0], ast.Name)}
+  return registered | {"DistributedValue"}
+
+
+def _class_names(node) -> set:
+  """The class names an `isinstance` argument or a comparison names."""
+  parts = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) \
+      else [node]
+  return {p.id if isinstance(p, ast.Name) else p.attr for p in parts
+          if isinstance(p, (ast.Name, ast.Attribute))}
+
+
+def _type_tests(path, classes: set) -> list:
+  """`(line, text)` of each test of a value's class against `classes`:
+  isinstance, issubclass, `type(x) is C`, `x.__class__ == C`, `case C()`."""
+  out = []
+  for node in ast.walk(ast.parse(path.read_text())):
+    named = set()
+    if isinstance(node, ast.Call) and getattr(node.func, "id", "") in (
+        "isinstance", "issubclass") and len(node.args) == 2:
+      named = _class_names(node.args[1])
+    elif isinstance(node, ast.Compare):
+      sides = [node.left] + node.comparators
+      if any((isinstance(s, ast.Call) and getattr(s.func, "id", "") == "type")
+             or (isinstance(s, ast.Attribute) and s.attr == "__class__")
+             for s in sides):
+        named = set().union(*(_class_names(s) for s in sides))
+    elif isinstance(node, ast.MatchClass):
+      named = _class_names(node.cls)
+    if named & classes:
+      out.append((node.lineno, ast.unparse(node)))
+  return out
+
+
+def test_value_classes_are_told_apart_only_by_the_kind_table():
+  classes = _value_classes()
+  assert {"PerReplica", "SyncOnRead", "Sharded", "BatchGroup"} <= classes
+  wrong = [f"{path.relative_to(ROOT.parent)}:{line}: {text}"
+           for name, path in MODULES.items() if name not in KIND_TABLE
+           for line, text in _type_tests(path, classes)]
+  assert not wrong, (
+      "Behaviour per kind of value goes through its ValueKind "
+      "(jdist/_src/core/kinds.py: kinds.kind_of(x).<method>): " +
+      "\n".join(wrong))

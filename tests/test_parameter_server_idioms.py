@@ -167,3 +167,34 @@ def test_input_options_reach_the_worker_that_distributes_the_batch(strategy):
   np.testing.assert_allclose(w.read(), numpy_sgd(3), rtol=1e-5, atol=1e-6)
   with pytest.raises(TypeError, match="jdist.InputOptions or None"):
     strategy.experimental_distribute_dataset([(X, Y)], {"pad": True})
+
+
+def test_the_coordinator_reads_fetched_results_as_the_worker_does(strategy):
+  """`reduce`, `gather` and `experimental_local_results` of a step's
+  results fetched to the coordinator give what the same calls give on the
+  worker that computed them (the synchronous strategies' reading): a
+  `SyncOnRead`'s rows too are gathered and picked, as every strategy does."""
+  coordinator = strategy.coordinator
+  iterator = iter(coordinator.create_per_worker_dataset(
+      lambda: itertools.repeat((X[:5], Y[:5]))))
+
+  def replica_fn(x, y):
+    error = x[:, 0] - y
+    return error, jdist.SyncOnRead(jnp.stack([error.sum(), error.max()]),
+                                   "mean")
+
+  def reads(out):
+    return (strategy.reduce("sum", out[0], axis=0),
+            strategy.reduce("max", out[1]), strategy.gather(out[0]),
+            strategy.gather(out[1]), strategy.experimental_local_results(out))
+
+  def on_worker(iterator):
+    out = strategy.run(replica_fn, args=next(iterator))
+    return out, reads(out)
+
+  out, on_the_worker = coordinator.fetch(
+      coordinator.schedule(on_worker, args=(iterator,)))
+  here = reads(out)
+  assert jax.tree.structure(here) == jax.tree.structure(on_the_worker)
+  jax.tree.map(np.testing.assert_allclose, here, on_the_worker)
+  np.testing.assert_allclose(here[2], X[:5, 0] - Y[:5], rtol=1e-6)

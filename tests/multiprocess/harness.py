@@ -18,7 +18,7 @@ import tempfile
 import time
 
 from conftest import xla_flags  # the suite's compiler flags
-from jdist._src.multiprocess.agent import WORKDIR_PREFIX
+from jdist._src.launcher.agent import WORKDIR_PREFIX
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -49,7 +49,7 @@ def remove_node_files(pid: int) -> None:
 
 
 def free_port() -> int:
-  from jdist._src.multiprocess.ports import free_port as pick
+  from jdist._src.launcher.ports import free_port as pick
   return pick()
 
 

@@ -5,7 +5,7 @@ keep processes that are merely at different points for a while from being
 stopped (the monitor compares the positions every process publishes).
 """
 
-from jdist._src.multiprocess import messages, positions
+from jdist._src.runtime import messages, positions
 
 
 def step(seq, name="train_step", waited=3.0, waits_for=()):

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdist._src.core import kinds
+from jdist._src.core import mesh_context
 from jdist._src.core import placement
 from jdist._src.core.reduce_op import ReduceOp
 from jdist._src.core.validity import Validity
@@ -119,7 +120,8 @@ def _compiled(mesh, what: str, op, axis):
     fn = lambda x, validity: gather_stacked(x, axis)
   else:  # "replicate": a copy every process can read
     fn = lambda x, validity: x
-  return jax.jit(fn, out_shardings=out)
+  return jax.jit(mesh_context.on_mesh(mesh, f"strategy.{what}", fn),
+                 out_shardings=out)
 
 
 def _traced(x) -> bool:
@@ -146,13 +148,47 @@ def _check_owner(strategy, rows: Any, what: str) -> None:
       f"{what}.")
 
 
-def _owned_rows(strategy, node: Any, what: str):
-  """`(tree, validity)` of `node`'s replica rows (checked to be `strategy`'s),
-  or None for a value that is one global value (see `ValueKind.rows`)."""
-  rows = kinds.kind_of(node).rows(node)
-  if rows is not None:
-    _check_owner(strategy, rows[0], what)
-  return rows
+def _by_kind(value: Any, on_rows, on_global) -> Any:
+  """`value` with each node mapped as its kind holds it: `on_rows(tree,
+  validity)` for one held as replica rows (`ValueKind.rows`), `on_global(x)`
+  of its payload for one that is one global value."""
+  def one(node):
+    kind = kinds.kind_of(node)
+    rows = kind.rows(node)
+    return on_global(kind.payload(node)) if rows is None else on_rows(*rows)
+  return jax.tree.map(one, value, is_leaf=kinds.is_node)
+
+
+def _replica_ids(value: Any) -> range:
+  """The replicas of the rows `value` holds (all of them: fetched values)."""
+  for node in jax.tree.leaves(value, is_leaf=kinds.is_node):
+    rows = kinds.kind_of(node).rows(node)
+    if rows is not None and jax.tree.leaves(rows[0]):
+      return range(np.shape(jax.tree.leaves(rows[0])[0])[0])
+  return range(0)
+
+
+def _pick(value: Any, i: int, row) -> Any:
+  """Replica `i`'s values of `value` (`row(x, i)` of each leaf of its rows);
+  a value that is one global value whole."""
+  def one(node):
+    rows = kinds.kind_of(node).rows(node)
+    if rows is None:
+      return node
+    return jax.tree.map(lambda x: row(x, i), rows[0])
+  return jax.tree.map(one, value, is_leaf=kinds.is_node)
+
+
+def _padding_dropped(out, x, validity: Validity | None, axis: int, keep):
+  """`out`, the gathered leaf `x`, without its padding rows when `axis` is
+  the batch's; `keep()` gives the flat indices of the real examples."""
+  batch_rows = None if validity is None else validity.batch_size
+  if _is_batch_axis(x, batch_rows, axis % max(x.ndim - 1, 1)):
+    rows = keep()
+    if rows.size != out.shape[0]:
+      out = jnp.take(out, rows, axis=0) if isinstance(out, jax.Array) \
+          else out[rows]
+  return out
 
 
 def reduce(strategy, op, value: Any, axis=None) -> Any:
@@ -160,6 +196,7 @@ def reduce(strategy, op, value: Any, axis=None) -> Any:
   op = ReduceOp.of(op)
 
   def stacked(tree, validity):
+    _check_owner(strategy, tree, "reduce")
     def leaf(x):
       if _traced(x):
         return reduce_stacked(op, x, *_unpack(validity), axis)
@@ -173,65 +210,86 @@ def reduce(strategy, op, value: Any, axis=None) -> Any:
       return x
     return _compiled(strategy.mesh, "reduce_mirrored", op, axis)(x, None)
 
-  def one(node):
-    rows = _owned_rows(strategy, node, "reduce")
-    if rows is not None:
-      return stacked(*rows)
-    return jax.tree.map(mirrored, kinds.kind_of(node).payload(node))
-
-  return jax.tree.map(one, value, is_leaf=kinds.is_node)
+  return _by_kind(value, stacked, lambda x: jax.tree.map(mirrored, x))
 
 
 def gather(strategy, value: Any, axis: int = 0) -> Any:
   """See `Strategy.gather`."""
   n = strategy.num_replicas_in_sync
 
-  def one(node):
-    rows = _owned_rows(strategy, node, "gather")
-    if rows is None:
-      return jax.tree.map(
-          lambda x: jnp.concatenate([jnp.asarray(x)] * n, axis=axis),
-          kinds.kind_of(node).payload(node))
-    tree, validity = rows
+  def stacked(tree, validity):
+    _check_owner(strategy, tree, "gather")
     keep = []  # rows to keep, read from the validity at most once per value
+
+    def kept():
+      if not keep:
+        host = placement.to_host(_compiled(
+            strategy.mesh, "replicate", None, None)(validity, None))
+        keep.append(np.flatnonzero(host.mask.reshape(-1)))
+      return keep[0]
 
     def leaf(x):
       if _traced(x):
         return gather_stacked(x, axis)
       out = placement.host_local(
           _compiled(strategy.mesh, "gather", None, axis)(x, None))
-      batch_rows = None if validity is None else validity.batch_size
-      if _is_batch_axis(x, batch_rows, axis % max(x.ndim - 1, 1)):
-        if not keep:
-          host = placement.to_host(_compiled(
-              strategy.mesh, "replicate", None, None)(validity, None))
-          keep.append(np.flatnonzero(host.mask.reshape(-1)))
-        if keep[0].size != out.shape[0]:
-          out = jnp.take(out, keep[0], axis=0)
-      return out
+      return _padding_dropped(out, x, validity, axis, kept)
     return jax.tree.map(leaf, tree)
 
-  return jax.tree.map(one, value, is_leaf=kinds.is_node)
+  return _by_kind(value, stacked, lambda tree: jax.tree.map(
+      lambda x: jnp.concatenate([jnp.asarray(x)] * n, axis=axis), tree))
 
 
 def local_results(strategy, value: Any) -> tuple:
   """See `Strategy.experimental_local_results`."""
   ids = placement.local_replica_ids(strategy.mesh, strategy.axis_name)
   for node in jax.tree.leaves(value, is_leaf=kinds.is_node):
-    _owned_rows(strategy, node, "experimental_local_results")
-
-  def pick(i):
-    def one(node):
-      rows = kinds.kind_of(node).rows(node)
-      if rows is None:
-        return node
-      return jax.tree.map(lambda x: _row(x, i), rows[0])
-    return jax.tree.map(one, value, is_leaf=kinds.is_node)
-
-  return tuple(pick(i) for i in ids)
+    rows = kinds.kind_of(node).rows(node)
+    if rows is not None:
+      _check_owner(strategy, rows[0], "experimental_local_results")
+  return tuple(_pick(value, i, _row) for i in ids)
 
 
 def _row(x, i: int):
   if _traced(x) or not isinstance(x, jax.Array):
     return x[i]
   return placement.local_shards(x)[i]
+
+
+# --- values fetched to the host, which no strategy's devices hold: the
+# results a parameter-server coordinator fetched from its workers ---
+
+
+def reduce_fetched(op, value: Any, axis=None) -> Any:
+  """`reduce` of fetched values, on the host: numpy results.
+
+  Raises:
+    jdist.DoubleReductionError: SUM of a mirrored value.
+  """
+  op = ReduceOp.of(op)
+  return _by_kind(
+      value,
+      lambda tree, validity: jax.tree.map(lambda x: np.asarray(reduce_stacked(
+          op, x, *_unpack(validity), axis)), tree),
+      lambda tree: jax.tree.map(
+          lambda x: np.asarray(reduce_mirrored(op, x, axis)), tree))
+
+
+def gather_fetched(value: Any, axis: int = 0) -> Any:
+  """`gather` of fetched values, on the host (padding rows dropped); a
+  value that is one global value is left as it is (how many replicas
+  computed it is not known here)."""
+  def stacked(tree, validity):
+    kept = lambda: np.flatnonzero(np.asarray(validity.mask).reshape(-1))
+    return jax.tree.map(lambda x: _padding_dropped(
+        np.asarray(gather_stacked(x, axis)), np.asarray(x), validity, axis,
+        kept), tree)
+  return _by_kind(value, stacked, lambda tree: tree)
+
+
+def local_results_fetched(value: Any) -> tuple:
+  """`experimental_local_results` of fetched values: one entry per replica
+  of the rows they hold (`(value,)` when they hold none)."""
+  ids = _replica_ids(value)
+  return (tuple(_pick(value, i, lambda x, i: x[i]) for i in ids) if ids
+          else (value,))

@@ -10,7 +10,12 @@ in one `ValueKind`:
   inside the map    `local`: what the replica's step sees of it
   inside the map    `out_specs` and `result`: how an output of it leaves
   outside the map   `wrap`: what the caller gets back
-  outside a step    `rows`: its per-replica rows (`strategy.reduce`, `gather`)
+  outside a step    `rows`: its per-replica rows (`strategy.reduce`, `gather`,
+                    `experimental_local_results`, on the devices or fetched
+                    to a parameter-server coordinator); `replicate`: how
+                    `strategy.replicate` places it; `read`: what a reader
+                    sees; `layouts`: a layout of its own over the mesh;
+                    `named_as_payload`: how a checkpoint names its leaves
 
 An output is recognised by its type when its kind keeps it whole through the
 step (`kept_in_step`: `SyncOnRead`, `Sharded`); an array output is
@@ -36,9 +41,11 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jdist._src.core import in_step
+from jdist._src.core import placement
 from jdist._src.core.validity import Validity
 from jdist._src.core.values import BatchGroup, PerReplica, Sharded, SyncOnRead
 from jdist._src.errors import StrategyMismatchError
@@ -71,6 +78,10 @@ class ValueKind:
   # step may return one, kept whole): SyncOnRead and Sharded, not PerReplica
   # (the step sees its rows' plain values).
   kept_in_step = False
+  # Whether a checkpoint names the leaves of a value of this kind as those of
+  # its payload, with no level of its own: sharded optimizer state is named
+  # as the mirrored state it equals, so either checkpoint loads into the other.
+  named_as_payload = False
 
   # --- into the map -----------------------------------------------------------
 
@@ -136,6 +147,36 @@ class ValueKind:
   def with_rows(self, x: Any, tree: Any, validity: Validity | None = None):
     """`x` holding the replica rows `tree` instead (see `rows`)."""
     raise NotImplementedError(self.name)
+
+  def replicate(self, x: Any, strategy) -> Any:
+    """`x` placed as `strategy.replicate` places it: its arrays where the
+    strategy holds state (mirrored, or on its parameter device)."""
+    put, mesh = strategy.state_placement.put, strategy.mesh
+    return jax.tree.map(lambda leaf: put(leaf, mesh), x)
+
+  def read(self, x: Any) -> Any:
+    """What a reader outside a step sees of `x` (`jdist.read_value`)."""
+    return x
+
+  def aggregation(self, x: Any):
+    """The `VariableAggregation` by which `x` is read, or None."""
+    del x
+    return None
+
+  def unplaced(self, x: Any) -> Any:
+    """`x` as a value made outside any step, placed nowhere (how parameter
+    servers store it: a `SyncOnRead` read, its aggregation kept)."""
+    return x
+
+  def layouts(self, x: Any) -> tuple | None:
+    """A `PartitionSpec` over the whole mesh per leaf of `payload(x)`, when
+    `x` carries its own layout; None when the strategy lays it out."""
+    del x
+    return None
+
+  def batch_spec(self, x: Any) -> Any:
+    """`jax.ShapeDtypeStruct`s of one replica's batch (one step's) in `x`."""
+    raise TypeError(f"A {self.name} holds no batch.")
 
 
 def _check_stacked(leaves: Sequence, n: int, what: str) -> None:
@@ -243,6 +284,12 @@ class _PerReplica(ValueKind):
   def with_rows(self, x, tree, validity=None):
     return PerReplica(tree, validity=validity)
 
+  def replicate(self, x, strategy):
+    return x  # already on the replicas
+
+  def batch_spec(self, x):
+    return _spec_after(x.values, 1)
+
 
 class _SyncOnRead(ValueKind):
   """Each replica's own copy (`SyncOnRead`), kept whole through the step."""
@@ -291,6 +338,26 @@ class _SyncOnRead(ValueKind):
   def with_rows(self, x, tree, validity=None):
     return x.assign(tree)
 
+  def replicate(self, x, strategy):
+    if x.per_replica:
+      return x
+    n, mesh, axis = (strategy.num_replicas_in_sync, strategy.mesh,
+                     strategy.axis_name)
+    rows = x.replica_rows(n, np)
+    ids = list(placement.local_replica_ids(mesh, axis))
+    return SyncOnRead(placement.put_per_replica(
+        jax.tree.map(lambda v: v[ids], rows.value), mesh, axis, n),
+                      x.aggregation, True)
+
+  def read(self, x):
+    return x.read()
+
+  def aggregation(self, x):
+    return x.aggregation
+
+  def unplaced(self, x):
+    return SyncOnRead(x.read(), x.aggregation)
+
 
 class _Sharded(ValueKind):
   """State split over the replicas (`Sharded`): each replica its blocks.
@@ -302,6 +369,7 @@ class _Sharded(ValueKind):
 
   name = "Sharded"
   kept_in_step = True
+  named_as_payload = True
 
   def inputs(self, x, strategy):
     _check_sharded(x, strategy)
@@ -328,6 +396,12 @@ class _Sharded(ValueKind):
   def payload(self, x):
     return x.value
 
+  def replicate(self, x, strategy):
+    return x  # already laid out over the replicas
+
+  def layouts(self, x):
+    return x.partition_specs()
+
 
 class _BatchGroup(ValueKind):
   """Several batches for one multi-step call: never a step's argument."""
@@ -343,6 +417,16 @@ class _BatchGroup(ValueKind):
 
   def payload(self, x):
     return x.values
+
+  def batch_spec(self, x):
+    return _spec_after(x.values, 2)
+
+
+def _spec_after(tree: Any, skip: int) -> Any:
+  """`tree`'s leaves as `jax.ShapeDtypeStruct`s without their first `skip`
+  axes (the replica axis, and a group's steps)."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[skip:], x.dtype),
+                      tree)
 
 
 def _check_sharded(node: Sharded, strategy) -> None:
@@ -376,6 +460,9 @@ def _check_sharded(node: Sharded, strategy) -> None:
 MIRRORED = _Mirrored()
 STATIC = _Static()
 PER_REPLICA = _PerReplica()
+SYNC_ON_READ = _SyncOnRead()
+SHARDED = _Sharded()
+BATCH_GROUP = _BatchGroup()
 
 _BY_TYPE: dict = {}
 
@@ -386,9 +473,10 @@ def register(cls: type, kind: ValueKind) -> None:
 
 
 register(PerReplica, PER_REPLICA)
-register(SyncOnRead, _SyncOnRead())
-register(Sharded, _Sharded())
-register(BatchGroup, _BatchGroup())
+register(SyncOnRead, SYNC_ON_READ)
+register(Sharded, SHARDED)
+register(BatchGroup, BATCH_GROUP)
+
 
 def is_node(x: Any) -> bool:
   """Whether `x` has a kind of its own (flattening stops at it)."""
@@ -399,6 +487,19 @@ def is_kept_in_step(x: Any) -> bool:
   """Whether `x` is a value kept whole through a step (an output node)."""
   kind = _BY_TYPE.get(type(x))
   return kind is not None and kind.kept_in_step
+
+
+def is_named_as_payload(x: Any) -> bool:
+  """Whether a checkpoint names `x`'s leaves as its payload's (a node whose
+  kind adds no level to their paths)."""
+  kind = _BY_TYPE.get(type(x))
+  return kind is not None and kind.named_as_payload
+
+
+def has_layouts(x: Any) -> bool:
+  """Whether `x` carries its own layout over the mesh (`ValueKind.layouts`)."""
+  kind = _BY_TYPE.get(type(x))
+  return kind is not None and kind.layouts(x) is not None
 
 
 def kind_of(x: Any) -> ValueKind:

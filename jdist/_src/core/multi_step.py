@@ -18,7 +18,6 @@ import jax.numpy as jnp
 
 from jdist._src.core import kinds
 from jdist._src.core.function import DistributedFunction
-from jdist._src.core.values import BatchGroup
 
 
 class MultiStepFunction(DistributedFunction):
@@ -57,7 +56,7 @@ class MultiStepFunction(DistributedFunction):
       raise TypeError(
           f"A multi-step {self._name} takes positional arguments only: the "
           "carried values (state, metrics, ...), then the BatchGroup.")
-    if not args or not isinstance(args[-1], BatchGroup):
+    if not args or kinds.kind_of(args[-1]) is not kinds.BATCH_GROUP:
       got = type(args[-1]).__name__ if args else "no arguments"
       raise TypeError(
           f"A multi-step {self._name} takes the carried values, then a "

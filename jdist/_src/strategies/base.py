@@ -22,7 +22,9 @@ import weakref
 from typing import Any, Callable, Iterable
 
 from jdist._src.core import context
+from jdist._src.core import mesh_context
 from jdist._src.core import placement
+from jdist._src.keras import distribution as keras_dist
 
 # Compilations of one step (or one piece of code given to run) after which
 # jdist warns that something makes it compile again and again.
@@ -43,6 +45,12 @@ class StrategyBase(abc.ABC):
     True
   """
 
+  # What Keras's own fit runs as while this strategy's scope is open
+  # (`keras/distribution.py`): "data_parallel", "model_parallel", None (the
+  # default strategy: Keras is left alone), or "unsupported" (fit fails,
+  # naming jdist.Trainer).
+  keras_distribution = keras_dist.UNSUPPORTED
+
   def __init__(self, *,
                state_placement: placement.StatePlacement | None = None):
     self._state_placement = state_placement or placement.MESH_PLACEMENT
@@ -56,6 +64,13 @@ class StrategyBase(abc.ABC):
     """Where state is held between steps, and how it is read and written
     (see `StatePlacement`)."""
     return self._state_placement
+
+  @property
+  def pipeline(self):
+    """How `jdist.pipeline` runs stacked layers in this strategy's steps (a
+    `PipelineSchedule`), or None: one after another on each replica. Only
+    `jdist.ModelParallelStrategy(pipeline_axis=...)` has one."""
+    return None
 
   @property
   def synchronous(self) -> bool:
@@ -84,6 +99,18 @@ class StrategyBase(abc.ABC):
     return None
 
   @property
+  def layout_map(self):
+    """The `jdist.LayoutMap` that lays out parameters and layers' outputs:
+    none here (`ModelParallelStrategy` may have one)."""
+    return None
+
+  @property
+  def logical_axis_rules(self) -> tuple:
+    """flax's logical axis rules inside this strategy's steps and `init`:
+    none here (`ModelParallelStrategy` has its own)."""
+    return ()
+
+  @property
   def extended(self):
     """Compatibility with code that reads `strategy.extended`: the strategy."""
     return self
@@ -91,13 +118,20 @@ class StrategyBase(abc.ABC):
   def scope(self) -> contextlib.AbstractContextManager:
     """Makes this the current strategy: `jdist.get_strategy()` returns it.
 
+    In a program that uses Keras (JAX backend) it also sets the
+    `keras.distribution` that Keras's own `fit` reads, on this strategy's
+    devices: `DataParallel` for data-parallel strategies, `ModelParallel`
+    with the `LayoutMap` for `ModelParallelStrategy`; one that Keras's fit
+    cannot run makes fit fail naming `jdist.Trainer`. A Keras model made
+    in the scope keeps it after the scope closes, as in TensorFlow.
+
     Example:
       >>> import jdist
       >>> strategy = jdist.MirroredStrategy()
       >>> with strategy.scope():
       ...   assert jdist.get_strategy() == strategy and jdist.has_strategy()
     """
-    return context.strategy_scope(self)
+    return keras_dist.scope(self, context.strategy_scope(self))
 
   def run(self, fn: Callable, args=(), kwargs=None) -> Any:
     """Runs `fn(*args, **kwargs)` on every replica, as `tf.distribute` does.
@@ -159,9 +193,9 @@ class StrategyBase(abc.ABC):
   def init(self, fn: Callable, *args, **kwargs) -> Any:
     """New state: `fn(*args, **kwargs)` placed as `replicate` places it.
 
-    A strategy whose replicas span devices (`ModelParallelStrategy`)
-    computes it directly in its layout instead, so that no device holds the
-    whole state.
+    `fn` runs under the strategy's mesh (`mesh_scope`). A strategy whose
+    replicas span devices (`ModelParallelStrategy`) computes it directly in
+    its layout instead, so that no device holds the whole state.
 
     Example:
       >>> import jdist, jax.numpy as jnp
@@ -170,7 +204,54 @@ class StrategyBase(abc.ABC):
       >>> w.sharding.is_fully_replicated
       True
     """
-    return self.replicate(fn(*args, **kwargs))
+    with self.mesh_scope():
+      value = fn(*args, **kwargs)
+    return self.replicate(value)
+
+  def outside_user_mesh(self) -> contextlib.AbstractContextManager:
+    """For the block: a mesh the user set (`jax.set_mesh`), which must be
+    this strategy's (its axes may be Explicit), set aside, so that jdist's
+    programs over the strategy's state run as they do without one. The
+    `Trainer` runs `fit`, `evaluate` and `predict` in it.
+
+    Raises:
+      jdist.StrategyMismatchError: another mesh is in context.
+
+    Example:
+      >>> import jax, jdist
+      >>> mesh = jax.make_mesh((len(jax.devices()),), ("data",))
+      >>> strategy = jdist.MirroredStrategy(mesh=mesh)
+      >>> with jax.set_mesh(mesh), strategy.outside_user_mesh():
+      ...   assert jax.sharding.get_mesh().empty
+    """
+    return mesh_context.set_aside(self.mesh, repr(self))
+
+  def mesh_scope(self, *, strict: bool = True
+                 ) -> contextlib.AbstractContextManager:
+    """The strategy's mesh in JAX's context (`jax.set_mesh`), for code that
+    traces the model outside a step: `init` runs its function in it, the
+    `Trainer` its shape checks.
+
+    Inside it a model's activation constraints (`with_sharding_constraint`
+    with a bare `PartitionSpec`, flax's logical constraints under the
+    strategy's `logical_axis_rules`) are read on this mesh. A mesh a user
+    set with `jax.set_mesh` must be this one (its axes may be Explicit).
+
+    Args:
+      strict: a constraint on another mesh, or naming an axis this mesh does
+        not have, is an error; False leaves those out, for a pass that only
+        reads shapes before the layouts are checked with their own messages.
+
+    Raises:
+      jdist.StrategyMismatchError: another mesh is in context.
+
+    Example:
+      >>> import jax, jdist
+      >>> strategy = jdist.MirroredStrategy()
+      >>> with strategy.mesh_scope():
+      ...   assert jax.sharding.get_mesh() == strategy.mesh
+    """
+    return mesh_context.outside_steps(self, strict=strict)
 
   @abc.abstractmethod
   def reduce(self, reduce_op, value: Any, axis: int | None = None) -> Any:

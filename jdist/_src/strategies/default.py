@@ -12,6 +12,8 @@ from jdist._src.strategies.spmd import Strategy
 class DefaultStrategy(Strategy):
   """The strategy in effect outside any scope: one replica, the default device."""
 
+  keras_distribution = None  # no scope: Keras is left as the program set it
+
   def __init__(self):
     super().__init__((jax.local_devices()[0],))
 

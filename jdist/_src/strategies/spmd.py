@@ -11,23 +11,25 @@ elsewhere.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Iterable, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdist._src.core import cross_replica
+from jdist._src.core import kinds
 from jdist._src.core import placement
 from jdist._src.core import state_output as state_output_lib
 from jdist._src.core.function import DistributedFunction
-from jdist._src.core.values import PerReplica, Sharded, SyncOnRead
 from jdist._src.input import dataset as input_lib
 from jdist._src.input.options import InputOptions
-from jdist._src.multiprocess import runtime as runtime_lib
-from jdist._src.multiprocess.options import CommunicationOptions
-from jdist._src.multiprocess.program_check import StepGuard
+from jdist._src.runtime import runtime as runtime_lib
+from jdist._src.runtime.options import CommunicationOptions
+from jdist._src.runtime.program_check import StepGuard
+from jdist._src.strategies import output_layouts
 from jdist._src.strategies.base import StrategyBase
 
 
@@ -49,6 +51,8 @@ class Strategy(StrategyBase):
     9.0
   """
 
+  keras_distribution = "data_parallel"  # Keras's fit in its scope: see StrategyBase
+
   def __init__(self, devices: Sequence[Any], *, axis_name: str = "replica",
                communication_options=None,
                state_placement: placement.StatePlacement | None = None,
@@ -65,6 +69,7 @@ class Strategy(StrategyBase):
                               axis_types=(AxisType.Auto,))
     self._communication_options = CommunicationOptions.of(
         communication_options)
+    self._warned_outputs: set = set()  # output-layout keys warned about
     # Only a mesh that spans processes needs the runtime's cross-process checks.
     self._runtime = self._step_guard = None
     if placement.spans_processes(self._mesh):
@@ -115,6 +120,14 @@ class Strategy(StrategyBase):
     """How many replicas run each step."""
     return len(self._devices)
 
+  def step_scope(self, args: tuple) -> contextlib.AbstractContextManager:
+    """Entered while one replica's step is traced, with its arguments: the
+    `layout_map`'s output-layout keys constrain the outputs of the flax
+    layers the step runs (`strategies/output_layouts.py`)."""
+    return output_layouts.applied(self.layout_map,
+                                  output_layouts.nnx_modules(args),
+                                  self._warned_outputs)
+
   def replica_layouts(self, tree: Any) -> list:
     """The layout within a replica of each leaf of `tree`, in flattening
     order: a `PartitionSpec` over the mesh axes other than the replica one.
@@ -128,6 +141,26 @@ class Strategy(StrategyBase):
       [P()]
     """
     return [P() for _ in jax.tree.leaves(tree)]
+
+  def shardings(self, tree: Any) -> Any:
+    """The `NamedSharding` each leaf of `tree` has as state of this strategy:
+    whole on every device of the mesh (as `replicate` places it), the leaves
+    of a `jdist.Sharded` split as it says. `ModelParallelStrategy` lays
+    leaves out by its rules. Nothing is placed: `tree` may hold
+    `jax.ShapeDtypeStruct` values (planning a state before it exists).
+
+    Example:
+      >>> import jdist, jax.numpy as jnp
+      >>> strategy = jdist.MirroredStrategy()
+      >>> strategy.shardings({"w": jnp.zeros((2, 3))})["w"].spec
+      P()
+    """
+    specs = []
+    for node in jax.tree.leaves(tree, is_leaf=kinds.has_layouts):
+      own = kinds.kind_of(node).layouts(node)
+      specs.extend([P()] if own is None else own)
+    return jax.tree_util.tree_unflatten(jax.tree.structure(tree), [
+        NamedSharding(self._mesh, spec) for spec in specs])
 
   def keep_layouts(self, outputs: Any) -> Any:
     """Inside a traced step: its outputs, held in this strategy's layouts.
@@ -245,23 +278,8 @@ class Strategy(StrategyBase):
     them gives back the value; `PerReplica` and `Sharded` values are left
     where they are.
     """
-    n = self.num_replicas_in_sync
-
-    def place(node):
-      if isinstance(node, (PerReplica, Sharded)):
-        return node
-      if isinstance(node, SyncOnRead):
-        if node.per_replica:
-          return node
-        rows = node.replica_rows(n, np)
-        ids = list(placement.local_replica_ids(self._mesh, self._axis_name))
-        return SyncOnRead(placement.put_per_replica(
-            jax.tree.map(lambda x: x[ids], rows.value), self._mesh,
-            self._axis_name, n), node.aggregation, True)
-      return self._state_placement.put(node, self._mesh)
-
-    return jax.tree.map(place, tree, is_leaf=lambda x: isinstance(
-        x, (PerReplica, SyncOnRead, Sharded)))
+    return jax.tree.map(lambda node: kinds.kind_of(node).replicate(node, self),
+                        tree, is_leaf=kinds.is_node)
 
   def experimental_distribute_dataset(self, dataset: Iterable, options=None, *,
                                       global_batch_size: int | None = None):

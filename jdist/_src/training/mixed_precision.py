@@ -44,19 +44,49 @@ class MixedPrecisionModel(ModelAdapter):
   def export(self, params, model_state):
     return self.model.export(params, model_state)
 
+  def _cast(self, tree):
+    """What the model is given: `tree` in the compute dtype (a model that
+    casts for itself, `casts_itself`, gets it as it is)."""
+    return tree if self.casts_itself else self.policy.cast_to_compute(tree)
+
+  @property
+  def casts_itself(self) -> bool:
+    """Whether the model computes in the policy's dtypes by itself: a Keras
+    model, whose layers cast their float32 variables and inputs to their
+    dtype policy's compute dtype (and would cast jdist's back)."""
+    return self.model.dtype_policy is not None
+
+  @property
+  def own_losses(self) -> bool:
+    """The model's (see `ModelAdapter.own_losses`)."""
+    return self.model.own_losses
+
   def apply(self, params, model_state, x, *, train: bool, rng=None):
     ctx = context.current_replica_context()
     if train and ctx is not None:
       params = jax.tree.map(lambda p: in_step.to_varying(p, ctx.axis_name),
                             params)
-    y, model_state = self.model.apply(
-        self.policy.cast_to_compute(params), model_state,
-        self.policy.cast_to_compute(x), train=train, rng=rng)
-    return self.policy.cast_to_variable(y), model_state
+    y, *rest = self.model.apply(
+        self._cast(params), model_state, self._cast(x), train=train, rng=rng)
+    return (self.policy.cast_to_variable(y), *rest)
 
 
 def adapt(model, policy: DTypePolicy):
-  """`model` (an adapter) computing under `policy`; itself for float32."""
+  """`model` (an adapter) computing under `policy`; itself for float32.
+
+  Raises:
+    ValueError: the model computes under a dtype policy of its own (a Keras
+      model's layers) that is not `policy`.
+  """
+  own = model.dtype_policy
+  if own is not None and own != policy.name:
+    raise ValueError(
+        f"The Keras model computes under the dtype policy {own!r} (its "
+        f"layers' policy, fixed when they were made), not {policy.name!r}. "
+        "Keras layers cast to their own policy, so jdist cannot change it: "
+        f"build the model under keras.config.set_dtype_policy("
+        f"{policy.name!r}) (Keras's way), or leave the Trainer's "
+        "dtype_policy out (it takes the model's).")
   return MixedPrecisionModel(model, policy) if policy.is_mixed else model
 
 

@@ -2,7 +2,8 @@
 
 Every kind of model reaches the training program through `adapt`, as an
 adapter with one small interface (`ModelAdapter`: `init`, `apply`, `export`,
-`check`, `writes_back`): a flax linen `Module`, a flax nnx `Module`, or a
+`check`, `writes_back`, `own_losses`, `dtype_policy`): a flax linen
+`Module`, a flax nnx `Module`, a Keras 3 model (`jdist/_src/keras/`), or a
 plain apply function with its parameters. `apply` is pure: it takes
 parameters and the model's other state and returns predictions and the new
 state, so it runs inside a step.
@@ -19,11 +20,17 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
+import warnings
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 
 from jdist._src.core import context
+from jdist._src.core import in_step
+from jdist._src.keras import loading as keras_loading
+from jdist._src.keras.model import StatelessModel
+from jdist._src.strategies import output_layouts
 
 
 def _parameters(fn: Callable):
@@ -149,10 +156,18 @@ class ModelAdapter:
     writes_back: whether the Trainer writes the trained values back into
       the user's model object after `fit` (`export`), as Keras' `fit`
       leaves its model trained: True for models that hold their variables
-      (an nnx module), False for those given as functions of parameters.
+      (an nnx module, a Keras model), False for those given as functions of
+      parameters.
+    own_losses: whether the model adds losses of its own (a Keras model's
+      regularizers and `add_loss`): `apply` then returns their sum as a
+      third value, which the train step adds to the loss once per step.
+    dtype_policy: the name of the dtype policy the model computes under by
+      itself (a Keras model's layers'), or None: jdist casts for it.
   """
 
   writes_back = False
+  own_losses = False
+  dtype_policy = None
 
   def check(self) -> None:
     """Raises if the model cannot be called the way the trainer calls it."""
@@ -272,7 +287,8 @@ class NnxModel(ModelAdapter):
       _global_nnx_batch_norm(module, _replica_axis())
     else:
       module.eval()
-    y = module(x, **self._kwargs(train, rng))
+    with output_layouts.nnx_outputs(module):
+      y = module(x, **self._kwargs(train, rng))
     _, _, new_state = nnx.split(module, nnx.Param, ...)
     return y, new_state
 
@@ -330,13 +346,99 @@ class FunctionModel(ModelAdapter):
     return params
 
 
+class KerasModel(ModelAdapter):
+  """A Keras 3 model (JAX backend), through its stateless API.
+
+  Its trainable variables are the parameters and its non-trainable ones
+  (BatchNormalization's moving statistics, random layers' seed states) the
+  model state, both as trees keyed by `variable.path`
+  (`jdist/_src/keras/model.py`). An unbuilt model is built from the first
+  batch. Keras's random layers draw from their seed generators (carried in
+  the state, so a resumed run draws the same), each replica its rows of the
+  global batch's draw: the step's `rng` is not used. After `fit` the
+  trained values are written back into the model, as Keras's fit leaves it.
+  """
+
+  writes_back = True
+
+  def __init__(self, model, params=None):
+    if params is not None:
+      raise ValueError(
+          "A Keras model holds its own variables: pass the model alone "
+          "(jdist.Trainer(model, ...)), without params=; set its weights "
+          "with model.set_weights(...) first to start from others.")
+    self.model = StatelessModel(model)
+    self._warned = False
+
+  def check(self) -> None:
+    """Keras models take `training=`; nothing to check ahead."""
+
+  @property
+  def dtype_policy(self) -> str:
+    """The name of the dtype policy the model computes under (its own)."""
+    return self.model.model.dtype_policy.name
+
+  def init(self, key, x) -> tuple[Any, Any]:
+    del key  # Keras initialises its variables itself (keras.utils.set_random_seed)
+    self.model.build(x)
+    return self.model.variables()
+
+  @property
+  def own_losses(self) -> bool:
+    """Whether the model adds losses of its own (its layers' regularizers,
+    `add_loss`): `apply` then returns their sum third, which the trainer
+    adds to the loss, as Keras's fit adds `model.losses`."""
+    return self.model.has_losses
+
+  def apply(self, params, model_state, x, *, train: bool, rng=None):
+    del rng  # Keras's random layers draw from their seed generators' state
+    y, new_state, losses = self.model.apply(params, model_state, x,
+                                            training=train)
+    if train:
+      self._warn_varying(model_state, new_state)
+    if not self.own_losses:
+      return y, new_state
+    return y, new_state, sum(losses, jnp.zeros((), jnp.float32))
+
+  def _warn_varying(self, old_state, new_state) -> None:
+    """Warns once when a training step assigns floating-point non-trainable
+    values that differ between replicas: each replica's batch statistics."""
+    axis = _replica_axis()
+    if axis is None or self._warned:
+      return
+    old = jax.tree.leaves(old_state)
+    flat = jax.tree_util.tree_flatten_with_path(new_state)[0]
+    names = [jax.tree_util.keystr(path) for (path, v), before in zip(flat, old)
+             if v is not before and jnp.issubdtype(v.dtype, jnp.inexact)
+             and in_step.is_varying(v, axis)]
+    if names:
+      self._warned = True
+      warnings.warn(
+          f"The Keras model's non-trainable variables {names[:4]} differ "
+          "between replicas after a training step: each replica normalises "
+          "with its own batch's statistics (BatchNormalization's "
+          "synchronized=False, as under TensorFlow's MirroredStrategy), so "
+          "training differs from one device; the trainer keeps their mean "
+          "over replicas. Keras on JAX has no synchronized batch "
+          "normalisation; a larger batch per replica narrows the gap.",
+          stacklevel=2)
+
+  def export(self, params, model_state):
+    """Writes the trained values into the Keras model and returns it."""
+    self.model.assign(params, model_state)
+    return self.model.model
+
+
 def adapt(model, params=None):
   """Wraps `model` in the adapter for its kind.
 
   Raises:
     TypeError: `model` is neither a flax module nor callable.
   """
-  # A flax module's class comes from flax, so flax is imported if it is one.
+  # A Keras model's class comes from keras, so keras is imported if it is
+  # one (and a flax module's from flax).
+  if keras_loading.is_model(model):
+    return KerasModel(model, params)
   linen, nnx = sys.modules.get("flax.linen"), sys.modules.get("flax.nnx")
   if linen is not None and isinstance(model, linen.Module):
     return LinenModel(model, params)

@@ -2,9 +2,11 @@
 
 A loss is a `jdist.losses.Loss` (`loss.call(y_true, y_pred)` gives one value
 per example), a Keras name ("sparse_categorical_crossentropy", which takes
-probabilities as in Keras), or a per-example function `loss(y_true, y_pred)`.
-Metrics are `jdist.metrics` objects, Keras names, or per-example functions
-`metric(y_true, y_pred)`. The trainer masks the padding of a short last
+probabilities as in Keras), a `keras.losses` object, or a per-example
+function `loss(y_true, y_pred)`. Metrics are `jdist.metrics` objects, Keras
+names, `keras.metrics` objects, or per-example functions
+`metric(y_true, y_pred)`. A name jdist does not mirror is looked up in Keras
+when the program uses Keras. The trainer masks the padding of a short last
 batch, so epoch values are exact on any number of replicas.
 
 Beyond Keras, the first batch is checked on the host before training:
@@ -21,13 +23,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jdist._src.keras import loading as keras_loading
+from jdist._src.keras import objectives as keras_objectives
 from jdist._src.ops import loss_objects
 from jdist._src.ops import metrics as metrics_lib
 
 
 def resolve_loss(loss) -> loss_objects.Loss:
-  """The loss object for `loss`: a name, a `jdist.losses.Loss`, a function."""
+  """The loss object for `loss`: a name, a `jdist.losses.Loss`, a Keras loss
+  object, a function."""
+  if keras_loading.is_loss(loss):
+    return keras_objectives.KerasLoss(loss)
   if isinstance(loss, str):
+    if loss not in loss_objects.BY_NAME and keras_loading.is_loaded():
+      return keras_objectives.resolve_loss(loss)
     if loss not in loss_objects.BY_NAME:
       raise ValueError(
           f"Unknown loss {loss!r}. Use one of {sorted(loss_objects.BY_NAME)}, "
@@ -63,7 +72,8 @@ def metric_items(metrics, what: str = "metrics") -> list[tuple[str, Any]]:
   """
   if metrics is None:
     return []
-  if isinstance(metrics, (str, metrics_lib.Metric)) or (
+  if isinstance(metrics, (str, metrics_lib.Metric)) or keras_loading.is_metric(
+      metrics) or (
       callable(metrics) and not isinstance(metrics, Mapping)):
     metrics = [metrics]
   if isinstance(metrics, Mapping):
@@ -73,7 +83,7 @@ def metric_items(metrics, what: str = "metrics") -> list[tuple[str, Any]]:
     for m in metrics:
       if isinstance(m, str):
         items.append((m, m))
-      elif isinstance(m, metrics_lib.Metric):
+      elif isinstance(m, metrics_lib.Metric) or keras_loading.is_metric(m):
         items.append((m.name, m))
       elif callable(m):
         items.append((getattr(m, "__name__", type(m).__name__), m))
@@ -83,7 +93,8 @@ def metric_items(metrics, what: str = "metrics") -> list[tuple[str, Any]]:
             f"metric(y_true, y_pred), got {m!r} in {what}=.")
   names = set()
   for name, spec in items:
-    if isinstance(spec, str) and spec not in _NAMED and spec not in _ACCURACY:
+    if isinstance(spec, str) and spec not in _NAMED and spec not in _ACCURACY \
+        and keras_objectives.metric_for_name(spec) is None:
       raise ValueError(
           f"Unknown metric {spec!r}. Use one of {METRIC_NAMES}, a "
           "jdist.metrics object, or a function metric(y_true, y_pred) "
@@ -119,10 +130,15 @@ def build_metrics(items, loss: loss_objects.Loss, y, y_pred) -> dict:
   for name, spec in items:
     if isinstance(spec, metrics_lib.Metric):
       metric = spec.reset()
+    elif keras_loading.is_metric(spec):
+      metric = keras_objectives.KerasMetric.of(spec, name)
     elif isinstance(spec, str) and spec in _ACCURACY:
       metric = _accuracy(name, loss, y, y_pred)
-    elif isinstance(spec, str):
+    elif isinstance(spec, str) and spec in _NAMED:
       metric = _NAMED[spec](name)
+    elif isinstance(spec, str):
+      metric = keras_objectives.KerasMetric.of(
+          keras_objectives.metric_for_name(spec), name)
     else:
       metric = metrics_lib.MeanMetricWrapper(spec, name)
     out[name] = metric

@@ -80,7 +80,7 @@ class TrainingProgram:
 
   @classmethod
   def make(cls, model, *, optimizer, loss, metrics=None, weighted_metrics=None,
-           params=None, dtype_policy="float32", micro_batches: int = 1,
+           params=None, dtype_policy=None, micro_batches: int = 1,
            batches_per_step: int = 1) -> "TrainingProgram":
     """The program for what a user passes to `jdist.Trainer`.
 
@@ -94,8 +94,11 @@ class TrainingProgram:
         names used twice.
     """
     given = optimizers.resolve(optimizer)
-    policy = precision.policy_of(dtype_policy)
     adapter = model_lib.adapt(model, params)
+    # A Keras model computes under its layers' dtype policy: the default.
+    policy = precision.policy_of(
+        dtype_policy if dtype_policy is not None else
+        adapter.dtype_policy or "float32")
     loss = objectives.resolve_loss(loss)
     metric_items = tuple(objectives.metric_items(metrics))
     weighted_items = tuple(objectives.metric_items(weighted_metrics,

@@ -35,17 +35,32 @@ def _per_example_loss(loss: Loss, y, y_pred, b: int) -> jax.Array:
   return objectives.per_example(loss.call(y, y_pred), b, "loss")
 
 
-def _accumulate(totals: dict, per_ex_loss, y_pred, batch: dict,
+def _apply(model, params, model_state, x, *, train: bool, rng=None):
+  """`(y_pred, model_state, own)`: the model's outputs and new state, and
+  the sum of its own losses (a Keras model's regularizers; None for a model
+  without, `own_losses`)."""
+  out = model.apply(params, model_state, x, train=train, rng=rng)
+  return out if model.own_losses else (*out, None)
+
+
+def _logged_loss(per_ex_loss, sw, own) -> jax.Array:
+  """What the loss's running mean adds per example: Keras' weighted loss,
+  plus the model's own losses (`model.losses`, in Keras's logged loss)."""
+  values = per_ex_loss if sw is None else per_ex_loss * sw
+  return values if own is None else values + jax.lax.stop_gradient(own)
+
+
+def _accumulate(totals: dict, loss_values, y_pred, batch: dict,
                 weighted: frozenset) -> dict:
   """Adds the batch to every metric (the step's mask leaves padding out).
 
   The loss is Keras' weighted loss: sum of weight times loss over the
-  number of examples; metrics named in `weighted` take the weights too.
+  number of examples (`loss_values`, from `_logged_loss`); metrics named in
+  `weighted` take the weights too.
   """
   y, sw = batch["y"], batch.get("sample_weight")
   y_pred = jax.lax.stop_gradient(y_pred)
-  new = {"loss": totals["loss"].update(
-      per_ex_loss if sw is None else per_ex_loss * sw)}
+  new = {"loss": totals["loss"].update(loss_values)}
   for name, metric in totals.items():
     if name != "loss":
       new[name] = metric.update(y, y_pred, sw if name in weighted else None)
@@ -53,7 +68,8 @@ def _accumulate(totals: dict, per_ex_loss, y_pred, batch: dict,
 
 
 def _mirror_model_state(model_state):
-  """Model state that varies over replicas, averaged (TF's ON_READ MEAN).
+  """Model state that varies over replicas, averaged (TF's ON_READ MEAN;
+  integers: their maximum).
 
   flax's BatchNorm is made global in the model's apply; state that still
   differs between replicas (a custom layer's running statistics) is made
@@ -67,9 +83,13 @@ def _mirror_model_state(model_state):
   def mirror(v):
     if not in_step.is_varying(v, ctx.axis_name):
       return v
-    mean = ctx.all_reduce("mean", v.astype(jnp.float32)
-                          if not jnp.issubdtype(v.dtype, jnp.inexact) else v)
-    return mean.astype(v.dtype)
+    if not jnp.issubdtype(v.dtype, jnp.inexact):
+      # Integer state (a Keras random layer's seed, a counter) holds the
+      # same value on every replica, typed as varying where a scan carried
+      # it: its maximum is that value, where a mean through float32 would
+      # round one above 2**24.
+      return ctx.all_reduce("max", v)
+    return ctx.all_reduce("mean", v)
 
   return jax.tree.map(mirror, model_state)
 
@@ -111,13 +131,19 @@ def make_train_step(model, loss: Loss, tx: optax.GradientTransformation,
     def loss_of(params, model_state, micro, index):
       x, y = micro["x"], micro["y"]
       sw = micro.get("sample_weight")
-      y_pred, model_state = model.apply(
-          params, model_state, x, train=True,
+      y_pred, model_state, own = _apply(
+          model, params, model_state, x, train=True,
           rng=state.batch_key(index // micro_batches, k))
       per_ex = _per_example_loss(loss, y, y_pred, _batch_size(x))
       scaled = losses.compute_average_loss(
           per_ex if sw is None else per_ex * sw)
-      return scale(scaled), (model_state, (y_pred, per_ex))
+      if own is not None:
+        # Once per optimizer step over all replicas and micro-batches, as
+        # Keras adds model.losses once per step.
+        scaled = scaled + losses.scale_regularization_loss(
+            own) / (micro_batches * k)
+      return scale(scaled), (model_state, (y_pred, _logged_loss(
+          per_ex, sw, own)))
 
     if micro_batches * k == 1 and own_grads:
       (_, (model_state, (y_pred, per_ex))), grads = tx.value_and_grad(
@@ -144,9 +170,11 @@ def make_eval_step(model, loss: Loss, weighted: frozenset = frozenset()):
 
   def eval_step(state: TrainState, totals: dict, batch: dict):
     x, y = batch["x"], batch["y"]
-    y_pred, _ = model.apply(state.params, state.model_state, x, train=False)
+    y_pred, _, own = _apply(model, state.params, state.model_state, x,
+                            train=False)
     per_ex = _per_example_loss(loss, y, y_pred, _batch_size(x))
-    return _accumulate(totals, per_ex, y_pred, batch, weighted)
+    return _accumulate(totals, _logged_loss(
+        per_ex, batch.get("sample_weight"), own), y_pred, batch, weighted)
 
   return eval_step
 
@@ -155,9 +183,8 @@ def make_predict_step(model):
   """`(state, batch) -> predictions`, run once per replica."""
 
   def predict_step(state: TrainState, batch: dict):
-    y_pred, _ = model.apply(state.params, state.model_state, batch["x"],
-                            train=False)
-    return y_pred
+    return _apply(model, state.params, state.model_state, batch["x"],
+                  train=False)[0]
 
   return predict_step
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
+
 from jdist._src.core import placement
 from jdist._src.ops import metrics as metrics_lib
 from jdist._src.training import mixed_precision
@@ -45,10 +47,12 @@ def device_sums(strategy, totals: dict) -> dict:
 
 
 def read_sums(strategy, totals: dict) -> dict:
-  """`{name: {"total", "count"}}` on the host, over replicas (one transfer)."""
+  """`{name: sums}` on the host, over replicas (one transfer), as JSON
+  values: `{"total", "count"}` floats (a Keras metric: its variables by
+  name, a vector as a list)."""
   sums = placement.to_host(device_sums(strategy, totals))
-  return {k: {"total": float(v["total"]), "count": float(v["count"])}
-          for k, v in sums.items()}
+  return {k: {n: float(a) if np.ndim(a) == 0 else np.asarray(a).tolist()
+              for n, a in v.items()} for k, v in sums.items()}
 
 
 def means(totals: dict, sums: dict) -> dict[str, float]:

@@ -1,0 +1,1 @@
+"""`jdist launch`: standard library only, so the launcher never loads JAX."""

@@ -1,0 +1,1 @@
+"""What runs inside each process of a run: `jdist.initialize`'s `Runtime`."""

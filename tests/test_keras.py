@@ -1,0 +1,563 @@
+"""Keras 3 models (JAX backend), unchanged, in jdist: `jdist.Trainer` with a
+Keras model, optimizer, loss and metrics; Keras's own `fit` under a
+strategy's scope; clear errors where it cannot work.
+
+Each training is compared with the same training on one device. Keras
+models get their initial values from one model's weights (`set_weights`),
+and their random layers fixed seeds, so that two models start alike without
+`keras.utils.set_random_seed` (which imports TensorFlow).
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+import jdist
+
+from conftest import Interrupt, strategy_on
+
+keras = pytest.importorskip("keras")
+
+# Keras 3.15 reads a variable with np.array(variable), which numpy 2 flags
+# (model.get_weights(), variable.numpy()): Keras's warning, not jdist's.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:__array__ implementation doesn't accept a copy:DeprecationWarning")
+
+
+def _mlp(weights=None, *, dropout=0.3, name="mlp"):
+  """A small classifier, in Keras's Sequential (built: it has an Input)."""
+  model = keras.Sequential([
+      keras.Input((64,)),
+      keras.layers.Dense(32, activation="relu", name="hidden"),
+      keras.layers.Dropout(dropout, seed=7),
+      keras.layers.Dense(10, name="logits"),
+  ], name=name)
+  if weights is not None:
+    model.set_weights(weights)
+  return model
+
+
+@pytest.fixture(autouse=True)
+def no_keras_distribution_left():
+  """A strategy's scope may leave Keras's distribution set (a model made in
+  it keeps it, as in TensorFlow): none leaks into the next test."""
+  yield
+  keras.distribution.set_distribution(None)
+
+
+@pytest.fixture(scope="module")
+def data(digits_flat):
+  x, y = digits_flat
+  return x[:240], y[:240].astype(np.int32), x[1500:1600], y[1500:1600]
+
+
+@pytest.fixture(scope="module")
+def weights():
+  return _mlp().get_weights()
+
+
+def _trainer(n, weights, **kwargs):
+  model = _mlp(weights)
+  trainer = jdist.Trainer(
+      model, optimizer=kwargs.pop("optimizer", keras.optimizers.SGD(0.1)),
+      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+      metrics=["accuracy", keras.metrics.SparseCategoricalAccuracy(
+          name="keras_accuracy")],
+      strategy=strategy_on(n), **kwargs)
+  return model, trainer
+
+
+def test_a_keras_model_trains_in_the_trainer_as_on_one_device(data, weights):
+  """30 SGD steps of a Keras Sequential with Dropout, a Keras optimizer,
+  loss and metric, on 1 and 2 replicas: the same parameters (Dropout draws
+  each example's mask as on one device), the same logs; the trained values
+  are written back into the Keras model, whose own predict and evaluate
+  then agree with the Trainer's."""
+  x, y, x_val, y_val = data
+  runs = {}
+  for n in (1, 2):
+    model, trainer = _trainer(n, weights)
+    history = trainer.fit(x, y, batch_size=48, epochs=6, shuffle=False,
+                          verbose=0, validation_data=(x_val, y_val))
+    assert trainer.global_step == 30
+    runs[n] = (model, trainer, history.history)
+  (m1, t1, h1), (m2, t2, h2) = runs[1], runs[2]
+  for a, b in zip(m1.get_weights(), m2.get_weights()):
+    np.testing.assert_allclose(a, b, atol=1e-5)
+  # Keras's metric object and jdist's "accuracy" count the same examples.
+  assert h2["keras_accuracy"] == pytest.approx(h2["accuracy"], abs=1e-6)
+  for key in h1:
+    np.testing.assert_allclose(h1[key], h2[key], rtol=1e-5, atol=1e-6)
+  # The Keras model holds the trained values: Keras's own predict agrees.
+  np.testing.assert_allclose(m2.predict(x_val, verbose=0),
+                             t2.predict(x_val, batch_size=32), atol=1e-5)
+  trained = t2.params
+  np.testing.assert_array_equal(
+      m2.get_layer("hidden").kernel.numpy(), trained["mlp"]["hidden"]["kernel"])
+
+
+def test_keras_names_and_objects_are_keras_meanings(data, weights):
+  """optimizer="adam" is Keras's Adam (its epsilon and bias correction),
+  applied through stateless_apply: equal to Keras's own optimizer stepping
+  the same gradients; an unknown name is a clear error."""
+  x, y, _, _ = data
+  model, trainer = _trainer(1, weights, optimizer="adam")
+  trainer.fit(x[:96], y[:96], batch_size=48, epochs=1, shuffle=False,
+              verbose=0)
+  assert trainer.optimizer is not None
+  state = jax.device_get(trainer.state.opt_state)
+  assert int(state["iteration"]) == 2
+  assert float(state["learning_rate"]) == pytest.approx(1e-3)
+  assert set(state) == {"iteration", "learning_rate", "momentum", "velocity"}
+  assert trainer.learning_rate == pytest.approx(1e-3)
+  with pytest.raises(ValueError, match="Unknown optimizer 'adamm'"):
+    jdist.Trainer(_mlp(weights), optimizer="adamm", loss="mse")
+
+
+def test_the_trainer_trains_as_keras_fit_does_regularizers_included(data):
+  """A model with L2 kernel regularizers: jdist.Trainer on 2 replicas gives
+  the weights and the logged losses (the model's losses included) of
+  Keras's own fit on one device, and evaluate's loss is Keras's."""
+  x, y, x_val, y_val = data
+
+  def make(weights=None):
+    model = keras.Sequential([
+        keras.Input((64,)),
+        keras.layers.Dense(32, activation="relu", name="hidden",
+                           kernel_regularizer=keras.regularizers.L2(1e-2)),
+        keras.layers.Dense(10, name="logits",
+                           kernel_regularizer=keras.regularizers.L2(1e-2))])
+    if weights is not None:
+      model.set_weights(weights)
+    return model
+
+  keras_model = make()
+  weights = keras_model.get_weights()
+  loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+  keras_model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+  keras_history = keras_model.fit(x, y, batch_size=48, epochs=2,
+                                  shuffle=False, verbose=0).history
+  ours = make(weights)
+  trainer = jdist.Trainer(ours, optimizer=keras.optimizers.SGD(0.1),
+                          loss=loss, strategy=strategy_on(2))
+  history = trainer.fit(x, y, batch_size=48, epochs=2, shuffle=False,
+                        verbose=0).history
+  for a, b in zip(keras_model.get_weights(), ours.get_weights()):
+    np.testing.assert_allclose(a, b, atol=1e-5)
+  np.testing.assert_allclose(history["loss"], keras_history["loss"],
+                             rtol=1e-5)
+  assert trainer.evaluate(x_val, y_val, batch_size=32)["loss"] == \
+      pytest.approx(keras_model.evaluate(x_val, y_val, verbose=0), rel=1e-5)
+
+
+# --- the Trainer's features with a Keras model, each equal to one device
+
+
+def _fit_keras(strategy, weights, data, *, optimizer=None, callbacks=(),
+               **kwargs):
+  x, y, _, _ = data
+  model = _mlp(weights)
+  trainer = jdist.Trainer(
+      model, optimizer=optimizer or keras.optimizers.SGD(0.05, momentum=0.9),
+      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+      metrics=["accuracy"], strategy=strategy, **kwargs)
+  history = trainer.fit(x, y, batch_size=24, epochs=3, shuffle=False,
+                        verbose=0, callbacks=list(callbacks))
+  return model, trainer, history.history
+
+
+def _model_parallel():
+  layout_map = jdist.LayoutMap(jdist.DeviceMesh((2, 2), ("data", "model")))
+  layout_map["hidden/kernel"] = (None, "model")   # Keras's variable path
+  layout_map["hidden/bias"] = ("model",)
+  return jdist.ModelParallelStrategy(layout_map=layout_map)
+
+
+CONFIGURATIONS = {
+    # Keras's SGD with momentum; 4 batches per call, 2 per optimizer step.
+    "steps_per_execution_and_accumulation": (
+        lambda: strategy_on(4),
+        dict(steps_per_execution=4, gradient_accumulation_steps=2)),
+    # The Keras optimizer's moments split over the replicas (ZeRO).
+    "zero": (lambda: strategy_on(2), dict(shard_optimizer_state=True)),
+    # The hidden layer split over "model" by its Keras path, and ZeRO.
+    "model_parallel": (_model_parallel, dict(shard_optimizer_state=True)),
+}
+
+
+@pytest.fixture(scope="module")
+def one_device_runs(data, weights):
+  """The one-device runs the configurations compare with, by accumulation
+  (what changes the trajectory): each trained once."""
+  runs = {}
+
+  def run(accumulation):
+    if accumulation not in runs:
+      model, trainer, history = _fit_keras(
+          strategy_on(1), weights, data,
+          gradient_accumulation_steps=accumulation)
+      runs[accumulation] = (model.get_weights(), trainer.global_step,
+                            history["loss"])
+    return runs[accumulation]
+  return run
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGURATIONS))
+def test_trainer_features_with_a_keras_model_equal_one_device(
+    name, data, weights, one_device_runs):
+  """30 batches (SGD with momentum, Dropout on): N devices as one."""
+  make_strategy, kwargs = CONFIGURATIONS[name]
+  accumulation = kwargs.get("gradient_accumulation_steps", 1)
+  weights1, steps1, loss1 = one_device_runs(accumulation)
+  many, trainer, history = _fit_keras(make_strategy(), weights, data,
+                                      **kwargs)
+  assert steps1 == trainer.global_step == 30 // accumulation
+  for a, b in zip(weights1, many.get_weights()):
+    np.testing.assert_allclose(a, b, atol=1e-5)
+  np.testing.assert_allclose(loss1, history["loss"], rtol=1e-5)
+  if name == "model_parallel":
+    kernel = trainer.params["mlp"]["hidden"]["kernel"]
+    assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "model")
+
+
+def test_a_keras_models_training_resumes_exactly(data, weights, tmp_path):
+  """BackupAndRestore over a Keras model: the seed generators' states (its
+  Dropout's) and the Keras optimizer's moments are in the train state, so
+  a run killed after step 13 and resumed equals one never interrupted."""
+  strategy = strategy_on(2)
+  whole, _, h_whole = _fit_keras(strategy, weights, data)
+  with pytest.raises(KeyboardInterrupt):
+    _fit_keras(strategy, weights, data, callbacks=[
+        Interrupt(13), jdist.BackupAndRestore(tmp_path, save_freq=4)])
+  backup = jdist.BackupAndRestore(tmp_path, save_freq=4)
+  resumed, trainer, h_resumed = _fit_keras(strategy, weights, data,
+                                           callbacks=[backup])
+  assert backup.restored_step == 12
+  for a, b in zip(whole.get_weights(), resumed.get_weights()):
+    np.testing.assert_array_equal(a, b)
+  # The epoch that spans the resume adds its restored sums in another order.
+  np.testing.assert_allclose(h_resumed["loss"], h_whole["loss"], rtol=1e-6)
+
+
+def test_callbacks_reach_a_keras_optimizer_and_model(data, weights, tmp_path):
+  """LearningRateScheduler sets a Keras optimizer's learning rate (its
+  variable, in the train state); EarlyStopping's restored best weights and
+  a ModelCheckpoint's loaded ones land in the Keras model."""
+  x, y, x_val, y_val = data
+  model, trainer, _ = _fit_keras(
+      strategy_on(1), weights, data, optimizer=keras.optimizers.SGD(0.1),
+      callbacks=[jdist.LearningRateScheduler(
+          lambda epoch, lr: 0.1 if epoch < 2 else 0.0),
+          jdist.ModelCheckpoint(tmp_path, save_weights_only=True)])
+  assert trainer.learning_rate == 0.0
+  after_two = model.get_weights()
+  trainer.fit(x, y, batch_size=24, epochs=1, shuffle=False, verbose=0)
+  for a, b in zip(after_two, model.get_weights()):
+    np.testing.assert_array_equal(a, b)  # a rate of 0 leaves them
+  trainer.learning_rate = -0.5  # gradient ascent: the loss rises
+  stopper = jdist.EarlyStopping(monitor="loss", patience=0,
+                                restore_best_weights=True)
+  history = trainer.fit(x, y, batch_size=24, epochs=4, shuffle=False,
+                        verbose=0, callbacks=[stopper])
+  assert trainer.stop_training, history.history
+  best = jax.device_get(stopper.best_state.params)
+  np.testing.assert_array_equal(model.get_layer("hidden").kernel.numpy(),
+                                best["mlp"]["hidden"]["kernel"])
+  trainer.load_checkpoint(tmp_path)
+  for a, b in zip(after_two, model.get_weights()):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_a_keras_model_computes_in_its_own_dtype_policy(data, weights):
+  """A model built under Keras's mixed_bfloat16 policy trains in bfloat16
+  by itself (the Trainer takes its policy); 2 replicas equal one device
+  (to bfloat16's precision); another policy for it is a clear error."""
+  keras.config.set_dtype_policy("mixed_bfloat16")
+  try:
+    models = [_mlp(weights) for _ in range(2)]
+  finally:
+    keras.config.set_dtype_policy("float32")
+  x, y, _, _ = data
+  trained = []
+  for n, model in zip((1, 2), models):
+    trainer = jdist.Trainer(model, optimizer="sgd", loss=keras.losses.
+                            SparseCategoricalCrossentropy(from_logits=True),
+                            strategy=strategy_on(n))
+    assert trainer.predict(x[:4]).dtype == np.float32
+    trainer.fit(x, y, batch_size=24, epochs=1, shuffle=False, verbose=0)
+    trained.append(model.get_weights())
+  for a, b in zip(*trained):
+    assert a.dtype == b.dtype
+    np.testing.assert_allclose(a, b, atol=2e-3)
+  with pytest.raises(ValueError, match="computes under the dtype policy "
+                     "'float32'.*set_dtype_policy"):
+    jdist.Trainer(_mlp(weights), optimizer="sgd", loss="mse",
+                  dtype_policy="mixed_bfloat16")
+
+
+# --- custom loops: TensorFlow's "Custom training with tf.distribute.Strategy"
+
+
+def _create_model():
+  """The tutorial's model (its regularised CNN), for 16 x 16 digits."""
+  regularizer = keras.regularizers.L2(1e-5)
+  return keras.Sequential([
+      keras.Input((16, 16, 1)),
+      keras.layers.Conv2D(8, 3, activation="relu",
+                          kernel_regularizer=regularizer),
+      keras.layers.MaxPooling2D(),
+      keras.layers.Conv2D(16, 3, activation="relu",
+                          kernel_regularizer=regularizer),
+      keras.layers.MaxPooling2D(),
+      keras.layers.Flatten(),
+      keras.layers.Dense(32, activation="relu", kernel_regularizer=regularizer),
+      keras.layers.Dense(10, kernel_regularizer=regularizer),
+  ])
+
+
+def _custom_training(strategy, weights, images, labels, steps):
+  """The tutorial's program, its TensorFlow lines replaced by their JAX
+  equivalents: the step is a pure function of the model's variables
+  (`jdist.keras_functions`), jdist's loss averaging and value metrics."""
+  GLOBAL_BATCH_SIZE = 32
+
+  with strategy.scope():
+    loss_object = keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction="none")
+
+    def compute_loss(labels, predictions, model_losses):
+      per_example_loss = loss_object(labels, predictions)
+      loss = jdist.compute_average_loss(per_example_loss)
+      if model_losses:
+        loss += jdist.scale_regularization_loss(model_losses)
+      return loss
+
+    train_accuracy = jdist.metrics.SparseCategoricalAccuracy(
+        name="train_accuracy")
+
+  with strategy.scope():
+    model = _create_model()
+    model.set_weights(weights)
+    optimizer = keras.optimizers.Adam(learning_rate=0.001)
+    variables, model_fns = jdist.keras_functions(model, optimizer)
+
+  def train_step(variables, train_accuracy, inputs):
+    images, labels = inputs
+
+    def loss_fn(trainable):
+      predictions, non_trainable, model_losses = model_fns.call(
+          trainable, variables.non_trainable, images, training=True)
+      loss = compute_loss(labels, predictions, model_losses)
+      return loss, (predictions, non_trainable)
+
+    (loss, (predictions, non_trainable)), gradients = jax.value_and_grad(
+        loss_fn, has_aux=True)(variables.trainable)
+    variables = model_fns.apply_gradients(
+        variables.replace(non_trainable=non_trainable), gradients)
+    train_accuracy = train_accuracy.update(labels, predictions)
+    return variables, train_accuracy, loss
+
+  @jax.jit
+  def distributed_train_step(variables, train_accuracy, dataset_inputs):
+    variables, train_accuracy, per_replica_losses = strategy.run(
+        train_step, args=(variables, train_accuracy, dataset_inputs))
+    return variables, train_accuracy, strategy.reduce(
+        jdist.ReduceOp.SUM, per_replica_losses, axis=None)
+
+  dataset = [(images[i:i + GLOBAL_BATCH_SIZE], labels[i:i + GLOBAL_BATCH_SIZE])
+             for i in range(0, steps * GLOBAL_BATCH_SIZE, GLOBAL_BATCH_SIZE)]
+  train_dist_dataset = strategy.experimental_distribute_dataset(dataset)
+  variables = strategy.replicate(variables)
+  train_accuracy = strategy.replicate(train_accuracy)
+  total_loss = 0.0
+  for x in train_dist_dataset:
+    variables, train_accuracy, loss = distributed_train_step(
+        variables, train_accuracy, x)
+    total_loss += float(loss)
+  model_fns.assign(variables)
+  return model, total_loss / steps, float(train_accuracy.result())
+
+
+def test_tensorflows_custom_training_tutorial_ports_with_its_keras_model(
+    digits):
+  """The tutorial's loop (its Adam, its regularised Keras CNN, the model's
+  losses scaled by the replicas) on 2 replicas equals one device, and the
+  trained values land in the Keras model."""
+  x, y = digits
+  images = np.repeat(np.repeat(x[:192], 2, axis=1), 2, axis=2)  # 16 x 16
+  weights = _create_model().get_weights()
+  one = _custom_training(strategy_on(1), weights, images, y[:192], steps=6)
+  two = _custom_training(strategy_on(2), weights, images, y[:192], steps=6)
+  for a, b in zip(one[0].get_weights(), two[0].get_weights()):
+    np.testing.assert_allclose(a, b, atol=2e-5)
+  assert two[1] == pytest.approx(one[1], rel=1e-5)
+  assert two[2] == pytest.approx(one[2], abs=1e-6)
+  assert not np.allclose(one[0].get_weights()[0], weights[0])  # it trained
+
+
+# --- Keras's own fit under a strategy's scope ------------------------------
+
+
+def _compiled(weights, optimizer="sgd"):
+  model = _mlp(weights, dropout=0.0)
+  model.compile(optimizer=optimizer, metrics=["accuracy"],
+                loss=keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True))
+  return model
+
+
+def test_keras_fit_under_a_scope_distributes_or_fails_loudly(data, weights):
+  """TensorFlow's literal program: model and compile in the scope, fit
+  after it. Keras's own fit then runs data-parallel over the strategy's
+  devices (its keras.distribution) and equals one device; a
+  ModelParallelStrategy's LayoutMap splits the variables Keras makes; a
+  strategy Keras's fit cannot run fails at fit, naming jdist.Trainer."""
+  x, y, _, _ = data
+  reference = _compiled(weights)
+  reference.fit(x, y, batch_size=48, epochs=2, shuffle=False, verbose=0)
+
+  strategy = strategy_on(2)
+  with strategy.scope():
+    model = _compiled(weights)
+  distribution = keras.distribution.distribution()
+  assert isinstance(distribution, keras.distribution.DataParallel)
+  assert list(distribution.device_mesh.devices) == list(strategy.devices)
+  kernel = model.get_layer("hidden").kernel.value
+  assert set(kernel.sharding.device_set) == set(strategy.devices)
+  model.fit(x, y, batch_size=48, epochs=2, shuffle=False, verbose=0)
+  for a, b in zip(reference.get_weights(), model.get_weights()):
+    np.testing.assert_allclose(a, b, atol=1e-5)
+
+  mesh = jdist.DeviceMesh((2, 2), ("data", "model"))
+  layout_map = jdist.LayoutMap(mesh)
+  layout_map["hidden/kernel"] = (None, "model")
+  with jdist.ModelParallelStrategy(layout_map=layout_map).scope():
+    split = _compiled(weights)
+    split.fit(x, y, batch_size=48, epochs=2, shuffle=False, verbose=0)
+    assert split.get_layer("hidden").kernel.value.sharding.spec == \
+        jax.sharding.PartitionSpec(None, "model")
+  for a, b in zip(reference.get_weights(), split.get_weights()):
+    np.testing.assert_allclose(a, b, atol=1e-5)
+
+  with jdist.CentralStorageStrategy(jax.devices()[:2]).scope():
+    central = _compiled(weights)
+  with pytest.raises(RuntimeError, match=r"Keras's own fit cannot run on "
+                     r"CentralStorageStrategy.*jdist\.Trainer"):
+    central.fit(x, y, batch_size=48, epochs=1, verbose=0)
+
+  # A scope that made no Keras variables leaves Keras as it found it.
+  keras.distribution.set_distribution(None)
+  with strategy_on(2).scope():
+    assert keras.distribution.distribution() is not None
+  assert keras.distribution.distribution() is None
+
+
+# --- other kinds of Keras models, Keras's names, clear errors --------------
+
+
+class _Subclassed(keras.Model):
+  """A subclassed model, unbuilt until it sees data."""
+
+  def __init__(self):
+    super().__init__(name="sub")
+    self.hidden = keras.layers.Dense(16, activation="relu", name="hidden")
+    self.norm = keras.layers.BatchNormalization(name="norm")
+    self.out = keras.layers.Dense(1, activation="sigmoid", name="out")
+
+  def call(self, x, training=False):
+    return self.out(self.norm(self.hidden(x), training=training))
+
+
+def test_unbuilt_and_functional_models_with_batch_statistics(data):
+  """A subclassed model unbuilt until the first batch, and a functional one
+  with BatchNormalization: their moving statistics are model state,
+  averaged over replicas after each step (with a warning, once, that each
+  replica normalises with its own batch's statistics); Keras metric names
+  ("auc") and objects (keras.metrics.AUC) count every example once."""
+  x, y, x_val, y_val = data
+  binary, binary_val = (y % 2).astype(np.float32), (y_val % 2).astype(
+      np.float32)
+  model = _Subclassed()
+  assert not model.built
+  trainer = jdist.Trainer(
+      model, optimizer="adam", loss="binary_crossentropy", strategy=strategy_on(2),
+      metrics=["auc", keras.metrics.AUC(name="keras_auc")])
+  with pytest.warns(UserWarning, match="each replica normalises with its "
+                    "own batch's statistics") as record:
+    trainer.fit(x, binary, batch_size=48, epochs=1, verbose=0)
+  assert len([w for w in record if "normalises" in str(w.message)]) == 1
+  assert model.built
+  state = trainer.state.model_state
+  assert set(state["sub"]["norm"]) == {"moving_mean", "moving_variance"}
+  moving = np.asarray(state["sub"]["norm"]["moving_mean"])
+  assert np.abs(moving).max() > 0  # the statistics moved
+  np.testing.assert_allclose(model.get_layer("norm").moving_mean.numpy(), moving)
+  # Evaluated on 100 examples, batches of 32 over 2 replicas (the last one
+  # padded): Keras's AUC on the same predictions, computed by Keras.
+  logs = trainer.evaluate(x_val, binary_val, batch_size=32)
+  reference = keras.metrics.AUC()
+  reference.update_state(binary_val, model.predict(x_val, verbose=0))
+  assert logs["auc"] == pytest.approx(float(reference.result()), abs=1e-6)
+  assert logs["keras_auc"] == pytest.approx(logs["auc"], abs=1e-6)
+
+  inputs = keras.Input((64,))
+  hidden = keras.layers.BatchNormalization()(
+      keras.layers.Dense(16, activation="relu")(inputs))
+  functional = keras.Model(inputs, keras.layers.Dense(10)(hidden))
+  trainer = jdist.Trainer(
+      functional, optimizer=keras.optimizers.SGD(0.1), strategy=strategy_on(1),
+      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  trainer.fit(x, y, batch_size=48, epochs=1, verbose=0)
+  assert trainer.global_step == 5
+
+
+def test_clear_errors_for_keras_objects_jdist_cannot_honour(weights):
+  model = _mlp(weights)
+  with pytest.raises(ValueError, match="reduction='sum'.*sum_over_batch_size"):
+    jdist.Trainer(model, optimizer="sgd",
+                  loss=keras.losses.MeanSquaredError(reduction="sum"))
+  with pytest.raises(ValueError, match="gradient_accumulation_steps=2"):
+    jdist.Trainer(model, loss="mse", optimizer=keras.optimizers.SGD(
+        gradient_accumulation_steps=2))
+  with pytest.raises(ValueError, match="LossScaleOptimizer.*mixed_float16"):
+    jdist.Trainer(model, loss="mse", optimizer=keras.optimizers.
+                  LossScaleOptimizer(keras.optimizers.SGD()))
+  with pytest.raises(ValueError, match="holds its own variables"):
+    jdist.Trainer(model, loss="mse", optimizer="sgd", params={})
+
+
+def _run(code: str, **env) -> subprocess.CompletedProcess:
+  return subprocess.run(
+      [sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+      text=True, timeout=300, env={**os.environ, **env})
+
+
+def test_keras_on_another_backend_is_a_clear_error():
+  """A Keras model whose keras runs on another backend (numpy here, the
+  same for TensorFlow) cannot run through its JAX stateless API: the Trainer says how to fix it. A Keras optimizer's
+  name without keras installed says what to install; importing jdist and
+  using the Trainer with optax never needs keras."""
+  other = _run("""
+      import keras, jdist
+      model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+      try:
+        jdist.Trainer(model, optimizer="sgd", loss="mse")
+      except RuntimeError as e:
+        print("ERROR", e)
+      """, KERAS_BACKEND="numpy")
+  assert "ERROR" in other.stdout, other.stderr[-2000:]
+  assert "'numpy' backend" in other.stdout
+  assert "KERAS_BACKEND=jax" in other.stdout
+
+
+
+def test_a_keras_name_without_keras_installed_is_a_clear_error(monkeypatch):
+  monkeypatch.setitem(sys.modules, "keras", None)  # as if not installed
+  with pytest.raises(ImportError, match=r"needs Keras 3, which is not "
+                     r"installed: pip install 'jdist\[keras\]'"):
+    jdist.Trainer(lambda p, x: x @ p, params={}, optimizer="adam", loss="mse")
