@@ -14,7 +14,14 @@ runs it, on one device, counted by valgrind's callgrind (repeatable on a
 shared machine, where times are not): a process per loop, warmed up
 (compiled) before callgrind's instrumentation is turned on, counts inside
 `functools.reduce` around a run of 1 and one of 3 epochs; the difference
-over the steps between them leaves each run's fixed cost out.
+over the steps between them leaves each run's fixed cost out. With
+`--against DIR` as well, the same loops are counted again with the jdist
+package found in DIR (another checkout), in the same run:
+
+    python benchmarks/fit_overhead.py --instructions 1 --against /path/to/main
+
+`JDIST_BENCH_SOURCE=DIR` measures the jdist package found in DIR instead of
+this checkout's (as in benchmarks/overhead.py).
 
 The three loops alternate round by round (each timing a few epochs), so that
 the machine's noise hits them alike; a ratio is the median over rounds of
@@ -35,11 +42,15 @@ import tempfile
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+_SOURCE = os.environ.get("JDIST_BENCH_SOURCE")
+if _SOURCE:  # before `import jdist`: leave the editable install's finder out
+  sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f)]
 
 import jax  # noqa: E402
 import optax  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, _SOURCE or
+                os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jdist  # noqa: E402
 import provenance  # noqa: E402  (RESULTS.md's "from which run")
@@ -186,7 +197,8 @@ def count_steps(which: int) -> None:
     _callgrind("-d")
 
 
-def instructions(loops, keep: str | None = None) -> dict | None:
+def instructions(loops, keep: str | None = None,
+                 source: str | None = None) -> dict | None:
   """Instructions per step of each of `loops` (indices into LOOPS) on the
   thread that runs it (one device), or None without valgrind: the
   difference between the runs of INSTRUCTION_EPOCHS epochs over the steps
@@ -195,6 +207,7 @@ def instructions(loops, keep: str | None = None) -> dict | None:
   Args:
     keep: a directory to keep callgrind's files in (`callgrind_annotate`
       them for the instructions per function), or None.
+    source: a directory whose jdist package is counted (None: this one's).
   """
   valgrind = shutil.which("valgrind")
   if valgrind is None or shutil.which("callgrind_control") is None:
@@ -202,16 +215,19 @@ def instructions(loops, keep: str | None = None) -> dict | None:
   steps = INSTRUCTION_EXAMPLES // BATCH
   out = {"devices": 1, "steps_per_epoch": steps,
          "epochs": list(INSTRUCTION_EPOCHS)}
+  env = dict(os.environ)
+  if source:
+    env["JDIST_BENCH_SOURCE"] = source
   with tempfile.TemporaryDirectory() as tmp:
     tmp = keep or tmp
     for i in loops:
-      prefix = f"{tmp}/{i}"
+      prefix = f"{tmp}/{'against-' if source else ''}{i}"
       subprocess.run(
           [valgrind, "--tool=callgrind", "--separate-threads=yes",
            "--instr-atstart=no", "--collect-atstart=no",
            "--toggle-collect=functools_reduce",
            f"--callgrind-out-file={prefix}.%p", sys.executable, __file__,
-           "--count-steps", str(i)],
+           "--count-steps", str(i)], env=env,
           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
       counts = []
       for dump in (1, 2):  # a dump counts since the one before
@@ -238,6 +254,9 @@ def main(argv=None):
                            "valgrind)")
   parser.add_argument("--keep-profiles", metavar="DIR",
                       help="with --instructions: keep callgrind's files in DIR")
+  parser.add_argument("--against", metavar="DIR",
+                      help="with --instructions: count the loops with DIR's "
+                           "jdist package too (e.g. main's checkout)")
   parser.add_argument("--count-steps", type=int,
                       help=argparse.SUPPRESS)  # what --instructions runs
   args = parser.parse_args(argv)
@@ -245,8 +264,12 @@ def main(argv=None):
     count_steps(args.count_steps)
     return
   if args.instructions:
-    print(json.dumps(instructions(
-        [int(i) for i in args.instructions.split(",")], args.keep_profiles)))
+    loops = [int(i) for i in args.instructions.split(",")]
+    counts = instructions(loops, args.keep_profiles)
+    if args.against and counts is not None:
+      counts["against"] = {"source": args.against, **instructions(
+          loops, args.keep_profiles, args.against)}
+    print(json.dumps(counts))
     return
   provenance.report(lambda: measure(QUICK if args.quick else FULL), section, args.json)
 

@@ -218,11 +218,47 @@ class FitLoop:
     returns the fit's `History`.
 
     The trained state stays the loop's, also when an exception ends the fit
-    (the steps that ran stay applied, as Keras' variables do).
+    (the steps that ran stay applied, as Keras' variables do). The epochs
+    run here, not in a function of their own: an error a callback raises
+    shows a traceback a frame shorter.
     """
     self._start(plan)
     try:
-      self._run_epochs(cbs, bar)
+      plan, logs = self._plan, {}
+      cbs.call("on_train_begin", {})
+      while self.position.epoch < plan.epochs:
+        epoch, start = self.position.epoch, self.position.batch
+        self.totals = plan.make_totals(self._resume_sums if start else None)
+        self._resume_sums = None
+        cbs.call("on_epoch_begin", epoch, {})
+        bar.start_epoch(epoch, self.epoch_length(epoch), initial=start)
+        if plan.skipped is not None:
+          plan.skipped.start_epoch(self._state)
+        started = time.perf_counter()
+        ran = self._run_epoch(epoch, start, cbs, bar)
+        if not ran and start == 0:
+          warnings.warn(
+              f"The training data ran out at epoch {epoch + 1}: no batches "
+              "were left. Training stops here; pass steps_per_epoch and "
+              "enough data (or a re-iterable dataset) for every epoch.",
+              UserWarning)
+          break
+        if bar.times_steps:  # until the epoch's last step is done
+          jax.block_until_ready((self._state, self.totals))
+          bar.timed(ran, time.perf_counter() - started)
+        logs = self.logs()
+        if plan.validate is not None:
+          val_logs = plan.validate(self._state, cbs)
+          logs.update({f"val_{k}": v for k, v in val_logs.items()})
+        self.position = self.position.next_epoch()
+        self.totals = None
+        self.history.on_epoch_end(epoch, logs)  # first: checkpoints see it
+        cbs.call("on_epoch_end", epoch, logs)
+        bar.end_epoch(epoch, logs)
+        self._warn(epoch, logs)
+        if self.stop_training:
+          break
+      cbs.call("on_train_end", logs)
     finally:
       shuffle_order.shutdown()  # the worker drawing permutations ahead
     if not self.strategy.synchronous:
@@ -258,43 +294,6 @@ class FitLoop:
     self.totals = None
     self._resume_sums = None
     self._warned_nonfinite = False
-
-  def _run_epochs(self, cbs: CallbackList, bar: ProgressBar) -> None:
-    """The epochs of `run`, from the position on."""
-    plan, logs = self._plan, {}
-    cbs.call("on_train_begin", {})
-    while self.position.epoch < plan.epochs:
-      epoch, start = self.position.epoch, self.position.batch
-      self.totals = plan.make_totals(self._resume_sums if start else None)
-      self._resume_sums = None
-      cbs.call("on_epoch_begin", epoch, {})
-      bar.start_epoch(epoch, self.epoch_length(epoch), initial=start)
-      if plan.skipped is not None:
-        plan.skipped.start_epoch(self._state)
-      started = time.perf_counter()
-      ran = self._run_epoch(epoch, start, cbs, bar)
-      if not ran and start == 0:
-        warnings.warn(
-            f"The training data ran out at epoch {epoch + 1}: no batches were "
-            "left. Training stops here; pass steps_per_epoch and enough data "
-            "(or a re-iterable dataset) for every epoch.", UserWarning)
-        break
-      if bar.times_steps:  # until the epoch's last step is done
-        jax.block_until_ready((self._state, self.totals))
-        bar.timed(ran, time.perf_counter() - started)
-      logs = self.logs()
-      if plan.validate is not None:
-        val_logs = plan.validate(self._state, cbs)
-        logs.update({f"val_{k}": v for k, v in val_logs.items()})
-      self.position = self.position.next_epoch()
-      self.totals = None
-      self.history.on_epoch_end(epoch, logs)  # first: checkpoints include it
-      cbs.call("on_epoch_end", epoch, logs)
-      bar.end_epoch(epoch, logs)
-      self._warn(epoch, logs)
-      if self.stop_training:
-        break
-    cbs.call("on_train_end", logs)
 
   def _run_epoch(self, epoch: int, start: int, cbs: CallbackList,
                  bar: ProgressBar) -> int:
