@@ -299,6 +299,11 @@ class ParameterServerFunction:
       return self._schedule(args, kwargs)
     return self._run(ctx, args, kwargs)
 
+  def carry(self, *values) -> None:
+    """None: a scheduled step takes its values whole, as a call takes them
+    (`DistributedFunction.carry` holds them flat for a loop of calls)."""
+    del values
+
   # --- on a worker -------------------------------------------------------------
 
   def _program(self, ctx) -> _Program:

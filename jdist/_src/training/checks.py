@@ -12,6 +12,7 @@ a shape already checked is not traced again.
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 from jdist._src.training import objectives
 from jdist._src.training import steps
@@ -71,15 +72,16 @@ class DataChecks:
       self._objectives_checked.add(key)
     return y_pred
 
-  def objectives(self, source, sample: dict, state, abstract_state,
-                 metrics: dict, what: str) -> None:
+  def objectives(self, source, sample: dict, read_state: Callable,
+                 abstract_state, metrics: dict, what: str) -> None:
     """Checks the loss and `metrics` (`{name: Metric}`) against the data's
     targets and the model's predictions, once per shape; the first batch's
     predictions once; and every target of `source` (arrays at once,
     batches as they are read).
 
     Args:
-      state: the train state's value (the first batch is predicted with it).
+      read_state: `read_state()` gives the train state's value, which the
+        first batch is predicted with (read only then).
 
     Raises:
       ValueError: the loss or a metric does not fit the targets or the
@@ -90,7 +92,7 @@ class DataChecks:
     if not self._checked_first_batch:
       self._checked_first_batch = True
       objectives.check_predictions(program.loss, steps.predictions(
-          program.model, state, sample["x"]))
+          program.model, read_state(), sample["x"]))
     num_classes = y_pred.shape[-1] if y_pred.ndim > 1 else None
     source.check_targets(functools.partial(
         objectives.check_targets, program.loss, num_classes=num_classes))

@@ -2,7 +2,7 @@
 
 Pass `p` over `n` examples shuffled with seed `s` reads them in the order
 `numpy.random.default_rng([s, p]).permutation(n)` (an epoch is a pass, or
-part of one when `steps_per_epoch` is shorter: `data.epoch_span`): any
+part of one when `steps_per_epoch` is shorter: `epochs.epoch_span`): any
 pass's order, and so any position in it, is recomputed exactly on resume.
 
 Drawing a permutation costs a few hundred microseconds for 32,768

@@ -105,13 +105,6 @@ class StepFunctions:
     self._batches_per_call = batches_per_call
     self._train = self._test = self._predict = None
 
-  @property
-  def donates_state(self) -> bool:
-    """Whether the train function donates the state it is given (the
-    returned state reuses its buffers), as Keras 3's does: under a
-    synchronous strategy; state held on parameter servers is not donated."""
-    return self.strategy.synchronous
-
   def train(self, force: bool = False):
     """The train function: `(state, totals, batch) -> (state, totals)`, both
     written back where the strategy holds them; made once (again with
