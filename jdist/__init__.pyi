@@ -177,6 +177,7 @@ from jdist._src.training.checkpoint_callbacks import (
 from jdist._src.training.control import (
     EarlyStopping as EarlyStopping,
     LearningRateScheduler as LearningRateScheduler,
+    ReduceLROnPlateau as ReduceLROnPlateau,
 )
 from jdist._src.training.dataset_creator import (
     DatasetCreator as DatasetCreator,
@@ -263,6 +264,7 @@ __all__ = [
     "PerWorkerDataset",
     "PerWorkerIterator",
     "ProgramMismatchError",
+    "ReduceLROnPlateau",
     "ReduceOp",
     "ReductionToOneDevice",
     "RemoteValue",

@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jdist._src import jax_compat
 from jdist._src.core import placement
 from jdist._src.keras import global_draws
 from jdist._src.keras import loading
@@ -143,7 +144,7 @@ class StatelessModel:
       return self.model.stateless_call(tv, ntv, x, training=training,
                                        return_losses=True)
 
-    with loading.no_distribution():
+    with loading.no_distribution(), jax_compat.varying_loop_carries():
       if training:
         y, ntv, losses = global_draws.call(call, tv, ntv, x, rows=_rows(x))
       else:

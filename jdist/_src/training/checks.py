@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 
 from jdist._src.training import objectives
+from jdist._src.training import outputs
 from jdist._src.training import steps
 from jdist._src.training.program import TrainingProgram
 
@@ -75,13 +76,21 @@ class DataChecks:
     if key not in self._objectives_checked:
       steps.check_objectives(program.loss, metrics, sample, y_pred, what)
       self._objectives_checked.add(key)
+    checked = outputs.parts(program.loss, y_pred)
     if not self._checked_first_batch:
       self._checked_first_batch = True
-      objectives.check_predictions(program.loss, steps.predictions(
-          program.model, state, sample["x"]))
-    num_classes = y_pred.shape[-1] if y_pred.ndim > 1 else None
-    source.check_targets(functools.partial(
-        objectives.check_targets, program.loss, num_classes=num_classes))
+      predictions = steps.predictions(program.model, state, sample["x"])
+      for loss, _, pred in checked:
+        objectives.check_predictions(loss, pred(predictions))
+    checks = [functools.partial(
+        objectives.check_targets, loss,
+        num_classes=pred(y_pred).shape[-1] if pred(y_pred).ndim > 1 else None)
+        for loss, _, pred in checked]
+
+    def check_targets(y, where):
+      for check, (_, true, _) in zip(checks, checked):
+        check(true(y), where)
+    source.check_targets(check_targets)
 
 
 def _key(sample: dict, abstract_state) -> tuple:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jdist._src.core import context
 from jdist._src.core import in_step
 from jdist._src.core import placement
 from jdist._src.core.replica_context import resolve_batch
@@ -63,7 +64,8 @@ def _accumulate(totals: dict, loss_values, y_pred, batch: dict,
   new = {"loss": totals["loss"].update(loss_values)}
   for name, metric in totals.items():
     if name != "loss":
-      new[name] = metric.update(y, y_pred, sw if name in weighted else None)
+      takes = name in weighted or getattr(metric, "takes_sample_weight", False)
+      new[name] = metric.update(y, y_pred, sw if takes else None)
   return new
 
 
@@ -92,6 +94,19 @@ def _mirror_model_state(model_state):
     return ctx.all_reduce("mean", v)
 
   return jax.tree.map(mirror, model_state)
+
+
+def _varying_over_replicas(params):
+  """The parameters cast to varying over the replicas as the model gets
+  them, inside the differentiated function: autodiff's all-reduce of their
+  gradients (this cast's transpose) then sums them in the parameters' own
+  dtype, as TensorFlow's all-reduce of a float32 variable's gradient does,
+  not in the bfloat16 a mixed precision model casts them to before their
+  first use with the batch (where JAX would insert the cast otherwise)."""
+  ctx = context.current_replica_context()
+  if ctx is None or ctx.num_replicas_in_sync == 1:
+    return params
+  return jax.tree.map(lambda p: in_step.to_varying(p, ctx.axis_name), params)
 
 
 def _loss_scaling(opt_state):
@@ -129,6 +144,7 @@ def make_train_step(model, loss: Loss, tx: optax.GradientTransformation,
     own_grads = hasattr(tx, "value_and_grad")
 
     def loss_of(params, model_state, micro, index):
+      params = _varying_over_replicas(params)
       x, y = micro["x"], micro["y"]
       sw = micro.get("sample_weight")
       y_pred, model_state, own = _apply(
@@ -195,7 +211,7 @@ def predictions(model, state: TrainState, x):
                        (state.params, state.model_state))
   y_pred = jax.jit(lambda p, s, x: model.apply(p, s, x, train=False)[0])(
       *state, x)
-  return np.asarray(y_pred)
+  return jax.tree.map(np.asarray, y_pred)
 
 
 def input_spec(x) -> Any:
