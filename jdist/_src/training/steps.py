@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jdist._src.core import context
 from jdist._src.core import in_step
 from jdist._src.core import placement
 from jdist._src.core.replica_context import resolve_batch
@@ -96,19 +95,6 @@ def _mirror_model_state(model_state):
   return jax.tree.map(mirror, model_state)
 
 
-def _varying_over_replicas(params):
-  """The parameters cast to varying over the replicas as the model gets
-  them, inside the differentiated function: autodiff's all-reduce of their
-  gradients (this cast's transpose) then sums them in the parameters' own
-  dtype, as TensorFlow's all-reduce of a float32 variable's gradient does,
-  not in the bfloat16 a mixed precision model casts them to before their
-  first use with the batch (where JAX would insert the cast otherwise)."""
-  ctx = context.current_replica_context()
-  if ctx is None or ctx.num_replicas_in_sync == 1:
-    return params
-  return jax.tree.map(lambda p: in_step.to_varying(p, ctx.axis_name), params)
-
-
 def _loss_scaling(opt_state):
   """Multiplies the loss by the optimizer's loss scale, if it has one
   (`jdist.loss_scale_optimizer`, which divides the gradients by it)."""
@@ -144,7 +130,6 @@ def make_train_step(model, loss: Loss, tx: optax.GradientTransformation,
     own_grads = hasattr(tx, "value_and_grad")
 
     def loss_of(params, model_state, micro, index):
-      params = _varying_over_replicas(params)
       x, y = micro["x"], micro["y"]
       sw = micro.get("sample_weight")
       y_pred, model_state, own = _apply(
