@@ -19,8 +19,10 @@ parallelism (`gpt_layout_map` on `DeviceMesh((1, 4), ("data", "model"))`).
    `jax.jit` with `in_shardings`/`out_shardings` of `NamedSharding`s written
    out in this file (and checked to equal jdist's layouts) on the same mesh;
    interleaved rounds, the ratio jdist / hand-written per round; tokens/s;
-   model FLOPs utilisation: XLA's cost analysis of the compiled step over the
-   device's peak (a table of GPU/TPU peaks; on CPU a matmul measured here).
+   the achieved FLOP/s (XLA's count of the compiled step's FLOPs over the
+   measured step time) and the model FLOPs utilization (the GPT's own count,
+   `GPT.train_flops`, over the time and the devices' peak from jdist's table
+   of the vendors' figures: "n/a" where the table has none, as on CPU).
    And on `DeviceMesh((2, 2), ("data", "model"))` (`gpt_layout_map`, 2
    replicas of 2 devices): adam's state per device mirrored over the
    replicas against split over them by `jdist.ShardedOptimizer`.
@@ -58,6 +60,7 @@ from jax.sharding import PartitionSpec as P
 
 import jdist
 from jdist._src.diagnose import hlo
+from jdist._src.planning import peaks, program
 from jdist.examples.models import GPT, gpt_fsdp_strategy, gpt_layout_map
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -87,17 +90,6 @@ LABELS = {"mirrored": "mirrored (4 replicas)", "fsdp": "FSDP 4 (1x4)",
           "tensor": "tensor parallel 4 (1x4)"}
 NUM_BATCHES = 4
 LEARNING_RATE = 1e-3
-
-# Dense bfloat16 peak FLOP/s per chip, as the vendors publish them, by a
-# substring of `device.device_kind`. The first that matches counts.
-PEAK_FLOPS = (
-    ("TPU v6 lite", 918e12), ("TPU v5 lite", 197e12), ("TPU v5p", 459e12),
-    ("TPU v5", 459e12), ("TPU v4", 275e12), ("TPU v3", 123e12),
-    ("TPU v2", 45e12), ("H200", 989e12), ("H100", 989e12), ("A100", 312e12),
-    ("L40S", 362e12), ("L4", 121e12), ("A10G", 70e12), ("V100", 125e12),
-    ("T4", 65e12),
-)
-
 
 # ---------------------------------------------------------------- the setups
 
@@ -131,13 +123,21 @@ class Setup:
   host_batches: list | None = None  # if set: placed every step, as a user's
                                     # loop over experimental_distribute_dataset
   _compiled: Any = None
+  _lowered: Any = None
+
+  def lowered(self):
+    """The step lowered for the setup's state (once): the program before
+    XLA's passes."""
+    if self._lowered is None:
+      self._lowered = self.step.lower(self.params, self.opt_state,
+                                      self.batches[0])
+    return self._lowered
 
   def compiled(self):
     """The step compiled for the setup's state (once): its HLO, memory and
     cost analyses."""
     if self._compiled is None:
-      self._compiled = self.step.lower(self.params, self.opt_state,
-                                       self.batches[0]).compile()
+      self._compiled = self.lowered().compile()
     return self._compiled
 
   def restarted(self) -> "Setup":
@@ -441,35 +441,9 @@ def flops_per_step(setup: Setup) -> float:
   return float(analysis["flops"])
 
 
-def peak_flops(device, measured_cpu: float | None = None) -> tuple[float, str]:
-  """A device's peak FLOP/s and where the figure comes from."""
-  if device.platform == "cpu":
-    if measured_cpu is None:
-      raise ValueError("a CPU's peak is measured: pass measured_cpu "
-                       "(measure_matmul_peak)")
-    return measured_cpu, "measured: float32 matmul on every device at once"
-  for name, peak in PEAK_FLOPS:
-    if name in device.device_kind:
-      return peak, f"{device.device_kind}: published bfloat16 dense peak"
-  raise ValueError(f"no peak FLOP/s known for {device.device_kind!r}; add it "
-                   "to PEAK_FLOPS in benchmarks/model_parallel.py")
-
-
-def measure_matmul_peak(devices, n: int = 768, reps: int = 5) -> float:
-  """FLOP/s of one device while every device multiplies n x n float32
-  matrices at once (fake CPU devices share the cores): the best of `reps`."""
-  mesh = jax.sharding.Mesh(np.array(devices), ("d",))
-  sharding = NamedSharding(mesh, P("d"))
-  a = jax.device_put(jnp.ones((len(devices), n, n), jnp.float32), sharding)
-  matmul = jax.jit(lambda x, y: jnp.einsum("bij,bjk->bik", x, y),
-                   out_shardings=sharding)
-  jax.block_until_ready(matmul(a, a))
-  best = float("inf")
-  for _ in range(reps):
-    start = time.perf_counter()
-    jax.block_until_ready(matmul(a, a))
-    best = min(best, time.perf_counter() - start)
-  return 2 * n ** 3 / best
+def compute_dtype(setup: Setup) -> str | None:
+  """The dtype the step's matrix products take, from the lowered program."""
+  return program.compute_dtype(setup.lowered().as_text())
 
 
 def eval_loss(cfg: dict, params) -> float:
@@ -490,11 +464,14 @@ def max_param_diff(a, b) -> float:
 
 
 def speed(cfg: dict, setups: dict, *, rounds: int, block: int,
-          peak_per_device: float, kinds=("fsdp", "tensor")) -> dict:
+          kinds=("fsdp", "tensor")) -> dict:
   """jdist against the hand-written `jax.jit` for each of `kinds`
-  (`setups`: jdist's, by kind, untrained; they are left untrained)."""
+  (`setups`: jdist's, by kind, untrained; they are left untrained), with
+  jdist's achieved FLOP/s and MFU."""
   out = {}
   tokens = cfg["batch"] * cfg["model"]["max_len"]
+  model_flops = GPT(**cfg["model"]).train_flops(
+      (cfg["batch"], cfg["model"]["max_len"]))
   for kind in kinds:
     ours = setups[kind].restarted()
     hand = hand_setup(kind, cfg, ours)
@@ -502,15 +479,23 @@ def speed(cfg: dict, setups: dict, *, rounds: int, block: int,
       _run_block(s, 2)
     times = interleaved({"jdist": ours, "hand": hand}, rounds, block)
     median, spread = ratio(times, "jdist", "hand")
+    mesh = ours.strategy.mesh
+    dtype = compute_dtype(ours)
+    peak = peaks.peak_flops(mesh.devices.flat[0].device_kind, dtype)
     flops = flops_per_step(ours)
-    per_step = statistics.median(times["jdist"]) / block
+    achieved = peaks.throughput(
+        flops_per_device=flops, num_devices=mesh.size,
+        model_flops=model_flops, peak_per_device=peak,
+        seconds_per_step=statistics.median(times["jdist"]) / block)
     out[kind] = {
         "seconds": times, "block": block, "ratio": median,
         "ratio_spread": spread,
         "tokens_per_s": {n: tokens * block / statistics.median(t)
                          for n, t in times.items()},
-        "flops_per_device_step": flops,
-        "mfu": flops / per_step / peak_per_device,
+        "flops_per_device_step": flops, "model_flops_per_step": model_flops,
+        "compute_dtype": dtype, "peak_flops_per_device": peak,
+        "achieved_flops_per_device": achieved.flops_per_second_per_device,
+        "mfu": achieved.mfu,
         "steps": ours.position,
         "loss": {"jdist": eval_loss(cfg, ours.params),
                  "hand": eval_loss(cfg, hand.params)},
@@ -636,16 +621,8 @@ def measure(args) -> dict:
       res["tensor_all_reduces"] = all_reduces_per_block(
           cfg, devices, setups["tensor"])
       log("speed")
-      cpu = devices[0].platform == "cpu"
-      measured = measure_matmul_peak(devices) if cpu else None
       res["speed"] = speed(cfg, setups, rounds=cfg["rounds"],
-                           block=cfg["block"], peak_per_device=1.0)
-      if cpu:  # the better of two measurements, before and after the rounds
-        measured = max(measured, measure_matmul_peak(devices))
-      peak, source = peak_flops(devices[0], measured)
-      res["peak"] = {"flops_per_device": peak, "source": source}
-      for r in res["speed"].values():
-        r["mfu"] /= peak
+                           block=cfg["block"])
       if worker is not None:
         log("keras")
         res["keras"] = keras_compare(cfg, setups["tensor"], worker,
@@ -811,7 +788,7 @@ def _communication_lines(res: dict) -> list:
 
 
 def _speed_lines(res: dict) -> list:
-  peak, first = res["peak"], next(iter(res["speed"].values()))
+  first = next(iter(res["speed"].values()))
   lines = [
       "**Speed**, jdist against the same training hand-written as MaxText "
       "does it: `jax.jit` with `in_shardings`/`out_shardings` of "
@@ -820,22 +797,27 @@ def _speed_lines(res: dict) -> list:
       f"same batches; no donation on either side. {len(first['seconds']['jdist'])} "
       f"interleaved rounds of {first['block']} steps; the ratio is "
       "jdist's steps/s over the hand-written's in the same round, the median "
-      "[min, max]. MFU: XLA's cost analysis of the compiled step (FLOPs per "
-      "device) over the step's time and one device's peak "
-      f"({peak['flops_per_device'] / 1e9:.1f} GFLOP/s, {peak['source']}: "
-      "the fake devices share the cores).",
+      "[min, max]. Achieved: XLA's count of the compiled step's FLOPs per "
+      "device over the median step time. MFU: the model's own count "
+      f"(`GPT.train_flops`, {first['model_flops_per_step'] / 1e9:.3f} GFLOP "
+      "a step: its matrix products, the causal attention's masked half left "
+      "out) over the step time and the devices' peak in the step's dtype "
+      f"({first['compute_dtype']}) from jdist's table of the vendors' dense "
+      "figures; n/a where the table has none (every CPU).",
       "",
       "| layout | jdist tokens/s | hand-written tokens/s | jdist / hand "
-      "| spread | GFLOP per device-step | MFU | loss after the steps, jdist "
-      "/ hand | max param diff |",
-      "|---|---|---|---|---|---|---|---|---|",
+      "| spread | GFLOP per device-step (compiled) | achieved GFLOP/s per "
+      "device | MFU | loss after the steps, jdist / hand | max param diff |",
+      "|---|---|---|---|---|---|---|---|---|---|",
   ]
   for k, r in res["speed"].items():
+    mfu = "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"
     lines.append(
         f"| {LABELS[k]} | {r['tokens_per_s']['jdist']:,.0f} | "
         f"{r['tokens_per_s']['hand']:,.0f} | **{r['ratio']:.3f}** | "
         f"{r['ratio_spread'][0]:.3f} to {r['ratio_spread'][1]:.3f} | "
-        f"{r['flops_per_device_step'] / 1e9:.3f} | {r['mfu']:.1%} | "
+        f"{r['flops_per_device_step'] / 1e9:.3f} | "
+        f"{r['achieved_flops_per_device'] / 1e9:.2f} | {mfu} | "
         f"{r['loss']['jdist']:.5f} / {r['loss']['hand']:.5f} | "
         f"{r['max_param_diff']:.1e} |")
   r = next(iter(res["speed"].values()))

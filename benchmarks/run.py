@@ -31,11 +31,13 @@ import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import checkpoint_saves  # noqa: E402  (its RESULTS.md section)
 import elastic_times  # noqa: E402  (its RESULTS.md section)
 import fault_times  # noqa: E402  (its RESULTS.md section)
 import fit_overhead  # noqa: E402  (its RESULTS.md section)
 import keras_models  # noqa: E402  (its RESULTS.md section)
 import model_parallel  # noqa: E402  (its RESULTS.md section)
+import pipelines  # noqa: E402  (its RESULTS.md section)
 import provenance  # noqa: E402  (a launched run's provenance)
 import ps  # noqa: E402  (its RESULTS.md section)
 import step_model  # noqa: E402  (issue 12's sections)
@@ -154,6 +156,7 @@ def main(argv=None) -> int:
       "model_parallel.py", 4, *extra,
       *(("--no-peers",) if args.no_peers else
         ("--peers-python", args.peers_python) if args.peers_python else ())))
+  lines += [""] + pipelines.section(_run("pipelines.py", 8, *extra))
   plugin = pathlib.Path(args.tpu_plugin)
   lines += [""] + mixed_precision_section(_run(
       "mixed_precision.py", 2, *extra,
@@ -170,6 +173,8 @@ def main(argv=None) -> int:
   if ps_result is not None:
     lines += [""] + ps.section(ps_result)
   lines += [""] + fit_overhead.section(_run("fit_overhead.py", 4, *extra))
+  lines += [""] + checkpoint_saves.section(_run(
+      "checkpoint_saves.py", checkpoint_saves.DEVICES, *extra))
   try:
     keras_result = _run("keras_models.py", 2, *extra, timeout=2400)
   except (RuntimeError, subprocess.TimeoutExpired, ValueError, IndexError) as e:

@@ -55,6 +55,7 @@ from jdist._src.errors import (
     DoubleReductionError as DoubleReductionError,
     Error as Error,
     LossScalingError as LossScalingError,
+    MemoryBudgetError as MemoryBudgetError,
     OutOfRangeError as OutOfRangeError,
     ParameterServerError as ParameterServerError,
     PeerFailureError as PeerFailureError,
@@ -96,6 +97,9 @@ from jdist._src.ops.losses import (
     compute_average_loss as compute_average_loss,
     scale_regularization_loss as scale_regularization_loss,
 )
+from jdist._src.ops.pipeline import (
+    pipeline as pipeline,
+)
 from jdist._src.ops.precision import (
     DTypePolicy as DTypePolicy,
 )
@@ -105,6 +109,12 @@ from jdist._src.ops.random import (
 )
 from jdist._src.ops.sharded_optimizer import (
     ShardedOptimizer as ShardedOptimizer,
+)
+from jdist._src.planning import (
+    plan as plan,
+)
+from jdist._src.planning.report import (
+    Plan as Plan,
 )
 from jdist._src.ps.coordinator import (
     ClusterCoordinator as ClusterCoordinator,
@@ -246,6 +256,7 @@ __all__ = [
     "LossScaleState",
     "LossScalingError",
     "MaxSizePartitioner",
+    "MemoryBudgetError",
     "MinSizePartitioner",
     "MirroredStrategy",
     "ModelCheckpoint",
@@ -263,6 +274,7 @@ __all__ = [
     "PerReplica",
     "PerWorkerDataset",
     "PerWorkerIterator",
+    "Plan",
     "ProgramMismatchError",
     "ReduceLROnPlateau",
     "ReduceOp",
@@ -307,6 +319,8 @@ __all__ = [
     "metrics",
     "mirrored",
     "multi_step",
+    "pipeline",
+    "plan",
     "read_value",
     "scale_regularization_loss",
 ]

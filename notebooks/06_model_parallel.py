@@ -21,8 +21,9 @@
 # step. On a small GPT (`jdist.examples.models`) this notebook measures
 #
 # 1. the parameter bytes each device holds: mirrored, tensor parallel 4, FSDP 4,
-# 2. one device against a 2x2 mesh (data 2 x tensor 2): the same training,
-# 3. a checkpoint written on the 2x2 mesh loaded onto a 1x4 one.
+# 2. each layout's plan, before its first step: memory per device, FLOPs, collectives,
+# 3. one device against a 2x2 mesh (data 2 x tensor 2): the same training,
+# 4. a checkpoint written on the 2x2 mesh loaded onto a 1x4 one.
 #
 # Runs as-is on a laptop (4 fake CPU devices), on a GPU box, and on a Colab TPU.
 
@@ -115,7 +116,51 @@ print("query kernel", query.shape, "-> on each device", query.addressable_shards
 assert ratios["tensor parallel 4"] <= 0.30 and ratios["FSDP 4"] <= 0.30
 
 # %% [markdown]
-# ## 2. One device against a 2x2 mesh
+# ## 2. Each layout planned before its first step
+#
+# `jdist.plan` compiles the step ahead of time for a layout (nothing runs, and the
+# state need not exist: `jax.eval_shape` gives its shapes) and reads from the compiled
+# program, per device: the arguments' bytes by kind, the outputs, the temporaries and
+# so the peak; the FLOPs of a step (XLA's count, and the model's own, which counts the
+# causal attention's masked half out); the collectives' bytes by mesh axis; and notes
+# on the layout (tiny shards, keys that match nothing). On CPU no peak FLOP/s is
+# known, so MFU would be "n/a"; the plans print no memory limit for the same reason.
+
+# %%
+def plan_step(state, tokens):  # jdist.plan's form: step(state, batch) -> (state, outputs)
+    params, opt_state, loss = train_step(*state, tokens)
+    return (params, opt_state), loss
+
+def new_state():
+    params = init_params()
+    return params, tx.init(params)
+
+shapes = jax.eval_shape(new_state)
+plans = {}
+for name, strategy in [("mirrored", mirrored), ("tensor parallel 4", tensor4),
+                       ("FSDP 4", fsdp4)]:
+    plans[name] = jdist.plan(plan_step, shapes, data[0], strategy=strategy,
+                             model_flops=model.train_flops(data[0][:, :-1]))
+    print(f"--- {name}\n{plans[name]}\n")
+assert plans["tensor parallel 4"].argument("parameters") < plans["mirrored"].argument("parameters")
+assert plans["FSDP 4"].argument("optimizer state") < plans["mirrored"].argument("optimizer state")
+
+# %% [markdown]
+# A memory budget (or, on a GPU or TPU, the device's own limit) below a plan's peak makes
+# `plan.check()` (and `Trainer.fit`, before its first step) raise `jdist.MemoryBudgetError`,
+# naming the largest parts and a layout that fits: jdist compiled and planned the
+# alternatives to find it.
+
+# %%
+budget = plans["mirrored"].peak_bytes - 1
+try:
+    jdist.plan(plan_step, shapes, data[0], strategy=mirrored, memory_budget=budget).check()
+    raise AssertionError("the mirrored step fits a budget below its peak")
+except jdist.MemoryBudgetError as e:
+    print(e)
+
+# %% [markdown]
+# ## 3. One device against a 2x2 mesh
 #
 # Two replicas (the "data" axis), each spanning two devices (the "model" axis).
 # The same five steps on one device and on the mesh: the losses and the trained
@@ -146,7 +191,7 @@ np.testing.assert_allclose(losses22, one_losses, atol=1e-5)
 assert gap < 1e-5
 
 # %% [markdown]
-# ## 3. A checkpoint moved to another mesh
+# ## 4. A checkpoint moved to another mesh
 #
 # `jdist.CheckpointManager` saves the 2x2 state; a 1x4 tensor-parallel strategy
 # restores it into its own layout (orbax reads each device's piece), described by

@@ -38,17 +38,16 @@ if importlib.util.find_spec("jdist") is None:
     if not source:
         raise RuntimeError("Install jdist first: upload dist/jdist-*.whl (make dist) next to "
                            "this notebook, or set JDIST_SOURCE (docs/tutorials.md, 'On Colab').")
-    spec = source + "[examples,keras]" if source.endswith(".whl") else \
-        f"jdist[examples,keras] @ {source}"
+    spec = source + "[examples]" if source.endswith(".whl") else f"jdist[examples] @ {source}"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", spec], check=True)
     importlib.invalidate_caches()
-os.environ["KERAS_BACKEND"] = "jax"  # before keras is first imported
 import jax
 try:
     jax.config.update("jax_num_cpu_devices", 4)  # only used when there is no accelerator
 except RuntimeError:
     pass  # JAX already started: keep its devices
 import tempfile
+os.environ["KERAS_BACKEND"] = "jax"  # before keras is first imported (Colab ships Keras 3)
 import keras
 import numpy as np
 import jdist

@@ -3,8 +3,12 @@ writes one: flax's TrainState, a `strategy.function` step, a save every few
 steps, a restart that restores the newest checkpoint and finishes exactly as
 an uninterrupted run, on the same or another number of devices."""
 
+import glob
 import os
+import pathlib
+import re
 import shutil
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 from flax.training import train_state
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jdist
 import jdist.testing
@@ -166,3 +171,122 @@ def test_a_prng_key_restores_from_its_shapes_alone(tmp_path, monkeypatch,
   np.testing.assert_array_equal(jax.random.key_data(restored["dropout"]),
                                 jax.random.key_data(saved["dropout"]))
   np.testing.assert_array_equal(restored["w"], saved["w"])
+
+
+def _split(strategy, x):
+  """`x` split over the strategy's replicas (as a ShardedOptimizer's state)."""
+  return jax.device_put(x, NamedSharding(strategy.mesh, P("replica")))
+
+
+def test_no_flipped_bit_in_the_newest_checkpoint_is_restored(tmp_path):
+  """30 single-bit flips in the file that holds the newest checkpoint's
+  arrays (orbax reads it all the same): each restore skips it with the
+  warning and returns the checkpoint before it, or raises, or (a bit of the
+  file that no read uses) returns the newest bit for bit; never other
+  values. Saved on 4 devices (a leaf split over them), restored onto 2: the
+  content hash is verified on another mesh than the one that made it."""
+  rng = np.random.default_rng(0)
+  four, two = strategy_on(4), strategy_on(2)
+  values = {"w": rng.normal(size=(48, 32)).astype(np.float32),
+            "split": rng.normal(size=(16, 8)).astype(np.float32),
+            "step": np.int32(0)}
+  place = lambda s, v: {**s.replicate({"w": v["w"], "step": v["step"]}),
+                        "split": _split(s, v["split"])}
+  newer = jax.tree.map(lambda x: x + 1, values)
+  with jdist.CheckpointManager(tmp_path, strategy=four) as manager:
+    manager.save(1, place(four, values))
+    manager.save(2, place(four, newer))
+  files = glob.glob(str(tmp_path / "2" / "state" / "**" / "d" / "*"),
+                    recursive=True)
+  array_file = pathlib.Path(max(files, key=os.path.getsize))  # (6 KiB+)
+  raw = array_file.read_bytes()
+  like = place(two, jax.tree.map(np.zeros_like, values))
+  outcomes = []
+  with jdist.CheckpointManager(tmp_path, strategy=two) as manager:
+    for bit in np.random.default_rng(1).choice(len(raw) * 8, 30, replace=False):
+      flipped = bytearray(raw)
+      flipped[bit // 8] ^= 1 << (bit % 8)
+      array_file.write_bytes(bytes(flipped))
+      with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+          got = manager.restore(like)
+        except jdist.CheckpointError:
+          outcomes.append("raised")
+          continue
+      step = manager.restored_step
+      assert manager.latest_step == step
+      warned = [str(w.message) for w in caught
+                if "/2 is corrupt: its arrays" in str(w.message)]
+      assert (step == 1) == bool(warned), (bit, step, warned)
+      problems = jdist.testing.compare_trees(values if step == 1 else newer,
+                                             jax.device_get(got), rtol=0,
+                                             atol=0)
+      assert not problems, (bit, step, problems)
+      outcomes.append("previous" if step == 1 else "newest, unchanged")
+    assert got["split"].sharding.spec == P("replica")
+  assert outcomes.count("previous") + outcomes.count("raised") >= 24, outcomes
+
+
+def _documented_loop() -> str:
+  """The custom loop that checkpoints, as docs/custom_loops.md prints it."""
+  page = pathlib.Path(__file__).resolve().parent.parent / "docs" / \
+      "custom_loops.md"
+  for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.S):
+    if "jdist.CheckpointManager(" in block and "def job(" in block:
+      return block
+  raise AssertionError("docs/custom_loops.md prints no checkpointing loop")
+
+
+def test_the_documented_loop_resumes_past_a_truncated_checkpoint(
+    tmp_path, monkeypatch, capsys):
+  """The documentation's loop, run as printed (a job stopped after step 6,
+  restarted, and one never stopped: equal), then its job run again after
+  the newest checkpoint of the restarted one (step 8) was truncated: it
+  resumes from the step `restore` used, 4, and ends as the uninterrupted
+  job did."""
+  program = compile(_documented_loop(), "docs/custom_loops.md", "exec")
+  monkeypatch.chdir(tmp_path)
+  namespace = {"__name__": "__main__"}
+  exec(program, namespace)
+  assert capsys.readouterr().out == "resumed at step 4\nequal: True\n"
+  assert sorted(os.listdir("ckpt")) == ["4", "8"]
+  for path in glob.glob("ckpt/8/state/**/d/*", recursive=True):
+    os.truncate(path, os.path.getsize(path) // 2)
+  with pytest.warns(UserWarning, match=r"ckpt/8 is corrupt: its arrays"):
+    resumed = namespace["job"]("ckpt")
+  assert capsys.readouterr().out == "resumed at step 4\n"
+  np.testing.assert_allclose(resumed, namespace["uninterrupted"], atol=1e-6)
+
+
+def test_a_step_saved_again_is_replaced_and_a_closed_manager_saves_nothing(
+    tmp_path):
+  """A second `save(1, ...)` replaces step 1 (it used to be dropped while
+  reported written); a replacement that a killed job left between its two
+  renames is put in place by the next manager; `save` after `close` raises
+  instead of writing without the directory's lock."""
+  strategy = strategy_on(2)
+  old, new = (strategy.replicate({"w": jnp.full(3, v)}) for v in (1.0, 2.0))
+  directory = tmp_path / "ckpt"
+  manager = jdist.CheckpointManager(directory, strategy=strategy)
+  manager.save(1, old)
+  manager.save(2, old)
+  assert manager.save(1, new) == str(directory / "1")
+  assert manager.steps == [1, 2]
+  assert manager.restore(old, step=1)["w"].tolist() == [2.0] * 3
+  manager.close()
+  with pytest.raises(ValueError, match=r"Cannot save step 3 .* was closed, "
+                     r"and with it the lock"):
+    manager.save(3, new)
+  assert sorted(os.listdir(directory)) == ["1", "2"]  # no lock, no step 3
+  # Killed between the renames: step 2 moved out, its replacement complete.
+  with jdist.CheckpointManager(tmp_path / "elsewhere") as other:
+    other.save(2, new)
+  os.makedirs(directory / ".jdist-replacing")
+  os.rename(directory / "2", directory / ".jdist-replacing" / "old-2")
+  os.rename(tmp_path / "elsewhere" / "2", directory / ".jdist-replacing" / "2")
+  with jdist.CheckpointManager(directory, strategy=strategy) as manager:
+    assert manager.steps == [1, 2]
+    assert manager.restore(old)["w"].tolist() == [2.0] * 3
+    assert manager.restored_step == 2
+  assert sorted(os.listdir(directory)) == ["1", "2"]

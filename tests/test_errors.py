@@ -136,6 +136,7 @@ def test_nested_steps_and_scopes_in_steps_are_errors():
 def test_every_error_is_a_jdist_error_and_keeps_its_builtin_base():
   builtin = {
       jdist.DistributionError: ValueError, jdist.DoubleReductionError: ValueError,
+      jdist.MemoryBudgetError: ValueError,
       jdist.VaryingStateError: ValueError, jdist.StrategyMismatchError: ValueError,
       jdist.LossScalingError: ValueError,
       jdist.ProgramMismatchError: ValueError, jdist.ShardingError: ValueError,

@@ -173,7 +173,9 @@ def test_flax_mnist_model_with_rngs_trains_under_the_trainer(digits):
   """flax's MNIST model (`__call__(self, x, rngs)`, BatchNorm, nnx Dropout)
   on 2 replicas: it learns, its dropout draws from the trainer's seed, and
   evaluation runs it without dropout. (nnx's Dropout draws the same mask on
-  every replica, so its training depends on the device count: docs/limitations.md. That is why this is not compared with one device.)"""
+  every replica, so its training depends on the device count: each fit
+  warns so, once, naming jdist.dropout; docs/limitations.md. That is why
+  this is not compared with one device.)"""
   x, y = digits
   runs = {}
   for seed in (0, 0, 1):
@@ -182,7 +184,10 @@ def test_flax_mnist_model_with_rngs_trains_under_the_trainer(digits):
         model, optimizer=optax.sgd(0.05, 0.9), strategy=strategy_on(2),
         loss=jdist.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"], seed=seed)
-    history = trainer.fit(x[:256], y[:256], batch_size=64, epochs=2, verbose=0)
+    with pytest.warns(UserWarning, match="same on every replica") as warned:
+      history = trainer.fit(x[:256], y[:256], batch_size=64, epochs=2,
+                            verbose=0)
+    assert len(warned) == 1 and "jdist.dropout" in str(warned[0].message)
     runs.setdefault(seed, []).append((history.history, trainer.params,
                                       trainer.evaluate(x[1500:1600],
                                                        y[1500:1600])))

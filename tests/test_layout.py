@@ -28,7 +28,7 @@ LAYERS = [
     ("jdist._src.strategies", "jdist._src.keras.distribution",
      "jdist._src.keras.loading"),
     ("jdist._src.current", "jdist._src.ops", "jdist._src.equivalence",
-     "jdist._src.diagnose",
+     "jdist._src.diagnose", "jdist._src.planning",
      # Keras models, optimizers, losses and metrics as jdist values.
      "jdist._src.keras"),
     # A separate engine (asynchronous, not one SPMD program): it runs the

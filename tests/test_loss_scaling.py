@@ -18,6 +18,11 @@ from conftest import strategy_on
 
 GLOBAL_BATCH_SIZE = 32
 
+# The CNN's nnx Dropout draws the same mask on every replica, which jdist
+# warns of (test_meshes.py tests that warning); here the loss is the subject.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:.* draws random numbers .* same on every replica")
+
 
 class CNN(nnx.Module):
   """flax examples/mnist's CNN (its `__call__(x, rngs)`), sized for 8x8."""

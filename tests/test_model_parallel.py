@@ -1,5 +1,7 @@
 """Model parallelism: DeviceMesh, LayoutMap (Keras 3's names and meaning)."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -107,6 +109,57 @@ def test_two_keys_matching_one_path_is_an_error_naming_both(mesh22):
   with pytest.raises(ValueError, match=r"dense_0/kernel.*'dense_0/k\.\*', "
                      r"'\.\*kernel'"):
     layout_map.partition_specs(_mlp_params())
+
+
+def test_an_exact_key_wins_over_regular_expressions_as_in_keras(mesh22):
+  layout_map = jdist.LayoutMap(mesh22)
+  layout_map["dense_.*/kernel"] = (None, "model")
+  layout_map[".*_0/kernel"] = ("model", None)
+  layout_map["dense_0/kernel"] = (None, None)  # exact: wins over both
+  assert layout_map["dense_0/kernel"] == P(None, None)
+  specs = layout_map.partition_specs(_mlp_params())
+  assert specs["dense_0"]["kernel"] == P(None, None)
+  assert specs["dense_1"]["kernel"] == P(None, "model")
+  # In a deeper tree (a train state, an optimizer's moments) too.
+  assert layout_map.layout_of("params/dense_0/kernel") == P(None, None)
+  del layout_map["dense_0/kernel"]
+  with pytest.raises(ValueError, match=r"'dense_0/kernel' matches more than "
+                     r"one LayoutMap key.*add the path itself as a key"):
+    layout_map["dense_0/kernel"]
+
+
+def test_layout_map_finds_what_keras_layout_map_finds(mesh22):
+  os.environ.setdefault("KERAS_BACKEND", "jax")
+  keras = pytest.importorskip("keras")
+  keys = {"dense/kernel": (None, "model"), "dense.*": ("model",),
+          ".*conv.*/kernel": (None, None, None, "model"),
+          "block/conv/kernel": ("model", None, None, None),
+          "d2/output": ("data", None)}
+  theirs = keras.distribution.LayoutMap(keras.distribution.DeviceMesh(
+      (2, 2), ["data", "model"], keras.distribution.list_devices()[:4]))
+  ours = jdist.LayoutMap(mesh22)
+  for key, axes in keys.items():
+    theirs[key], ours[key] = axes, axes
+  for path in ("dense/kernel", "dense/bias", "dense_1", "block/conv/kernel",
+               "conv_2/kernel", "dense_conv/kernel", "sequential/d2/output",
+               "d2/output", "x"):
+    try:
+      want = theirs[path]
+    except ValueError:
+      with pytest.raises(ValueError, match="more than one LayoutMap key"):
+        ours[path]  # noqa: B018
+      continue
+    got = ours[path]
+    assert (None if want is None else P(*want.axes)) == got, path
+
+
+def test_an_output_layout_key_is_not_taken_for_a_parameter_key(mesh22):
+  layout_map = jdist.LayoutMap(mesh22)
+  layout_map["dense_0/output"] = ("data", "model")
+  layout_map.partition_specs(_mlp_params())  # no "matches no parameter"
+  assert layout_map.output_keys == ("dense_0/output",)
+  assert layout_map.output_layout("model/dense_0") == P("data", "model")
+  assert layout_map.output_layout("model/dense_1") is None
 
 
 def test_indivisible_layout_names_path_dim_and_axis(devices):

@@ -49,7 +49,9 @@ PARAMETERS = {"01_mirrored_quickstart":
               # 2 epochs: the crash at step 37 is in the second, resumed
               # from the backup at step 30 (4 epochs, 57 and 50 by default)
               "03_checkpoints_and_recovery": "EPOCHS, CRASH_AT = 2, 37",
-              "05_parameter_servers": "STEPS = 200"}
+              "05_parameter_servers": "STEPS = 200",
+              # one timed step of smaller layers per schedule
+              "07_pipelines": "TIMED_STEPS, WIDTH, ROWS = 1, 256, 64"}
 
 
 def test_parameters_name_a_parameters_cell():

@@ -78,6 +78,20 @@ def _fit(out: str) -> None:
   assert set(eval(evaluation)) == {"loss", "accuracy"}, out  # noqa: S307
 
 
+def _jax_meshes(out: str) -> None:
+  *losses, spec = out.splitlines()
+  losses = [float(line.split()[1]) for line in losses]
+  assert len(losses) == 4 and losses == sorted(losses, reverse=True), out
+  assert spec == "P(None, 'model')", out  # the page: still split
+
+
+def _planning(out: str) -> None:
+  assert re.search(r"^  parameters +53\.1 KB$", out, re.M), out
+  assert re.search(r"^  optimizer state +106\.2 KB$", out, re.M), out
+  assert ("What fits (compiled and planned): FSDP over 'fsdp' (2 devices, 2 "
+          "replica(s)): parameters + optimizer state 159.4 KB -> 79.7 KB") in out
+
+
 def _keras_trainer(out: str) -> None:
   keys, same = out.splitlines()[-2:]
   assert keys == ("['accuracy', 'loss', "
@@ -95,6 +109,10 @@ def _keras_custom_loop(out: str) -> None:
   losses = [float(line.split()[-1]) for line in out.splitlines()
             if line.startswith("epoch ")]
   assert len(losses) == 3 and losses[-1] < losses[0], out
+def _pipelines(out: str) -> None:
+  spec, equal = out.splitlines()
+  assert spec == "P('stage', None, 'model') (2, 16, 8)", out  # the page
+  assert equal == "equal to one device within 1e-6: True", out
 
 
 # What the text says a program prints, by a line that only that program has.
@@ -105,9 +123,12 @@ EXPECTED = {
     "jdist.ShardedOptimizer(": _sharded_optimizer,
     "ModelParallelStrategy(device_mesh=mesh)": _partition_metadata,
     "history = trainer.fit(x, y, batch_size=128, epochs=3": _fit,
+    "model = DotReluDot(16, rngs=nnx.Rngs(0))": _jax_meshes,
     "trainer.fit(x, y, batch_size=64, epochs=3, verbose=0)": _keras_trainer,
     "print(keras.distribution.distribution())": _keras_fit_in_scope,
     "model_fns.assign(variables)": _keras_custom_loop,
+    "jdist.plan(step, shapes, batch, memory_budget=budget)": _planning,
+    "@nnx.vmap(in_axes=0, out_axes=0)  # 4 blocks, stacked": _pipelines,
 }
 PAGES_WITH_PROGRAMS = [p for p in PAGES if programs(p)]
 

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 
 import jax
 import numpy as np
@@ -180,6 +181,30 @@ def resumes_from_15(data, reference, directory, warning):
   assert_same_run(reference, trainer, history, exact=True)
 
 
+def test_a_corrupt_backup_is_replaced_when_its_step_is_trained_again(
+    data, tmp_path):
+  """Backups at steps 4 and 6, the arrays of 6 truncated: the resume falls
+  back to 4 and trains step 6 again, whose backup replaces the corrupt one
+  (it was skipped as saved already, so the next interruption resumed from
+  4 again, with the warning again)."""
+  def interrupted_at_7():
+    backup = jdist.BackupAndRestore(tmp_path, save_freq=2)
+    with pytest.raises(KeyboardInterrupt):
+      fit(make_trainer(2), data, [Interrupt(7), backup], epochs=1)
+    return backup.restored_step
+
+  assert interrupted_at_7() is None
+  assert sorted(d for d in os.listdir(tmp_path) if d.isdigit()) == ["4", "6"]
+  for path in glob.glob(str(tmp_path / "6" / "state" / "**" / "d" / "*"),
+                        recursive=True):
+    os.truncate(path, os.path.getsize(path) // 2)
+  with pytest.warns(UserWarning, match=r"/6 is corrupt: its arrays"):
+    assert interrupted_at_7() == 4
+  with warnings.catch_warnings():
+    warnings.filterwarnings("error", message=".* is corrupt")
+    assert interrupted_at_7() == 6
+
+
 def test_a_flipped_bit_in_the_metadata_falls_back_to_the_previous(
     data, reference, tmp_path):
   """One bit of "batch" (4 -> 5) once resumed a batch late, silently."""
@@ -195,13 +220,22 @@ def test_a_flipped_bit_in_the_metadata_falls_back_to_the_previous(
 
 def test_checkpoints_of_format_1_have_no_metadata_checksum_and_still_load(
     data, tmp_path):
+  """Step 8 rewritten as format 1 wrote it (no metadata checksum; float sums
+  of the arrays, not content hashes) loads; step 16 claiming format 2 but
+  without the metadata checksum format 2 has is corrupt."""
   trainer = make_trainer(2)
   fit(trainer, data, [jdist.ModelCheckpoint(tmp_path, save_freq=8)], epochs=1)
+  fresh = make_trainer(2)
+  fresh.build(data[0][0][:4])
+  assert fresh.load_checkpoint(tmp_path, step=8) == 8
+  sums = [float(np.sum(np.asarray(x, np.float32)))
+          for x in jax.tree.leaves(fresh.state)]
   for step, fmt in (("8", "jdist.Trainer/1"), ("16", "jdist.Trainer/2")):
     path = tmp_path / step / "meta" / "metadata"
     meta = json.loads(path.read_text())
-    del meta["meta_checksum"]
-    path.write_text(json.dumps(dict(meta, format=fmt)))
+    for key in ("meta_checksum", "hash", "digests"):
+      del meta[key]
+    path.write_text(json.dumps(dict(meta, format=fmt, checksums=sums)))
   fresh = make_trainer(2)
   fresh.build(data[0][0][:4])
   with pytest.warns(UserWarning, match="/16 is corrupt: its metadata has lost "

@@ -1,8 +1,7 @@
 """Which strategy and which replica context apply where code runs.
 
-The top of jdist's layers, and the only module that knows the default
-strategy: below it, a replica context is given its strategy, and a function
-that needs one takes it as an argument.
+The only module that knows the default strategy: below it, a function that
+needs a strategy takes it as an argument.
 """
 
 from __future__ import annotations
@@ -45,9 +44,9 @@ def has_strategy() -> bool:
 def get_replica_context():
   """The running step's `ReplicaContext`.
 
-  Returns None in cross-replica context (inside `strategy.scope()` but outside
-  a step, or inside `merge_call`), and a one-replica default context in plain
-  code outside any strategy, as in TensorFlow.
+  None in cross-replica context (inside `strategy.scope()` but outside a
+  step, or inside `merge_call`); a one-replica default context in plain code
+  outside any strategy, as in TensorFlow.
 
   Example:
     >>> import jdist
@@ -71,8 +70,7 @@ def all_reduce(reduce_op, value):
 
   Raises:
     jdist.ReplicaContextError: called in cross-replica context, where
-      `strategy.reduce` is the way to combine per-replica values (a
-      RuntimeError).
+      `strategy.reduce` combines per-replica values.
   """
   ctx = get_replica_context()
   if ctx is None:

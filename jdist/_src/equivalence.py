@@ -28,8 +28,7 @@ def run_training(strategy, step_fn: Callable, state: Any, batches: Iterable,
   """Trains `step_fn(state, batch) -> (state, outputs)` on `strategy`.
 
   Outputs are made comparable across device counts: per-example outputs are
-  gathered over replicas (padding dropped) and per-replica scalars reduced with
-  `scalar_reduce` (SUM fits losses from `compute_average_loss`).
+  gathered over replicas and per-replica scalars reduced with `scalar_reduce`.
   """
   step = strategy.function(step_fn)
   state = strategy.replicate(state)
@@ -97,11 +96,10 @@ def assert_equivalent(step_fn: Callable, state: Any, batches: Iterable,
   """Checks that training on N replicas matches training on one device.
 
   Runs `step_fn(state, batch) -> (state, outputs)` over `batches` (global
-  batches) with a one-device strategy and with `strategy` (default: a
-  `MirroredStrategy` over the first `num_replicas` local devices), then compares
-  the final state (SyncOnRead values read), and every step's outputs: mirrored
-  outputs as they are, per-example outputs gathered over replicas, per-replica
-  scalars reduced with `scalar_reduce`.
+  batches) on one device and on `strategy` (default: a `MirroredStrategy` over
+  the first `num_replicas` local devices), then compares the final state and
+  every step's outputs: mirrored outputs as they are, per-example outputs
+  gathered over replicas, per-replica scalars reduced with `scalar_reduce`.
 
   Args:
     step_fn: the per-replica training step.
@@ -162,7 +160,7 @@ def assert_equivalent(step_fn: Callable, state: Any, batches: Iterable,
 
 
 def _scale(expected: list, actual: list) -> float | None:
-  """The least-squares factor `actual ~ factor * expected` (None if no signal)."""
+  """The least-squares factor `actual ~ factor * expected`, or None."""
   e = np.concatenate([np.ravel(x).astype(np.float64) for x in expected]
                      or [np.zeros(0)])
   a = np.concatenate([np.ravel(x).astype(np.float64) for x in actual]
@@ -182,9 +180,7 @@ def _floats(tree) -> list:
 
 def _scaling_hint(initial, expected: Trajectory, actual: Trajectory,
                   n_reference: int, n_actual: int) -> str:
-  """A line naming loss scaling when the runs differ by a factor near the
-  ratio of their replica counts: the parameters moved that many times as
-  far, or the step's outputs (the loss) are that many times larger."""
+  """A line naming loss scaling when runs differ by the replica ratio."""
   n = n_actual / n_reference
   if n == 1:
     return ""

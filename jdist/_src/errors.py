@@ -1,10 +1,8 @@
 """Every error jdist raises on purpose, under one base class, `jdist.Error`.
 
-Each error also keeps the builtin base that code catching it used before
-(`ValueError` for a wrong setup, `RuntimeError` for a failure while running,
-`FileNotFoundError` for a missing checkpoint), so `except ValueError` still
-works. The docs' "Errors that say what to do" (docs/errors.md) lists them with
-where each is raised.
+Each error also keeps a builtin base (`ValueError` for a wrong setup,
+`RuntimeError` for a failure while running, ...), so `except ValueError`
+still works. docs/errors.md lists where each is raised.
 
 Example:
   >>> import jdist
@@ -44,6 +42,11 @@ class ShardingError(DistributionError):
   """Optimizer state cannot be split over the replicas as asked."""
 
 
+class MemoryBudgetError(DistributionError):
+  """A step's per-device memory, planned from its compiled program before
+  it runs, exceeds the device's memory or the budget given."""
+
+
 class ProgramMismatchError(DistributionError):
   """Processes of one run compiled different programs for the same step."""
 
@@ -64,9 +67,8 @@ class CollectiveTimeoutError(Error, RuntimeError):
 class PeerFailureError(Error, RuntimeError):
   """Another process of the run failed, so this one cannot continue.
 
-  Raised by a rendezvous outside XLA (the program check, the input
-  agreement) that learns of the failure. A process blocked inside an XLA
-  collective cannot raise: the process monitor prints
+  Raised by a rendezvous outside XLA that learns of the failure; a process
+  blocked inside an XLA collective cannot raise, so its monitor prints
   `jdist.PeerFailureError: ...` and ends the process instead.
   """
 
@@ -95,11 +97,10 @@ class CheckpointMismatchError(DistributionError):
 class WorkerFailedError(Error, RuntimeError):
   """A worker of a parameter-server cluster failed (or hung).
 
-  The coordinator runs the worker's functions again on the other workers (a
-  function may run more than once); raise it from a scheduled function to
-  say that its worker is unusable (the threads backend's stand-in for a
-  dead worker). It reaches `join()` only when fewer workers are left than
-  the strategy's `ray_options["min_workers"]` (default 1).
+  The coordinator runs the worker's functions again on the other workers;
+  raise it from a scheduled function to say its worker is unusable. It
+  reaches `join()` only when fewer workers are left than
+  `ray_options["min_workers"]` (default 1).
   """
 
 
@@ -108,8 +109,8 @@ class ParameterServerError(Error, RuntimeError):
   `timeout_seconds`): its variables are lost.
 
   Raised by `ClusterCoordinator.join()`, `schedule()` and `done()`, and by
-  reading variables, within the strategy's `timeout_seconds`. Restart the
-  cluster and restore the variables from a checkpoint.
+  reading variables. Restart the cluster and restore the variables from a
+  checkpoint.
   """
 
 
@@ -124,6 +125,7 @@ class OutOfRangeError(Error, IndexError):
 PUBLIC = (Error, DistributionError, DoubleReductionError, VaryingStateError,
           LossScalingError,
           StrategyMismatchError, ProgramMismatchError, ShardingError,
+          MemoryBudgetError,
           ReplicaContextError,
           ClusterError, CollectiveTimeoutError, PeerFailureError,
           CheckpointError, CheckpointNotFoundError, CheckpointMismatchError,

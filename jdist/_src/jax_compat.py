@@ -1,23 +1,25 @@
 """Every use of a private or version-specific JAX API, in one place.
 
-jdist pins the JAX range it is tested with (pyproject.toml). When JAX moves
-one of these, this file is the only one to change; each function says what it
-wraps and why the public API does not suffice.
+When JAX moves one of these, this file is the only one to change; each
+function says why the public API does not suffice.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.extend
 import numpy as np
 # Private modules, each used by one function below (see its docstring).
 from jax._src import cloud_tpu_init
+from jax._src import core as _core
 from jax._src import clusters
 from jax._src import distributed
+from jax._src import mesh as mesh_lib
+from jax._src import pjit
 from jax._src import xla_bridge
 from jax._src.clusters import cloud_tpu_cluster
 from jax._src.lax.control_flow import loops as jax_loops
@@ -27,11 +29,10 @@ from jax._src.random import prng as jax_prng
 
 
 def varying_axes(x: Any) -> frozenset:
-  """The mesh axes a traced value varies over inside `shard_map`.
+  """The mesh axes a traced value varies over inside `shard_map` (none for
+  Python scalars and numpy values).
 
-  Public `jax.typeof` gives the abstract value; where the varying axes live on
-  it changed between releases (`.vma` until 0.8, `.mat.varying` on 0.10).
-  Python scalars and numpy values have none: they are constants.
+  Version-specific: `jax.typeof(x).mat.varying` on 0.10, `.vma` before.
   """
   try:
     aval = jax.typeof(x)
@@ -56,6 +57,113 @@ try:
 except ImportError:  # pragma: no cover - depends on the jax version
   all_gather_invariant = None
 
+# --- a user's mesh context and sharding constraints --------------------------
+
+
+def context_mesh():
+  """The concrete mesh a user's `jax.set_mesh` put in context, or None.
+
+  Private: the public `jax.sharding.get_mesh()` refuses to answer inside
+  `jax.jit`, where jdist traces its steps and compares this mesh with the
+  strategy's (the abstract mesh that is public there has no devices).
+  """
+  mesh = mesh_lib.get_concrete_mesh()
+  return None if mesh is None or mesh.empty else mesh
+
+
+def inside_trace() -> bool:
+  """Whether JAX is tracing (inside `jax.jit`, `eval_shape`, ...), where
+  `jax.set_mesh` refuses to run.
+
+  Private: JAX's test for it (`core.trace_state_clean`) is internal.
+  """
+  return not _core.trace_state_clean()
+
+
+class _ConstraintMap(threading.local):
+  """This thread's mapping of `with_sharding_constraint`'s shardings."""
+
+  def __init__(self):
+    super().__init__()
+    self.mapper = None
+
+
+_constraint_map = _ConstraintMap()
+_prepare_shardings = pjit.prepare_axis_resources  # JAX's own
+
+
+def _prepare_shardings_mapped(axis_resources, arg_name, *args, **kwargs):
+  """JAX's `prepare_axis_resources`, with a constraint's shardings first
+  given to this thread's mapper (see `sharding_constraints_mapped`)."""
+  mapper = _constraint_map.mapper
+  if mapper is not None and arg_name == "shardings":  # with_sharding_constraint
+    axis_resources = jax.tree.map(
+        lambda x: x if x is None else mapper(x), axis_resources,
+        is_leaf=lambda x: x is None or isinstance(
+            x, (jax.sharding.PartitionSpec, jax.sharding.Sharding)))
+  return _prepare_shardings(axis_resources, arg_name, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def sharding_constraints_mapped(mapper: Callable) -> Iterator[None]:
+  """In this thread, for the block: each sharding given to
+  `jax.lax.with_sharding_constraint` (a `PartitionSpec` or a `Sharding`) is
+  replaced by `mapper(sharding)` before JAX reads it.
+
+  Private: JAX checks a constraint's sharding and turns it into one on the
+  context mesh inside `with_sharding_constraint`, then refuses a spec that
+  names a manual axis (the replica axis inside jdist's `shard_map`) or a
+  sharding on the concrete mesh there. A user's constraint, written for the
+  global program as flax's and JAX's guides write it, means per replica the
+  same spec without the replica axis; the public API has no hook to say so.
+  Other threads, and constraints outside the block, are untouched.
+  """
+  pjit.prepare_axis_resources = _prepare_shardings_mapped
+  previous, _constraint_map.mapper = _constraint_map.mapper, mapper
+  try:
+    yield
+  finally:
+    _constraint_map.mapper = previous
+
+_NESTED_RESIDUALS_FIXED = []
+
+
+def fix_nested_shard_map_residuals() -> None:
+  """Lets autodiff go through a `shard_map` nested in another one.
+
+  Differentiating a map that is manual over one axis inside a map manual over
+  another (the pipeline's over "stage" in a step's over "data"), jax 0.10.2
+  gives each residual the out spec of every axis it varies over
+  (`ShapedArray.nospec`), the outer map's axis too, and the compiler rejects
+  it ("operates on axis 'data' which is already bound by a parent
+  sdy.manual_computation"). Inside the outer map that axis is implicit, so
+  the fix leaves out of the spec every axis that is already manual where the
+  residual is made and that the inner map does not make manual (jax's own
+  comment there asks whether only the newly manual names should count).
+  Specs that do not name such an axis, every spec of a map that is not
+  nested, are unchanged. Installed once, by the first pipeline traced.
+  """
+  if _NESTED_RESIDUALS_FIXED:
+    return
+  original = _core.ShapedArray.nospec
+
+  def nospec(self, mesh, check_vma, all_names):
+    spec = original(self, mesh, check_vma, all_names)
+    outer = set(mesh_lib.get_abstract_mesh().manual_axes) - set(all_names)
+    if not check_vma or not outer or not spec or spec[0] is None:
+      return spec
+    names = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+    kept = tuple(n for n in names if n not in outer)
+    if kept == names:
+      return spec
+    return jax.sharding.PartitionSpec(
+        (kept if len(kept) > 1 else kept[0]) if kept else None,
+        unreduced=spec.unreduced, reduced=spec.reduced)
+
+  _core.ShapedArray.nospec = nospec
+  _NESTED_RESIDUALS_FIXED.append(original)
+
+
 # --- rewriting a traced function ------------------------------------------------
 
 # Primitives whose body is inlined by `eval_jaxpr_rewriting` (a call of a
@@ -67,9 +175,8 @@ _CHECKPOINT = "remat2"
 
 
 def _body(eqn):
-  """The jaxpr an equation runs as its body, if it is a call of a jitted
-  function (a closed jaxpr) or a `jax.checkpoint` (an open one); else
-  None."""
+  """The jaxpr an equation runs as its body: a jitted call's (closed) or a
+  `jax.checkpoint`'s (open); else None."""
   name = eqn.primitive.name
   body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
   if name in _CALLS and hasattr(body, "consts"):
@@ -81,11 +188,7 @@ def _body(eqn):
 
 def uses_primitives(jaxpr, primitives) -> bool:
   """Whether a jaxpr binds one of `primitives`, itself or in a body that
-  `eval_jaxpr_rewriting` reaches into (jitted calls, `jax.checkpoint`).
-
-  Private for the same reason as `eval_jaxpr_rewriting`: the equations'
-  bodies are internal parameters.
-  """
+  `eval_jaxpr_rewriting` reaches into (private for the same reason)."""
   for eqn in jaxpr.eqns:
     body = _body(eqn)
     if eqn.primitive in primitives or (body is not None and uses_primitives(
@@ -95,8 +198,8 @@ def uses_primitives(jaxpr, primitives) -> bool:
 
 
 def _rewritten_checkpoint(eqn, inputs, rules) -> list | None:
-  """A `jax.checkpoint` equation bound with its body rewritten by `rules`;
-  None if the rewritten body needs constants (the primitive takes none)."""
+  """A `jax.checkpoint` equation bound with its body rewritten by `rules`, or
+  None if that body needs constants."""
   body = jax.extend.core.ClosedJaxpr(eqn.params["jaxpr"], ())
   new = jax.make_jaxpr(
       lambda *xs: eval_jaxpr_rewriting(body, xs, rules))(*inputs)
@@ -109,19 +212,16 @@ def _rewritten_checkpoint(eqn, inputs, rules) -> list | None:
 
 def eval_jaxpr_rewriting(closed_jaxpr, args, rules: dict, *,
                          retype: bool = False) -> list:
-  """Evaluates a `jax.make_jaxpr` result on its flat `args` inside the current
-  trace, binding `rules[primitive](*inputs, **params)` for each primitive that
+  """Evaluates a `jax.make_jaxpr` result on its flat `args` in the current
+  trace, binding `rules[primitive](*inputs, **params)` for each primitive
   `rules` names.
 
-  Jitted calls that use such a primitive are inlined (the rule reaches into
-  them) and a `jax.checkpoint`'s body is rewritten; other bodies (scan, cond,
-  custom derivatives) are bound as they are. With `retype`, a rule may
-  return a value varying over more manual axes of a `shard_map` than the one
-  it replaces (a replica's own rows): every jitted call is inlined, and a
-  primitive's inputs that vary over fewer axes than the others are cast to
-  varying first, as tracing the same operations would. Private: JAX has no
-  public way to replace a primitive while evaluating a jaxpr, and this loop
-  uses its internal bind parameters and equation context.
+  Jitted calls that use such a primitive are inlined and a `jax.checkpoint`'s
+  body is rewritten; other bodies are bound as they are. With `retype`, a rule
+  may return a value varying over more manual axes than the one it replaces:
+  every jitted call is inlined, and inputs are cast to varying as tracing
+  would. Private: JAX has no public way to replace a primitive while
+  evaluating a jaxpr.
   """
   jaxpr = closed_jaxpr.jaxpr
   env: dict = {}
@@ -240,8 +340,7 @@ _RETRACE = {"scan": _retraced_scan, "while": _retraced_while,
 
 
 def _varying_alike(values: list) -> list:
-  """`values` cast to vary over every manual axis any of them varies over
-  (what JAX's own operations do to their operands before binding)."""
+  """`values` cast to vary over every manual axis any of them varies over."""
   axes = [varying_axes(v) for v in values]
   union = frozenset().union(*axes)
   return [v if a == union or not hasattr(v, "shape") else
@@ -302,13 +401,8 @@ def varying_loop_carries() -> Iterator[None]:
 
 
 def random_bits_primitive():
-  """The primitive every draw of random bits from a key binds
-  (`random_bits[bit_width, shape]`), which `jax.random.uniform`,
-  `bernoulli`, `normal`, ... reduce to.
-
-  Private: the public API draws bits (`jax.random.bits`) but does not name
-  the primitive, which a rule of `eval_jaxpr_rewriting` is keyed by.
-  """
+  """The primitive every draw of random bits from a key binds, which a rule of
+  `eval_jaxpr_rewriting` is keyed by (the public API does not name it)."""
   return jax_prng.random_bits_p
 
 
@@ -318,28 +412,22 @@ def random_bits_primitive():
 def distributed_state():
   """JAX's process-wide distributed state (client, process id and count).
 
-  Private: the public API offers `jax.distributed.is_initialized()` and
-  `jax.process_index()`, but not the coordination service client whose
-  key-value store jdist's rendezvous, monitor and program check use, nor the
-  coordinator address and preemption manager.
+  Private: the public API does not give the coordination service client
+  whose key-value store jdist's rendezvous use, nor the coordinator address
+  and preemption manager.
   """
   return distributed.global_state
 
 
 def backends_are_initialized() -> bool:
-  """Whether JAX has started its backends (after which it cannot join a run).
-
-  Private: no public call answers this without starting the backend.
-  """
+  """Whether JAX has started its backends (private: no public call answers
+  this without starting them)."""
   return xla_bridge.backends_are_initialized()
 
 
 def cluster_environments() -> list:
-  """JAX's cluster detectors (SLURM, Open MPI, Kubernetes, Cloud TPU, ...).
-
-  Private: `jax.distributed.initialize` uses them internally but does not
-  expose what it detected, which jdist reports in its messages.
-  """
+  """JAX's cluster detectors (SLURM, Open MPI, Kubernetes, Cloud TPU, ...),
+  which `jax.distributed.initialize` does not expose."""
   return list(clusters.ClusterEnv._cluster_types)
 
 
@@ -371,13 +459,11 @@ except ImportError:  # pragma: no cover - depends on the jax version
 
 
 def array_type() -> type | None:
-  """The class of the arrays jax's computations return (`ArrayImpl`).
+  """The class of the arrays jax's computations return (`ArrayImpl`), or None.
 
-  `jax.Array` is an abstract base whose `isinstance` test goes through
-  Python (`abc`); a step's every call asks whether its last output is a
-  concrete array (not a tracer), and `type(x) is array_type()` answers that
-  at the cost of an identity test. None if this JAX has no such class (the
-  caller then takes its general path).
+  `isinstance(x, jax.Array)` goes through `abc`; every call of a step asks
+  whether its output is concrete, and `type(x) is array_type()` is an
+  identity test.
   """
   return _ArrayImpl
 
@@ -388,13 +474,9 @@ _host_puts: dict = {}
 
 
 def put_host_arrays(xs: list, sharding) -> list:
-  """`jax.device_put(xs, sharding)` for numpy arrays in one process, faster.
-
-  The same arrays (type, committed placement, sharding in the aval) as
-  `jax.device_put`, at about a third of its Python cost per leaf. Anything
-  it does not handle (a dtype JAX would convert, another JAX) goes through
-  `jax.device_put`.
-  """
+  """`jax.device_put(xs, sharding)` for numpy arrays in one process, at a
+  fraction of its Python cost per leaf, with the same arrays as a result;
+  anything else goes through `jax.device_put`."""
   if _pxla is None:
     return jax.device_put(xs, sharding)
   known = []

@@ -8,7 +8,8 @@ them (`jdist.Trainer(..., dtype_policy="mixed_bfloat16")`) runs them in
 bfloat16. Dropout uses `jdist.dropout`, keyed by global example position, so
 the model trains the same on any number of replicas.
 `GPT`: a small decoder-only transformer for model parallelism, with
-`gpt_layout_map` (Megatron-style tensor parallelism) and `gpt_fsdp_strategy`.
+`gpt_layout_map` (Megatron-style tensor parallelism, and pipeline stages over
+its stacked blocks) and `gpt_fsdp_strategy`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import functools
 from typing import Any
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 import jdist
@@ -104,6 +106,12 @@ class GPT(nn.Module):
   embed), `block_{i}/mlp_in/kernel`, `block_{i}/mlp_out/kernel`, their
   biases, `block_{i}/{attn,mlp}_norm/{scale,bias}`, `final_norm`, `head`.
 
+  With `stacked=True` the blocks' parameters are stacked instead: one tree
+  `blocks/...` (`blocks/attn/query/kernel` of shape (num_layers, embed,
+  heads, head_dim), ...) whose leading dimension is the block, run by
+  `jdist.pipeline`: as pipeline stages under a strategy with a pipeline
+  axis, one block after another elsewhere.
+
   Example:
     >>> import jax, jax.numpy as jnp
     >>> from jdist.examples.models import GPT
@@ -121,6 +129,37 @@ class GPT(nn.Module):
   num_heads: int = 4
   num_layers: int = 2
   mlp_dim: int = 128
+  stacked: bool = False
+
+  def train_flops(self, tokens) -> float:
+    """FLOPs of one training step (forward and backward pass) on `tokens`,
+    by the model's own count: what model FLOPs utilization (MFU) counts.
+
+    Each matrix product of an `(m, k)` by a `(k, n)` matrix is `2 m k n`
+    FLOPs: per token and block, attention's query, key, value and output
+    projections `8 d^2`, the MLP `4 d f`, and attention's scores and
+    weighted values `4 d` per key attended to, of which a causal mask
+    leaves `(length + 1) / 2` on average (the masked half is computed by
+    the program but not counted); the head `2 d v` per token. Embedding
+    lookups, layer norms, softmax and the optimizer are not counted. The
+    backward pass is twice the forward.
+
+    Args:
+      tokens: the model's input `(batch, length)`: an array, a
+        `jax.ShapeDtypeStruct`, or its shape.
+
+    Example:
+      >>> from jdist.examples.models import GPT
+      >>> GPT(vocab_size=32, max_len=8, embed_dim=16, num_heads=4,
+      ...     num_layers=1, mlp_dim=64).train_flops((2, 8))
+      357888.0
+    """
+    batch, length = tuple(getattr(tokens, "shape", tokens))[-2:]
+    d, f = self.embed_dim, self.mlp_dim
+    attention = 4 * d * (length + 1) / 2
+    per_token = (self.num_layers * (8 * d * d + 4 * d * f + attention) +
+                 2 * d * self.vocab_size)
+    return 3.0 * batch * length * per_token
 
   @nn.compact
   def __call__(self, tokens, train: bool = False):
@@ -129,15 +168,32 @@ class GPT(nn.Module):
     x = nn.Embed(self.vocab_size, self.embed_dim, name="token_embed")(tokens)
     x = x + nn.Embed(self.max_len, self.embed_dim,
                      name="position_embed")(jnp.arange(length))
-    for i in range(self.num_layers):
-      x = GPTBlock(self.num_heads, self.mlp_dim, name=f"block_{i}")(x)
+    if self.stacked:
+      x = self._stacked_blocks(x)
+    else:
+      for i in range(self.num_layers):
+        x = GPTBlock(self.num_heads, self.mlp_dim, name=f"block_{i}")(x)
     x = nn.LayerNorm(name="final_norm")(x)
     return nn.Dense(self.vocab_size, name="head")(x)
 
+  def _stacked_blocks(self, x):
+    """The blocks as one stacked tree of parameters, run by `jdist.pipeline`."""
+    block = GPTBlock(self.num_heads, self.mlp_dim, parent=None)
+    one = jnp.zeros((1,) + x.shape[1:], x.dtype)
 
-def gpt_layout_map(mesh: jdist.DeviceMesh,
-                   model_axis: str = "model") -> jdist.LayoutMap:
-  """Megatron-style tensor parallelism for `GPT` over `model_axis`.
+    def init(key):
+      keys = jax.random.split(key, self.num_layers)
+      return jax.vmap(lambda k: block.init(k, one)["params"])(keys)
+
+    blocks = self.param("blocks", init)
+    return jdist.pipeline(lambda p, h: block.apply({"params": p}, h),
+                          blocks, x)
+
+
+def gpt_layout_map(mesh: jdist.DeviceMesh, model_axis: str | None = "model",
+                   *, stage_axis: str | None = None) -> jdist.LayoutMap:
+  """Megatron-style tensor parallelism for `GPT` over `model_axis`, and
+  pipeline stages over `stage_axis` for the stacked GPT.
 
   Attention's query, key and value kernels are split by heads (a column
   split: each device computes its heads whole), its output kernel by heads
@@ -153,9 +209,16 @@ def gpt_layout_map(mesh: jdist.DeviceMesh,
   `vocab_size` must be multiples of the axis's size (the strategy says
   which is not).
 
+  With `stage_axis` the keys are those of `GPT(stacked=True)`: every
+  `blocks/...` parameter has its block dimension split over `stage_axis`
+  (each stage holds its blocks) and the rest as above.
+
   Args:
     mesh: the `jdist.DeviceMesh` with `model_axis`.
-    model_axis: the mesh axis the parameters are split over.
+    model_axis: the mesh axis the parameters are split over, or None for no
+      tensor parallelism.
+    stage_axis: the pipeline's mesh axis, for `GPT(stacked=True)`; None for
+      the GPT with one parameter tree per block.
 
   Returns:
     A `jdist.LayoutMap` for `jdist.ModelParallelStrategy`.
@@ -170,13 +233,18 @@ def gpt_layout_map(mesh: jdist.DeviceMesh,
   """
   m = model_axis
   layout_map = jdist.LayoutMap(mesh)
+  if stage_axis is None:
+    block, lead = r"block_\d+", ()
+  else:  # every stacked parameter: its blocks over the stages
+    block, lead = "blocks", (stage_axis,)
+    layout_map[r"blocks/.*(norm/(scale|bias)|out/bias)"] = (stage_axis, None)
   layout_map["token_embed/embedding"] = (m, None)
-  layout_map[r"block_\d+/attn/(query|key|value)/kernel"] = (None, m, None)
-  layout_map[r"block_\d+/attn/(query|key|value)/bias"] = (m, None)
-  layout_map[r"block_\d+/attn/out/kernel"] = (m, None, None)
-  layout_map[r"block_\d+/mlp_in/kernel"] = (None, m)
-  layout_map[r"block_\d+/mlp_in/bias"] = (m,)
-  layout_map[r"block_\d+/mlp_out/kernel"] = (m, None)
+  layout_map[rf"{block}/attn/(query|key|value)/kernel"] = lead + (None, m, None)
+  layout_map[rf"{block}/attn/(query|key|value)/bias"] = lead + (m, None)
+  layout_map[rf"{block}/attn/out/kernel"] = lead + (m, None, None)
+  layout_map[rf"{block}/mlp_in/kernel"] = lead + (None, m)
+  layout_map[rf"{block}/mlp_in/bias"] = lead + (m,)
+  layout_map[rf"{block}/mlp_out/kernel"] = lead + (m, None)
   layout_map["head/kernel"] = (None, m)
   layout_map["head/bias"] = (m,)
   return layout_map

@@ -210,9 +210,9 @@ def arm_snapshot_kill(step):
   on every thread, until the kill."""
   if my_fault(step, ("snapkill",)) is None:
     return
-  from jdist._src.checkpoint import snapshots  # noqa: PLC0415 (test hook)
+  from jdist._src.checkpoint.snapshots import files  # noqa: PLC0415 (hook)
   tmp = f".tmp-{ME}-{os.getpid()}.snap"
-  write_all = snapshots._write_all
+  write_all = files.write_all
 
   def killing_write_all(path, buffers, *spare):
     written = write_all(path, buffers, *spare)
@@ -227,7 +227,7 @@ def arm_snapshot_kill(step):
       os.kill(os.getpid(), signal.SIGKILL)
     return written
 
-  snapshots._write_all = killing_write_all
+  files.write_all = killing_write_all
 
 
 @contextlib.contextmanager

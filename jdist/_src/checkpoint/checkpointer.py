@@ -1,24 +1,14 @@
-"""Checkpoints of a `TrainState` with orbax-checkpoint, and their metadata.
+"""Checkpoints of a train state with orbax-checkpoint: saving, restoring,
+replacing (the format and its checks: docs/checkpoints.md).
 
-Each checkpoint is an orbax step directory with two items: `state` (the
-train state's arrays as a nested dict named by their paths) and `meta` (JSON:
-the training position, the history so far, the shape of every leaf, and a
-checksum of every leaf). orbax writes a step into a temporary directory and
-renames it when complete, so a crash mid-save leaves the previous checkpoints
-as they were. On restore, a checkpoint whose files cannot be read or whose
-checksums disagree is skipped with a warning and the one before it is used; a
-checkpoint of a different model is an error.
-
-Arrays are restored with the target's sharding on the current mesh
-(replicated, or split over the replicas for a `jdist.ShardedOptimizer`'s
-state), so a checkpoint saved on 4 devices (or 2 processes) restores onto 2
-devices (or 1 process) and back.
+A checkpoint is an orbax step directory with two items, `state` (the arrays
+nested by their paths) and `meta` (`metadata.py`). Arrays are restored with
+the target's shardings, so any device or process count restores any
+checkpoint.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import re
 import shutil
@@ -26,24 +16,22 @@ import warnings
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jdist._src.core import kinds
-from jdist._src.core import placement
 from jdist._src.errors import CheckpointError, CheckpointMismatchError
+from jdist._src.checkpoint import content_hash
 from jdist._src.checkpoint import directory_claim
+from jdist._src.checkpoint import metadata
 from jdist._src.checkpoint import orbax_errors
+from jdist._src.checkpoint.metadata import FORMAT, FORMATS
+from jdist._src.checkpoint.metadata import NESTED_FORMAT as _NESTED_FORMAT
+from jdist._src.checkpoint.metadata import UNCHECKED_FORMAT as _UNCHECKED_FORMAT
+from jdist._src.runtime import runtime as runtime_lib
 
-FORMAT = "jdist.Trainer/3"
 _STEP = re.compile(r"\d+")  # orbax's name of a complete step directory
-# Version 2 named the leaves of sharded optimizer state with one more level
-# (the `jdist.Sharded` around it), so sharded and mirrored checkpoints did not
-# load into each other; version 1 had no checksum of its metadata. Both load.
-_NESTED_FORMAT = "jdist.Trainer/2"
-_UNCHECKED_FORMAT = "jdist.Trainer/1"
-_FORMATS = (FORMAT, _NESTED_FORMAT, _UNCHECKED_FORMAT)
+# Where a save of a step that exists is written before it replaces the step.
+_REPLACING = ".jdist-replacing"
 
 
 def _name(entry) -> str:
@@ -60,9 +48,8 @@ def _is_key(x) -> bool:
 def _paths(tree, fmt: str) -> list:
   """`(path, leaf)` of every leaf of `tree`, in its flattening order.
 
-  A `jdist.Sharded` adds no level to the paths (from format 3 on): sharded
-  optimizer state has the names of the mirrored state it equals, leaf for
-  leaf, so either checkpoint loads into the other.
+  A `jdist.Sharded` adds no level to the paths (from format 3 on), so sharded
+  and mirrored optimizer state load into each other.
   """
   if fmt in (_NESTED_FORMAT, _UNCHECKED_FORMAT):
     return jax.tree_util.tree_flatten_with_path(tree)[0]
@@ -77,8 +64,7 @@ def _paths(tree, fmt: str) -> list:
 
 
 def _flatten(tree, fmt: str = FORMAT) -> tuple[list[str], list, Any]:
-  """Leaves of `tree` with stable '/'-joined path names (as `fmt` names
-  them)."""
+  """Leaves of `tree` with '/'-joined path names, as `fmt` names them."""
   with_path = _paths(tree, fmt)
   treedef = jax.tree_util.tree_structure(tree)
   names = ["/".join(_name(e) for e in path) for path, _ in with_path]
@@ -109,43 +95,22 @@ def _unnest(names, nested) -> list:
   return leaves
 
 
-def _describe(names, leaves) -> dict:
-  return {n: [list(np.shape(x)), str(x.dtype)] for n, x in zip(names, leaves)}
-
-
-@jax.jit
-def _sums(leaves):
-  return jnp.stack([jnp.sum(jnp.asarray(x).astype(jnp.float32)) for x in leaves])
-
-
-def _checksums(leaves) -> list[float]:
-  if not leaves:
-    return []
-  return [float(v) for v in placement.to_host(_sums(leaves))]
-
-
-def _nonfinite(names, checksums) -> list[str]:
-  # A leaf's sum is NaN or inf when one of its values is: the check is free.
-  return [n for n, c in zip(names, checksums) if not np.isfinite(c)]
-
-
 def nonfinite_leaves(state) -> list[str]:
   """Names of the leaves of `state` that hold NaN or infinite values."""
   names, leaves, _ = _flatten(state)
-  return _nonfinite(names, _checksums(_storable(leaves)))
+  _, finite = content_hash.digests(_storable(leaves))
+  return [n for n, ok in zip(names, finite) if not ok]
 
 
 def _storable(leaves) -> list:
-  """The leaves as stored: PRNG keys as their data (abstract keys, a
-  `jax.eval_shape` target's, as abstract data)."""
+  """The leaves as stored: PRNG keys as their key data."""
   return [(jax.random.key_data(x) if isinstance(x, jax.Array) else
            jax.eval_shape(jax.random.key_data, x)) if _is_key(x) else x
           for x in leaves]
 
 
 def _arrays_only(names, leaves) -> None:
-  """Raises TypeError, naming them, for leaves that are not arrays (a
-  Python float or int: no dtype or shape of its own to save and check)."""
+  """Raises TypeError naming the leaves that are not arrays."""
   bad = [f"{n} (a {type(x).__module__.replace('builtins', 'Python')} "
          f"{type(x).__name__}: {x!r:.40})"
          for n, x in zip(names, leaves)
@@ -160,8 +125,7 @@ def _arrays_only(names, leaves) -> None:
 
 
 def storable_leaves(tree) -> tuple[list[str], list, list, Any]:
-  """`(names, stored, leaves, treedef)` of `tree`: its leaves' path names,
-  the leaves as stored (PRNG keys as their data), the leaves, its treedef.
+  """`(names, stored, leaves, treedef)` of `tree` (stored: keys as data).
 
   Raises:
     TypeError: a leaf is not an array (a Python float or int).
@@ -172,10 +136,8 @@ def storable_leaves(tree) -> tuple[list[str], list, list, Any]:
 
 
 def placed(wholes: list, stored: list, leaves: list, treedef, mesh) -> Any:
-  """The tree of `wholes` (host arrays, one whole leaf each, PRNG keys as
-  their data) placed on `mesh` as the target's leaves are (`stored`, as
-  `storable_leaves` gives them, and `leaves`): split where they are split
-  over this mesh, otherwise whole on every device."""
+  """The tree of `wholes` (host arrays) placed on `mesh` as the target's
+  leaves are: split where they are split over this mesh, else whole."""
   replicated = NamedSharding(mesh, P())
   out = []
   for whole, like, target in zip(wholes, stored, leaves):
@@ -188,9 +150,7 @@ def placed(wholes: list, stored: list, leaves: list, treedef, mesh) -> Any:
 
 
 def _target_sharding(leaf, replicated: NamedSharding) -> NamedSharding:
-  """Where a leaf is restored: split as the target's leaf is (optimizer
-  state sharded over this mesh's replicas, orbax reads each device's block),
-  otherwise whole on every device."""
+  """Where a leaf is restored: split as the target's leaf, else replicated."""
   sharding = getattr(leaf, "sharding", None)
   if (isinstance(sharding, NamedSharding) and
       sharding.mesh == replicated.mesh and any(sharding.spec)):
@@ -198,99 +158,49 @@ def _target_sharding(leaf, replicated: NamedSharding) -> NamedSharding:
   return replicated
 
 
-def _digest(meta: dict) -> str:
-  text = json.dumps(meta, sort_keys=True, separators=(",", ":"))
-  return hashlib.sha256(text.encode()).hexdigest()
+def _swap_in(directory: str, step: int) -> None:
+  """Puts `_REPLACING/<step>` (complete) in the place of `<step>`."""
+  side = os.path.join(directory, _REPLACING)
+  old = os.path.join(side, f"old-{step}")
+  os.rename(os.path.join(directory, str(step)), old)
+  os.rename(os.path.join(side, str(step)), os.path.join(directory, str(step)))
+  shutil.rmtree(side)
 
 
-def _sealed(meta: dict) -> dict:
-  """`meta` as JSON will read it back, with the checksum of its content."""
-  meta = json.loads(json.dumps(meta))
-  return dict(meta, meta_checksum=_digest(meta))
-
-
-def _unsealed(meta: dict) -> tuple[dict, str | None]:
-  """`(meta, problem)`: the metadata without its checksum, or what is wrong."""
-  meta = dict(meta)
-  checksum = meta.pop("meta_checksum", None)
-  if checksum is None:
-    if meta.get("format") in (FORMAT, _NESTED_FORMAT):
-      return meta, "its metadata has lost its checksum"
-    return meta, None  # an older checkpoint, or not one of jdist's
-  if checksum != _digest(meta):
-    return meta, "its metadata fails its checksum"
-  return meta, None
-
-
-def _policy_change(saved: dict, names: list[str]) -> list[str]:
-  """The line that says a loss-scaling dtype policy was turned on or off
-  between the save and this trainer (its loss scale is in one state only)."""
-  scaled = lambda ns: any("/loss_scale/" in f"/{n}/" for n in ns)
-  if scaled(saved) == scaled(names):
-    return []
-  if scaled(saved):
-    why = ("the checkpoint was saved with dtype_policy=\"mixed_float16\" (its "
-           "optimizer state has a loss scale), this Trainer scales no loss")
-  else:
-    why = ("the checkpoint was saved without loss scaling, this Trainer's "
-           "dtype_policy=\"mixed_float16\" adds a loss scale")
-  return [f"  ({why}: make the Trainer with the dtype_policy of the run that "
-          "saved it)"]
-
-
-def _mismatch(saved: dict, expected: dict) -> list[str]:
-  lines = []
-  # Parameters first: they say most plainly which model each side holds.
-  order = lambda n: (not n.startswith("params/"), n)
-  for name in sorted(set(saved) | set(expected), key=order):
-    if name not in expected:
-      lines.append(f"  {name}: in the checkpoint, not in this model")
-    elif name not in saved:
-      lines.append(f"  {name}: in this model, not in the checkpoint")
-    elif list(saved[name][0]) != list(expected[name][0]) or \
-        saved[name][1] != expected[name][1]:
-      lines.append(f"  {name}: checkpoint {tuple(saved[name][0])} "
-                   f"{saved[name][1]}, model {tuple(expected[name][0])} "
-                   f"{expected[name][1]}")
-  return lines
+def _finish_replacing(directory: str) -> None:
+  """Completes or drops a replacement a killed job left (run by the owner)."""
+  side = os.path.join(directory, _REPLACING)
+  try:
+    entries = os.listdir(side)
+  except (FileNotFoundError, NotADirectoryError):
+    return
+  for entry in entries:
+    if _STEP.fullmatch(entry) and not os.path.exists(
+        os.path.join(directory, entry)):
+      os.rename(os.path.join(side, entry), os.path.join(directory, entry))
+  shutil.rmtree(side, ignore_errors=True)
 
 
 class Checkpointer:
-  """Saves and restores train states in `directory` with orbax.
-
-  Args:
-    directory: where the step directories go (created if needed).
-    max_to_keep: keep only this many newest checkpoints (None: all).
-    claim: claim the directory for this job (`directory_claim.py`): check
-      that every process can write it and lock it against other jobs, until
-      `close`. Writers claim; `load_checkpoint` only reads.
-
-  Raises:
-    jdist.CheckpointDirectoryError: (with `claim`) the directory is a file
-      or cannot be written.
-    jdist.CheckpointInUseError: (with `claim`) another running job owns it.
-
-  Example:
-    >>> import jdist, tempfile
-    >>> from jdist._src.checkpoint.checkpointer import Checkpointer
-    >>> ckpt = Checkpointer(tempfile.mkdtemp())
-    >>> ckpt.steps()
-    []
-  """
+  """Saves and restores train states in `directory` with orbax, keeping
+  `max_to_keep` newest; with `claim`, the directory is claimed for this job
+  until `close` (`directory_claim.py`: writers claim, readers do not)."""
 
   def __init__(self, directory, *, max_to_keep: int | None = None,
                claim: bool = False):
     self.directory = os.path.abspath(os.fspath(directory))
     self._max_to_keep = max_to_keep
-    self._claim = directory_claim.claim(self.directory) if claim else None
+    self._claim = directory_claim.claim(
+        self.directory, tidy=_finish_replacing) if claim else None
     self._ocp, self._opened = None, None
+    self._closed = False
+    # The steps `restore` found corrupt (and skipped), until saved again.
+    self.corrupt: set[int] = set()
 
   @property
   def _manager(self):
-    """orbax's CheckpointManager of the directory, opened at the first save
-    or restore that needs it: its creation is a barrier of every process
-    (all call `save` and `restore`), and a restart that resumes from memory
-    never needs it."""
+    """orbax's CheckpointManager, opened at first use: opening it is a barrier
+    of every process, which a resume from memory never needs."""
     if self._opened is None:
       import orbax.checkpoint as ocp  # slow to import: only when checkpointing
       # The owner removes what saves that died left behind (a reader must
@@ -305,8 +215,7 @@ class Checkpointer:
     return self._opened
 
   def steps(self) -> list[int]:
-    """Steps of the complete checkpoints, oldest first (the step directories
-    orbax has renamed into place; read without opening orbax)."""
+    """Steps of the complete checkpoints, oldest first (without orbax)."""
     try:
       entries = os.scandir(self.directory)
     except (FileNotFoundError, NotADirectoryError):
@@ -316,47 +225,87 @@ class Checkpointer:
                     if _STEP.fullmatch(e.name) and e.is_dir())
 
   def save(self, step: int, state, meta: dict) -> bool:
-    """Writes `state` and `meta` as checkpoint `step` (all processes call it).
+    """Writes `state` and `meta` as checkpoint `step` (all processes call it),
+    replacing one there; returns whether it is now checkpoint `step` (a state
+    with NaN or infinite values is not written, with a warning, so
+    `max_to_keep` never rotates the last good checkpoints away).
 
-    A state with NaN or infinite values is not written (a warning says so):
-    with `max_to_keep`, it would rotate the last good checkpoints away.
-
-    Returns:
-      Whether checkpoint `step` is now in the directory.
+    Raises:
+      ValueError: the checkpointer was closed.
+      jdist.CheckpointError: the save failed (a full disk).
     """
+    self.check_open(step)
     if self._claim is not None:
       self._claim.check()
-    manager = self._manager
-    ocp = self._ocp
-    if step in manager.all_steps():
-      return True  # already saved at this step (same state)
     names, leaves, _ = _flatten(state)
     _arrays_only(names, leaves)
     leaves = _storable(leaves)
-    checksums = _checksums(leaves)
-    bad = _nonfinite(names, checksums)
+    digests, finite = content_hash.digests(leaves)
+    bad = [n for n, ok in zip(names, finite) if not ok]
     if bad:
-      newest = self._manager.latest_step()
-      kept = (f"The newest checkpoint there, step {newest}, is kept."
-              if newest is not None else "No checkpoint is written.")
-      more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-      warnings.warn(
-          f"Not saving step {step} to {self.directory}: the train state has "
-          f"NaN or infinite values (in {', '.join(bad[:3])}{more}). {kept} "
-          "Add jdist.TerminateOnNaN() to the callbacks to stop training when "
-          "the loss becomes NaN.", UserWarning, stacklevel=3)
+      self._refuse_nonfinite(step, bad)
       return False
-    meta = _sealed(dict(meta, format=FORMAT, step=int(step),
-                        leaves=_describe(names, leaves), checksums=checksums))
+    meta = metadata.seal(dict(meta, format=FORMAT, step=int(step),
+                              leaves=metadata.describe(names, leaves),
+                              hash=content_hash.NAME,
+                              digests=dict(zip(names, digests))))
+    manager, ocp = self._manager, self._ocp
+    args = ocp.args.Composite(state=ocp.args.StandardSave(_nest(names, leaves)),
+                              meta=ocp.args.JsonSave(meta))
     try:
       with orbax_errors.summarised():
-        self._manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(_nest(names, leaves)),
-            meta=ocp.args.JsonSave(meta)), force=True)
-        self._manager.wait_until_finished()
+        if step in manager.all_steps():
+          self._replace(step, args)
+        else:
+          manager.save(step, args=args, force=True)
+          manager.wait_until_finished()
     except Exception as e:
       raise self._save_failed(step, e) from None  # e stays as __context__
+    self.corrupt.discard(step)
     return True
+
+  def check_open(self, step: int) -> None:
+    """Raises ValueError once `close` ran (the claim went with it)."""
+    if self._closed:
+      raise ValueError(
+          f"Cannot save step {step} to {self.directory}: its checkpoint "
+          "manager was closed, and with it the lock on the directory (another "
+          "job may be writing there now). Save before closing it, or make a "
+          "new jdist.CheckpointManager to write there again.")
+
+  def _refuse_nonfinite(self, step: int, bad: list[str]) -> None:
+    newest = self._manager.latest_step()
+    kept = (f"The newest checkpoint there, step {newest}, is kept."
+            if newest is not None else "No checkpoint is written.")
+    more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+    warnings.warn(
+        f"Not saving step {step} to {self.directory}: the train state has "
+        f"NaN or infinite values (in {', '.join(bad[:3])}{more}). {kept} "
+        "Add jdist.TerminateOnNaN() to the callbacks to stop training when "
+        "the loss becomes NaN.", UserWarning, stacklevel=4)
+
+  def _replace(self, step: int, args) -> None:
+    """Writes checkpoint `step` over the one there (every process calls it).
+
+    orbax writes it whole aside; process 0 then renames the old one away and
+    the new one in, so a reader never sees a mix of the two.
+    """
+    side = os.path.join(self.directory, _REPLACING)
+    self._ocp.Checkpointer(self._ocp.CompositeCheckpointHandler()).save(
+        os.path.join(side, str(step)), args=args, force=True)
+    problem = ""
+    if jax.process_index() == 0:
+      try:
+        _swap_in(self.directory, step)
+      except OSError as e:
+        problem = f"{type(e).__name__}: {e}"
+    runtime = runtime_lib.current()
+    problems = runtime.exchange(
+        f"jdist/checkpoint_replace/{runtime.next_sequence('ckpt_replace')}/",
+        problem, timeout=None, what=f"replacing checkpoint step {step}")
+    self._manager.reload()
+    if problems.get(0):
+      raise OSError(problems[0])
 
   def _save_failed(self, step: int, e: Exception) -> CheckpointError:
     newest = self._manager.latest_step()
@@ -379,15 +328,12 @@ class Checkpointer:
           meta=ocp.args.JsonRestore()))["meta"]
 
   def restore(self, target, mesh, *, step: int | None = None):
-    """Restores the newest usable checkpoint onto `mesh`, shaped like `target`.
-
-    Returns:
-      `(state, meta)`, or None when the directory has no checkpoint.
+    """`(state, meta)` of the newest usable checkpoint (or `step`) onto `mesh`,
+    shaped like `target`; None when there is none.
 
     Raises:
       CheckpointMismatchError: the checkpoint holds another model.
-      jdist.CheckpointError: no checkpoint in the directory can be read (a
-        RuntimeError).
+      jdist.CheckpointError: no checkpoint in the directory can be read.
     """
     candidates = [step] if step is not None else self.steps()[::-1]
     if not candidates:
@@ -400,11 +346,11 @@ class Checkpointer:
         problems.append(self._skip(s, "its metadata cannot be read "
                                    f"({orbax_errors.reason(e)})"))
         continue
-      meta, problem = _unsealed(meta)
+      meta, problem = metadata.unseal(meta)
       if problem:
         problems.append(self._skip(s, problem))
         continue
-      if meta.get("format") not in _FORMATS:
+      if meta.get("format") not in FORMATS:
         raise CheckpointMismatchError(
             f"{self.directory}/{s} is not a jdist.Trainer checkpoint (format "
             f"{meta.get('format')!r}). Use another directory.")
@@ -412,6 +358,7 @@ class Checkpointer:
       if problem:
         problems.append(self._skip(s, problem))
         continue
+      self.corrupt.discard(s)
       return got, meta
     raise CheckpointError(
         f"No checkpoint in {self.directory} can be restored:\n" +
@@ -426,10 +373,10 @@ class Checkpointer:
     names, leaves, treedef = _flatten(target, meta["format"])
     _arrays_only(names, leaves)
     stored = _storable(leaves)
-    diff = _mismatch(meta.get("leaves", {}), _describe(names, stored))
+    saved = meta.get("leaves", {})
+    diff = metadata.mismatch(saved, metadata.describe(names, stored))
     if diff:
-      shown = "\n".join(_policy_change(meta.get("leaves", {}), names) +
-                        diff[:10])
+      shown = "\n".join(metadata.policy_change(saved, names) + diff[:10])
       more = f"\n  ... and {len(diff) - 10} more" if len(diff) > 10 else ""
       raise CheckpointMismatchError(
           f"The checkpoint {self.directory}/{s} was saved from a different "
@@ -446,21 +393,25 @@ class Checkpointer:
       got = _unnest(names, restored["state"])
     except Exception as e:
       return None, f"its arrays cannot be read ({orbax_errors.reason(e)})"
-    if not np.allclose(_checksums(got), meta.get("checksums", []),
-                       rtol=1e-5, atol=1e-6, equal_nan=True):
-      return None, "its arrays fail their checksums"
+    changed = metadata.changed(names, got, meta)
+    if changed:
+      more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+      return None, (f"its arrays fail their checksums ({', '.join(changed[:3])}"
+                    f"{more})")
     got = [jax.random.wrap_key_data(g, dtype=t.dtype)
            if _is_key(t) else g for g, t in zip(got, leaves)]
     return jax.tree_util.tree_unflatten(treedef, got), None
 
   def _skip(self, step: int, why: str) -> str:
+    self.corrupt.add(step)
     msg = (f"Checkpoint {self.directory}/{step} is corrupt: {why}. Using the "
            "checkpoint before it.")
     warnings.warn(msg, UserWarning, stacklevel=3)
     return f"  step {step}: {why}"
 
   def close(self, *, delete: bool = False) -> None:
-    """Lets the directory go; with `delete`, deletes it first (process 0)."""
+    """Lets the directory go; with `delete`, deletes it first."""
+    self._closed = True
     if self._opened is not None:
       self._opened.close()
     if self._claim is None:

@@ -1,32 +1,12 @@
 """Owning a checkpoint directory: writable, and written by one job only.
 
-Two jobs writing one backup directory overwrite each other's checkpoints, and
-the first to finish deletes the directory under the other. So a callback that
-writes checkpoints claims its directory when training begins, before any
-step: every process checks that it can write there (a path that is a file or
-a read-only directory fails here, not at the first save), and process 0 takes
-the lock file `jdist.lock`, which names the job. A second job is refused with
-`jdist.CheckpointInUseError`.
-
-A lock whose owner is gone is taken over:
-
-* on the same machine (host name, boot and process-id namespace), when its
-  process no longer runs (a process id reused since is told apart by its
-  start time);
-* from another machine, where process ids mean nothing, when the lock's
-  modification time has not moved for `LEASE_SECONDS`: its owner touches it
-  every `HEARTBEAT_SECONDS`. Ages are read off the file system's own clock
-  (the mtime of a file just written), so the hosts' clocks do not matter. A
-  lock from another machine younger than the lease is watched until it moves
-  (its owner is alive: refused) or expires (taken over);
-* at once, when it was taken by an earlier attempt of the same `jdist
-  launch` job (`JDIST_RUN_ID`, with a smaller `JDIST_RESTART_COUNT`): the
-  launcher stops every process of an attempt before the next one starts, on
-  whichever host the new process 0 runs.
-
-In a run of several processes, the job as a whole owns the directory: process
-0 holds the lock, and the others learn the outcome through the runtime's
-rendezvous, so every process raises the same error, or none does.
+Every process checks it can write there, and process 0 takes the lock file
+`jdist.lock`, naming the job; the others learn the outcome through the
+runtime's rendezvous. A lock whose owner is gone is taken over: on the same
+machine when its process (by pid and start time) no longer runs; from
+another machine when its mtime, touched every `HEARTBEAT_SECONDS`, has not
+moved for `LEASE_SECONDS` (by the file system's clock); at once when an
+earlier attempt of the same `jdist launch` job took it.
 """
 
 from __future__ import annotations
@@ -121,7 +101,7 @@ def _read(path: str) -> tuple[dict | None, float | None]:
 
 
 def _probe(directory: str) -> float:
-  """Writes and removes a file in `directory`; the file system's time now."""
+  """Writes and removes a file in `directory`; the file system's time."""
   path = os.path.join(directory, f".jdist-probe-{os.getpid()}-"
                       f"{uuid.uuid4().hex[:8]}")
   with open(path, "w") as f:
@@ -139,7 +119,7 @@ def _unusable(directory: str, why: str) -> CheckpointDirectoryError:
 
 
 def _prepare(directory: str) -> None:
-  """Creates `directory` if needed and checks that this process can write it."""
+  """Creates `directory` if needed and checks this process can write it."""
   if os.path.exists(directory) and not os.path.isdir(directory):
     raise _unusable(directory, "it is a file, not a directory")
   try:
@@ -244,12 +224,8 @@ def _take(directory: str, me: dict) -> str:
 
 
 class DirectoryClaim:
-  """This job's claim on a checkpoint directory, from `claim` to `release`.
-
-  Attributes:
-    directory: the directory.
-    lost: another job took the lock over (this one was thought dead).
-  """
+  """This job's claim on a checkpoint directory, from `claim` to `release`
+  (`lost`: another job took the lock over, thinking this one dead)."""
 
   def __init__(self, directory: str, lock_path: str | None = None,
                owner: dict | None = None):
@@ -286,7 +262,7 @@ class DirectoryClaim:
           "writing there any more: two jobs would overwrite each other.")
 
   def release(self) -> None:
-    """Stops the heartbeat and removes the lock (if it is still ours)."""
+    """Stops the heartbeat and removes the lock if it is still ours."""
     if self._thread is not None:
       self._stop.set()
       self._thread.join()
@@ -314,12 +290,12 @@ class DirectoryClaim:
       os.rmdir(self.directory)  # fails if a new owner has claimed it since
 
 
-def claim(directory: str) -> DirectoryClaim:
-  """Claims `directory` for this job's checkpoints (every process calls it).
+def claim(directory: str, tidy=None) -> DirectoryClaim:
+  """Claims `directory` for this job's checkpoints (every process calls it);
+  process 0 runs `tidy(directory)` once it holds the lock.
 
   Raises:
-    jdist.CheckpointDirectoryError: some process cannot create or write the
-      directory (an OSError).
+    jdist.CheckpointDirectoryError: some process cannot write the directory.
     jdist.CheckpointInUseError: another running job owns it.
   """
   runtime = runtime_lib.current()
@@ -329,6 +305,8 @@ def claim(directory: str) -> DirectoryClaim:
     _prepare(directory)
     if runtime.process_id == 0:
       lock_path = _take(directory, me)
+      if tidy is not None:
+        tidy(directory)
   except CheckpointDirectoryError as e:
     problem = {"kind": type(e).__name__, "message": str(e)}
   problems = {runtime.process_id: problem} if problem else {}

@@ -1,28 +1,8 @@
-"""`jdist.CheckpointManager`: checkpoints for custom training loops.
+"""`jdist.CheckpointManager`: checkpoints for custom training loops, with
+in-memory snapshots (`snapshots/`) in a `jdist launch` job.
 
-The piece of the Trainer's checkpointing a `strategy.function` loop can use,
-in the manner of TensorFlow's `tf.train.CheckpointManager` (save, restore,
-the latest checkpoint, `max_to_keep`), with state passed explicitly as JAX
-code passes it. It keeps the Trainer's guarantees: the directory is claimed
-for this job (another running job writing there is an error, and saves that
-a killed job left half-written are removed when orbax opens the directory,
-at the first save or restore there), each checkpoint's metadata and arrays
-are checksummed (a corrupt newest checkpoint is skipped with a warning), and
-a checkpoint restores onto any number of devices or processes in the layout
-of the state it is restored into.
-
-With `snapshot_every=N`, in a `jdist launch` job, it also keeps the newest
-state in host memory (`snapshots.py`): `save` takes a snapshot every N
-steps, and a background thread writes it to the job's directory under
-/dev/shm (and each process's part, as a replica, to the next process's)
-while the loop goes on, and `restore` takes the newest of the
-snapshot and the persistent checkpoints, so a restarted job resumes without
-reading the persistent directory (orbax opens it only for a save or a
-restore there) and persistent saves (`save_every`) can be rare.
-`BackupAndRestore` holds a `BackupManager` (the subclass at the end) for
-`Trainer.fit`: its snapshots carry fit's metadata as one more leaf
-(`META_LEAF`), and its backups go through `checkpointer` with that
-metadata.
+`BackupManager` is the subclass `BackupAndRestore` holds for `Trainer.fit`:
+fit's metadata rides in its snapshots as one more leaf.
 """
 
 from __future__ import annotations
@@ -39,7 +19,7 @@ from jdist._src import current
 from jdist._src.checkpoint import checkpointer as ckpt_lib
 from jdist._src.checkpoint import snapshots as snapshots_lib
 from jdist._src.checkpoint.checkpointer import Checkpointer
-from jdist._src.core import placement
+from jdist._src.core import mesh_context
 from jdist._src.errors import CheckpointNotFoundError
 from jdist._src.launcher import job_env
 from jdist._src.launcher import snapshot_dir
@@ -61,8 +41,11 @@ def check_steps(name: str, value) -> int | None:
 
 
 def launched_job(snapshot_every: int | None) -> str | None:
-  """This `jdist launch` job's run id, or None; with `snapshot_every`, a
-  ValueError when there is none (the snapshots need one)."""
+  """This `jdist launch` job's run id, or None.
+
+  Raises:
+    ValueError: `snapshot_every` is given outside `jdist launch`.
+  """
   run_id = os.environ.get(job_env.ENV_RUN_ID)
   if snapshot_every is not None and not run_id:
     raise ValueError(
@@ -74,9 +57,8 @@ def launched_job(snapshot_every: int | None) -> str | None:
 
 
 def _meta_leaf(meta: dict) -> np.ndarray:
-  """`meta` as the bytes of its JSON, padded with spaces to a power of two
-  (at least 4 KiB), so that the snapshot's layout (worked out once per
-  shapes) stays the same while fit's history grows."""
+  """`meta` as JSON bytes padded to a power of two (at least 4 KiB), so the
+  snapshot's layout stays the same while fit's history grows."""
   raw = json.dumps(meta).encode()  # (as a checkpoint holds it: same order)
   size = max(4096, 1 << (len(raw) - 1).bit_length())
   return np.frombuffer(raw.ljust(size), np.uint8)
@@ -85,27 +67,28 @@ def _meta_leaf(meta: dict) -> np.ndarray:
 class CheckpointManager:
   """Saves and restores a custom loop's state (any pytree of arrays).
 
+  TensorFlow's `tf.train.CheckpointManager` with the state passed explicitly.
+  A save of an existing step replaces it, a corrupt newest checkpoint is
+  skipped with a warning, and any number of devices or processes restores a
+  checkpoint (docs/checkpoints.md).
+
   Args:
     directory: where the checkpoints go (one orbax step directory each).
     max_to_keep: keep only the newest N checkpoints (None: all).
     strategy: whose devices `restore` places the state on (default: the
-      strategy in scope when `restore` is called).
+      devices of the state given to `restore`, else the strategy in scope).
     save_every: `save` writes to `directory` only at the steps that are a
-      multiple of it (None: at every call). With `snapshot_every`, call
-      `save` at every step and let these two choose.
+      multiple of it (None: at every call).
     snapshot_every: in a `jdist launch` job, `save` also keeps the state in
-      host memory (/dev/shm, outside the training processes) at the steps
-      that are a multiple of it, and `restore` resumes from that snapshot
-      when it is newer than the newest checkpoint (None: no snapshots). Each
-      process writes the blocks of the state it holds, and the next process
-      (in a job of several) a replica of them (the blocks it lacks come
-      through the JAX runtime), so that the snapshot outlives one host; only
-      the newest complete snapshot is kept (on one machine); the launcher
-      removes them when the job ends.
+      host memory at its multiples (each process's part replicated on the
+      next), and `restore` takes the snapshot when it is the newest.
+
+  Attributes:
+    restored_step: the step the last `restore` restored (None before one).
 
   Raises:
-    ValueError: `snapshot_every` outside `jdist launch` (it names the job's
-      snapshots), or a step count that is not a positive number.
+    ValueError: `snapshot_every` outside `jdist launch`, or a step count
+      that is not a positive number.
     jdist.CheckpointDirectoryError: the directory is a file or cannot be
       written.
     jdist.CheckpointInUseError: another running job writes checkpoints there.
@@ -121,9 +104,17 @@ class CheckpointManager:
     ...     _ = manager.save(step, state)
     ...   manager.steps, manager.latest_step
     ...   restored = manager.restore(state)
+    ...   manager.restored_step
     ([2, 3], 3)
+    3
     >>> restored["w"].tolist()
     [3.0, 3.0, 3.0]
+
+    Resuming a loop: restore first, then read the step restored:
+
+    >>> if manager.latest_step is not None:  # doctest: +SKIP
+    ...   state = manager.restore(state)
+    >>> start = manager.latest_step or 0  # doctest: +SKIP
 
     In a `jdist launch` job, a snapshot in memory every 10 steps and a
     checkpoint on disk every 100 (the loop calls `save` at every step):
@@ -148,6 +139,8 @@ class CheckpointManager:
                               claim=True)
     self._snapshots = None
     self._names = None  # (treedef, names) of the state snapshotted last
+    # The step the last `restore` restored (None before one).
+    self.restored_step: int | None = None
     if snapshot_every is not None:
       # One directory per manager of the job, named by its checkpoint directory.
       name = hashlib.sha256(self.directory.encode()).hexdigest()[:16]
@@ -167,23 +160,26 @@ class CheckpointManager:
 
   @property
   def latest_step(self) -> int | None:
-    """The newest checkpoint's step, or None when there is none: the newest
-    of the persistent checkpoints and of the in-memory snapshot (with
-    `snapshot_every`), the step `restore` resumes from."""
-    steps = self.steps
-    disk = steps[-1] if steps else None
+    """The newest step of the checkpoints and the snapshot, or None.
+
+    Steps `restore` found corrupt are left out, so after `restore` it is the
+    step restored: a loop reads its start here.
+    """
+    disk = self._disk_step()
     memory = self.snapshot_step
     if memory is None or (disk is not None and disk > memory):
       return disk
     return memory
 
+  def _disk_step(self) -> int | None:
+    """The newest persistent checkpoint not found corrupt, or None."""
+    steps = [s for s in self.steps if s not in self._ckpt.corrupt]
+    return steps[-1] if steps else None
+
   @property
   def snapshot_step(self) -> int | None:
-    """The newest complete in-memory snapshot's step (found when the manager
-    was made, then the last one written), or None. A snapshot is written
-    after the next call of `save` (in the background; `restore` and `close`
-    write it at once) after the one that took it; this waits for a
-    snapshot being written."""
+    """The newest complete in-memory snapshot's step, or None (waits for the
+    one being written)."""
     if self._snapshots is None:
       return None
     self._snapshots.wait()  # the one being written, if any
@@ -206,49 +202,46 @@ class CheckpointManager:
   def save(self, step: int, state: Any) -> str | None:
     """Writes `state` as checkpoint `step` (every process calls it).
 
-    With `save_every`, only at its multiples; with `snapshot_every`, also
-    (first) as the in-memory snapshot at its multiples: taken now, and
-    written by a background thread from the next call on.
-    A state with NaN or infinite values is not written (a warning says so),
-    so that `max_to_keep` never rotates the last good checkpoints away.
+    With `save_every`, only at its multiples; with `snapshot_every`, at its
+    multiples also as the in-memory snapshot, written in the background. A
+    state with NaN or infinite values is not written (a warning says so).
 
     Returns:
-      The checkpoint's directory, or None when it was not written to
-      `directory` (in memory only, or not at all).
+      The checkpoint's directory, or None when nothing was written there.
 
     Raises:
       jdist.CheckpointError: the save failed (a full disk); the checkpoints
         written before it are intact.
-      OSError: with `snapshot_every`, writing the snapshot before this one
-        failed (in the background: raised at the next call).
+      OSError: writing the previous snapshot failed in the background.
       TypeError: a leaf of `state` is not an array (a Python float or int).
+      ValueError: the manager was closed.
     """
     step = int(step)
-    if self._snapshots is not None:
-      # The snapshot taken at an earlier call, written in the background.
-      self._snapshots.flush(wait=False)
-      if step % self._snapshot_every == 0:
-        self._snapshot(step, state)
-    if self._save_every is not None and step % self._save_every:
-      return None
-    if not self._ckpt.save(step, state, {}):
-      return None
+    self._ckpt.check_open(step)
+    # A mesh the user set is set aside: the checkpoint's programs run over
+    # the state's own devices.
+    with mesh_context.set_aside():
+      if self._snapshots is not None:
+        # The snapshot taken at an earlier call, written in the background.
+        self._snapshots.flush(wait=False)
+        if step % self._snapshot_every == 0:
+          self._snapshot(step, state)
+      if self._save_every is not None and step % self._save_every:
+        return None
+      if not self._ckpt.save(step, state, {}):
+        return None
     return os.path.join(self.directory, str(step))
 
   def _snapshot(self, step: int, state: Any, meta: dict | None = None
                 ) -> None:
-    """Takes the in-memory snapshot of `state` at `step` (written at the
-    next `save`, `restore`, `close` or `BackupManager.write_snapshot`), with
-    `meta` (JSON) if given."""
+    """The in-memory snapshot of `state` at `step`, with `meta` if given."""
     names, stored = self._stored(state)
     if meta is not None:
       names, stored = [*names, META_LEAF], [*stored, _meta_leaf(meta)]
     self._snapshots.write(step, names, stored)
 
   def _stored(self, state: Any) -> tuple:
-    """`(names, stored)` of `state`, as `checkpointer.storable_leaves`
-    gives them; the names worked out once per tree structure (a state of
-    arrays on devices, no PRNG key: the usual one, at every snapshot)."""
+    """`(names, stored)` of `state`, the names worked out once per structure."""
     leaves, treedef = jax.tree_util.tree_flatten(state)
     if self._names is not None and self._names[0] == treedef and all(
         isinstance(x, jax.Array) and isinstance(x.dtype, np.dtype)
@@ -260,22 +253,14 @@ class CheckpointManager:
     return names, stored
 
   def restore(self, like: Any, step: int | None = None) -> Any:
-    """The newest usable checkpoint (or checkpoint `step`), shaped and
-    placed like `like`.
+    """The newest usable checkpoint (or checkpoint `step`), shaped and placed
+    like `like`; sets `restored_step`.
 
-    `like` is the state as this run holds it (freshly initialised, on this
-    run's devices): leaves split over the replicas (a `jdist.Sharded`
-    optimizer state) are restored split the same way, the others whole on
-    every device. It may also be the state's shapes only (`jax.eval_shape`
-    of the function that makes it), which a restarted job gets without
-    computing an initial state: every leaf is then restored whole on every
-    device. A checkpoint saved on another number of devices or processes
-    restores all the same.
-
-    With `snapshot_every`, the newest complete in-memory snapshot is used
-    when it is at least as new as the newest checkpoint (or is `step`); a
-    snapshot that cannot be used (a part missing or unreadable) leaves the
-    persistent directory to it, and process 0 prints a line that says why.
+    `like` is the state as this run holds it (a `jdist.Sharded` leaf is
+    restored split, the others whole on every device), or its shapes
+    (`jax.eval_shape`: every leaf whole). With `snapshot_every`, the newest
+    complete snapshot is used when it is at least as new as the newest
+    checkpoint.
 
     Raises:
       jdist.CheckpointNotFoundError: the directory holds no checkpoint.
@@ -284,27 +269,40 @@ class CheckpointManager:
       jdist.CheckpointError: every checkpoint there is corrupt.
       TypeError: a leaf of `like` is not an array (a Python float or int).
     """
-    strategy = self._strategy or current.get_strategy()
-    if self._snapshots is not None:
-      got = self._restore_snapshot(like, strategy.mesh, step)
-      if got is not None:
-        return got
-    restored = self._ckpt.restore(like, strategy.mesh, step=step)
+    mesh = self._mesh(like)
+    with mesh_context.set_aside():  # as in save
+      if self._snapshots is not None:
+        got = self._restore_snapshot(like, mesh, step)
+        if got is not None:
+          self.restored_step = self._snapshots.complete[0]
+          return got
+      restored = self._ckpt.restore(like, mesh, step=step)
     if restored is None:
       raise CheckpointNotFoundError(
           f"{self.directory} holds no checkpoint to restore. Check "
           "`manager.latest_step is not None` first, and train from the "
           "initial state when it is None.")
-    return restored[0]
+    state, meta = restored
+    self.restored_step = int(meta["step"])
+    return state
+
+  def _mesh(self, like: Any):
+    """The strategy's mesh, else that of `like`'s leaves or the current one."""
+    if self._strategy is not None:
+      return self._strategy.mesh
+    meshes = {getattr(x.sharding, "mesh", None)
+              for x in jax.tree_util.tree_leaves(like)
+              if isinstance(x, jax.Array)}
+    if len(meshes) == 1 and None not in meshes:
+      return meshes.pop()
+    return current.get_strategy().mesh
 
   def _restore_snapshot(self, like, mesh, step: int | None, *,
                         with_meta: bool = False):
     """The state from the newest complete snapshot (`with_meta`: `(state,
-    meta)`), or None (the persistent directory's turn). Every process calls
-    it and gets the same answer."""
+    meta)`), or None; every process gets the same answer."""
     self._snapshots.flush()
-    steps = self.steps
-    group, note, disk = self._snapshots.agree(steps[-1] if steps else None)
+    group, note, disk = self._snapshots.agree(self._disk_step())
     where = (f"the checkpoint of step {disk} in {self.directory}"
              if disk is not None else f"{self.directory} (no checkpoint there)")
     if group is None or (step is not None and group[0] != step):
@@ -339,13 +337,11 @@ class CheckpointManager:
     return state
 
   def close(self) -> None:
-    """Writes the last snapshot taken, and lets the directory go (another
-    job may then use it)."""
+    """Writes the last snapshot taken and lets the directory go."""
     self._close()
 
   def _close(self, *, delete: bool = False) -> None:
-    """`close`; with `delete` (`BackupAndRestore`, when training completed),
-    the checkpoints and the snapshots are deleted (every process calls it)."""
+    """`close`; with `delete`, deletes the checkpoints and snapshots too."""
     try:
       if self._snapshots is not None:
         self._snapshots.close()  # the last snapshot is written
@@ -363,17 +359,15 @@ class CheckpointManager:
 
 
 class BackupManager(CheckpointManager):
-  """The `CheckpointManager` of `jdist.BackupAndRestore`: its backups carry
-  fit's metadata (position, logs, history, data state), on disk and in the
-  in-memory snapshots, and fit takes its snapshots from a callback (fit's
-  next step donates the state's arrays: the snapshot packs a copy of them
-  when it is taken, `snapshots.py`). Not public: a
-  custom loop uses `CheckpointManager`."""
+  """The `CheckpointManager` of `jdist.BackupAndRestore`.
+
+  Its backups carry fit's metadata, and fit takes snapshots from a callback
+  (the snapshot copies the arrays the next step donates).
+  """
 
   @property
   def checkpointer(self) -> Checkpointer:
-    """The persistent directory's `Checkpointer` (backups are saved there
-    with fit's metadata)."""
+    """The persistent directory's `Checkpointer`."""
     return self._ckpt
 
   @property
@@ -382,27 +376,22 @@ class BackupManager(CheckpointManager):
     return None if self._snapshots is None else self._snapshots.directory
 
   def take_snapshot(self, step: int, state: Any, meta: dict) -> None:
-    """Takes the in-memory snapshot of `state` at `step`, with
-    `meta` (JSON); the next `write_snapshot` (or `close`) writes it."""
+    """Takes the in-memory snapshot of `state` and `meta` at `step`."""
     self._snapshot(step, state, meta)
 
   def write_snapshot(self) -> None:
-    """Hands the snapshot taken last, if not yet written, to the writer
-    thread (as `save` does)."""
+    """Hands the last snapshot taken to the writer thread, as `save` does."""
     if self._snapshots is not None:
       self._snapshots.flush(wait=False)
 
   def restore_from_memory(self, like: Any) -> tuple | None:
-    """`(state, meta)` from the in-memory snapshot, with the metadata taken
-    with it, when it is at least as new as the newest backup; else None:
-    restore from `checkpointer` (every process calls it and gets the same
-    answer)."""
+    """`(state, meta)` from the in-memory snapshot when it is at least as new as
+    the newest backup, else None (the same answer in every process)."""
     if self._snapshots is None:
       return None
     strategy = self._strategy or current.get_strategy()
     return self._restore_snapshot(like, strategy.mesh, None, with_meta=True)
 
   def close(self, *, delete: bool = False) -> None:
-    """`CheckpointManager.close`; with `delete` (training completed), the
-    backups and the snapshots are deleted (every process calls it)."""
+    """`CheckpointManager.close`; with `delete`, deletes them too."""
     self._close(delete=delete)

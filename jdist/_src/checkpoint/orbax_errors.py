@@ -1,27 +1,9 @@
 """orbax's failures, reduced to one message with its cause.
 
-When a save or restore fails (a full disk, a corrupt file), orbax and
-tensorstore report it many times over: an absl error with a traceback from
-each of orbax's threads, the same exception again from every write still in
-flight, "Task exception was never retrieved" for each orphaned asyncio task,
-and, from tensorstore's threads, "RuntimeError: Event loop is closed" for
-every read or write that completes after orbax closed its event loop. A full
-disk printed about 500 lines, a failed restore about 20 of those tracebacks.
-
-`summarised()` holds back orbax's error logs while a call runs. If the call
-fails, it waits for orbax's threads to finish (they go on failing and
-reporting after the first error), the caller raises (or warns) once with
-`reason(e)`, and the held logs are dropped; if it succeeds, the held logs are
-passed on as they were, so nothing is hidden from a call that worked.
-asyncio's reports of the tasks a failed call left behind are dropped too, and
-so are Python's "coroutine ... was never awaited" warnings for the coroutines
-it abandoned (after a failure only: they arrive whenever the garbage collector
-finds them, as late as interpreter exit). The late "Event loop is closed"
-reports say only that a result nobody waits for anymore arrived; they are
-dropped whenever they come. So are orbax's error logs, and asyncio's reports
-of futures whose exception nobody retrieved, that name the files of a call
-that failed (`summarised(path)`) and arrive after it returned: they come from
-threads and garbage collection that the wait above cannot cover.
+orbax and tensorstore report a failure many times over, from many threads.
+`summarised()` holds orbax's error logs while a call runs; if it fails, the
+held logs and later echoes of the failed call are dropped and the caller
+raises once with `reason(e)`; if it succeeds, the logs are passed on.
 """
 
 from __future__ import annotations
@@ -87,8 +69,7 @@ _ECHOES = _Echoes()
 
 
 class _Orphans(logging.Filter):
-  """Drops asyncio's reports of the tasks and futures a failed orbax call left
-  behind (a future's report names the files, not orbax)."""
+  """Drops asyncio's reports of the tasks and futures a failed call left."""
 
   def filter(self, record: logging.LogRecord) -> bool:
     text = record.getMessage()
@@ -131,12 +112,8 @@ def _join_orbax_threads(timeout: float = 30.0) -> None:
 
 @contextlib.contextmanager
 def summarised(path: str | None = None):
-  """Holds orbax's error reports while a call runs; see the module docstring.
-
-  Args:
-    path: the files the call reads or writes; if it fails, orbax's later
-      error logs that name them are dropped too.
-  """
+  """Holds orbax's error reports while a call runs; `path`: the files it
+  uses, whose later error logs are dropped if it fails."""
   _install()
   hold = _Hold()
   absl = logging.getLogger("absl")

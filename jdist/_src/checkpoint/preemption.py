@@ -1,9 +1,8 @@
 """Noticing preemption (SIGTERM) and agreeing on the step to stop at.
 
-With several processes, JAX's distributed runtime catches SIGTERM in any of
-them and `multihost_utils.reached_preemption_sync_point(step)` returns True on
-every process at the same step, so all save the same checkpoint. In a single
-process, a SIGTERM handler sets a flag that the next step sees.
+With several processes, JAX's runtime catches SIGTERM and
+`reached_preemption_sync_point(step)` is True on every process at the same
+step; in one process, a SIGTERM handler sets a flag.
 """
 
 from __future__ import annotations
@@ -47,10 +46,7 @@ class PreemptionWatcher:
     self._flag = True
 
   def reached(self, step: int) -> bool:
-    """Whether to save and stop after `step` (the same on every process).
-
-    Every process must call this after every step, with the same steps.
-    """
+    """Whether to save and stop after `step` (every process, every step)."""
     if self._multi:
       return bool(multihost_utils.reached_preemption_sync_point(step))
     return self._flag
@@ -60,11 +56,8 @@ class PreemptionWatcher:
     self._handled = True
 
   def close(self) -> None:
-    """Puts back the SIGTERM handler that was there before.
-
-    A SIGTERM that came too late to stop training at a step (during the last
-    validation, say) is sent again, so the process still ends as asked.
-    """
+    """Puts back the previous SIGTERM handler, and sends again a SIGTERM that
+    came too late to stop training at a step."""
     if self._previous is not None:
       signal.signal(signal.SIGTERM, self._previous)
       self._previous = None

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdist._src.core import kinds
+from jdist._src.core import mesh_context
 from jdist._src.core import placement
 from jdist._src.core.reduce_op import ReduceOp
 from jdist._src.core.validity import Validity
@@ -119,7 +120,8 @@ def _compiled(mesh, what: str, op, axis):
     fn = lambda x, validity: gather_stacked(x, axis)
   else:  # "replicate": a copy every process can read
     fn = lambda x, validity: x
-  return jax.jit(fn, out_shardings=out)
+  return jax.jit(mesh_context.on_mesh(mesh, f"strategy.{what}", fn),
+                 out_shardings=out)
 
 
 def _traced(x) -> bool:

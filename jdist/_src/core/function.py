@@ -27,6 +27,7 @@ from jdist._src import jax_compat
 from jdist._src.core import context
 from jdist._src.core import conv_layout
 from jdist._src.core import kinds
+from jdist._src.core import mesh_context
 from jdist._src.core import probe
 from jdist._src.core.plan import InputPlan
 from jdist._src.core.replica_context import ReplicaContext
@@ -156,7 +157,8 @@ class DistributedFunction:
                "_lowering", "_throttle", "_guard", "_watch", "_placement",
                "_name", "_in_flight", "_calls", "_recent_compiles",
                "_warned_recompiling", "_recompiling", "_compilations",
-               "_carried_programs", "__dict__", "__weakref__")
+               "_carried_programs", "_warned_draws", "__dict__",
+               "__weakref__")
 
   def __init__(self, strategy, fn: Callable, *, donate_argnums=(),
                static_argnums=(), static_argnames=(), check_state: bool = True,
@@ -190,6 +192,7 @@ class DistributedFunction:
     self._recompiling = None  # the warning to give at the end of this call
     self._compilations = 0
     self._carried_programs = {}  # carried structures -> jitted flat program
+    self._warned_draws = False  # of random draws alike on every replica
     functools.update_wrapper(self, fn)
 
   @property
@@ -416,6 +419,11 @@ class DistributedFunction:
       if previous is not None and not previous.is_deleted():
         previous.block_until_ready()
 
+  def _warn_draws(self, message: str) -> None:
+    """Warns, once per step, of random draws alike on every replica."""
+    self._warned_draws = True
+    warnings.warn(message, UserWarning, stacklevel=2)
+
   def _misplaced_call(self) -> Exception:
     """The error for a call inside a step or another strategy's scope."""
     if context.current_replica_context() is not None:
@@ -491,25 +499,35 @@ class DistributedFunction:
              in_loop: bool = False):
     """Plans, probes and maps one call (traced); subclasses trace more."""
     strategy = self._strategy
+    with mesh_context.entered(strategy.mesh, f"{strategy!r}'s step "
+                              f"{self._name}"):
+      return self._trace_mapped(args, kwargs, check=check, in_loop=in_loop)
+
+  def _trace_mapped(self, args: tuple, kwargs: dict, *, check: bool,
+                    in_loop: bool):
+    """`_trace` under the strategy's mesh: plan, probe and map."""
+    strategy = self._strategy
     axis = strategy.axis_name
     plan = InputPlan.of(strategy, args, kwargs)
 
     def run_replica(*local):
       call_args, call_kwargs, validity = plan.local_arguments(local)
       state_trees = probe.mirrored_structures(call_args, axis)
-      with context.replica_scope(ReplicaContext(strategy, validity)):
+      with context.replica_scope(ReplicaContext(strategy, validity)), \
+          mesh_context.replica_scope(strategy), \
+          strategy.step_scope((call_args, call_kwargs)):
         return self._fn(*call_args, **call_kwargs), state_trees
 
     program_check = None
     if check and self._guard is not None:
       program_check = functools.partial(self._guard.check_program, self._name)
-    rows = None
-    if self._options.check_loss_scaling and plan.validity is not None:
-      rows = plan.validity.batch_size
-    outputs = probe.probe(run_replica, plan.leaves, plan.specs, strategy,
-                          check_state=self._options.check_state,
-                          name=self._name, program_check=program_check,
-                          batch_rows=rows)
+    rows = plan.validity.batch_size if plan.validity is not None else None
+    outputs = probe.probe(
+        run_replica, plan.leaves, plan.specs, strategy,
+        check_state=self._options.check_state, name=self._name,
+        program_check=program_check, batch_rows=rows,
+        check_loss_scaling=self._options.check_loss_scaling,
+        warn_draws=None if self._warned_draws else self._warn_draws)
     typed = _types_tracked(strategy)
 
     def local_results(*local):

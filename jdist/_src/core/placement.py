@@ -51,14 +51,18 @@ _spans: dict = {}  # mesh -> whether it spans processes
 
 def put_replicated(x: Any, mesh) -> jax.Array:
   """Places one leaf whole on every device of `mesh`."""
-  sharding = replicated_sharding(mesh)
+  return put_laid_out(x, replicated_sharding(mesh))
+
+
+def put_laid_out(x: Any, sharding: NamedSharding) -> jax.Array:
+  """Places one leaf (every process holds it whole) in `sharding`."""
   if isinstance(x, jax.Array) and x.sharding == sharding:
     return x
-  if not spans_processes(mesh):
+  if not spans_processes(sharding.mesh):
     return jax.device_put(x, sharding)
   if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
     # Typed keys have no host form: place their data, then re-wrap it.
-    data = put_replicated(jax.random.key_data(x), mesh)
+    data = put_laid_out(jax.random.key_data(x), sharding)
     return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
   host = np.asarray(x)
   return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from jdist._src.core import in_step
 from jdist._src.core import kinds
+from jdist._src.core import random_check
 from jdist._src.core import scaling_check
 from jdist._src.core.validity import Validity
 from jdist._src.errors import LossScalingError, VaryingStateError
@@ -68,7 +69,8 @@ class OutputPlan:
 def probe(run_replica: Callable, leaves: tuple, specs: tuple, strategy, *,
           check_state: bool, name: str,
           program_check: Callable | None = None,
-          batch_rows: int | None = None) -> OutputPlan:
+          batch_rows: int | None = None, check_loss_scaling: bool = True,
+          warn_draws: Callable | None = None) -> OutputPlan:
   """Traces the step once abstractly and returns its `OutputPlan`.
 
   Args:
@@ -81,7 +83,11 @@ def probe(run_replica: Callable, leaves: tuple, specs: tuple, strategy, *,
     program_check: if given, receives the probe's jaxpr (compared across
       processes).
     batch_rows: the per-replica batch size, to look for a loss averaged over
-      it (`scaling_check.py`); None skips the check.
+      it (`scaling_check.py`) and for random draws alike on every replica
+      over its rows (`random_check.py`); None skips both checks.
+    check_loss_scaling: look for the loss averaged over a replica's batch.
+    warn_draws: called with the message when the step draws alike on
+      every replica over its rows (None: not looked for).
 
   Raises:
     VaryingStateError, LossScalingError: as the checks find.
@@ -102,14 +108,20 @@ def probe(run_replica: Callable, leaves: tuple, specs: tuple, strategy, *,
                          out_specs=P(axis), axis_names={axis},
                          check_vma=True)
   n = strategy.num_replicas_in_sync
-  if program_check is None and (batch_rows is None or n == 1):
+  checks = batch_rows is not None and n > 1 and (
+      check_loss_scaling or warn_draws is not None)
+  if program_check is None and not checks:
     jax.eval_shape(mapped, *leaves)
     return plans[0]
   traced = jax.make_jaxpr(mapped)(*leaves)
-  if batch_rows is not None and n > 1:
+  if checks and check_loss_scaling:
     found = scaling_check.local_means(traced, axis, batch_rows)
     if found:
       raise LossScalingError(scaling_check.message(name, found, batch_rows, n))
+  if checks and warn_draws is not None:
+    draws = random_check.same_draws(traced, axis, batch_rows)
+    if draws:
+      warn_draws(random_check.message(name, draws[0], n))
   if program_check is not None:
     program_check(traced)
   return plans[0]

@@ -77,7 +77,7 @@ class _Walk:
       taint = frozenset().union(*(_taint(tainted, v) for v in eqn.invars))
       if eqn.primitive.name in _SUMS and taint:
         self.confirmed |= taint
-      subs = _sub_jaxprs(eqn.params)
+      subs = sub_jaxprs(eqn.params)
       if subs:
         self._nested(eqn, subs, known, tainted, taint)
         continue
@@ -151,7 +151,7 @@ def _scalar(x) -> float | None:
   return float(x)
 
 
-def _sub_jaxprs(params: dict) -> list:
+def sub_jaxprs(params: dict) -> list:
   """`(jaxpr, consts)` of every jaxpr in an equation's parameters."""
   out = []
   for value in params.values():
@@ -188,7 +188,7 @@ def _has_sum(jaxpr) -> bool:
   for eqn in jaxpr.eqns:
     if eqn.primitive.name in _SUMS:
       return True
-    if any(_has_sum(j) for j, _ in _sub_jaxprs(eqn.params)):
+    if any(_has_sum(j) for j, _ in sub_jaxprs(eqn.params)):
       return True
   return False
 

@@ -1,10 +1,8 @@
 """`jdist.diagnose`: where a training step's time goes, on 1 and on N devices.
 
-Four modules, one concept each: `measure` times the step (`StepTimes`),
-`hlo` reads the compiled program (collective sizes, host callbacks),
-`advice` turns times into a bottleneck, a cause and a fix (rules as rows of
-a table) and `report` holds the `Diagnosis` and prints it. `diagnose`'s
-docstring says how each number is measured; nothing is modelled.
+Everything is measured, nothing modelled: `measure` times the step, `hlo`
+reads the compiled program, `advice` turns times into a bottleneck, cause
+and fix (rules as rows of a table), and `report` prints the `Diagnosis`.
 """
 
 from __future__ import annotations
@@ -31,30 +29,18 @@ def diagnose(step: Callable, state: Any, batches: Iterable, *,
 
   The step is `step(state, batch) -> (state, outputs)`, or a
   `strategy.function` / `@jdist.mirrored` step (its strategy is then the
-  N-device one). Every loop starts from `state`. Over the first `steps` (K)
-  batches, after a first call that compiles, on one device and on N:
-
-  - `step`: seconds per step of the loop users write, fed host batches;
-  - `input_wait`: `step` minus the same loop over batches placed ahead;
-  - `compute + collectives`: the step run K times in one compiled program;
-  - `collectives`: the compiled step's collectives (read from its HLO with
-    their sizes and mesh axes) run alone; under `ModelParallelStrategy` their
-    bytes are also split by axis (`StepTimes.collectives_by_axes`);
-  - `dispatch`: the placed loop's step minus the device time: the host's
-    launching that the devices do not hide;
-  - `compile_seconds`, `recompilations` (while the loops ran) and
-    `host_callbacks` (calls back to Python compiled into the step).
-
-  The loops take turns, three rounds each, and each loop's fastest round
-  counts; on a shared machine read the split, not the digits. The bottleneck
-  is the largest part on N devices (or recompilation), and the cause and fix
-  follow from it (`Diagnosis`).
+  N-device one). Over the first `steps` batches, after a compiling call, on
+  one device and on N, it times the loop users write (fed host batches), the
+  same loop over batches placed ahead, the step run K times in one compiled
+  program, and the step's collectives alone; the differences are the parts of
+  `StepTimes` (docs/diagnose.md says how each is measured). Each loop's
+  fastest of three rounds counts: on a shared machine read the split, not the
+  digits.
 
   Args:
     step: the per-replica training step.
     state: the initial state (a pytree; placed on each strategy here).
-    batches: a re-iterable of global batches: the loops read it several
-      times.
+    batches: a re-iterable of global batches (read several times).
     strategy: the N-replica strategy; default a `MirroredStrategy` over
       `num_replicas` local devices (all of them by default).
     num_replicas: replicas, when `strategy` is not given.

@@ -1,9 +1,8 @@
 """What a diagnosis concludes from its times: advice as rows of a table.
 
-`RULES` name the bottleneck: the first row whose `when` holds on the `Facts`
-gives the bottleneck, and its cause and fix are templates filled from
-`Facts.words()`. `NOTES` add every note whose `when` holds. Adding advice is
-adding a row.
+The first of `RULES` whose `when` holds names the bottleneck, its cause and
+fix (templates filled from `Facts.words()`); every `NOTES` row that holds
+adds a note. Adding advice is adding a row.
 """
 
 from __future__ import annotations

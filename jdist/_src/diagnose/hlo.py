@@ -1,13 +1,12 @@
 """What a compiled step's HLO text says: its collectives' sizes and mesh axes,
 its callbacks.
 
-An element type names its width in bits (`f32`, `bf16`, `c128`,
-`f8e4m3fn`; `pred` is one byte, `token` none). A collective's devices are
-partition ids (positions in the mesh, row-major), written listed
-(`replica_groups={{0,2},{1,3}}`), as an iota (`[2,2]<=[4]`,
+A collective's devices are partition ids (positions in the mesh,
+row-major), written listed (`{{0,2},{1,3}}`), as an iota (`[2,2]<=[4]`,
 `[2,2]<=[2,2]T(1,0)`) or over a mesh of XLA's own
-(`mesh['axis_0'=2,'axis_1'=2] {'axis_0'}`); the mesh axes along which a
-group's ids vary are the axes it runs over.
+(`mesh['axis_0'=2,'axis_1'=2] {'axis_0'}`, its positions holding the ids
+in order or as `device_ids=([2,2]T(1,0))` lays them out); the mesh axes
+along which a group's ids vary are the axes it runs over.
 """
 
 from __future__ import annotations
@@ -27,7 +26,9 @@ _LISTED = re.compile(
     r"(?:replica_groups|source_target_pairs)=\{((?:\{[\d,]*\},?)*)\}")
 _IOTA = re.compile(
     r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
-_XLA_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_XLA_MESH = re.compile(
+    r"replica_groups=mesh\[([^\]]*)\]"
+    r"(?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?\s*\{([^}]*)\}")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
@@ -47,18 +48,9 @@ def host_callbacks(hlo: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
-  """One collective of a compiled program.
-
-  Attributes:
-    kind: "all-reduce", "all-gather", "reduce-scatter", "all-to-all" or
-      "collective-permute".
-    bytes: its result's bytes per device (a reduce-scatter's result is one
-      device's block; an all-gather's, the gathered whole).
-    groups: the partition ids of each group (a permute's source-target
-      pairs), or None where the program does not say them in a known form.
-    op_name: the JAX operation it comes from (`jit(step)/jvp(GPT)/...`; a
-      backward pass's operations are under `transpose(...)`), or "".
-  """
+  """One collective of a compiled program: its `kind` ("all-reduce", ...), its
+  result's `bytes` per device, its `groups` of partition ids (None where not
+  in a known form), and the JAX operation it comes from (`op_name`, or "")."""
 
   kind: str
   bytes: int
@@ -104,11 +96,15 @@ def _groups(line: str) -> tuple[tuple[int, ...], ...] | None:
   if m:
     axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
     names = [name for name, _ in axes]
-    over = re.findall(r"'([^']+)'", m.group(2))
+    over = re.findall(r"'([^']+)'", m.group(4))
     if not set(over) <= set(names):
       return None
-    ids = np.arange(math.prod(int(n) for _, n in axes)).reshape(
-        [int(n) for _, n in axes])
+    ids = np.arange(math.prod(int(n) for _, n in axes))
+    if m.group(2):  # the ids as an iota, laid out over the mesh
+      ids = ids.reshape(_ints(m.group(2)))
+      if m.group(3):
+        ids = ids.transpose(_ints(m.group(3)))
+    ids = ids.reshape([int(n) for _, n in axes])
     kept = [i for i, name in enumerate(names) if name not in over]
     moved = [names.index(name) for name in over]
     ids = ids.transpose(kept + moved)
@@ -122,9 +118,8 @@ def _groups(line: str) -> tuple[tuple[int, ...], ...] | None:
 
 
 def mesh_axes(groups, axis_names, mesh_shape) -> tuple[str, ...] | None:
-  """The mesh axes a collective's groups run over: those along which the
-  ids of a group vary (partition id i is the mesh's i-th device in
-  row-major order). None for groups not known.
+  """The mesh axes a collective's groups run over (those along which a
+  group's ids vary), or None for groups not known.
 
   Example:
     >>> from jdist._src.diagnose.hlo import mesh_axes

@@ -1,10 +1,5 @@
-"""Timing a step on one strategy: where each of its seconds goes.
-
-`measure` runs the user's step as a loop fed host batches, as a loop over
-batches already on the devices, and K times inside one compiled program,
-and times the step's collectives alone; the differences are the parts of
-`StepTimes`. `jdist.diagnose`'s docstring says how each is measured.
-"""
+"""Timing a step on one strategy: where each of its seconds goes (see
+`jdist.diagnose` for how each part is measured)."""
 
 from __future__ import annotations
 
@@ -38,8 +33,7 @@ class StepTimes:
     compute: the step's computation on the devices.
     collectives: the step's all-reduces (and other collectives).
     dispatch: the host launching each step, the part the devices do not
-      hide (Python, argument handling, jit dispatch, waiting between
-      steps): the placed loop's step less the time on the devices.
+      hide: the placed loop's step less the time on the devices.
     compile_seconds: compiling the step (its first call, less one step).
     recompilations: compilations after the first, while the loops ran.
     host_callbacks: callbacks to Python compiled into the step.
@@ -47,9 +41,9 @@ class StepTimes:
     samples_per_second: global batch / `step`.
     num_devices: devices the strategy runs on (more than `num_replicas`
       where a replica spans devices; None: one per replica).
-    collectives_by_axes: `((axes, count, bytes), ...)`: the step's
-      collectives by the mesh axes they run over (`"data"`, `"model"`,
-      `"data+model"`; `"?"` where the program does not say), largest first.
+    collectives_by_axes: `((axes, count, bytes), ...)`: the collectives by
+      the mesh axes they run over (`"data"`, `"data+model"`; `"?"`: not
+      known), largest first.
   """
 
   num_replicas: int
@@ -179,9 +173,8 @@ def _device_time(strategy, fn, state, batch, k: int) -> float:
 
 
 def _collective_time(mesh, by_axes: dict, k: int) -> float:
-  """Seconds per step for all-reduces of the step's collective bytes over
-  the mesh axes each ran over (all axes where not known), K rounds in one
-  program on the mesh's devices."""
+  """Seconds per step for all-reduces of the step's collective bytes over the
+  mesh axes each ran over, K rounds in one program."""
   if not by_axes:
     return 0.0
   names = tuple(mesh.axis_names)

@@ -17,9 +17,9 @@ from jdist._src.diagnose.measure import StepTimes
 class Diagnosis:
   """What `jdist.diagnose` found; `print()` it for a table.
 
-  The fields are measurements; the bottleneck, its cause, its fix and the
-  notes follow from them by fixed rules, so a `Diagnosis` built from times
-  measured elsewhere (a saved run, another machine) gives the same advice.
+  The fields are measurements; the bottleneck, cause, fix and notes follow
+  from them by fixed rules, so a `Diagnosis` built from times measured
+  elsewhere gives the same advice.
 
   Attributes:
     single: `StepTimes` on one device.
@@ -135,8 +135,7 @@ class Diagnosis:
 
 
 def _devices(times: StepTimes) -> str:
-  """The N-device column's heading: devices, and replicas where a replica
-  spans several."""
+  """The N-device column's heading."""
   n = times.num_devices or times.num_replicas
   if n == times.num_replicas:
     return f"{n} devices"

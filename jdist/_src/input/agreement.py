@@ -1,18 +1,10 @@
 """Keeping the input pipelines of several processes in step.
 
 Every process must run every step, or the others wait in its collectives
-forever. `StepAgreement` reads each process's input a window of steps ahead
-and exchanges, once per window, how many steps each has and how many valid
-examples each step holds: all processes run the longest input (one whose
-data ended feeds masked padding), and every step knows its global count of
-valid examples without an all-reduce. With global batches
-(`experimental_distribute_dataset`) the processes also compare a
-`fingerprint` of each batch and raise at the first that differs (an
-unseeded shuffle would train on some examples twice and others never).
-
-Cost: one key-value exchange per `window` steps, nothing inside the steps.
-The rendezvous keys name the dataset (kind, batch size, source) and how
-many iterators of it came before.
+forever. Once per window of steps read ahead, the processes exchange their
+step counts and valid examples: all run the longest input (an ended one
+feeds masked padding), and every step knows its global count without an
+all-reduce. Global batches are also compared by `fingerprint`.
 """
 
 from __future__ import annotations
@@ -37,13 +29,8 @@ FINGERPRINT_ELEMENTS = 4096
 
 def fingerprint(leaves: list) -> str:
   """A short hash of a global batch: the same batch gives the same on every
-  process, a batch with other rows (or its rows in another order) almost
-  surely another.
-
-  Reads every row of every leaf, and of each row a fixed set of elements
-  spread evenly over it (all of them for rows of up to
-  `FINGERPRINT_ELEMENTS / rows` elements), so its cost is bounded whatever
-  the batch's size.
+  process, other rows or another order almost surely another. It reads every
+  row and a bounded sample of each row (CRC-32: no adversary here).
 
   Example:
     >>> import numpy as np
@@ -78,20 +65,9 @@ def _spec(rows) -> str:
 
 
 class StepAgreement:
-  """This process's host steps, extended so that all processes run as many.
-
-  Args:
-    read: returns this process's next `HostStep`, or None at the end of its
-      input.
-    runtime: the run's `Runtime` (its rendezvous).
-    key: names this iterator, the same on every process: the dataset and,
-      after a "/", how many iterators of it came before plus one.
-    per_process: True when each process reads its own data (shorter inputs are
-      padded, counts add up); False for global batches (lengths must agree).
-    timeout: seconds to wait for the other processes at each window.
-    window: steps read ahead and agreed on per exchange (default `WINDOW`,
-      read when the iterator starts).
-  """
+  """This process's host steps (`read()`, None at the end), extended so that
+  all processes run as many; `key` names the iterator alike on every process,
+  and `per_process` inputs are padded and their counts added up."""
 
   def __init__(self, read: Callable, *, runtime, key: str, per_process: bool,
                timeout: float | None, window: int | None = None):
@@ -146,12 +122,12 @@ class StepAgreement:
     self._agreed += steps
 
   def _names(self) -> tuple[str, str]:
-    """The dataset and which iterator of it (pass) this is, from the key."""
+    """The dataset and which iterator of it this is, from the key."""
     dataset, _, iterator = self._key.rpartition("/")
     return (dataset, iterator) if dataset else (iterator, "1")
 
   def _what(self) -> str:
-    """"the input agreement of dataset global/auto/list (iterator 2, window 1)"."""
+    """What the rendezvous is for, in messages."""
     dataset, iterator = self._names()
     return (f"the input agreement of dataset {dataset} (iterator {iterator}, "
             f"window {self._round})")

@@ -1,4 +1,5 @@
-"""`InputContext`: what `distribute_datasets_from_function` tells the dataset function."""
+"""`InputContext`: what `distribute_datasets_from_function` tells the dataset
+function."""
 
 from __future__ import annotations
 

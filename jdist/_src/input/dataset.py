@@ -1,10 +1,5 @@
-"""Distributed datasets: global or per-replica batches in, `PerReplica` out.
-
-A batch that is shorter than the first one (the end of an epoch) is padded to
-the same static shape and carries its `Validity` (mask and global count of
-valid examples), so the step compiles once and losses, metrics and
-`reduce(MEAN)` are exact: nothing is dropped and nothing is counted twice.
-"""
+"""Distributed datasets: global or per-replica batches in, `PerReplica` out,
+a short last batch padded and masked."""
 
 from __future__ import annotations
 
@@ -35,10 +30,7 @@ class Mode(enum.Enum):
 
 
 class _Passes:
-  """What the passes over one source have done: the first pass's iterator.
-
-  Shared by a dataset and its `group(k)` copies, which read the same source.
-  """
+  """The first pass over a source, shared by a dataset and its groups."""
 
   def __init__(self, source: Iterable, one_shot_advice: str):
     self.source = source
@@ -46,8 +38,8 @@ class _Passes:
     self.first = None  # the first DistributedIterator over the source
 
   def start(self) -> Iterator:
-    """A new host iterator over the source, or an error if the source is a
-    one-shot iterator that an earlier pass has read from."""
+    """A new host iterator over the source; raises for a one-shot iterator an
+    earlier pass has read from (its second pass would be empty)."""
     it = iter(self.source)
     first = self.first
     if first is not None and it is first.source and first.started:
@@ -78,10 +70,9 @@ class DistributedDataset:
 
   Made by `strategy.experimental_distribute_dataset` (global batches in) or
   `strategy.distribute_datasets_from_function` (per-replica batches in). Every
-  item is a `PerReplica` whose leaves have shape `(num_replicas, b, ...)`
-  (or, after `group(k)`, a `BatchGroup` of k batches). Each pass iterates
-  the source again (`iter(source)`): a re-iterable that reshuffles on each
-  `__iter__` (tf.data's `reshuffle_each_iteration`) gives each pass its order.
+  item is a `PerReplica` with leaves `(num_replicas, b, ...)` (after
+  `group(k)`, a `BatchGroup`). Each pass iterates the source again, so a
+  source that reshuffles on each `__iter__` gives each pass its order.
   """
 
   def __init__(self, strategy, source: Iterable, mode: Mode, *,
@@ -101,9 +92,8 @@ class DistributedDataset:
   def group(self, steps: int) -> "DistributedDataset":
     """The same batches, `steps` at a time, for a `jdist.multi_step` call.
 
-    Each item is a `BatchGroup` of `steps` consecutive batches (the last
-    group of a pass may hold fewer), stacked on the host and placed on the
-    devices in one transfer; each batch keeps its own padding mask.
+    Each item is a `BatchGroup` of `steps` consecutive batches (the last of a
+    pass may hold fewer), placed in one transfer; each batch keeps its mask.
 
     Args:
       steps: batches per group (Keras' `steps_per_execution`), at least 1.
@@ -126,11 +116,9 @@ class DistributedDataset:
   def element_spec(self) -> Any:
     """What one replica's step receives of each batch (TensorFlow's name).
 
-    A pytree of `jax.ShapeDtypeStruct`s of one replica's rows (see
-    `DistributedIterator.element_spec`). Known once a pass has handed out
-    or read a batch; asked before any pass, it starts the first pass and
-    reads its first batch, and the next `iter()` continues that pass, so no
-    batch is read twice or lost.
+    `jax.ShapeDtypeStruct`s of one replica's rows. Asked before any pass, it
+    starts the first pass and reads its first batch; the next `iter()`
+    continues that pass, so no batch is read twice or lost.
 
     Example:
       >>> import jdist, numpy as np
@@ -167,8 +155,7 @@ class DistributedIterator:
     mode: a `Mode`.
     options: an `InputOptions` (how far ahead to place batches, and where).
     batch_size: the static batch (global, or per replica); None: the first.
-    identity: what the dataset is, for the multi-process input agreement's
-      rendezvous keys (with an occurrence count, the same on every process).
+    identity: what the dataset is, for the input agreement's keys.
     steps: if set, items are each a `BatchGroup` of this many batches.
   """
 
@@ -227,12 +214,9 @@ class DistributedIterator:
   def element_spec(self) -> Any:
     """What one replica's step receives of each batch (TensorFlow's name).
 
-    A pytree of the batch's structure whose leaves are `jax.ShapeDtypeStruct`s
-    of one replica's rows, `(per-replica batch, ...)` with their dtype; a
-    short last batch is padded to the same shape. After `group(k)`, it is
-    the spec of each batch of a group (what the step inside `multi_step`
-    receives). Before the first batch has been handed out it reads (and
-    keeps) that batch, so in a multi-process run every process must ask.
+    `jax.ShapeDtypeStruct`s of one replica's rows (after `group(k)`, of each
+    batch of a group). Before the first batch is handed out it reads and keeps
+    it, so in a multi-process run every process must ask.
 
     Raises:
       ValueError: the data has no batches.
@@ -251,9 +235,7 @@ class DistributedIterator:
     """The next batch as a `jdist.Optional`, empty at the end of the data.
 
     TensorFlow's way to end a loop without `StopIteration`; across processes
-    every process gets its last batch at the same step (the input agreement
-    pads a process whose data ends first), so all see an empty optional at
-    once.
+    all see an empty optional at the same step.
 
     Example:
       >>> import jdist, numpy as np
@@ -294,11 +276,8 @@ class DistributedIterator:
     return item
 
   def _read(self) -> PerReplica | BatchGroup | None:
-    """The next placed item from the buffer or the thread; None at the end.
-
-    An error reading a batch is raised at that batch: batches read before
-    it are handed out first. The pass ends there.
-    """
+    """The next placed item, or None at the end; an error reading a batch is
+    raised at that batch, after those read before it."""
     if self._in_thread:
       return self._read_in_thread()
     # Lazily: the item handed out plus at most one more ahead per call, so
@@ -439,7 +418,7 @@ _NONE = object()  # no item read ahead (None is the end of the data)
 
 
 def per_replica_spec(item: PerReplica | BatchGroup) -> Any:
-  """`jax.ShapeDtypeStruct`s of one replica's batch (of one batch of a group)."""
+  """`jax.ShapeDtypeStruct`s of one replica's batch."""
   return kinds.kind_of(item).batch_spec(item)
 
 
@@ -459,8 +438,7 @@ def from_values(strategy, value_fn: Callable) -> PerReplica:
 
 def indivisible_error(size: int, n: int, parts: str = "replicas"
                       ) -> ValueError:
-  """The error for a global batch that `n` parts (`host.batch_split`)
-  cannot share, with the option that pads it."""
+  """The error for a global batch `n` parts cannot share, naming the fix."""
   return ValueError(
       f"{host.split_error(size, n, parts)} Or pass options=jdist.InputOptions("
       "pad_to_replicas=True) to pad every such batch with masked rows (an "

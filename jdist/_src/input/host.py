@@ -1,8 +1,5 @@
-"""Batches on the host: their size, padding, and placing them on the mesh.
-
-Every batch check of jdist's inputs (distributed datasets, the Trainer's
-data) goes through `batch_size_of`, so every path gives the same message.
-"""
+"""Batches on the host: their size, padding, and placing them on the mesh
+(every batch check goes through `batch_size_of`, for one message)."""
 
 from __future__ import annotations
 
@@ -16,16 +13,9 @@ from jdist._src.core.validity import Validity
 
 
 class HostStep(NamedTuple):
-  """One step's batch on the host, as this process feeds it.
-
-  Attributes:
-    rows: this process's rows, `(local replicas, b, ...)` per leaf.
-    valid: which of them are real examples, `(local replicas, b)`.
-    count: real examples in the step (this process's, or the global count
-      once the processes agreed), or None when one process holds them all.
-    fingerprint: a short hash of the whole global batch, the same on every
-      process that read the same batch (global batches only), or None.
-  """
+  """One step's batch on the host: this process's `rows` `(local replicas, b,
+  ...)`, which are `valid`, the step's (global, once agreed) `count` of real
+  examples or None, and the global batch's `fingerprint`."""
 
   rows: Any
   valid: np.ndarray
@@ -34,7 +24,7 @@ class HostStep(NamedTuple):
 
 
 def batch_size_of(batch: Any, what: str) -> int:
-  """The batch size shared by every leaf of `batch` (arrays or numpy).
+  """The batch size shared by every leaf of `batch`.
 
   Raises:
     ValueError: `batch` has no arrays, a scalar leaf, or leaves whose leading
@@ -69,8 +59,7 @@ def _batch_size_error(batch: Any, what: str):
 
 
 def split_error(size: int, n: int, parts: str = "replicas") -> ValueError:
-  """The error for a global batch of `size` that `n` parts (replicas, or
-  replicas x FSDP devices) cannot share."""
+  """The error for a global batch of `size` that `n` parts cannot share."""
   examples = sorted({max(n, size - size % n), size + n - size % n})
   return ValueError(
       f"A global batch of {size} examples cannot split evenly over {n} "
@@ -81,8 +70,7 @@ def split_error(size: int, n: int, parts: str = "replicas") -> ValueError:
 
 def padded_size(rows: int, multiple: int) -> int:
   """The size a batch that is all of the data is padded to: `rows` up to a
-  multiple of `multiple` (the replicas; times the micro-batches when each
-  replica's share is split further). The one place that rule is written.
+  multiple of `multiple`. The one place that rule is written.
 
   Example:
     >>> from jdist._src.input.host import padded_size
@@ -93,9 +81,8 @@ def padded_size(rows: int, multiple: int) -> int:
 
 
 def batch_split(strategy) -> tuple[int, str]:
-  """How many equal parts a global batch splits into, and what they are
-  called in messages: the replicas, times the devices of the within-replica
-  batch axis (FSDP splits each replica's batch too).
+  """How many equal parts a global batch splits into (the replicas, times the
+  devices of an FSDP batch axis), and their name in messages.
 
   Example:
     >>> import jax, jdist
@@ -113,9 +100,7 @@ def batch_split(strategy) -> tuple[int, str]:
 
 def _check_inner_split(local_rows, n: int, axis: str, k: int,
                        batch_axis: int) -> None:
-  """Raises unless each replica's batch (axis `batch_axis` of its rows)
-  splits over the `k` devices of the within-replica mesh `axis` (FSDP splits
-  the replica's batch too)."""
+  """Raises unless each replica's batch splits over `k` devices of `axis`."""
   for leaf in jax.tree.leaves(local_rows):
     b = np.shape(leaf)[batch_axis] if np.ndim(leaf) > batch_axis else None
     if b is not None and b % k:
@@ -132,11 +117,8 @@ def pad(x: np.ndarray, size: int) -> np.ndarray:
 
 
 class Placer:
-  """Places this process's rows of batches on a strategy's mesh.
-
-  Rows arrive stacked as `(local replicas, b, ...)`; they leave as global
-  `(R, b, ...)` arrays with their `Validity`, in one transfer.
-  """
+  """Places this process's rows `(local replicas, b, ...)` on a strategy's
+  mesh as global `(R, b, ...)` arrays with their `Validity`, in one transfer."""
 
   def __init__(self, strategy):
     self.strategy = strategy
@@ -160,13 +142,8 @@ class Placer:
     return mask
 
   def put(self, local_rows, batch_axis: int = 1):
-    """Places a pytree of local rows, all leaves in one transfer.
-
-    Args:
-      local_rows: `(local replicas, b, ...)` leaves, or `(local replicas,
-        steps, b, ...)` for a group of steps (`batch_axis=2`).
-      batch_axis: the examples' axis, which FSDP splits.
-    """
+    """Places a pytree of local rows `(local replicas, b, ...)` (or, with
+    `batch_axis=2`, a group of steps) in one transfer."""
     s = self.strategy
     inner = s.replica_batch_axis
     if inner is None:
@@ -189,11 +166,8 @@ class Placer:
                   enumerate(zip(placed, whole))])
 
   def validity(self, local_mask: np.ndarray, num_valid: int | None) -> Validity:
-    """The host `Validity` of this process's rows; full batches reuse one.
-
-    Only the host copy is shared: every batch gets device buffers of its own,
-    so a step that donates its batch cannot delete another batch's.
-    """
+    """The host `Validity` of this process's rows; full batches share one host
+    copy (each batch still gets device buffers of its own, for donation)."""
     key = local_mask.shape
     if num_valid is None:
       num_valid = int(local_mask.sum())  # one process holds every row
@@ -212,16 +186,9 @@ class Placer:
     return self.put((step.rows, self.validity(step.valid, step.count)))
 
   def host_group(self, items: list):
-    """`(values, validity)` of several host batches stacked on a step axis.
-
-    Args:
-      items: `HostStep`s, as `place` takes them.
-
-    Returns:
-      Values `(local replicas, steps, b, ...)` and a `Validity`
-      `(local replicas, steps, b + 1)`, on the host (`put(...,
-      batch_axis=2)` places them in one transfer).
-    """
+    """`(values, validity)` of several `HostStep`s stacked on a step axis, on
+    the host: `(local replicas, steps, b, ...)` and `(local replicas, steps,
+    b + 1)`."""
     rows = jax.tree.map(lambda *xs: np.stack(xs, axis=1),
                         *[item.rows for item in items])
     packed = np.stack([self.validity(item.valid, item.count).packed

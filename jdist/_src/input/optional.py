@@ -1,8 +1,5 @@
-"""`Optional`: a value that may be absent (TensorFlow's `tf.experimental.Optional`).
-
-What `DistributedIterator.get_next_as_optional()` returns: the next batch, or
-nothing at the end of the data, instead of raising `StopIteration`.
-"""
+"""`Optional`: a value that may be absent (TensorFlow's
+`tf.experimental.Optional`)."""
 
 from __future__ import annotations
 
@@ -14,10 +11,9 @@ _ABSENT = object()
 class Optional:
   """A value or nothing, with the spec of the value it would hold.
 
-  Made by `Optional.from_value(value)` or `Optional.empty(element_spec)`;
-  `DistributedIterator.get_next_as_optional()` returns one. TensorFlow's
-  `has_value()` is a boolean tensor; here it is a Python bool, which an `if`
-  reads the same way.
+  Made by `Optional.from_value(value)` or `Optional.empty(element_spec)`.
+  `has_value()` is a Python bool (TensorFlow's is a boolean tensor, which an
+  `if` reads the same way).
 
   Example:
     >>> import jdist

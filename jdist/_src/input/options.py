@@ -17,21 +17,17 @@ class InputOptions:
   Attributes:
     experimental_fetch_to_device: place each batch on the devices ahead of
       the step, as TensorFlow does by default. Only True is supported.
-    experimental_per_replica_buffer_size: batches (or groups) placed ahead of
-      the one the loop runs (TF's default 1; 0 places none ahead), at most
-      `MAX_BUFFER_SIZE` (64): each holds device memory until its step. The
-      buffer fills as the loop runs, so the first batch comes at once.
+    experimental_per_replica_buffer_size: batches (or groups) placed ahead
+      of the one the loop runs (TF's default 1; 0: none), at most
+      `MAX_BUFFER_SIZE` (64), each holding device memory until its step.
     experimental_prefetch_in_thread: read and place batches in a background
-      thread. It pays when the host has work to do per batch while the
-      devices run, and costs where the thread contends for Python's lock (one
-      CPU device, ready numpy batches). One process only.
-    pad_to_replicas: pad a global batch that the replicas (under FSDP, times
-      each replica's devices) do not divide with zero rows up to the next
-      multiple, and mask them, as a short last batch
-      is (without it, such a batch is an error): an elastic job restarted on
-      fewer processes keeps its global batch. jdist's losses, metrics and
-      `reduce(MEAN)` leave the padding out; metrics written by hand must use
-      the mask.
+      thread: it pays when the host works per batch while the devices run,
+      and costs where the thread contends for Python's lock. One process
+      only.
+    pad_to_replicas: pad a global batch that the replicas do not divide with
+      masked zero rows, as a short last batch is (without it, an error), so
+      an elastic job restarted on fewer processes keeps its global batch.
+      Metrics written by hand must use the mask.
 
   Example:
     >>> import jdist, numpy as np
@@ -84,10 +80,9 @@ class InputOptions:
   def of(cls, options) -> "InputOptions":
     """Accepts None, an instance, or TensorFlow's `tf.distribute.InputOptions`.
 
-    TensorFlow's options keep their meaning: `experimental_fetch_to_device`
-    None is True, `experimental_per_replica_buffer_size` 0 turns placing
-    ahead off. Its settings jdist cannot honour (fetching to the host,
-    per-replica input pipelines, datasets placed on the devices) are errors.
+    TensorFlow's options keep their meaning; its settings jdist cannot honour
+    (fetching to the host, per-replica pipelines, datasets on the devices) are
+    errors.
 
     Example:
       >>> import collections, jdist

@@ -1,10 +1,5 @@
-"""Reading and placing batches ahead of the loop, in a background thread.
-
-The thread calls `produce()` (read the next host batch, place it) up to
-`depth` items ahead and hands them over in order through a queue; an error
-there is raised in the loop at the item where it happened. The thread holds
-the iterator only weakly, so an abandoned iterator stops it.
-"""
+"""Reading and placing batches ahead of the loop, in a background thread
+that holds the iterator weakly (an abandoned iterator stops it)."""
 
 from __future__ import annotations
 
@@ -25,12 +20,7 @@ _END = object()
 
 
 class BackgroundPrefetch:
-  """Items of `owner.<method>()` made ahead in a daemon thread.
-
-  Args:
-    method: a bound method returning the next item, or None at the end.
-    depth: items made ahead of the one handed out (at least 1).
-  """
+  """Items of a bound `method` made `depth` ahead in a daemon thread."""
 
   def __init__(self, method: Callable, depth: int):
     self._queue = queue.Queue(maxsize=max(1, depth))

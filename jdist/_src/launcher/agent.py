@@ -1,21 +1,11 @@
-"""The agent of one node: starts its processes for each attempt, stops them.
+"""The agent of one node (a host; on one machine `jdist launch` simulates
+several): starts its processes for each attempt, reports their health, and
+stops them when the attempt stops.
 
-A node is a host (on one machine, `jdist launch` simulates several). Its agent
-joins the rendezvous (`rendezvous.py`), and for each attempt the rendezvous
-starts, it runs the node's processes (`ranks.py`), reports their health
-(`health.py`) a few times a second, and when the attempt stops it stops them
-and reports how each ended; then it joins the next attempt. It returns when
-the job ends, or when the launcher is told to stop (a signal).
-
-Stopping processes, which may be blocked in XLA collectives that never
-return: they first get `SETTLE_SECONDS` to end on their own (jdist's runtime
-ends a process whose peer failed); then a process for which a signal can do
-nothing (stopped, silent, or waiting for its peers since before the stop) is
-killed, and the others get SIGINT and are killed when `--grace-period` has
-passed.
-SIGINT or SIGTERM to the launcher is forwarded (a SIGTERM lets a job save);
-a second signal kills. Nothing outlives the agent: `run` kills what is left
-in a `finally`, and on Linux each process dies with the agent's thread.
+Processes may be blocked in collectives that never return: they get
+`SETTLE_SECONDS` to end on their own; then one a signal cannot reach
+(stopped, silent, or waiting for its peers) is killed, and the others get
+SIGINT and are killed after `--grace-period`.
 """
 
 from __future__ import annotations
@@ -46,17 +36,9 @@ REPORT_SECONDS = 0.2     # and reports to the rendezvous this often
 
 @dataclasses.dataclass(frozen=True)
 class Node:
-  """How a node runs its processes.
-
-  Attributes:
-    cmd: the command of every process.
-    nproc: processes on this node.
-    local_index: the machine-local index of its first process (devices).
-    devices_per_process: `--devices-per-process`.
-    port: the coordinator port it offers (None: a free one each attempt).
-    grace: `--grace-period`.
-    max_restarts: `--max-restarts` (for the processes' environment).
-  """
+  """How a node runs its processes: their command, how many, the machine-local
+  index of the first (for its devices), the launcher's options, and the
+  coordinator port it offers (None: a free one each attempt)."""
 
   cmd: tuple
   nproc: int
@@ -69,15 +51,9 @@ class Node:
 
 @dataclasses.dataclass(frozen=True)
 class Outcome:
-  """How an agent's part of the job ended.
-
-  Attributes:
-    end: the rendezvous' end (`{"code", "message"}`), if the job ended.
-    interrupted: the signal the launcher was stopped by, if it was.
-    killed: processes killed after the grace period, when interrupted.
-    error: why this node could not go on (the rendezvous refused or lost it).
-    run_id: the job's `JDIST_RUN_ID`, if an attempt ran on this node.
-  """
+  """How an agent's part of the job ended: the rendezvous' `end`, the signal
+  that `interrupted` the launcher and the processes `killed` after the grace
+  period, the `error` that stopped this node, and the job's `run_id`."""
 
   end: dict | None = None
   interrupted: int | None = None
@@ -89,12 +65,9 @@ class Outcome:
 class Agent:
   """Runs one node's processes for each attempt of the job.
 
-  Args:
-    client: the node's connection to the rendezvous (`hello` done).
-    node: how it runs its processes.
-    interrupts: the signals the launcher received, appended by its handler.
-    lock: serialises the launcher's output.
-    notify: called with each view of the job (the launcher prints restarts).
+  `client` has said hello to the rendezvous; `interrupts` holds the signals
+  the launcher received; `lock` serialises its output; `notify` is called
+  with each view of the job (the launcher prints restarts).
   """
 
   def __init__(self, client: Client, node: Node, interrupts: list,
@@ -189,8 +162,7 @@ class Agent:
     return records, interrupted
 
   def _supervise(self, watches: list) -> bool:
-    """Waits for the processes; stops them all when told to. Returns whether
-    the launcher was interrupted."""
+    """Waits for the processes, stopping them when told; True if interrupted."""
     stop = _Stop(self._node.grace)
     last_report, reported_own, forwarded, latest = 0.0, False, 0, {}
     while True:
@@ -260,12 +232,7 @@ class _Stop:
 
 
 def _remove_stale_workdirs() -> None:
-  """Removes the health files of launchers that were killed (SIGKILL).
-
-  A launcher removes its directory when it ends; one that was killed cannot.
-  The directory names its launcher's pid: a directory of this user whose
-  launcher no longer runs is removed.
-  """
+  """Removes the health files of killed launchers (named by their pid)."""
   root = tempfile.gettempdir()
   for name in os.listdir(root):
     m = _WORKDIR.fullmatch(name)
@@ -281,14 +248,9 @@ def _remove_stale_workdirs() -> None:
 
 
 def _cannot_act(h: health.RankHealth | None) -> bool:
-  """A process for which a signal and the grace period can do nothing.
-
-  Stopped or silent, it cannot take the signal. Waiting for its peers (in a
-  step or a rendezvous) while the attempt stops, it waits for what cannot
-  complete (every step and rendezvous needs every process): inside XLA it
-  never sees the signal, and in a rendezvous it would only print a
-  `KeyboardInterrupt` and wait for its peers to learn of it.
-  """
+  """Whether a signal and the grace period can do nothing for a process: it is
+  stopped or silent, or it waits for peers that stopped (inside XLA it never
+  sees the signal)."""
   if h is None:
     return False
   return h.wait is not None or h.unresponsive_for >= health.UNRESPONSIVE_SECONDS

@@ -1,13 +1,8 @@
 """What ended each attempt of a launched job, and the launcher's last words.
 
-When an attempt fails, its processes end in many ways at once: the one at
-fault (an exit code, a signal), its peers (jdist's runtime ends them with a
-`jdist.PeerFailureError` naming it, JAX's heartbeats abort them, the launcher
-stops them). `classify` names the one failure that caused the rest, in this
-order: a node that went away; a process the launcher found stuck
-(`health.judge`); a process still alive but silent when the others failed
-(JAX's heartbeats end the peers of a stopped process with errors that name
-nobody); else `culprit` among the processes that ended on their own.
+`classify` names the one failure that caused the rest: a node that went
+away; a process found stuck; a live process silent when the others failed;
+else `culprit` among those that ended on their own.
 
 Example:
   >>> from jdist._src.launcher import failures
@@ -28,7 +23,7 @@ _PEER_FAILURE = re.compile(r"jdist\.PeerFailureError: process (\d+) ")
 
 
 def describe(code: int) -> str:
-  """An exit status as a person reads it: "exit code 3", "killed by SIGKILL"."""
+  """An exit status in words: "exit code 3", "killed by SIGKILL"."""
   if code < 0:
     try:
       return f"killed by {signal.Signals(-code).name}"
@@ -44,15 +39,9 @@ def exit_code(code: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class RankRecord:
-  """How one process of an attempt ended, as its agent saw it.
-
-  Attributes:
-    rank: its process id in the attempt.
-    code: its exit status (negative: the signal that killed it).
-    own: it ended before the launcher signalled it.
-    ended: the wall time its agent saw it end.
-    tail: the end of its error output.
-  """
+  """How one process of an attempt ended, as its agent saw it: its exit
+  status (negative: a signal), whether it ended before the launcher
+  signalled it (`own`), when, and the end of its error output."""
 
   rank: int
   code: int
@@ -83,16 +72,10 @@ class RankRecord:
 def culprit(records: list) -> RankRecord | None:
   """The process whose failure ended the others.
 
-  Those that ended on their own, in the order they ended, those killed by
-  SIGKILL first: the first whose error is not a `jdist.PeerFailureError`
-  (peers that only learned of the failure may end first); else the failed
-  process such an error names; else the first to fail.
-
-  Nothing in a job sends SIGKILL (the launcher's own kills are not "on their
-  own"): it comes from outside (the OOM killer, an operator, a host's end),
-  and a peer whose collective it broke (one in orbax's save, which jdist
-  does not watch) can exit with its own error before an agent, looking
-  every POLL_SECONDS or later under load, sees the killed process gone.
+  Of those that ended on their own, SIGKILLed ones first (SIGKILL comes from
+  outside, and a peer whose collective it broke may exit first), then in the
+  order they ended: the first whose error is not a `jdist.PeerFailureError`;
+  else the failed process such an error names; else the first to fail.
 
   Example:
     >>> from jdist._src.launcher.failures import RankRecord, culprit
@@ -117,17 +100,9 @@ def culprit(records: list) -> RankRecord | None:
 
 @dataclasses.dataclass(frozen=True)
 class Failure:
-  """The failure that ended one attempt.
-
-  Attributes:
-    attempt: 0 for the first run, k after k restarts.
-    world: processes in that attempt.
-    what: what happened ("killed by SIGKILL", "stuck: ...", "went away ...").
-    rank: the process at fault, or None when a node is.
-    node: the node at fault ("127.0.0.1 (processes 2, 3)"), or None.
-    code: the launcher's exit code if the job ends on this failure.
-    tail: the end of the error output of the process at fault.
-  """
+  """The failure that ended one attempt: `what` happened, the process `rank`
+  (or the `node`) at fault, the launcher's exit `code` if the job ends on it,
+  and the `tail` of the faulty process's error output."""
 
   attempt: int
   world: int
@@ -152,16 +127,9 @@ class Failure:
 
 def classify(attempt: int, world: int, records: list, *, node_lost=None,
              stuck=None, silent=()) -> Failure:
-  """The failure that ended an attempt (see the module docstring).
-
-  Args:
-    attempt: the attempt.
-    world: its processes.
-    records: `RankRecord` of every process whose agent reported.
-    node_lost: `(node, why)` of a node that went away during the attempt.
-    stuck: the `health.Finding` that stopped the attempt.
-    silent: `RankHealth` of live processes silent when the others failed.
-  """
+  """The failure that ended an attempt (see the module docstring), from the
+  `records` of the processes, a `node_lost` `(node, why)`, the `stuck`
+  finding, and the `silent` processes' health."""
   tails = {r.rank: r.tail for r in records}
   if node_lost is not None:
     return Failure(attempt, world, node_lost[1], node=node_lost[0])
@@ -199,13 +167,8 @@ def completed(failures: list) -> str:
 
 
 def final(failures: list, max_restarts: int, why: str | None = None) -> str:
-  """The one message that ends a failed job, naming each failure.
-
-  Args:
-    failures: every attempt's failure, in order.
-    max_restarts: `--max-restarts`.
-    why: why the job cannot go on, if not because the restarts ran out.
-  """
+  """The one message that ends a failed job, naming each failure (`why`: why
+  the job cannot go on, if not because the restarts ran out)."""
   last = failures[-1] if failures else None
   if (len(failures) == 1 and max_restarts == 0 and why is None and
       last.rank is not None):

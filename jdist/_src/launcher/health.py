@@ -1,24 +1,11 @@
 """Health reports as the agent reads them: whether a launched process lives,
 and where it waits.
 
-`jdist launch` gives each process a file (`JDIST_HEALTH_FILE`), which a thread
-of the process's runtime rewrites ten times a second with a beat count, the
-steps dispatched and the wait the process is in (`runtime/health_report.py`).
-A file, not the coordination service's key-value store: it is written even
-when process 0, which hosts that store, is stopped or dead, and the agent
-reads it without joining the job (or loading JAX).
-
-The agent turns each file into a `RankHealth` (seconds since the beat last
-moved, seconds the process has been stopped by a signal), and `judge` finds a
-process that is stuck, given the launcher's `--stuck-timeout`:
-
-* it gave no sign of life (stopped by SIGSTOP or a debugger, frozen) for the
-  timeout: JAX's own heartbeats notice a stopped process too, but end its
-  peers with errors that name nobody, and never notice one that is alive but
-  stuck;
-* a process has waited in one step (or one rendezvous) for the timeout: the
-  processes that have not started that step are stuck elsewhere; if every
-  process started it, a collective inside it does not complete.
+Each process's runtime rewrites its file ten times a second: a file, written
+even when process 0 is dead and read without loading JAX. `judge` finds a
+process silent or stopped for `--stuck-timeout`, which JAX's heartbeats
+never name, or one that did not reach the step or rendezvous where the
+others waited that long.
 
 Example:
   >>> from jdist._src.launcher import health
@@ -44,17 +31,9 @@ UNRESPONSIVE_SECONDS = 1.0
 
 @dataclasses.dataclass(frozen=True)
 class RankHealth:
-  """The agent's view of one process, sent to the rendezvous.
-
-  Attributes:
-    rank: the process id in this attempt.
-    silent_for: seconds since its beat last moved (None: no beat yet, it has
-      not joined jdist's runtime).
-    stopped_for: seconds it has been stopped by a signal (None: it runs).
-    steps: steps it has dispatched (None: no beat yet).
-    wait: where it waits: `{"kind": "step" | "rendezvous", "seq", "what",
-      "waited"}`, or None.
-  """
+  """The agent's view of one process: seconds since its beat moved and since
+  it was stopped by a signal, steps dispatched (None: no beat yet), and
+  where it waits (`{"kind", "seq", "what", "waited"}`) or None."""
 
   rank: int
   silent_for: float | None = None
@@ -136,17 +115,8 @@ class Finding:
 
 
 def judge(ranks: list, timeout: float) -> Finding | None:
-  """A stuck process among `ranks` (`RankHealth`, every process of a job).
-
-  Args:
-    ranks: the latest health of every process.
-    timeout: seconds of silence, or of waiting in one place, that make a
-      process stuck.
-
-  Returns:
-    The first finding (processes that gave no sign of life come first: the
-    others wait for them), or None.
-  """
+  """The first `Finding` of a stuck process among every process's latest
+  health (silent ones first: the others wait for them), or None."""
   for r in sorted(ranks, key=lambda r: r.rank):
     if r.unresponsive_for >= timeout:
       return Finding((r.rank,), f"stuck: {r.describe_silence()}")

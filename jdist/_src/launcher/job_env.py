@@ -1,10 +1,4 @@
-"""The environment `jdist launch` gives each process of a job.
-
-Where the coordinator is, how many processes the job has, which one this is
-and which of the host's devices it uses, which attempt of the job runs, and
-where the process reports its health: the launcher writes these variables
-(`ranks.py`); the runtime (`runtime/cluster.py`, `runtime/health_report.py`)
-and the checkpoints (a job's run id and attempt) read them.
+"""The environment variables `jdist launch` gives each process of a job.
 
 Example:
   >>> from jdist._src.launcher import job_env

@@ -1,41 +1,9 @@
-"""`jdist launch`: run one program as a multi-process job, elastic like torchrun.
+"""`jdist launch`: one program as a multi-process job, elastic like torchrun
+(docs/elastic.md).
 
-Each process gets jdist's cluster variables (`JDIST_COORDINATOR_ADDRESS`,
-`JDIST_NUM_PROCESSES`, `JDIST_PROCESS_ID`), so `jdist.initialize()` or
-`jdist.MultiWorkerMirroredStrategy()` joins them with no arguments, and the
-attempt's (`JDIST_RESTART_COUNT`, `JDIST_MAX_RESTARTS`). Output is streamed
-line by line with a `[rank]` prefix.
-
-The job is a set of nodes (hosts), each run by an agent (`agent.py`) that
-starts `--nproc-per-node` processes; a rendezvous (`rendezvous.py`) decides
-which nodes run each attempt. On one machine (no `--rdzv-endpoint`) the
-launcher hosts the rendezvous and runs the nodes of `--nnodes` (or `-n`) on
-this machine, one process each. With `--rdzv-endpoint HOST:PORT`, the same
-command runs on every host: the launcher on HOST hosts the rendezvous, and
-each launcher is that host's node.
-
-* A busy `--port` is refused before anything starts (`ports.py`).
-* When a process fails (any exit code or signal), its node goes away, or a
-  process is stuck (`--stuck-timeout`), every node stops its processes
-  (`agent.py`) and, up to `--max-restarts` times, the job starts again on the
-  nodes it has (at least the minimum of `--nnodes`); then the launcher ends
-  with one message naming each failure (`failures.py`), and the exit code of
-  the last one. Without restarts, the message is the failed process's, with
-  the end of its error output.
-* SIGINT or SIGTERM to the launcher is forwarded (a SIGTERM lets a training
-  job save, see `BackupAndRestore`); processes still running after the grace
-  period are killed. The launcher's nodes then leave the job, and it ends
-  (within the grace period and a moment: a rendezvous it hosts does not wait
-  for a job that has no end to announce).
-* The job's in-memory snapshots (`jdist.CheckpointManager(snapshot_every=)`,
-  in this host's /dev/shm, named by `JDIST_RUN_ID`) are removed when the job
-  ends, whether it completed or failed (`snapshot_dir.py`); a launcher that
-  leaves a job of several launchers which goes on keeps them (another node of
-  this machine may still use them).
-* On Linux, every process dies with the launcher (a parent-death signal,
-  SIGKILL: it cannot be caught), so a launcher killed by a scheduler or the
-  OOM killer leaves no process behind; to the rest of the job, its node went
-  away.
+The job is a set of nodes, each run by an agent; a rendezvous, hosted by
+this launcher (or by the one on `--rdzv-endpoint`'s host), decides which
+nodes run each attempt.
 """
 
 from __future__ import annotations
@@ -126,9 +94,8 @@ def launch(args: argparse.Namespace) -> int:
 
 
 def _remove_snapshots(outcomes: list, standalone: bool) -> None:
-  """Removes the job's in-memory snapshots from this host when the job is
-  over: it ended, or every node of the job was this launcher's. Its nodes'
-  processes have all ended by now."""
+  """Removes the job's in-memory snapshots from this host once the job is
+  over (it ended, or every node was this launcher's)."""
   over = standalone or any(o.end is not None for o in outcomes)
   if over:
     for run_id in {o.run_id for o in outcomes if o.run_id}:

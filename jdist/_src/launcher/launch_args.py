@@ -1,10 +1,8 @@
 """The command line of `jdist launch`, checked before anything starts.
 
-torchrun's vocabulary where it has a word: `--nnodes MIN:MAX` nodes (hosts),
-each running `--nproc-per-node` processes (default 1: JAX runs one process
-per host), `--max-restarts`, `--rdzv-endpoint`. jdist's older spelling stays:
-`-n N` is N nodes of one process (`--nnodes N:N`), and `--min-processes M`
-lowers its minimum (`--nnodes M:N`).
+torchrun's vocabulary where it has a word (`--nnodes MIN:MAX`,
+`--nproc-per-node`, `--max-restarts`, `--rdzv-endpoint`); `-n N` is N nodes
+of one process, and `--min-processes M` lowers its minimum.
 """
 
 from __future__ import annotations

@@ -7,8 +7,7 @@ import os
 
 def pid_exists(pid) -> bool:
   """Whether a process with this pid exists on this machine (another user's
-  counts; a zombie counts too: it has not been reaped). 0 and negative
-  numbers, which `kill` reads as process groups, never exist.
+  and a zombie count; 0 and negative numbers never do).
 
   Example:
     >>> import os

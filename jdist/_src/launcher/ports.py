@@ -1,14 +1,8 @@
 """Whether a coordinator port is free, checked before anything starts.
 
-JAX's coordination service (on process 0) listens with gRPC, which sets
-`SO_REUSEPORT`: a second job's coordinator on a busy port does not fail, it
-shares the port, and the kernel hands each connection to either job. The
-processes of one job then join the other's coordinator and both jobs break
-("tried to connect with a different incarnation", SIGABRT). A port held by a
-program that is not gRPC makes JAX fail with "Failed to start RPC server",
-which does not say which port. So `jdist launch` and `jdist.initialize` (on
-process 0) bind the port first without `SO_REUSEPORT`, which fails while
-anything listens there, and refuse a busy port with a message that names it.
+JAX's gRPC coordinator sets `SO_REUSEPORT`, so a second job's coordinator on
+a busy port shares it and both jobs break; the port is bound first without
+it, and a busy one refused with a message.
 """
 
 from __future__ import annotations
@@ -34,12 +28,8 @@ def bind_address(port: int) -> str:
 
 
 def in_use(address: str) -> OSError | None:
-  """The error of binding `address` ("host:port", "[::]:port") if it is in use.
-
-  Returns None when the port is free there. A socket that is only closing
-  (TIME_WAIT, after a job that ended) does not count: the coordinator binds
-  over it too (`SO_REUSEADDR`). Other bind errors (an address that is not this
-  host's) are left to JAX.
+  """The error of binding `address` ("host:port", "[::]:port") if it is in
+  use, else None (TIME_WAIT does not count).
 
   Example:
     >>> import socket

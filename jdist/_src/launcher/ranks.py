@@ -1,13 +1,5 @@
-"""The processes a `jdist launch` agent starts on its host, one per rank.
-
-Each gets jdist's cluster variables (so `jdist.initialize()` joins with no
-arguments) and the attempt's (`JDIST_RESTART_COUNT`, `JDIST_MAX_RESTARTS`,
-`JDIST_RUN_ID`: the same in every attempt of a job);
-its output is copied line by line under a `[rank]` prefix, and the end of its
-error output is kept for the launcher's message. On Linux it dies with the
-thread that started it (a parent-death SIGKILL), so nothing outlives a
-launcher that is killed.
-"""
+"""The processes a `jdist launch` agent starts on its host, one per rank,
+their output copied under a `[rank]` prefix."""
 
 from __future__ import annotations
 
@@ -30,21 +22,10 @@ def child_env(base: dict, rank: int, n: int, coordinator: str,
               restart_count: int = 0, max_restarts: int = 0,
               health_file: str | None = None,
               run_id: str | None = None) -> dict:
-  """The environment of process `rank` of `n`.
+  """The environment of process `rank` of `n` (`job_env.py`).
 
-  Args:
-    base: the launcher's environment.
-    rank: the process id in this attempt.
-    n: processes in this attempt.
-    coordinator: "host:port" of process 0's coordinator.
-    devices_per_process: K fake CPU devices, or accelerators K*i..K*i+K-1
-      with i = `local_index` (None: every device the process sees).
-    local_index: the process's index among those of its machine (default
-      `rank`).
-    restart_count: restarts before this attempt.
-    max_restarts: `--max-restarts`.
-    health_file: where it reports its health to its agent (`health.py`).
-    run_id: the job's name, the same in each of its attempts.
+  `devices_per_process` K gives it K fake CPU devices, or the accelerators
+  K*i..K*i+K-1 with i = `local_index`, its index on its machine.
   """
   env = dict(base)
   env.update({job_env.ENV_COORDINATOR: coordinator,
@@ -68,14 +49,11 @@ def child_env(base: dict, rank: int, n: int, coordinator: str,
 
 
 def die_with_parent():
-  """A `preexec_fn` that makes the child die (SIGKILL) with this process.
+  """A `preexec_fn` that makes the child die with this thread (Linux only).
 
-  Linux only (None elsewhere). The death signal is SIGKILL because a rank may
-  catch or ignore anything else (JAX's preemption handler takes SIGTERM), and
-  it survives the exec of Python and whatever the rank runs (`-m` or a
-  script). It fires when the thread that started the child ends: each agent
-  starts its processes from the thread that waits for them. Prepared here,
-  before any fork: the child only makes two system calls.
+  SIGKILL, because a rank may catch anything else (JAX takes SIGTERM); it
+  fires when the starting thread ends, so each agent starts its processes
+  from the thread that waits for them.
   """
   if not sys.platform.startswith("linux"):
     return None
@@ -105,15 +83,7 @@ def is_stopped(pid: int) -> bool:
 
 
 class RankProcess:
-  """One process, with threads copying its output under a `[rank]` prefix.
-
-  Args:
-    rank: its process id in the attempt.
-    cmd: the command.
-    env: its environment (`child_env`).
-    lock: serialises the launcher's output.
-    preexec: `die_with_parent()`.
-  """
+  """One process, with threads copying its output under a `[rank]` prefix."""
 
   def __init__(self, rank: int, cmd: list, env: dict, lock: threading.Lock,
                preexec=None):

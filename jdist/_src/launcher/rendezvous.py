@@ -1,31 +1,16 @@
-"""The rendezvous of an elastic job: which nodes run each attempt, and when it ends.
+"""The rendezvous of an elastic job: which nodes run each attempt, and when
+it ends.
 
-One agent per node (host) talks to it (`rendezvous_tcp.py` carries the
-requests). An attempt goes through three phases:
+A state machine driven by the agents' requests and a clock, with no sockets
+or threads (`rendezvous_tcp.py` carries the requests). Each attempt is:
 
-* **gathering**: nodes join; the round closes when `max_nodes` have joined,
-  or when at least `min_nodes` have and either every live node has joined
-  (a restart: nobody else is expected) or the last call (`last_call`
-  seconds after the minimum was reached) has passed (the first attempt: hosts
-  may still be starting). Nodes beyond `max_nodes` wait as spares for the next
-  attempt. With fewer than `min_nodes` for `join_timeout` seconds, the job
-  ends.
-* **running**: each node of the round runs its processes, with consecutive
-  process ids in the order the nodes first joined, process 0's coordinator on
-  the first node (at the port that node offered). Nodes report their
-  processes' health; the attempt stops when a node reports a failure, goes
-  away (its connection closed, it left, or it was silent `node_timeout`
-  seconds), or `health.judge` finds a process stuck (`stuck_timeout`).
-* **stopping**: every node of the round stops its processes and reports how
-  each ended. `failures.classify` names the failure; the job then starts the
-  next attempt with the nodes it has, or ends when the failures exceed
-  `max_restarts`.
-
-An attempt whose processes all exit 0 ends the job with 0. Nodes that join
-while an attempt runs wait for the next one.
-
-The class is a state machine driven by its requests and a clock, with no
-sockets and no threads of its own (the transport serialises the calls).
+* gathering: the round closes with `max_nodes`, or with `min_nodes` once
+  every live node joined (a restart) or `last_call` passed (the first);
+  fewer than `min_nodes` for `join_timeout` ends the job;
+* running: nodes take consecutive process ids in the order they first
+  joined; a failure, a node gone or a stuck process stops the attempt;
+* stopping: every node reports how its processes ended; the job restarts
+  with the nodes it has, or ends past `max_restarts`.
 
 Example:
   >>> from jdist._src.launcher import rendezvous
@@ -85,18 +70,8 @@ class _Member:
 
 
 class Rendezvous:
-  """The state of an elastic job (see the module docstring).
-
-  Args:
-    spec: the job.
-    last_call: seconds the first round waits for more nodes once it has the
-      minimum.
-    join_timeout: seconds a round waits for the minimum of nodes.
-    stuck_timeout: `health.judge`'s timeout.
-    clock: monotonic seconds.
-    run_id: the job's name in every attempt's assignment (default: a
-      random one).
-  """
+  """The state of an elastic job (see the module docstring); `clock` gives
+  monotonic seconds, `run_id` names every attempt (default: random)."""
 
   def __init__(self, spec: JobSpec, *, last_call: float = LAST_CALL_SECONDS,
                join_timeout: float = JOIN_TIMEOUT_SECONDS,
@@ -141,7 +116,7 @@ class Rendezvous:
     return {"member": member.id}
 
   def join(self, member: int, port: int) -> dict:
-    """The node is ready for the next attempt; its coordinator port if first."""
+    """The node is ready for the next attempt, offering its coordinator port."""
     m = self._touch(member)
     m.port, m.joined, m.health = port, True, []
     return self.view(member)
@@ -189,10 +164,8 @@ class Rendezvous:
             "gone": m.gone}
 
   def unneeded(self) -> bool:
-    """Whether the rendezvous has nothing left to tell: every live node has
-    seen how the job ended, or the job has no end to tell (asked by the
-    launcher that hosts it once its own nodes left, stopped by a signal:
-    the others lose it either way)."""
+    """Whether the rendezvous has nothing left to tell: every live node saw how
+    the job ended, or the job has no end to tell."""
     return self.end is None or all(m.told_end for m in self._live())
 
   # --- transitions --------------------------------------------------------------
@@ -259,13 +232,13 @@ class Rendezvous:
         self._stop(stuck=found)
 
   def _health_now(self) -> list:
-    """Every process's last report, aged to now (nodes report at their pace)."""
+    """Every process's last report, aged to now."""
     now = self._clock()
     return [h.aged(now - m.health_at) for m in
             (self._members[i] for i in self._round) for h in m.health]
 
   def _stop(self, **cause) -> None:
-    """Stops the attempt; remembers processes silent at this moment."""
+    """Stops the attempt, remembering the processes silent at this moment."""
     silent = [h for h in self._health_now()
               if h.unresponsive_for >= min(health.SILENT_SECONDS,
                                            self._stuck_timeout)]

@@ -1,10 +1,5 @@
-"""The rendezvous over TCP: one connection per node, one JSON line per request.
-
-The launcher that hosts the rendezvous runs a `Server` (threads: one accepts,
-one per node, one ticks the clock); every agent, that launcher's own too,
-talks to it through a `Client`. A node whose connection closes (its launcher
-ended, its host went down) has gone away. Like torchrun's c10d rendezvous,
-the job lives as long as the launcher that hosts it.
+"""The rendezvous over TCP: one connection per node, one JSON line per
+request; a node whose connection closes has gone away.
 
 Example:
   >>> from jdist._src.launcher import rendezvous, rendezvous_tcp
@@ -126,8 +121,7 @@ class Server:
     return handlers[op](member, **request)
 
   def close(self, linger: float) -> None:
-    """Stops serving once no node needs it (every node saw the end, or
-    left), waiting at most `linger` s for that."""
+    """Stops serving once no node needs it, waiting at most `linger` s."""
     deadline = time.monotonic() + linger
     while time.monotonic() < deadline:
       with self._lock:
@@ -152,13 +146,7 @@ class Server:
 
 
 class Client:
-  """One node's connection to the rendezvous at `host:port`.
-
-  Args:
-    host: the rendezvous' host.
-    port: its port.
-    timeout: seconds to keep trying to connect (its launcher may start later).
-  """
+  """One node's connection to the rendezvous, tried for `timeout` seconds."""
 
   def __init__(self, host: str, port: int, *, timeout: float):
     self.endpoint = f"{host}:{port}"

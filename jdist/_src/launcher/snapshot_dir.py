@@ -1,12 +1,6 @@
-"""Where a `jdist launch` job keeps its in-memory snapshots, and their removal.
-
-Every attempt of a job shares `JDIST_RUN_ID`, so a restarted process finds
-the snapshots its predecessor wrote in `job_directory(run_id)`: a directory
-under /dev/shm (tmpfs: host memory, outside the training processes, so it
-outlives them), or under `JDIST_SNAPSHOT_ROOT` when that is set (where there
-is no /dev/shm, the system's temporary directory). The launcher removes it
-when the job ends (`remove`); the processes write and read it
-(`jdist/_src/checkpoint/snapshots.py`).
+"""Where a `jdist launch` job keeps its in-memory snapshots: under /dev/shm
+(or `JDIST_SNAPSHOT_ROOT`), named by `JDIST_RUN_ID`, which every attempt
+shares; the launcher removes it when the job ends.
 
 Example:
   >>> from jdist._src.launcher import snapshot_dir

@@ -1,26 +1,9 @@
 """Gradient accumulation: K micro-batches, one gradient reduction per step.
 
-Two uses share this engine: `jdist.accumulate_gradients` (and the Trainer's
-`micro_batches`) splits each replica's share of one batch into micro-batches;
-the Trainer's `gradient_accumulation_steps` (Keras' meaning) joins K
-consecutive distributed batches into one step (`BatchGroup.merged`) and runs
-each as a micro-batch.
-
-The micro-batches run one after another in a `lax.scan` inside the compiled
-step, so only one micro-batch's activations are alive at a time. The
-gradients stay local to each replica while they add up (the parameters are
-typed as varying before autodiff, so no all-reduce is inserted per
-micro-batch) and are summed over replicas once, after the last. Each
-micro-batch's loss is divided by the whole step's count of valid examples
-(`compute_average_loss` reads it from the step), so the sum is exact also on
-a padded last batch. `optax.MultiSteps` would all-reduce at every
-micro-batch, keep an accumulator in every checkpoint, and average
-micro-batch means inexactly on padded batches.
-
-On CPU the scanned gradient is traced with its convolutions in the layout
-XLA:CPU runs with library kernels inside loops
-(`conv_layout.canonical_convolutions`); decided at trace time from the
-step's devices. GPU and TPU trace it as written.
+The micro-batches run in a `lax.scan` inside the compiled step, so one
+micro-batch's activations are alive at a time. The parameters are typed as
+varying before autodiff, so the gradients add up per replica and are summed
+over replicas once, after the last.
 """
 
 from __future__ import annotations
@@ -40,7 +23,7 @@ from jdist._src.core.validity import Validity
 
 
 def check_steps(num_micro_batches) -> int:
-  """`num_micro_batches` as an int, or a clear error.
+  """`num_micro_batches` as an int.
 
   Raises:
     TypeError: it is not a whole number.
@@ -60,13 +43,9 @@ def check_steps(num_micro_batches) -> int:
 
 
 class MicroBatchContext(ReplicaContext):
-  """The replica context of one micro-batch of a step.
-
-  Its validity is the micro-batch's rows with the whole step's global count
-  (so `compute_average_loss` divides by the step's examples), and
-  `example_index` gives the rows' positions in the step's global batch (so
-  `jdist.dropout` and `example_keys` draw what the whole batch would).
-  """
+  """The replica context of one micro-batch: its validity counts the whole
+  step's examples, and `example_index` gives rows their positions in the
+  step's global batch (so random draws are the whole batch's)."""
 
   def __init__(self, parent: ReplicaContext, validity: Validity | None,
                index, num_micro_batches: int):
@@ -110,24 +89,14 @@ def merge_micro_batches(tree):
 def scan_micro_batches(loss_fn: Callable, params, carry, batch, *,
                        num_micro_batches: int, num_batches: int = 1,
                        sum_over_replicas: bool = True):
-  """The engine of `accumulate_gradients`, with a carry between micro-batches.
+  """The engine of `accumulate_gradients`, with a `carry` between micro-batches.
 
-  Args:
-    loss_fn: `loss_fn(params, carry, micro_batch, index) -> (loss, (carry,
-      aux))`, with a scalar loss; `index` is the micro-batch's position.
-    params: the parameters to differentiate (mirrored inside a step).
-    carry: state threaded through the micro-batches (a model's batch
-      statistics), or None.
-    batch: this replica's rows of `num_batches` distributed batches joined
-      (`BatchGroup.merged`), each run as `num_micro_batches` micro-batches.
-    num_micro_batches, num_batches: K and n; the scan runs `n * K`.
-    sum_over_replicas: sum the gradients over replicas at the end; False
-      leaves each replica its own (`ShardedOptimizer` reduce-scatters them).
-
-  Returns:
-    `((loss, (carry, aux)), grads)`: loss and gradients summed over the
-    micro-batches (their mean outside a step), the last carry, and `aux`
-    stacked along a leading axis of `n * K`.
+  `loss_fn(params, carry, micro_batch, index) -> (loss, (carry, aux))`;
+  `batch` is this replica's rows of `num_batches` batches joined, each run as
+  `num_micro_batches` micro-batches. Returns `((loss, (carry, aux)), grads)`
+  summed over the micro-batches (their mean outside a step), with `aux`
+  stacked; with `sum_over_replicas=False` each replica keeps its own gradients
+  (`ShardedOptimizer` reduce-scatters them).
   """
   per_batch = check_steps(num_micro_batches)
   k = per_batch * num_batches
@@ -190,13 +159,11 @@ def accumulate_gradients(loss_fn: Callable, params, batch, *,
   """`jax.value_and_grad` over a batch split into micro-batches.
 
   Inside a step, each replica's batch runs as `num_micro_batches`
-  micro-batches, one after another in the same compiled step; the gradients
-  are summed over replicas once, at the end. The result equals
-  `jax.value_and_grad` of the whole batch's loss, also on a padded last
-  batch, when the loss is scaled with `jdist.compute_average_loss` (it divides
-  by the whole step's valid examples and masks each micro-batch's padding);
-  `jdist.dropout` draws the whole batch's masks. Outside a step the
-  micro-batches' losses and gradients are averaged.
+  micro-batches one after another; the gradients are summed over replicas
+  once, at the end. The result equals `jax.value_and_grad` of the whole
+  batch's loss, also on a padded last batch, when the loss is scaled with
+  `jdist.compute_average_loss`. Outside a step the micro-batches' losses and
+  gradients are averaged.
 
   Args:
     loss_fn: `loss_fn(params, micro_batch) -> loss` (or `(loss, aux)` with

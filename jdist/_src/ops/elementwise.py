@@ -1,14 +1,9 @@
 """Whether an optax update is elementwise: what `ShardedOptimizer` needs.
 
-Each replica runs the update on its block of every parameter, so a
-parameter's update may depend only on its own gradient and state. Two
-checks, before the first step: by program (the update's jaxpr on one
+Checked before the first step, by program (the update's jaxpr on one
 replica's blocks feeds no output from a primitive that mixes an array's
-elements: a reduction, a sort, a matrix product), and by result (on a small
-random probe, two steps, the blocks' updates must put together the whole
-leaf's: this catches random draws and values moved across elements, such as
-`jnp.roll`). The first leaf that fails is named, with the primitives that
-explain why.
+elements) and by result (on a small random probe, the blocks' updates must
+put together the whole leaf's, which catches random draws and moved values).
 """
 
 from __future__ import annotations
@@ -47,15 +42,14 @@ _PROBE_STEPS = 2
 
 
 def _notable(eqn) -> bool:
-  """A random draw, or a mixing or moving primitive applied to arrays (a
-  reduction of scalars mixes nothing)."""
+  """A random draw, or a mixing or moving primitive applied to arrays."""
   name = eqn.primitive.name
   return name in RANDOM or (name in _NOTABLE and any(
       getattr(v.aval, "ndim", 0) > 0 for v in eqn.invars))
 
 
 def _notable_inside(jaxpr) -> frozenset:
-  """Notable primitives anywhere in `jaxpr` and the jaxprs nested in it."""
+  """Notable primitives in `jaxpr` and the jaxprs nested in it."""
   found = set()
   for eqn in jaxpr.eqns:
     if _notable(eqn):
@@ -75,11 +69,8 @@ def _subjaxprs(eqn):
 
 
 def notable_by_output(jaxpr) -> list[frozenset]:
-  """For each output of `jaxpr`, the notable primitives it depends on.
-
-  A nested jaxpr (jit, custom_jvp, scan, cond) counts for every output of
-  its equation: a safe over-approximation.
-  """
+  """For each output of `jaxpr`, the notable primitives it depends on (a
+  nested jaxpr counts for every output of its equation)."""
   deps = {}
 
   def of(v):
@@ -112,15 +103,8 @@ def _explain(names: frozenset) -> str:
 
 
 class Layout:
-  """Where each parameter leaf is split over the replicas.
-
-  Attributes:
-    treedef: the parameters' structure.
-    paths: each leaf's path (`jax.tree_util.keystr`).
-    specs: each leaf's `jax.ShapeDtypeStruct`.
-    axes: each leaf's split axis, or None (kept whole on every replica).
-    num_replicas: how many blocks a split leaf has.
-  """
+  """Where each parameter leaf (its path and spec) is split over
+  `num_replicas` replicas (`axes`: None for whole)."""
 
   def __init__(self, params: Any, axes: Sequence, num_replicas: int):
     flat, self.treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -161,8 +145,8 @@ def block(leaves: list, axes: Sequence, num_replicas: int, i: int) -> list:
 
 
 def program_problem(optimizer, layout: Layout) -> str | None:
-  """Why the update, traced on one replica's blocks, mixes the elements of a
-  leaf (naming the first output that depends on it), or None."""
+  """Why the update traced on one replica's blocks mixes the elements of a
+  leaf (naming the first such output), or None."""
   blocks = layout.tree(layout.block_specs())
   block_state = jax.eval_shape(optimizer.init, blocks)
   traced, out = jax.make_jaxpr(optimizer.update, return_shape=True)(
@@ -174,7 +158,7 @@ def program_problem(optimizer, layout: Layout) -> str | None:
 
 
 def _output_names(out) -> list[str]:
-  """"parameter ['w']" for each update leaf, "state leaf ..." for the rest."""
+  """The name of each output leaf of the update, for messages."""
   updates, state = out
   names = [f"parameter {jax.tree_util.keystr(p) or '<params>'}" for p, _ in
            jax.tree_util.tree_flatten_with_path(updates)[0]]
@@ -184,18 +168,9 @@ def _output_names(out) -> list[str]:
 
 def result_problem(optimizer, layout: Layout,
                    state_axes: Callable[[list, list], list]) -> str | None:
-  """Why the update on each replica's blocks of a small random probe does
-  not put together its update on the whole leaves (naming the first leaf
-  that differs), or None. Runs eagerly on the CPU (also inside a trace),
-  two steps: op by op, small leaves cost less than compiling the update for
-  two shapes.
-
-  Args:
-    optimizer: the optax `GradientTransformation`.
-    layout: the parameters' split axes.
-    state_axes: the split axis of each state leaf, given the whole and the
-      block parameter specs.
-  """
+  """Why the update on each replica's blocks of a small random probe does not
+  put together the whole leaves' update (naming the first leaf), or None.
+  It runs eagerly on the CPU for two steps, also inside a trace."""
   probe = layout.probe_specs()
   axes_of_state = state_axes(probe, layout.block_specs(probe))
   rng = np.random.default_rng(0)

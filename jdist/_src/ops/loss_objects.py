@@ -1,12 +1,6 @@
 """Keras' loss classes: `loss(y_true, y_pred)`, probabilities unless
-`from_logits=True`, with Keras' reductions.
-
-`call(y_true, y_pred)` gives one loss per example; calling the object
-reduces them ("sum_over_batch_size", "sum" or "none"). Inside a jdist step
-the default reduction is refused, as TensorFlow refuses it under a strategy
-(a mean over one replica's batch trains with N times the gradient): use
-`reduction="none"` and `jdist.compute_average_loss`.
-"""
+`from_logits=True`, with Keras' reductions; inside a step the default one
+is refused, as TensorFlow refuses it under a strategy."""
 
 from __future__ import annotations
 
@@ -167,9 +161,8 @@ class CategoricalCrossentropy(Loss):
 
 
 class BinaryCrossentropy(Loss):
-  """Cross-entropy of 0/1 targets, as `keras.losses.BinaryCrossentropy`.
-
-  Per example it is the mean over the last axis, as in Keras.
+  """Cross-entropy of 0/1 targets, as `keras.losses.BinaryCrossentropy` (per
+  example, the mean over the last axis).
 
   Args:
     from_logits: predictions are logits (True) or probabilities (False).

@@ -1,16 +1,9 @@
 """Dynamic loss scaling for float16: a pytree value and an optax wrapper.
 
-float16 holds numbers up to 65504 and loses gradients below about 6e-8. The
-loss is multiplied by a scale before differentiation so that small gradients
-survive the float16 backward pass, and the float32 gradients are divided by
-it before the update. As in Keras' LossScaleOptimizer, the scale doubles
-after a run of finite steps (2000) and halves at a step whose gradients
-overflow, which is skipped (parameters and optimizer state unchanged); it
-never goes below 1 (TensorFlow's floor: halving without one reaches 0.0 and
-skips every later step) and grows only to a finite value.
-
-Under a jdist strategy the gradients reach the optimizer already summed over
-replicas, so every replica sees the same overflow and skips the same steps.
+The loss is multiplied by a scale so that small gradients survive float16's
+backward pass, and the gradients are divided by it before the update, as in
+Keras' LossScaleOptimizer. Under a strategy the gradients reach the optimizer
+summed over replicas, so every replica skips the same overflowing steps.
 """
 
 from __future__ import annotations
@@ -35,9 +28,10 @@ MIN_SCALE = 1.0
 class DynamicLossScale:
   """A loss scale that grows after finite steps and halves on overflow.
 
-  A pytree (its arrays cross `jax.jit`; the schedule is static), with pure
-  methods that return new values. The scale never goes below `MIN_SCALE`
-  (1, TensorFlow's floor) and grows only to a finite value.
+  A pytree (its arrays cross `jax.jit`; the schedule is static) with pure
+  methods. The scale never goes below `MIN_SCALE` (1, TensorFlow's floor:
+  halving without one reaches 0 and skips every later step) and grows only to
+  a finite value.
 
   Attributes:
     scale: the current scale (a float32 scalar).
@@ -90,7 +84,8 @@ class DynamicLossScale:
     return loss * self.scale.astype(jnp.result_type(loss))
 
   def unscale(self, grads):
-    """Gradients of the scaled loss divided by the scale, in float32 or wider."""
+    """The gradients of the scaled loss divided by the scale, in float32 or
+    wider."""
     inv = 1.0 / self.scale
     return jax.tree.map(
         lambda g: g.astype(jnp.promote_types(g.dtype, jnp.float32)) * inv,
@@ -98,8 +93,7 @@ class DynamicLossScale:
 
   @property
   def at_floor(self) -> jax.Array:
-    """Whether the scale is at its floor (1): a step that overflows now
-    overflows without loss scaling too (a bool scalar)."""
+    """Whether the scale is at its floor of 1 (a bool scalar)."""
     return self.scale <= MIN_SCALE
 
   def adjust(self, finite) -> "DynamicLossScale":
@@ -152,15 +146,14 @@ class LossScaleState(NamedTuple):
   @property
   def at_floor(self) -> jax.Array:
     """Whether the scale sits at its floor of 1 (a bool scalar): with
-    `last_step_skipped`, batches that overflow even unscaled (NaN or inf
-    in the data or the loss) rather than a scale that is too high."""
+    `last_step_skipped`, the batches themselves overflow (NaN or inf in the
+    data or the loss), not a scale that is too high."""
     return self.loss_scale.at_floor
 
 
 class LossScaleTransformation(optax.GradientTransformation):
-  """The optax transformation `loss_scale_optimizer` returns: its type tells a
-  `Trainer` under "mixed_float16" that the loss is scaled already.
-  """
+  """What `loss_scale_optimizer` returns: its type tells a `Trainer` under
+  "mixed_float16" that the loss is scaled already."""
 
   __slots__ = ()
 
@@ -173,9 +166,7 @@ def loss_scale_optimizer(inner: optax.GradientTransformation, *,
 
   `update` takes the gradients of `state.loss_scale.scale_loss(loss)`,
   divides them by the scale and applies `inner` if they are all finite;
-  otherwise the update is zero, `inner`'s state stays and the scale halves,
-  not below 1. Steps that overflow at the floor (`at_floor`,
-  `last_step_skipped`) mean the batches themselves are not finite.
+  otherwise the update is zero, `inner`'s state stays and the scale halves.
 
   Args:
     inner: the optimizer to wrap.

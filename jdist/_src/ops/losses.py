@@ -1,11 +1,5 @@
-"""Loss scaling for synchronous training: divide by the global batch.
-
-Each replica's gradient is summed over replicas (autodiff does it for mirrored
-parameters), so each replica's loss must be its share of the global mean: the
-sum of its per-example losses divided by the global number of examples. On a
-padded last batch that number is the count of valid examples, which jdist knows
-from the distributed batch, so the mean stays exact.
-"""
+"""Loss scaling for synchronous training: divide by the global batch (the
+gradients are summed over replicas), whose valid examples jdist counts."""
 
 from __future__ import annotations
 
@@ -19,14 +13,9 @@ from jdist._src.errors import LossScalingError
 
 
 def _fit_weights(sample_weight, loss):
-  """`sample_weight` shaped for `loss`, by TensorFlow's rule, or an error.
-
-  TF (`squeeze_or_expand_dimensions`) squeezes a trailing axis of weights
-  with one more axis than the losses ((b, 1) against (b,)) and expands
-  weights with one fewer ((b,) against (b, k)); the result must then
-  broadcast to the losses' shape. Plain broadcasting would turn (b, 1)
-  against (b,) into (b, b): the loss multiplied by b.
-  """
+  """`sample_weight` shaped for `loss` by TensorFlow's rule (a trailing axis
+  squeezed, or one added), or an error: plain broadcasting would turn (b, 1)
+  against (b,) into (b, b)."""
   w = jnp.asarray(sample_weight, loss.dtype)
   fitted = w
   if w.ndim and w.ndim == loss.ndim + 1 and w.shape[-1] == 1:
@@ -82,9 +71,8 @@ def compute_average_loss(per_example_loss, sample_weight=None,
       on a padded last batch), or to `b * num_replicas_in_sync` when the
       step got no distributed batch.
     mask: which of this replica's rows are real examples, instead of the
-      step's batch mask (TensorFlow's implicit default). Without
-      `global_batch_size`, the divisor is then the mask's count over all
-      replicas (one all-reduce).
+      step's batch mask. Without `global_batch_size`, the divisor is then the
+      mask's count over all replicas (one all-reduce).
 
   Returns:
     This replica's scalar loss; summed over replicas it is the global mean.
@@ -134,11 +122,8 @@ def compute_average_loss(per_example_loss, sample_weight=None,
 
 def _check_varies(loss, batch) -> None:
   """Refuses per-example losses that are the same on every replica when the
-  divisor is `b * num_replicas`: each replica then saw the whole batch (a
-  plain array argument reaches every replica whole), autodiff sums nothing
-  over replicas, and the gradients would be `num_replicas` times too small,
-  silently. (With an explicit `global_batch_size` the user stated the
-  divisor: the whole batch's size there gives one device's gradients.)"""
+  divisor is `b * num_replicas`: each replica saw the whole batch, and the
+  gradients would be `num_replicas` times too small, silently."""
   ctx = batch.replica_context
   axis = getattr(ctx, "axis_name", None)
   if batch.num_replicas < 2 or axis is None or in_step.is_varying(loss, axis):
@@ -158,17 +143,15 @@ def _check_varies(loss, batch) -> None:
 def scale_regularization_loss(regularization_loss) -> jax.Array:
   """Divides a loss added on every replica by the number of replicas.
 
-  A regularization term computed from mirrored parameters is added once per
-  replica, and gradients are summed over replicas; this keeps its weight the
-  same as on one device. As in TensorFlow, a list of losses is added up and
-  the result is summed to a scalar before the division.
+  A term computed from mirrored parameters is added once per replica and the
+  gradients are summed over replicas; this keeps its weight one device's. As
+  in TensorFlow, a list of losses is added up and summed to a scalar first.
 
   Args:
     regularization_loss: a scalar, an array or a list of them.
 
   Returns:
-    A scalar: their sum divided by `num_replicas_in_sync` (summed over the
-    replicas, it is the sum itself).
+    A scalar: their sum divided by `num_replicas_in_sync`.
 
   Example:
     >>> import jdist

@@ -1,20 +1,12 @@
 """Keras' metrics as values: updated inside a step, read outside it, exact.
 
 A metric holds running sums (`total`, `count`) in a `SyncOnRead` SUM value,
-as TensorFlow keeps metric variables: each replica adds its own examples
-inside the step, and reading outside adds the replicas (and processes), so
-`result()` is the exact mean over every example seen. Inside a step `update`
-leaves out the rows that pad a short last batch (the step's validity mask,
-or an explicit `mask=`).
-
-Metrics are frozen pytrees: `update` and `reset` return new values, which go
-in and out of steps like any state, through `jax.jit` and checkpoints
-(`sums()` out, `with_sums(...)` back in). As in flax's `nnx.metrics`,
-`Metric` owns the sums and `Mean` the weighted values; a subclass says only
-what differs (its default name, or the per-example function it averages).
-flax's metrics are not used underneath: they update in place, mask only on
-request and keep int32 counts, where these must be returned from steps,
-mask by default and count weights.
+as TensorFlow keeps metric variables: each replica adds its own examples,
+and reading adds the replicas and processes, so `result()` is the exact mean
+over every example seen. Inside a step `update` leaves out the padding rows.
+Metrics are frozen pytrees, so they go in and out of steps, `jax.jit` and
+checkpoints like any state; as in flax's `nnx.metrics`, a subclass says only
+what differs.
 """
 
 from __future__ import annotations
@@ -80,7 +72,7 @@ def _one_per_row(values) -> jax.Array:
 
 
 def _refuse(name: str, fix: str):
-  """A Keras in-place method, which would silently do nothing here."""
+  """A Keras in-place method, which would silently do nothing here: raises."""
   def method(self, *args, **kwargs):
     raise TypeError(
         f"jdist metrics are values, not variables: {type(self).__name__}."
@@ -105,14 +97,13 @@ def _frozen_pytree(cls: type) -> type:
 class Metric:
   """Base class: a running `total` and `count`, summed over replicas on read.
 
-  Subclasses declare their configuration as fields (a default `name`, say)
-  and an `update` that adds to the sums; the result is `total / count`
-  unless `value_of` says otherwise. `totals` (a `SyncOnRead` SUM of
-  `{"total", "count"}`) is the metric's one pytree leaf.
+  Subclasses declare their configuration as fields and an `update` that adds
+  to the sums; the result is `total / count` unless `value_of` says
+  otherwise.
 
   Attributes:
     name: the metric's name (the key in logs).
-    totals: the running sums, per replica once placed.
+    totals: the running sums (`SyncOnRead` SUM), the one pytree leaf.
   """
 
   name: str
@@ -146,18 +137,12 @@ class Metric:
     return totals.read()
 
   def result(self) -> jax.Array:
-    """`total / count` over every example seen by every replica (0.0 if
-    none, as in Keras).
-
-    Outside a step it reads the replicas' sums; inside one it all-reduces
-    them, so every replica gets the same result.
-    """
+    """`total / count` over every example seen by every replica (0.0 if none,
+    as in Keras); inside a step, all-reduced."""
     return self.value_of(self.sums())
 
   def value_of(self, sums: dict):
-    """The result from sums `{"total", "count"}` over every replica (0.0
-    for a count of 0, as Keras divides: no NaN for a metric that saw
-    nothing)."""
+    """The result from sums over every replica (0.0 for a count of 0)."""
     total, count = sums["total"], sums["count"]
     if isinstance(count, jax.core.Tracer):  # in a step (or the user's jit)
       empty = count == 0
@@ -171,12 +156,9 @@ class Metric:
         self, totals=jax.tree.map(jnp.zeros_like, self.totals))
 
   def with_sums(self, sums: dict) -> "Metric":
-    """The same metric holding `sums`, e.g. a checkpoint's: it continues.
-
-    `sums` is `{"total", "count"}` over every replica, as `sums()` reads
-    them. The new metric is unplaced, as a fresh one: a step (or
-    `strategy.replicate`) places it on any number of replicas and the
-    result stays exact, as if the examples had been seen there.
+    """The same metric holding `sums` (`{"total", "count"}`, as `sums()` reads
+    them), e.g. a checkpoint's: it continues, unplaced, on any number of
+    replicas.
 
     Example:
       >>> import jdist, jax.numpy as jnp
@@ -210,10 +192,9 @@ class Metric:
 class Mean(Metric):
   """The (weighted) mean of the values it is given, as `keras.metrics.Mean`.
 
-  `update(values, sample_weight=None, *, mask=None)`: every element of
-  `values` counts (weighted by `sample_weight`, broadcast over trailing
-  axes); inside a step, rows that pad the batch are left out. A scalar
-  counts once per replica that has examples.
+  `update(values, sample_weight=None, *, mask=None)`: every element counts,
+  weighted by `sample_weight`; inside a step, padding rows are left out. A
+  scalar counts once per replica that has examples.
 
   Example:
     >>> import jdist, jax.numpy as jnp
@@ -262,8 +243,8 @@ class _PerExampleMean(Mean):
       y_true: the targets, one row per example.
       y_pred: the model's outputs, one row per example.
       sample_weight: optional per-example weights.
-      mask: which rows are real examples; inside a step, default: the step's
-        batch mask (padding is left out).
+      mask: which rows are real examples (inside a step, default: the step's
+        batch mask).
     """
     values = _one_per_row(self._fn(jnp.asarray(y_true), jnp.asarray(y_pred)))
     return super().update(values, sample_weight, mask=mask)
@@ -335,10 +316,8 @@ class CategoricalAccuracy(_PerExampleMean):
 
 
 class BinaryAccuracy(_PerExampleMean):
-  """`y_pred > threshold` against 0/1 targets, as in Keras.
-
-  The default threshold of 0.5 is for probabilities; for logits use
-  `threshold=0.0`.
+  """`y_pred > threshold` against 0/1 targets, as in Keras (0.5 is for
+  probabilities; for logits use `threshold=0.0`).
 
   Example:
     >>> import jdist, jax.numpy as jnp

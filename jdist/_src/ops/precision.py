@@ -1,11 +1,6 @@
-"""Mixed precision policies, by Keras' names.
-
-The mixed policies keep parameters and optimizer state in float32, cast
-them and the inputs to bfloat16 or float16 for the model, and give the loss
-float32 outputs: half-size activations, and on GPUs and TPUs the matrix
-units' low-precision rate. float16 also needs loss scaling
-(`jdist.loss_scale_optimizer`); bfloat16 has float32's range.
-"""
+"""Mixed precision policies, by Keras' names: parameters and optimizer state
+in float32, the model computing in bfloat16 or float16 (which also needs
+loss scaling), the loss's outputs in float32."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Random streams that do not depend on the number of replicas.
-
-A key shared by all replicas would give every replica the same dropout mask;
-a key folded with the replica id would change with the device count. Keying by
-the example's position in the global batch gives every example the same random
-numbers on 1 device or on N.
-"""
+"""Random streams that do not depend on the number of replicas: keyed by the
+example's position in the global batch (a key shared by all replicas would
+repeat masks, one folded with the replica id would change with N)."""
 
 from __future__ import annotations
 

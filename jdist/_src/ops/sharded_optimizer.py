@@ -1,19 +1,10 @@
 """`ShardedOptimizer`: optimizer state split over the replicas (ZeRO-1/2).
 
-Most optimizers are elementwise, so each replica can keep and update one
-block of every state leaf instead of the whole: the gradient's block in, the
-update's block out, all-gathered so that every replica applies the same
-update to its mirrored parameters. The state per device shrinks by the
-number of replicas; the updates are the mirrored optimizer's.
-
-Layout rule (`split_axis`): each leaf is split along its first axis that the
-replica count divides. A leaf with no such axis (an odd-sized bias, a
-scalar) keeps its state whole, as mirrored training would: refusing it would
-refuse most models (`mirror_indivisible=False` does). The leaves keep their
-unsharded shapes, so a checkpoint restores onto any number of devices. When
-a replica spans devices (`ModelParallelStrategy`), the state keeps its
-parameter's layout within each replica and is split over the replicas on
-top of it.
+Each leaf is split along its first axis the replica count divides; a leaf
+with none keeps its state whole. Leaves keep their unsharded shapes, so
+checkpoints restore onto any device count; under `ModelParallelStrategy`
+the state keeps its parameter's layout within each replica and is split
+over the replicas on top of it.
 """
 
 from __future__ import annotations
@@ -39,16 +30,9 @@ from jdist._src.ops import elementwise
 
 def split_axis(shape: Sequence[int], num_replicas: int,
                within: Sequence[int] | None = None) -> int | None:
-  """The axis of a leaf of `shape` split over replicas, or None (kept whole).
-
-  On one replica nothing is split: the state is whole, as without sharding.
-
-  Args:
-    shape: the leaf's shape.
-    num_replicas: how many replicas share the state.
-    within: for each axis, over how many devices of a replica the leaf's
-      layout splits it (`ModelParallelStrategy`); None: one (each replica is
-      one device). An axis split over k devices must hold `num_replicas * k`.
+  """The axis of a leaf of `shape` split over `num_replicas`, or None (kept
+  whole; always on one replica). `within` gives, per axis, over how many
+  devices of a replica the leaf's layout splits it.
 
   Example:
     >>> from jdist._src.ops.sharded_optimizer import split_axis
@@ -92,27 +76,24 @@ class ShardedOptimizer:
   synchronous strategy: `init(params)` outside the step places each replica's
   block of the state; `update(grads, state, params)` inside the step updates
   this replica's block and returns the whole update, the same on every
-  replica, so `optax.apply_updates` (or flax's `TrainState.apply_gradients`)
-  keeps the parameters mirrored.
-
-  Gradients from `jax.grad` arrive summed over replicas: `update` takes its
-  block of them (ZeRO-1). Gradients from this optimizer's `value_and_grad` are
-  each replica's own: `update` sums and splits them in one reduce-scatter
-  (ZeRO-2), so the summed gradient is never whole on a device.
+  replica, so the parameters stay mirrored. Gradients from `jax.grad` arrive
+  summed over replicas and `update` takes its block (ZeRO-1); gradients from
+  this optimizer's `value_and_grad` are each replica's own and are
+  reduce-scattered (ZeRO-2).
 
   The wrapped optimizer must be elementwise (adam, adamw, sgd, momentum,
-  rmsprop, adagrad, lion, ...): `init` refuses, naming the parameter, one
-  whose update combines a parameter's elements (`clip_by_global_norm`,
-  adafactor, lamb, `apply_if_finite`), draws random numbers or moves values
-  between elements. Apply such a transform to the summed gradients first.
+  rmsprop, adagrad, lion, ...): `init` refuses, naming the parameter, one that
+  combines a parameter's elements (`clip_by_global_norm`, adafactor, lamb,
+  `apply_if_finite`), draws random numbers or moves values between elements.
+  Apply such a transform to the summed gradients first.
 
   Args:
     optimizer: the optax `GradientTransformation` to shard.
     strategy: the strategy the steps run on; default: the current one when
       `init` is called.
-    mirror_indivisible: keep the state of leaves none of whose axes the
-      replica count divides whole on every replica (True), or refuse them
-      with `jdist.ShardingError` (False).
+    mirror_indivisible: keep whole the state of leaves none of whose axes the
+      replica count divides (True), or refuse them with
+      `jdist.ShardingError` (False).
 
   Example:
     >>> import jdist, jax, jax.numpy as jnp, optax
@@ -157,8 +138,8 @@ class ShardedOptimizer:
 
     Args:
       params: the parameters (arrays or `jax.ShapeDtypeStruct` values).
-      num_replicas: default: the strategy's. Without a strategy, each
-        replica is taken to be one device.
+      num_replicas: default: the strategy's (without a strategy, each replica
+        is one device).
 
     Example:
       >>> import jdist, jax.numpy as jnp, optax
@@ -174,8 +155,8 @@ class ShardedOptimizer:
 
   @staticmethod
   def _split_axes(params: Any, n: int, strategy) -> tuple[list, list]:
-    """`(axes, counts)`: each leaf's axis split over `n` replicas (or None),
-    and over how many devices of a replica its layout splits each axis."""
+    """`(axes, counts)`: each leaf's split axis (or None), and over how many
+    devices of a replica its layout splits each axis."""
     leaves = jax.tree.leaves(params)
     if strategy is None:
       counts = [(1,) * np.ndim(x) for x in leaves]
@@ -223,8 +204,7 @@ class ShardedOptimizer:
 
   def _state_axes(self, layout: elementwise.Layout, whole: list,
                   blocks: list) -> tuple:
-    """The split axis of each leaf of the optimizer's state, read from the
-    state of the whole parameters and that of one replica's blocks."""
+    """The split axis of each state leaf, from whole and block parameters."""
     n = layout.num_replicas
     whole_state = jax.eval_shape(self.optimizer.init, layout.tree(whole))
     block_state = jax.eval_shape(self.optimizer.init, layout.tree(blocks))
@@ -269,10 +249,8 @@ class ShardedOptimizer:
   def init(self, params: Any) -> Sharded:
     """Each replica's block of the optimizer state, placed on its device.
 
-    Call it outside a step; `params` may be host arrays, mirrored ones, or
-    (under `ModelParallelStrategy`) arrays in their layout. Inside a trace
-    (`strategy.init` of a whole train state, or the caller's `jax.jit`) the
-    state is laid out in the traced program.
+    Call it outside a step, on host, mirrored or laid out parameters; inside
+    a trace the state is laid out in the traced program.
 
     Raises:
       jdist.ShardingError: the optimizer is not elementwise, no parameter
@@ -308,9 +286,8 @@ class ShardedOptimizer:
              ) -> tuple[Any, Sharded]:
     """This replica's block of the update, gathered whole on every replica.
 
-    Call it inside a step. `grads` may be summed over replicas (`jax.grad`
-    of mirrored parameters: each replica takes its block) or each replica's
-    own (`value_and_grad` of this optimizer: reduce-scattered).
+    Call it inside a step, with gradients summed over replicas (`jax.grad`) or
+    each replica's own (this optimizer's `value_and_grad`).
 
     Returns:
       `(updates, state)`: updates for the whole parameters, the same on
@@ -357,13 +334,9 @@ class ShardedOptimizer:
 
   def value_and_grad(self, fun: Callable, argnums: int | Sequence[int] = 0,
                      has_aux: bool = False) -> Callable:
-    """`jax.value_and_grad` whose gradients are each replica's own.
-
-    Inside a step the gradient of mirrored parameters arrives summed over
-    replicas (an all-reduce). These gradients are not summed: `update`
-    reduce-scatters them (ZeRO-2). Pass them only to this optimizer's
-    `update`. Outside a step it is `jax.value_and_grad`.
-    """
+    """`jax.value_and_grad` whose gradients are each replica's own (not summed
+    over replicas), for this optimizer's `update` to reduce-scatter (ZeRO-2).
+    Outside a step it is `jax.value_and_grad`."""
     grad_fn = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
     positions = (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
@@ -384,8 +357,7 @@ class ShardedOptimizer:
 
 
 def _check_free_replica_axis(params: Any, strategy) -> None:
-  """Refuses a parameter whose layout already splits it over the replica
-  axis: its state cannot be split over the replicas a second time."""
+  """Refuses a parameter laid out over the replica axis already."""
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
   for (path, _), spec in zip(flat, strategy.replica_layouts(params)):
     if any(strategy.axis_name in _mesh_axes(e) for e in spec):
@@ -399,10 +371,8 @@ def _check_free_replica_axis(params: Any, strategy) -> None:
 
 
 def _state_layouts(whole_state: Any, axes: Sequence, strategy) -> tuple | None:
-  """Each state leaf's layout within a replica (its parameter's, as the
-  strategy lays out mirrored state), or None when every leaf is whole on a
-  replica's devices. Raises if a leaf's split axis cannot hold both splits.
-  """
+  """Each state leaf's layout within a replica (its parameter's), or None when
+  all are whole; raises if a split axis cannot hold both splits."""
   n = strategy.num_replicas_in_sync
   flat = jax.tree_util.tree_flatten_with_path(whole_state)[0]
   layouts = tuple(strategy.replica_layouts(whole_state))
@@ -424,8 +394,7 @@ def _state_layouts(whole_state: Any, axes: Sequence, strategy) -> tuple | None:
 
 
 def _on_mesh(params: Any, strategy) -> Any:
-  """`params`, placed on the strategy's devices unless they already are
-  (laid out by `ModelParallelStrategy.init`, or mirrored)."""
+  """`params` placed on the strategy's devices unless they already are."""
   devices = set(strategy.mesh.devices.flat)
   if all(isinstance(x, jax.Array) and x.sharding.device_set == devices
          for x in jax.tree.leaves(params)):

@@ -1,11 +1,5 @@
-"""Which tasks a parameter-server cluster has: workers, servers, a chief.
-
-`ParameterServerStrategy` reads its cluster from TensorFlow's `TF_CONFIG`
-(with "chief", "worker" and "ps" roles), from an explicit resolver, or from a
-mapping of roles; `LocalClusterResolver(num_workers, num_ps)` describes one
-on this machine (TensorFlow's in-process cluster). Only the chief runs the
-program: the workers and servers are threads of it or Ray actors.
-"""
+"""Which tasks a parameter-server cluster has; only the chief runs the
+program (the workers and servers are its threads, or Ray actors)."""
 
 from __future__ import annotations
 
@@ -21,14 +15,7 @@ from jdist._src.runtime.tf_config import TFConfigClusterResolver
 
 @dataclasses.dataclass(frozen=True)
 class ClusterSpec:
-  """The tasks of a parameter-server cluster, by role.
-
-  Attributes:
-    workers: the workers' addresses (or names), one per worker.
-    ps: the parameter servers' addresses, one per server.
-    chief: the chief's address, if listed.
-    source: where it came from, for messages.
-  """
+  """The tasks of a parameter-server cluster, by role."""
 
   workers: tuple
   ps: tuple
@@ -61,8 +48,8 @@ class LocalClusterResolver:
   """A parameter-server cluster on this machine: worker and server counts.
 
   With the threads backend (the default) the workers are threads of this
-  process, each on one local device (round-robin), and the servers are
-  objects in it; with `backend="ray"` they are Ray actors.
+  process, each on one local device, and the servers objects in it; with
+  `backend="ray"` they are Ray actors.
 
   Args:
     num_workers: how many workers (default: one per local device).
@@ -107,16 +94,13 @@ def _from_mapping(spec: Mapping, source: str) -> ClusterSpec:
 
 
 def spec_from(cluster_resolver=None) -> ClusterSpec:
-  """The cluster a `ParameterServerStrategy` runs on.
-
-  Args:
-    cluster_resolver: a `TFConfigClusterResolver`, a `LocalClusterResolver`,
-      a mapping of roles to address lists (or counts), or None: `TF_CONFIG`
-      if it is set, else a `LocalClusterResolver()`.
+  """The cluster a `ParameterServerStrategy` runs on: from a resolver, a
+  mapping of roles to addresses (or counts), or None (`TF_CONFIG` if set,
+  else a `LocalClusterResolver()`).
 
   Raises:
-    jdist.ClusterError: no "ps" (or "worker") tasks, or this process is a
-      worker or server of `TF_CONFIG` rather than its chief.
+    jdist.ClusterError: no "ps" (or "worker") tasks, or this process is not
+      `TF_CONFIG`'s chief.
   """
   if cluster_resolver is None:
     if os.environ.get("TF_CONFIG"):

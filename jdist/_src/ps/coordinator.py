@@ -1,19 +1,8 @@
 """`ClusterCoordinator`: schedules functions on workers, TensorFlow's contract.
 
-`schedule(fn, args, kwargs)` queues a function and returns a `RemoteValue`
-at once; one thread per worker takes functions from the queue and runs them
-on its worker. A function whose worker fails (or hangs: the function runs
-past `timeout_seconds`, compiling and server waits aside, or a Ray worker is
-silent that long) goes back to the front of the queue and runs on another
-("at least once"); the worker is restarted empty and a warning says so. A
-function's error reaches `join()`, `done()` or the next `schedule()` and
-cancels the functions still queued; a parameter server's failure does so at
-once, every time from then on.
-
-Under Ray workers come and go (`ray_options` "max_workers", "min_workers"):
-one that joins gets a thread and takes functions like the others; one that
-does not come back is dropped once its functions are queued again; with
-fewer than `min_workers` left every wait raises `jdist.WorkerFailedError`.
+A function whose worker fails or hangs runs again on another ("at least
+once") and the worker is restarted; a function's error reaches `join()` and
+cancels the queued ones; a server's failure does so at once.
 """
 
 from __future__ import annotations
@@ -44,10 +33,8 @@ class ClusterCoordinator:
   """Schedules functions on a `ParameterServerStrategy`'s workers.
 
   There is one coordinator per strategy: `ClusterCoordinator(strategy)`
-  returns it. The first one made attaches itself to the strategy
-  (`strategy.attach_coordinator`, which starts the servers and workers and
-  records it, so that `strategy.attached_coordinator` and later calls find
-  it); `shutdown()` (or leaving a `with` block) stops the cluster.
+  returns it (the first one made starts the servers and workers);
+  `shutdown()` (or leaving a `with` block) stops the cluster.
 
   Args:
     strategy: a `jdist.ParameterServerStrategy`.
@@ -109,8 +96,8 @@ class ClusterCoordinator:
   def schedule(self, fn: Callable, args=(), kwargs=None) -> RemoteValue:
     """Queues `fn(*args, **kwargs)` to run on some worker; returns at once.
 
-    `fn` runs at least once (more than once if its worker fails while it
-    runs). Per-worker values in `args` and `kwargs` (iterators of
+    `fn` runs at least once (again if its worker fails while it runs).
+    Per-worker values in the arguments (iterators of
     `create_per_worker_dataset`) become the running worker's own.
 
     Args:
@@ -124,8 +111,7 @@ class ClusterCoordinator:
     Raises:
       TypeError: `fn` is not callable, `args` not a tuple, `kwargs` not a
         dict, or an argument is a `RemoteValue`.
-      The first error of an earlier function, if one failed since the last
-      `join()` (queued functions are then cancelled).
+      The first error of an earlier function since the last `join()`.
     """
     if not callable(fn):
       raise TypeError(
@@ -156,10 +142,8 @@ class ClusterCoordinator:
 
     Raises:
       The first error of a scheduled function since the last `join()` (the
-      functions still queued are cancelled), once nothing runs any more.
-      `jdist.ParameterServerError` after a parameter server failed or hung
-      (within `timeout_seconds` of its first unanswered call; the functions
-      in flight are not waited for).
+      queued functions are cancelled), once nothing runs any more.
+      `jdist.ParameterServerError` after a parameter server failed or hung.
     """
     self._queue.wait()
 
@@ -168,8 +152,8 @@ class ClusterCoordinator:
     return self._queue.done()
 
   def fetch(self, value: Any) -> Any:
-    """`value` with every `RemoteValue` fetched (waiting for it) and every
-    `ServerVariables` read; other values are returned as they are."""
+    """`value` with every `RemoteValue` fetched and every `ServerVariables`
+    read; other values are returned as they are."""
     def one(x):
       if isinstance(x, RemoteValue):
         return x.fetch()
@@ -180,11 +164,10 @@ class ClusterCoordinator:
         x, (RemoteValue, ServerVariables)))
 
   def create_per_worker_dataset(self, dataset_fn) -> PerWorkerDataset:
-    """A dataset each worker builds with `dataset_fn`; see `PerWorkerDataset`.
+    """A dataset each worker builds with `dataset_fn` (see `PerWorkerDataset`).
 
-    `dataset_fn` runs on the workers, when a scheduled function first takes
-    the worker's iterator (and again on a worker that failed and came back);
-    an error it raises reaches `join()` with its traceback.
+    `dataset_fn` runs on each worker when a function first takes its iterator;
+    its error reaches `join()` with its traceback.
     """
     self._check_open()
     return PerWorkerDataset(dataset_fn)
@@ -193,18 +176,15 @@ class ClusterCoordinator:
 
   @property
   def num_workers(self) -> int:
-    """Workers able to run functions now: those that joined count, those
-    that left do not."""
+    """Workers able to run functions now."""
     return self._alive
 
   def shutdown(self, timeout: float = 60.0) -> None:
     """Stops the workers and the parameter servers; the variables are lost.
 
-    Functions still queued are cancelled; the running ones are waited for up
-    to `timeout` seconds. Afterwards no thread, actor or process of the
-    cluster is left, but for a thread stuck in a call that never returns (a
-    hung function or server under the threads backend: a Python thread
-    cannot be stopped; it ends when the call does).
+    Queued functions are cancelled; running ones are waited for up to
+    `timeout` seconds. Nothing of the cluster is left but a thread stuck in a
+    call that never returns (a Python thread cannot be stopped).
     """
     if self._closed:
       return
@@ -253,13 +233,8 @@ class ClusterCoordinator:
           return
 
   def _finish(self, worker, closure, ticket) -> tuple:
-    """Waits for one closure on `worker`.
-
-    Returns:
-      `(failure, again)`: the worker's failure (None if it did not fail),
-      and the closures to put back in the queue to run again (a list of
-      this one, or empty).
-    """
+    """Waits for one closure on `worker`; returns `(failure, again)`: the
+    worker's failure or None, and the closures to run again."""
     try:
       value = worker.result(ticket)
     except WorkerFailedError as e:
@@ -287,11 +262,7 @@ class ClusterCoordinator:
         worker.index, failure, rerun)
 
   def _join(self, worker, where: str) -> bool:
-    """A worker joined the cluster (Ray): it runs functions from now on.
-
-    Returns:
-      False if the coordinator is shut down (the worker is not used).
-    """
+    """A worker joined (Ray); False if the coordinator is shut down."""
     with self._lock:
       if self._closed:
         return False

@@ -1,13 +1,6 @@
-"""Input under ParameterServerStrategy: per-worker datasets and shipped batches.
-
-`ClusterCoordinator.create_per_worker_dataset(dataset_fn)`: every worker
-builds its own input (TensorFlow's way); its `PerWorkerIterator` is that
-worker's iterator of `PerReplica` batches. `experimental_distribute_dataset`
-iterates on the coordinator and ships each batch with its step
-(`WorkerBatch`). `distribute_datasets_from_function(dataset_fn)` seen from
-the coordinator (`PerWorkerBatches`) yields "the next batch of the worker
-that runs this step"; `Trainer.fit` reads a `DatasetCreator` this way.
-"""
+"""Input under ParameterServerStrategy: datasets each worker builds
+(`PerWorkerDataset`), batches shipped with their step (`WorkerBatch`), and
+"the next batch of the worker that runs this step" (`PerWorkerBatches`)."""
 
 from __future__ import annotations
 
@@ -37,10 +30,9 @@ class PerWorkerDataset:
   """A dataset every worker builds for itself; `iter()` it to get iterators.
 
   Args:
-    dataset_fn: called on each worker, with no argument or with a
-      `jdist.InputContext` (`input_pipeline_id` is the worker's index among
-      `num_input_pipelines` workers); returns an iterable of global batches for
-      that worker's steps. Or an iterable, which each worker iterates itself.
+    dataset_fn: called on each worker, with no argument or a
+      `jdist.InputContext` (`input_pipeline_id`: the worker's index); returns
+      an iterable of global batches. Or an iterable each worker iterates.
   """
 
   def __init__(self, dataset_fn):
@@ -61,11 +53,9 @@ class PerWorkerDataset:
 class PerWorkerIterator(PerWorkerResource):
   """Each worker's iterator over its dataset; pass it to scheduled functions.
 
-  Inside a scheduled function it is the running worker's iterator:
-  `next(iterator)` gives a `PerReplica` batch over the worker's devices (a
-  batch of a tuple unpacks as TensorFlow's does: `batch_data, labels =
-  next(iterator)`). A worker that failed and came back builds its dataset
-  again.
+  Inside a scheduled function, `next(iterator)` gives the running worker's
+  next `PerReplica` batch (a tuple unpacks as TensorFlow's does). A worker
+  that failed and came back builds its dataset again.
   """
 
   def __init__(self, dataset_fn, key: str):
@@ -93,14 +83,7 @@ class PerWorkerIterator(PerWorkerResource):
 
 
 class WorkerBatch:
-  """A host batch shipped with a step; the worker that runs it distributes it.
-
-  Attributes:
-    batch: the global batch of this step (numpy arrays).
-    global_batch_size: its static size (a short last batch is padded to it).
-    options: the `jdist.InputOptions` the worker distributes it with (as
-      given to `experimental_distribute_dataset`; None: the defaults).
-  """
+  """A host batch shipped with a step, for its worker to distribute."""
 
   def __init__(self, batch: Any, global_batch_size: int | None,
                options=None):
@@ -133,12 +116,7 @@ class WorkerBatches:
 
 
 class PerWorkerBatch(WorkerBatch):
-  """The next batch of the worker that runs the step this is passed to.
-
-  What iterating a `PerWorkerBatches` gives on the coordinator; the worker
-  that runs the step takes the batch from its own iterator (built on its
-  first use, again after the worker failed and came back).
-  """
+  """The next batch of the worker that runs the step this is passed to."""
 
   def __init__(self, iterator: PerWorkerIterator):
     super().__init__(None, None, None)
@@ -157,17 +135,9 @@ class PerWorkerBatch(WorkerBatch):
 
 
 class PerWorkerBatches:
-  """`distribute_datasets_from_function` under parameter servers.
-
-  Each `iter()` makes every worker's pipeline anew (`dataset_fn` runs on a
-  worker when a step first takes its batch there) and yields, without end,
-  `PerWorkerBatch` items: each step scheduled with one takes the next batch
-  of the worker that runs it. Bound the loop by a number of steps (the
-  workers' datasets should repeat), as with TensorFlow's per-worker input.
-
-  Args:
-    dataset_fn: as for `ClusterCoordinator.create_per_worker_dataset`.
-  """
+  """`distribute_datasets_from_function` under parameter servers: each
+  `iter()` makes every worker's pipeline anew and yields `PerWorkerBatch`
+  items without end."""
 
   def __init__(self, dataset_fn):
     self.dataset_fn = dataset_fn

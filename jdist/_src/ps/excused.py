@@ -1,13 +1,6 @@
-"""The time that does not count against a worker's `timeout_seconds`.
-
-A worker whose scheduled function runs longer than the strategy's
-`timeout_seconds` is lost, under both backends; the time the function spends
-compiling (JAX's compile events, heard through `jax.monitoring`) or waiting
-for a parameter server (whose own deadline decides, so that a stuck server is
-reported as the server, not as every worker waiting on it) is excused. Each
-process keeps its own account: the coordinator's for threads workers, a Ray
-worker's process for the functions it runs.
-"""
+"""The time that does not count against a worker's `timeout_seconds`:
+compiling, and waiting for a parameter server (whose own deadline decides,
+so a stuck server is blamed, not its workers)."""
 
 from __future__ import annotations
 
@@ -26,8 +19,7 @@ _COMPILE_EVENTS = frozenset({
 
 
 class ExcusedTime:
-  """Per thread, the time that does not count against a worker's timeout:
-  compiling, and waiting for parameter servers. Thread-safe."""
+  """Per thread, the time excused from a worker's timeout (thread-safe)."""
 
   def __init__(self):
     self._lock = threading.Lock()
@@ -64,8 +56,7 @@ class ExcusedTime:
       return thread in self._since
 
   def clock(self, thread: threading.Thread) -> float:
-    """A clock of `thread` that stands still while its time is excused: the
-    difference of two readings is the counted time between them."""
+    """A clock of `thread` that stands still while its time is excused."""
     return time.monotonic() - self.seconds(thread)
 
 

@@ -1,19 +1,10 @@
-"""What a `ServerVariables` handle forwards to the object it holds.
+"""What a `ServerVariables` handle forwards to the object it holds, with the
+meaning each method has on a variable.
 
-A metric or train state on the parameter servers is used on the coordinator
-as TensorFlow's tutorial uses its metric variables (`accuracy.result()`,
-`accuracy.reset_states()`), with the meaning each method has on a variable:
-
-- what only reads (`result()`, `compute()`, `.step`) runs on a copy read
-  from the servers (after the functions scheduled so far);
-- what changes its object in place (nnx's `reset()`, `update()`) runs on
-  that copy, which is written back; so does Keras' `reset_state()` of a
-  `jdist.metrics` metric;
-- what returns a new object (`jdist.metrics`' `reset()`, a train state's
-  `replace()`) and `update_state()` are refused with the assignment to
-  write: a handle replaced by a plain value would stop reaching the servers.
-
-Arrays and plain containers forward nothing.
+What only reads runs on a copy read from the servers; what changes its
+object in place runs on the copy, written back; what returns a new object
+is refused with the assignment to write (a handle replaced by a plain value
+would stop reaching the servers).
 """
 
 from __future__ import annotations
@@ -31,8 +22,8 @@ _KERAS_RESETS = ("reset_state", "reset_states")
 
 
 def attributes(value: Any) -> dict:
-  """The public attributes a handle of `value` forwards: name -> whether it
-  is a method (looked up on the class, so no property runs here)."""
+  """The public attributes a handle of `value` forwards: name -> whether it is
+  a method (looked up on the class, so no property runs)."""
   if isinstance(value, _PLAIN):
     return {}
   cls = type(value)

@@ -1,18 +1,9 @@
 """`ParameterServerFunction`: a user's step, run on workers against the servers.
 
-The step is the synchronous strategies' `step(state, batch) -> (state,
-outputs)`; its `state_output` contract (`core/state_output.py`) says which
-output is the new value of which variables, checked while the step is
-traced. On a worker it runs as a `MirroredStrategy` step over the worker's
-devices, in one `jax.jit` that also joins the variables' pieces before it
-and computes their changes after it: each server gets the change of its
-pieces (new minus read for numbers, the new value for booleans and keys). A
-server refuses a change computed from variables more than `max_staleness`
-updates old; the worker then reads again and recomputes.
-
-Called on the coordinator, the step is scheduled on a worker; its result
-holds the variables' handles where the step returns their new value and
-`RemoteValue` objects elsewhere.
+On a worker the step runs as a `MirroredStrategy` step, in one `jax.jit`
+that joins the variables' pieces before it and computes each server's change
+after it (new minus read for numbers, the new value for booleans and keys).
+A change refused as too stale is recomputed from a new read.
 """
 
 from __future__ import annotations
@@ -112,9 +103,9 @@ def _argument_names(args, kwargs, param_names) -> list[str]:
 
 
 def _new_state(state_output, out, values, names) -> list[tuple]:
-  """`(handle index, where, new value)` of each variable set the step writes,
-  from the `state_output` contract; raises before anything is written when
-  the output does not hold what the contract says."""
+  """`(handle index, where, new value)` of each variable set the step writes;
+  raises before anything is written when the output does not match the
+  `state_output` contract."""
   if state_output is None or (not values and
                               state_output is state_output_lib.DEFAULT):
     return []
@@ -149,8 +140,8 @@ def _structure(x):
 
 
 def _select(place, out, value, name) -> tuple:
-  """`(where, new value)`: the output's part at `place` (a contract's place),
-  checked to have the structure of the variables' `value`."""
+  """`(where, new value)`: the output's part at `place`, checked to have the
+  structure of the variables' `value`."""
   state = _structure(value)
   if place is state_output_lib.DEFAULT:
     first = out[0] if isinstance(out, (tuple, list)) and out else None
@@ -201,8 +192,7 @@ def _fits(x, value) -> bool:
 
 
 def _hint(out, value) -> str:
-  """Which output has the variables' structure, shapes and dtypes (a hint
-  for the message; never a reason to write)."""
+  """Which output has the variables' shapes (for the message only)."""
   if _fits(out, value):
     return (" The whole output has the variables' shapes: if it is their "
             "new value, pass state_output=lambda out: out; if it is only "
@@ -227,8 +217,7 @@ def _summary(tree, limit: int = 160) -> str:
 
 
 def _with_slots(node, slots: dict):
-  """`node` with each written value replaced by its handle's slot (found by
-  identity: the value the contract selected, wherever it sits)."""
+  """`node` with each written value replaced by its handle's slot."""
   if id(node) in slots:
     return _HandleSlot(slots[id(node)])
   if not slots:
@@ -387,10 +376,8 @@ class ParameterServerFunction:
 
 
 def _template(value, ids: dict):
-  """Where a step's output holds variables: the index of the call's handle
-  there (an int, or a tuple of them and None for a tuple output, or a dict
-  of them for a dict output that holds variables); None: the output as one
-  `RemoteValue`."""
+  """Where a step's output holds variables: the handle's index (an int, a
+  tuple of them and None, or a dict of them); None: one `RemoteValue`."""
   slot = lambda v: ids[v.set_id] if isinstance(v, ServerVariables) else None
   if isinstance(value, ServerVariables):
     return ids[value.set_id]

@@ -1,13 +1,7 @@
-"""The threads backend: workers are threads of this process, servers objects.
-
-Worker `i` runs its functions in a thread of its own on local device
-`i % D`; each parameter server is a `ParameterServer` served by a thread.
-Nothing crosses a process boundary: the backend for notebooks and tests. A
-server that does not answer within `timeout_seconds` is a
-`jdist.ParameterServerError`; a worker whose function runs longer (compile
-time and server waits aside) is lost, since a thread can neither be stopped
-nor asked whether it is alive.
-"""
+"""The threads backend, for notebooks and tests: workers are threads of this
+process (worker `i` on local device `i % D`), servers objects served by
+threads. A worker whose function runs past the timeout is lost: a thread
+can neither be stopped nor asked whether it lives."""
 
 from __future__ import annotations
 
@@ -31,11 +25,8 @@ _RECHECK_SECONDS = 0.05
 
 
 class TaskThread:
-  """A daemon thread that runs the calls given to it one at a time, in order.
-
-  A call that never returns keeps the thread: `stop()` then only ends it
-  once that call returns (a Python thread cannot be ended from outside).
-  """
+  """A daemon thread that runs the calls given to it one at a time, in order
+  (a call that never returns keeps it: threads cannot be ended from outside)."""
 
   def __init__(self, name: str):
     self._calls: queue.SimpleQueue = queue.SimpleQueue()
@@ -68,12 +59,8 @@ class TaskThread:
 
 
 class LocalStore:
-  """The servers' API over `ParameterServer` objects, each in its thread.
-
-  Every call waits at most `timeout` seconds for all the servers it asks (one
-  deadline for the call); a server that does not answer in time raises
-  `jdist.ParameterServerError`.
-  """
+  """The servers' API over `ParameterServer` objects, each in its thread; a
+  call waits `timeout` seconds at most for all the servers it asks."""
 
   def __init__(self, servers: list, addresses, timeout: float):
     self._servers = servers
@@ -83,7 +70,7 @@ class LocalStore:
     self._closed = False
 
   def _call(self, calls: dict) -> dict:
-    """`{server: (method, args)}` -> `{server: result}`, calls in parallel."""
+    """`{server: (method, args)}` -> `{server: result}`, in parallel."""
     if self._closed:
       raise ParameterServerError(
           "The parameter servers are shut down (the coordinator's shutdown() "
@@ -136,14 +123,8 @@ class LocalStore:
 
 
 class ThreadWorker:
-  """One worker: a context over one local device and a thread that runs its
-  closures.
-
-  A closure that runs longer than `timeout`, its time compiling and waiting
-  on parameter servers aside (`EXCUSED`), makes the worker lost: its thread
-  is left to finish that call (its result is dropped) and `recover()` gives
-  the worker a new thread.
-  """
+  """One worker: a context over one local device and a thread for its
+  closures; one running past `timeout` (excused time aside) loses the thread."""
 
   def __init__(self, index: int, num_workers: int, device, parameter_strategy,
                timeout: float):

@@ -1,15 +1,9 @@
-"""The Ray backend: parameter servers and workers as Ray actors.
+"""The Ray backend (`jdist[ray]`): parameter servers and workers as Ray
+actors, which Ray starts, places, restarts and reaches.
 
-An optional extra (`pip install jdist[ray]`): Ray starts, places, restarts
-and reaches the actors, so jdist has no network layer of its own. A
-parameter server is never restarted (its variables are lost:
-`jdist.ParameterServerError`); Ray restarts a worker whose process dies, and
-the coordinator sends it its functions again. Functions and arguments travel
-pickled, a function once per worker. The workers are elastic between
-`ray_options["min_workers"]` and `["max_workers"]`: `RayCluster.watch`
-starts another worker whenever Ray's free resources fit one, and a worker
-whose actor dies for good frees its slot. Ray is imported when the backend
-starts.
+A server is never restarted (its variables are lost); Ray restarts a dead
+worker and the coordinator sends it its functions again. Workers are elastic
+between `ray_options["min_workers"]` and `["max_workers"]`.
 """
 
 from __future__ import annotations
@@ -47,12 +41,8 @@ def _pickle():
 
 
 class TrainingWorker:
-  """The body of a worker actor: a worker context over its process's devices.
-
-  It times the function it runs as a threads worker is timed (its time
-  compiling and waiting on parameter servers aside), and says how long it has
-  run when asked (`health`, answered by a thread of its own).
-  """
+  """The body of a worker actor: a worker context over its process's devices,
+  timed as a threads worker is; `health` is answered by a thread of its own."""
 
   def __init__(self, index: int, num_workers: int, strategy_bytes: bytes):
     listen_to_compiles()
@@ -93,9 +83,8 @@ class TrainingWorker:
     return pickle.dumps(to_numpy(value))
 
   def health(self) -> tuple:
-    """`(seconds, excused)`: how long the function running has run, its
-    time compiling and waiting on servers aside (0 when none runs), and
-    whether it is compiling or waiting on a server now."""
+    """`(seconds, excused)`: how long the running function has run (excused
+    time aside; 0 when none runs), and whether its time is excused now."""
     running = self._running
     if running is None:
       return 0.0, False
@@ -107,11 +96,8 @@ class TrainingWorker:
 
 
 class RayStore:
-  """The servers' API over parameter-server actors (picklable: workers use it).
-
-  Every call waits at most `timeout` seconds; a server that died or does not
-  answer in time raises `jdist.ParameterServerError`.
-  """
+  """The servers' API over parameter-server actors (picklable: workers use
+  it); a call waits `timeout` seconds at most."""
 
   def __init__(self, actors: list, addresses: tuple, timeout: float):
     self._actors = actors
@@ -224,8 +210,7 @@ class RayWorker:
   depth = 2  # the next call waits in the actor while it runs one
 
   def submit(self, closure):
-    """Sends the closure to the actor: its function and per-worker datasets
-    only the first time."""
+    """Sends the closure to the actor (its function and datasets only once)."""
     key, fn_bytes, definitions, args_bytes = closure.payload
     send = None if key in self._sent else fn_bytes
     new = [(k, b) for k, b in definitions if k not in self._sent]
@@ -235,7 +220,7 @@ class RayWorker:
     return self.actor.run.remote(key, send, new, args_bytes)
 
   def result(self, ref) -> Any:
-    """The closure's result; raises `WorkerFailedError` if the actor died, or
+    """The closure's result; raises `WorkerFailedError` if the actor died or
     went silent for `timeout` (then it is killed, for Ray to restart it)."""
     ray = _ray()
     if self._hung and not ray.wait([ref], timeout=0)[0]:
@@ -264,14 +249,8 @@ class RayWorker:
     return _pickle().loads(out)
 
   def _wait(self, ref) -> str:
-    """Waits for `ref` while the actor answers health calls (answered by a
-    thread of their own while it runs a function).
-
-    Returns:
-      "" once `ref` is ready; a key of `_HUNG` once the actor has not
-      answered a health call for `timeout` ("silent"), or its function has
-      run for `timeout`, compiling and waiting on servers aside ("slow").
-    """
+    """Waits for `ref` while the actor answers health calls: "" once it is
+    ready, else the `_HUNG` key of why not ("silent" or "slow")."""
     ray = _ray()
     heard = time.monotonic()
     ping, next_ping = self._health(), None
@@ -303,14 +282,8 @@ class RayWorker:
     return self.actor.health.options(concurrency_group="health").remote()
 
   def recover(self) -> bool:
-    """Waits for Ray to bring the actor back; False if it will not.
-
-    A restart starts a new process that imports JAX and rebuilds the worker:
-    seconds, or close to a minute on a loaded machine. The wait is bounded by
-    `RESTART_TIMEOUT` (at least the strategy's `timeout_seconds`), not by
-    `timeout_seconds` alone, so a slow restart does not lose the worker for
-    good; the other workers run its functions meanwhile.
-    """
+    """Waits for Ray to bring the actor back (a restart imports JAX anew, so up
+    to `RESTART_TIMEOUT`); False if it will not."""
     ray = _ray()
     self._sent.clear()
     self._hung = False
@@ -401,16 +374,7 @@ def _unwrap(error) -> BaseException:
 
 
 class RayCluster:
-  """Parameter-server and worker actors of a `ParameterServerStrategy`.
-
-  Args:
-    spec: the `ClusterSpec`.
-    strategy: the strategy (pickled to the workers without its cluster).
-    options: `{"worker": {...}, "ps": {...}}` actor options,
-      "devices_per_worker" (fake CPU devices per worker process, default 1),
-      "min_workers" and "max_workers" (see `scaling_bounds`).
-    timeout: the strategy's `timeout_seconds`.
-  """
+  """Parameter-server and worker actors of a `ParameterServerStrategy`."""
 
   def __init__(self, spec, strategy, options: dict, timeout: float):
     ray = _ray()
@@ -469,14 +433,9 @@ class RayCluster:
   # --- workers that join and leave ---------------------------------------------
 
   def watch(self, on_join) -> None:
-    """Starts the thread that adds workers while fewer than `max_workers`
-    run and Ray's free resources fit one more.
-
-    Args:
-      on_join: called with each new `RayWorker` once its process answers,
-        and a description of where it runs; returns False to refuse it
-        (the coordinator shut down), and the actor is then killed.
-    """
+    """Starts the thread that adds workers while fewer than `max_workers` run
+    and Ray's free resources fit one (`on_join(worker, where)` may refuse
+    it)."""
     self._watcher = threading.Thread(target=self._watch, args=(on_join,),
                                      name="jdist-ray-workers", daemon=True)
     self._watcher.start()
@@ -557,8 +516,7 @@ class RayCluster:
     return cached
 
   def prepare(self, closure) -> None:
-    """Pickles the closure: its function and per-worker datasets once each
-    (arguments carry their keys), the other arguments every time."""
+    """Pickles the closure: function and datasets once, arguments every time."""
     is_resource = lambda x: isinstance(x, worker_lib.PerWorkerResource)
     definitions = {}
 

@@ -1,11 +1,6 @@
-"""Scheduled functions, their results, and the queue that hands them out.
-
-`Closure` is one `schedule()` call; `ClosureQueue` hands closures to the
-worker threads, counts those in flight, puts back those whose worker failed
-and keeps the first error for `join()` (cancelling the closures still
-queued, as in TensorFlow). A parameter server's failure aborts the queue:
-waiters raise it at once.
-"""
+"""Scheduled functions, their results, and the queue that hands them out
+(`ClosureQueue`: the first error cancels the queued closures, as in
+TensorFlow)."""
 
 from __future__ import annotations
 
@@ -20,7 +15,7 @@ from jdist._src.errors import CancelledError
 
 
 def to_numpy(tree: Any) -> Any:
-  """Array leaves as numpy arrays (what `fetch()` returns); others as they are."""
+  """Array leaves as numpy arrays (what `fetch()` returns)."""
   def leaf(x):
     if isinstance(x, jax.Array):
       if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
@@ -63,9 +58,8 @@ class RemoteValue:
     self._done.set()
 
   def cancel(self) -> None:
-    """Completes a pending value as cancelled: `get()` raises
-    `jdist.CancelledError` (the coordinator, when an earlier function
-    failed or the cluster shuts down)."""
+    """Completes a pending value as cancelled (`get()` raises
+    `jdist.CancelledError`)."""
     if not self._done.is_set():
       self.set_exception(CancelledError(
           "This function was cancelled: an earlier scheduled function failed "
@@ -96,7 +90,7 @@ class RemoteValue:
     return to_numpy(self.get())
 
   def __getitem__(self, index) -> "RemoteValue":
-    """The remote value of `result[index]` (for a function returning a tuple)."""
+    """The remote value of `result[index]`."""
     return _Element(self, index)
 
   def __repr__(self) -> str:
@@ -131,11 +125,7 @@ class Closure:
 
 
 class ClosureQueue:
-  """The scheduled closures: queued, in flight, and the first error.
-
-  Thread-safe. Workers `get()` closures and report each as finished,
-  failed, or to be put back (its worker failed).
-  """
+  """The scheduled closures: queued, in flight, and the first error."""
 
   def __init__(self):
     self._lock = threading.Lock()
@@ -154,8 +144,7 @@ class ClosureQueue:
       self._changed.notify_all()
 
   def get(self, block: bool = True) -> Closure | None:
-    """The next closure to run; None when stopped (or, without `block`,
-    when none is ready now)."""
+    """The next closure to run; None when stopped (or none is ready now)."""
     with self._lock:
       if not self._changed.wait_for(
           lambda: self._stopped or (self._queue and self._error is None),
@@ -182,12 +171,8 @@ class ClosureQueue:
       self._changed.notify_all()
 
   def put_back(self, closure: Closure) -> bool:
-    """The closure's worker failed: it runs again, first, on another worker.
-
-    Returns:
-      Whether it will run again (not when an error or a shutdown cancelled
-      it).
-    """
+    """The closure's worker failed: it runs again first, on another worker;
+    returns False when an error or a shutdown cancelled it."""
     with self._lock:
       self._in_flight -= 1
       again = (self._error is None and not self._stopped and
@@ -200,11 +185,8 @@ class ClosureQueue:
       return again
 
   def wait(self, timeout: float | None = None) -> bool:
-    """Waits until nothing is queued or in flight; raises the first error.
-
-    Returns:
-      False if `timeout` passed first.
-    """
+    """Waits until nothing is queued or in flight and raises the first error;
+    False if `timeout` passed first."""
     with self._lock:
       ok = self._changed.wait_for(
           lambda: self._stopped or self._aborted is not None or (
@@ -221,7 +203,7 @@ class ClosureQueue:
       return not self._queue and self._in_flight == 0
 
   def fail_all(self, error: BaseException) -> None:
-    """Nothing can run any more (no worker left): every queued closure fails."""
+    """No worker is left: every queued closure fails with `error`."""
     with self._lock:
       if self._error is None:
         self._error = error
@@ -230,9 +212,8 @@ class ClosureQueue:
       self._changed.notify_all()
 
   def abort(self, error: BaseException) -> None:
-    """A failure nothing recovers from: queued closures are cancelled, and
-    every wait, `done()` and `put()` raises `error` at once, from then on
-    (the closures in flight end when their calls do)."""
+    """A failure nothing recovers from: queued closures are cancelled, and every
+    later wait, `done()` and `put()` raises `error`."""
     with self._lock:
       if self._aborted is None:
         self._aborted = error
@@ -253,12 +234,8 @@ class ClosureQueue:
     return self._error
 
   def _raise_if_error(self) -> None:
-    """Raises (once) the first error, cancelling the closures still queued.
-
-    Called with the lock held; waits for the closures in flight to end, so
-    that nothing still runs when join(), done() or schedule() raises (unless
-    the queue was aborted: then its error is raised at once, every time).
-    """
+    """Raises the first error once (lock held), after the closures in flight
+    ended, cancelling the queued ones; an abort's error every time."""
     if self._aborted is not None:
       raise self._aborted
     if self._error is None:

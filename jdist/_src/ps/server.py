@@ -1,14 +1,8 @@
 """`ParameterServer`: one parameter-server task's variables and their versions.
 
-An object in this process (threads backend) or the body of a Ray actor. It
-holds numpy arrays on the host, as TensorFlow's servers hold variables on
-their CPU, and applies updates one at a time under a lock. Each set of
-variables (one per `strategy.replicate`) has a version per server: the
-updates applied to it. An update carries the version it was computed from
-and is refused when more than `max_staleness` updates (or a restore) came
-since; the worker then reads again and recomputes. The answer to an update
-carries the values after it (one round trip per step). Arrays are replaced,
-never changed in place, so a reader may keep what it read.
+Updates are applied one at a time under a lock; an update computed from a
+version more than `max_staleness` updates (or a restore) old is refused.
+Arrays are replaced, never changed in place, so a reader may keep them.
 """
 
 from __future__ import annotations
@@ -24,8 +18,7 @@ ASSIGN = "assign"  # booleans and keys: the last update wins
 
 
 def unanswered(index: int, address: str, timeout: float) -> ParameterServerError:
-  """The error of a server that did not answer a call within `timeout`:
-  one message for both backends."""
+  """The error of a server that did not answer a call within `timeout`."""
   return ParameterServerError(
       f"Parameter server {index} ({address}) did not answer within "
       f"timeout_seconds={timeout:g}: it hangs (stopped, or stuck in a call). "
@@ -34,11 +27,7 @@ def unanswered(index: int, address: str, timeout: float) -> ParameterServerError
 
 
 class ParameterServer:
-  """The variables one parameter-server task holds.
-
-  Args:
-    index: the task's index among the parameter servers.
-  """
+  """The variables one parameter-server task (`index`) holds."""
 
   def __init__(self, index: int = 0):
     self.index = index
@@ -81,18 +70,9 @@ class ParameterServer:
            max_staleness: int) -> tuple:
     """Applies a worker's update if it is fresh enough.
 
-    Args:
-      set_id: the variable set.
-      base_version: the version the worker read before computing `changes`.
-      changes: `{shard id: array}`: the difference to add (ADD shards) or the
-        new value (ASSIGN shards).
-      max_staleness: the most updates that may have been applied since
-        `base_version`.
-
-    Returns:
-      `(accepted, version, shards)`: whether the update was applied, the
-      version after it (or now, if refused), and the set's pieces at that
-      version (`{shard id: array}`).
+    `changes` are per shard the difference to add (ADD) or the new value
+    (ASSIGN), computed from `base_version`. Returns `(accepted, version,
+    shards)`: the version after it (or now) and the pieces at that version.
     """
     with self._lock:
       version = self._versions[self._known(set_id)]
@@ -112,10 +92,8 @@ class ParameterServer:
       return True, version + 1, dict(shards)
 
   def assign(self, set_id: str, shards: dict) -> int:
-    """Replaces the set's values (a restore); counts as one update.
-
-    Updates computed from values read before it are refused from then on.
-    """
+    """Replaces the set's values (a restore), as one update that refuses the
+    updates computed before it."""
     with self._lock:
       self._known(set_id)
       self._sets[set_id] = {k: np.array(v) for k, v in shards.items()}

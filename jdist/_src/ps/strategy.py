@@ -1,10 +1,4 @@
-"""`ParameterServerStrategy`: asynchronous training with parameter servers.
-
-The strategy describes the cluster (workers, parameter servers), how
-variables are split over the servers, and how stale an update may be. Its
-`ClusterCoordinator` runs the cluster: `local.py` (threads of this process)
-or `ray_backend.py` (Ray actors), chosen with `backend=`.
-"""
+"""`ParameterServerStrategy`: asynchronous training with parameter servers."""
 
 from __future__ import annotations
 
@@ -37,21 +31,16 @@ BACKENDS = ("threads", "ray")
 class ParameterServerStrategy(StrategyBase):
   """Asynchronous data parallelism: workers update variables on servers.
 
-  Variables (`strategy.replicate(state)`) live on the parameter servers, split
-  with `variable_partitioner` and spread round-robin. The steps are the
-  synchronous strategies' `step(state, batch) -> (state, outputs)`; a
-  `jdist.ClusterCoordinator` schedules them on the workers, each of which
-  reads the variables, runs the step on its own batch and devices, and sends
-  the servers the change, with no lock-step between workers.
-
-  A server adds each worker's change to numbers (new value minus the value it
-  read), so SGD is TensorFlow's asynchronous SGD; counters count every applied
-  step; booleans and PRNG keys take the last value written. A server refuses
-  an update computed from variables it has updated more than `max_staleness`
-  times since the read, and the worker recomputes the step on the same batch.
-  With one worker, or `max_staleness=0`, training is one device's over the
-  batches in the order the servers applied them (with several workers that
-  order depends on timing).
+  Variables (`strategy.replicate(state)`) live on the parameter servers,
+  split with `variable_partitioner` and spread round-robin. A
+  `jdist.ClusterCoordinator` schedules the synchronous strategies' steps on
+  the workers, each of which reads the variables, runs the step on its own
+  batch and sends the servers the change, with no lock-step. A server adds
+  changes to numbers (TensorFlow's asynchronous SGD); booleans and PRNG keys
+  take the last value written. An update computed from variables updated
+  more than `max_staleness` times since the read is refused, and the worker
+  recomputes it. With one worker, or `max_staleness=0`, training is one
+  device's.
 
   Args:
     cluster_resolver: a `jdist.cluster_resolver.TFConfigClusterResolver`
@@ -66,10 +55,10 @@ class ParameterServerStrategy(StrategyBase):
       sequential; `math.inf` never refuses (TensorFlow's behaviour).
     timeout_seconds: how long a server call may take before the server counts
       as failed (`jdist.ParameterServerError`), and how long a scheduled
-      function may run (compile time and server waits aside), or a Ray worker
+      function may run (compiling and server waits aside), or a Ray worker
       leave a health call unanswered, before its worker is lost.
-    backend: "threads" (workers are threads of this process, servers objects
-      in it) or "ray" (Ray actors; `pip install jdist[ray]` and `ray.init()`).
+    backend: "threads" (workers are threads of this process) or "ray" (Ray
+      actors; `pip install jdist[ray]` and `ray.init()`).
     ray_options: with backend="ray": `{"worker": {...}, "ps": {...}}` actor
       options (`num_cpus`, `num_gpus`, `resources`, `runtime_env`,
       `max_restarts`, ...), "devices_per_worker" (fake CPU devices of a worker
@@ -169,18 +158,12 @@ class ParameterServerStrategy(StrategyBase):
 
   @property
   def attached_coordinator(self) -> ClusterCoordinator | None:
-    """The coordinator `attach_coordinator` recorded, or None (none made)."""
+    """The coordinator `attach_coordinator` recorded, or None."""
     return self._coordinator
 
   def attach_coordinator(self, coordinator: ClusterCoordinator):
-    """The handshake of `ClusterCoordinator(strategy)`: records `coordinator`
-    as this strategy's one coordinator, starts the servers and workers (with
-    the strategy's backend) and returns that cluster.
-
-    Raises:
-      ValueError: another coordinator is attached already (each strategy has
-        one: `ClusterCoordinator(strategy)` returns it).
-    """
+    """Records `coordinator` as this strategy's one coordinator (ValueError if
+    another is), and returns the cluster it starts."""
     with self._lock:
       if self._coordinator not in (None, coordinator):
         raise ValueError(
@@ -225,9 +208,8 @@ class ParameterServerStrategy(StrategyBase):
 
   @property
   def synchronous(self) -> bool:
-    """False: steps are scheduled on workers one call at a time, against
-    state the servers hold and update in place (see
-    `StrategyBase.synchronous`)."""
+    """False: steps are scheduled one call at a time against state the servers
+    update in place."""
     return False
 
   @property
@@ -240,8 +222,8 @@ class ParameterServerStrategy(StrategyBase):
 
   @property
   def mesh(self):
-    """A one-device mesh on the coordinator: where values read from the
-    servers are placed (a checkpoint restored before it is assigned)."""
+    """A one-device mesh on the coordinator, where values read from the servers
+    are placed."""
     if self._mesh is None:
       self._mesh = Mesh(np.array(jax.local_devices()[:1], dtype=object),
                         ("replica",), axis_types=(AxisType.Auto,))
@@ -250,11 +232,7 @@ class ParameterServerStrategy(StrategyBase):
   # --- variables and steps ---------------------------------------------------------
 
   def replicate(self, tree: Any) -> ServerVariables:
-    """Places `tree`'s leaves on the parameter servers; returns their handle.
-
-    Leaves are split by the `variable_partitioner` (first axis only; rank-0
-    leaves never) and their pieces spread round-robin over the servers.
-    """
+    """Places `tree`'s leaves on the parameter servers; returns their handle."""
     coordinator = self.coordinator
     return ServerVariables(self._cluster.store, self._layout, tree,
                            coordinator=coordinator)
@@ -265,20 +243,20 @@ class ParameterServerStrategy(StrategyBase):
     """A step run on the workers; see `ParameterServerFunction`.
 
     Called inside a scheduled function it runs on that worker; called on the
-    coordinator it is scheduled and returns at once, with the variables' handle
-    where the step returns the new state.
+    coordinator it is scheduled and returns at once, with the variables'
+    handle where the step returns the new state.
 
     Args:
       fn: the per-replica step, as for the synchronous strategies.
       donate_argnums, static_argnums, static_argnames, check_state: as for
         the synchronous strategies' `function`.
       state_output: where the step returns the new value of the
-        `ServerVariables` it takes (written to the servers): by default output
-        0 of a tuple or list; `None` for a step that only reads; an int, a str
-        or a function of the output for another place; a tuple of those, one
-        per set of variables. An output that does not hold the variables' new
-        value there is a `jdist.DistributionError` (or `VaryingStateError`)
-        naming it, raised before anything is written; shapes never decide.
+        `ServerVariables` it takes: by default output 0 of a tuple or list;
+        `None` for a step that only reads; an int, a str or a function of the
+        output for another place; a tuple of those, one per set of variables.
+        An output that does not hold the new value there is a
+        `jdist.DistributionError` (or `VaryingStateError`) raised before
+        anything is written; shapes never decide.
 
     Example:
       >>> import jdist, jax.numpy as jnp
@@ -308,11 +286,9 @@ class ParameterServerStrategy(StrategyBase):
                                       global_batch_size: int | None = None):
     """Global batches iterated here, each shipped with the step that takes it.
 
-    The worker that runs the step splits the batch over its devices (padding
-    a short last batch, as the synchronous strategies do) with `options`
-    (`jdist.InputOptions`: `pad_to_replicas=True` pads and masks a batch
-    that the worker's replicas do not divide). To read data on the workers
-    instead, use `coordinator.create_per_worker_dataset`.
+    The worker that runs the step splits the batch over its devices with
+    `options` (`jdist.InputOptions`); to read data on the workers, use
+    `coordinator.create_per_worker_dataset`.
     """
     if options is not None and not isinstance(options, InputOptions):
       raise TypeError(f"options must be a jdist.InputOptions or None, got "
@@ -323,11 +299,9 @@ class ParameterServerStrategy(StrategyBase):
     """Each worker's own input, seen from the coordinator.
 
     Every worker builds its pipeline from `dataset_fn(input_context)`; iterating
-    the result here gives, without end, "the next batch of the worker that runs
-    the step", for `strategy.function` steps scheduled from here (bound the loop
-    by a number of steps, and make the datasets repeat). `Trainer.fit` reads a
-    `jdist.DatasetCreator` this way; in a function scheduled by hand use
-    `create_per_worker_dataset` instead.
+    the result gives, without end, "the next batch of the worker that runs the
+    step" (bound the loop by a number of steps). `Trainer.fit` reads a
+    `jdist.DatasetCreator` this way.
 
     Args:
       dataset_fn: returns an iterable of a worker's batches; it may take a
@@ -349,7 +323,7 @@ class ParameterServerStrategy(StrategyBase):
 
   def reduce(self, reduce_op, value: Any, axis: int | None = None) -> Any:
     """Combines per-replica values: on a worker over its replicas; on the
-    coordinator, of fetched results (a `RemoteValue` is fetched first)."""
+    coordinator, of fetched results."""
     ctx = worker_lib.current()
     if ctx is not None:
       return ctx.strategy.reduce(reduce_op, value, axis)
@@ -364,8 +338,7 @@ class ParameterServerStrategy(StrategyBase):
     return cross_replica.gather_fetched(self.coordinator.fetch(value), axis)
 
   def experimental_local_results(self, value: Any) -> tuple:
-    """The values of each replica: on a worker, of its replicas; on the
-    coordinator, of a fetched per-replica result."""
+    """The values of each replica (on the coordinator, of a fetched result)."""
     ctx = worker_lib.current()
     if ctx is not None:
       return ctx.strategy.experimental_local_results(value)

@@ -1,11 +1,6 @@
-"""`ServerVariables`: a pytree of variables held by the parameter servers.
-
-`ParameterServerStrategy.replicate(tree)` cuts every leaf into pieces (the
-strategy's `variable_partitioner`), gives them to the servers round-robin,
-as TensorFlow places variables, and returns the handle steps take as their
-state. Numbers are updated by adding a worker's change, booleans and PRNG
-keys by replacing them; `SyncOnRead` values are stored aggregated.
-"""
+"""`ServerVariables`: a pytree of variables held by the parameter servers,
+each leaf cut into pieces spread round-robin, as TensorFlow places
+variables."""
 
 from __future__ import annotations
 
@@ -43,15 +38,9 @@ class Piece:
 
 @dataclasses.dataclass(frozen=True)
 class LeafSpec:
-  """One leaf of the variables: its shape, dtype, how it updates, its pieces.
-
-  Attributes:
-    path: the leaf's path in the tree (for messages).
-    shape, dtype: as the step sees it (a PRNG key: its key shape and dtype).
-    kind: `ADD` (numbers) or `ASSIGN` (booleans, PRNG keys).
-    key_impl: the PRNG implementation name of a typed key leaf, else None.
-    pieces: the `Piece`s, in row order.
-  """
+  """One leaf of the variables: its path, the shape and dtype the step sees,
+  how it updates (`ADD`, or `ASSIGN` for booleans and keys), a key's PRNG
+  implementation, and its pieces in row order."""
 
   path: str
   shape: tuple
@@ -143,9 +132,8 @@ class Layout:
 
 
 def _stored(leaf) -> np.ndarray:
-  """The leaf on the host, in the dtype JAX computes it in (a Python int is
-  int32 and a numpy int64 array int32 while x64 is off), so a step's result
-  has the dtype of the variable it replaces."""
+  """The leaf on the host in the dtype JAX computes it in (int32 while x64 is
+  off), so a step's result has the variable's dtype."""
   dtype = getattr(leaf, "dtype", None)
   if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
     leaf = jax.random.key_data(leaf)
@@ -164,11 +152,10 @@ class Snapshot:
 class ServerVariables(RemoteState):
   """A pytree of variables held by the parameter servers.
 
-  `ParameterServerStrategy.replicate(tree)` returns one; steps take it as
-  their state, and a step's result holds it where the new state was returned.
-  On the coordinator `read()` (or `jdist.read_value`) gives the values and
-  `assign()` replaces them. A handle of an object (a metric, a train state)
-  forwards its methods with a variable's meaning (`ps/forwarding.py`).
+  Steps take it as their state, and a step's result holds it where the new
+  state was returned. On the coordinator `read()` (or `jdist.read_value`)
+  gives the values and `assign()` replaces them. A handle of an object (a
+  metric, a train state) forwards its methods with a variable's meaning.
 
   Example:
     >>> import jdist, jax.numpy as jnp
@@ -241,7 +228,7 @@ class ServerVariables(RemoteState):
 
   @property
   def layout_key(self):
-    """Hashable: equal for variables that a compiled step treats alike."""
+    """Equal for variables a compiled step treats alike."""
     return self._layout_key
 
   @property
@@ -281,8 +268,7 @@ class ServerVariables(RemoteState):
 
     Args:
       wait: on the coordinator, first wait for every function scheduled so
-        far (`coordinator.join()`), so that the value includes their updates.
-        Inside a scheduled function it never waits.
+        far (never inside a scheduled function).
 
     Raises:
       jdist.ParameterServerError: a server holding them is unavailable.
@@ -329,18 +315,12 @@ class ServerVariables(RemoteState):
 
   def push(self, snapshot: Snapshot, changes: tuple, max_staleness: int,
            servers=None) -> tuple:
-    """Sends `changes` (per leaf, per piece) to the servers.
-
-    Args:
-      snapshot: what the changes were computed from (its versions).
-      changes: per leaf, the tuple of its pieces' changes (numpy).
-      max_staleness: see `ParameterServerStrategy`.
-      servers: only these servers (the ones that refused before).
+    """Sends `changes` (per leaf, per piece, computed from `snapshot`) to the
+    servers, or only to `servers`.
 
     Returns:
       `(refused, next)`: the servers that refused the update as too stale,
-      and a `Snapshot` of the values the servers answered with (None when
-      only some servers were sent the update).
+      and a `Snapshot` of their answers (None when only some were sent it).
     """
     targets = set(servers or self.servers)
     by_server = {s: {} for s in targets}
@@ -380,13 +360,7 @@ def _delete_quietly(store, set_id: str) -> None:
 
 
 class ServerPlacement(placement.StatePlacement):
-  """State held on the parameter servers, as `ServerVariables`.
-
-  Steps run on the workers and update the servers themselves, so nothing
-  moves around a call on the coordinator; `read` reads every server holding a
-  piece (after the functions scheduled so far), `write` assigns, `abstract`
-  reads nothing. See `StatePlacement`.
-  """
+  """State held on the parameter servers, as `ServerVariables`."""
 
   def read(self, held: ServerVariables) -> Any:
     return held.read()

@@ -1,10 +1,5 @@
-"""What a worker knows while it runs scheduled functions: `WorkerContext`.
-
-A worker is a thread of the coordinator's process (threads backend) or a Ray
-actor's process. Either way, while it runs a scheduled function the worker's
-context is current (`current()`), so that steps know they run on a worker,
-on which devices, and per-worker inputs find this worker's iterators.
-"""
+"""What a worker knows while it runs scheduled functions: its current
+`WorkerContext`."""
 
 from __future__ import annotations
 
@@ -21,12 +16,8 @@ _local = threading.local()
 
 
 class PerWorkerResource:
-  """A value each worker builds for itself, passed to scheduled functions.
-
-  Subclasses set `key` (the same on every worker) and implement
-  `build(worker_context)`. A worker builds it when a function first needs it,
-  and again after the worker failed and came back.
-  """
+  """A value each worker builds for itself (`build(worker_context)`, keyed by
+  `key`), on first use and again after the worker came back."""
 
   key: str = ""
 
@@ -35,8 +26,7 @@ class PerWorkerResource:
 
 
 class ResourceRef(PerWorkerResource):
-  """Stands for a `PerWorkerResource` a worker was sent once (Ray backend):
-  arguments carry the key, not the dataset function, on every call."""
+  """Stands for a `PerWorkerResource` sent to a worker once (Ray backend)."""
 
   def __init__(self, key: str):
     self.key = key
@@ -46,19 +36,11 @@ class ResourceRef(PerWorkerResource):
 
 
 class WorkerContext:
-  """One worker: its index, its devices' strategy, what it has built.
+  """One worker: its index, the `MirroredStrategy` over its devices, its
+  compiled steps and what it has built.
 
-  Attributes:
-    index: the worker's index, 0 to `num_workers - 1`.
-    num_workers: how many workers the cluster has.
-    strategy: the synchronous strategy over the worker's devices that runs
-      its steps (a `MirroredStrategy`, one replica per device).
-    parameter_strategy: the `ParameterServerStrategy` the worker serves.
-    programs: compiled steps, by the step function's id.
-    reuse_answers: start a step from the values the servers answered this
-      worker's last update with, instead of reading them again. It saves a
-      round trip where reading costs one (Ray), at the price of values as old
-      as the time between the two steps; a threads worker reads (a lock).
+  With `reuse_answers`, a step starts from the values the servers answered
+  the last update with, saving a read's round trip where it costs one (Ray).
   """
 
   def __init__(self, index: int, num_workers: int, strategy,
@@ -119,7 +101,7 @@ def run(ctx: WorkerContext, fn: Callable, args: tuple, kwargs: dict) -> Any:
   """Runs a scheduled function on the worker `ctx`.
 
   Raises:
-    jdist.OutOfRangeError: a per-worker iterator ran out (StopIteration).
+    jdist.OutOfRangeError: a per-worker iterator ran out.
   """
   with active(ctx):
     args, kwargs = substitute(ctx, (tuple(args), dict(kwargs or {})))

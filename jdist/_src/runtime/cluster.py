@@ -1,11 +1,6 @@
-"""Cluster resolvers: where the coordinator is, how many processes, which one.
-
-A resolver turns some description of a job into a `ClusterConfig` (the four
-arguments of `jax.distributed.initialize`): explicit values, jdist's own
-environment variables (set by `jdist launch`), or JAX's own cluster
-auto-detection (SLURM, Open MPI, Kubernetes, Cloud TPU). TensorFlow's
-`TF_CONFIG` has a module of its own; `resolution.py` tries them in order.
-"""
+"""Cluster resolvers: a description of a job (explicit values, jdist's
+variables, JAX's detection) as a `ClusterConfig`, the arguments of
+`jax.distributed.initialize`."""
 
 from __future__ import annotations
 
@@ -79,11 +74,8 @@ def _check_address(address: Any, where: str) -> None:
 
 
 class ClusterResolver:
-  """Base class: describes how this process joins a run.
-
-  Subclasses implement `resolve()`, returning a `ClusterConfig`, or None when
-  the environment they read is absent.
-  """
+  """Base class: `resolve()` returns a `ClusterConfig`, or None when the
+  environment it reads is absent."""
 
   def resolve(self) -> ClusterConfig | None:
     raise NotImplementedError

@@ -1,13 +1,5 @@
-"""Health reporting: a process started by `jdist launch` tells its agent it
-lives and where it waits.
-
-A `Reporter` thread, started with the runtime's monitor, rewrites the file
-the launcher named (`JDIST_HEALTH_FILE`) ten times a second with a beat
-count, the steps dispatched and the wait the process is in
-(`Monitor.health`); the agent reads it (`launcher/health.py: Watch`). A file,
-not the coordination service's key-value store: it is written even when
-process 0, which hosts that store, is stopped or dead.
-"""
+"""Health reporting: a `Reporter` thread rewrites the file `jdist launch`
+named ten times a second with `Monitor.health`, for the node's agent."""
 
 from __future__ import annotations
 
@@ -22,13 +14,7 @@ TICK_SECONDS = 0.1  # a write of ~100 bytes: the step it names is at most this o
 
 
 class Reporter:
-  """A daemon thread that writes `summary()` to `path` every `tick` seconds.
-
-  Args:
-    path: the file (replaced atomically, so a reader never sees half of it).
-    summary: returns a JSON-able dict (`Monitor.health`).
-    tick: seconds between beats.
-  """
+  """A daemon thread that rewrites `path` with `summary()` every `tick` s."""
 
   def __init__(self, path: str, summary: Callable[[], dict], *,
                tick: float = TICK_SECONDS):

@@ -1,8 +1,5 @@
-"""The messages a process prints when a peer fails, finishes early or hangs.
-
-They begin with the error's public name (`jdist.PeerFailureError: ...`) so that
-logs can be searched, and say which process is at fault and what to change.
-"""
+"""The messages a process prints when a peer fails, finishes early or hangs,
+each beginning with the error's public name so logs can be searched."""
 
 from __future__ import annotations
 
@@ -75,10 +72,8 @@ def _at(position: dict | None) -> str:
 
 
 def diverged(finding: list) -> str:
-  """The processes of `finding` (`positions.divergence`) can never meet.
-
-  Without the `jdist.CollectiveTimeoutError: ` prefix (a rendezvous raises it).
-  """
+  """The message for processes that can never meet (`positions.divergence`),
+  without the error's name (a rendezvous raises it)."""
   (me, mine, first), (_, theirs, reason) = finding[0], finding[1]
   if first is None:  # a peer ran another function as this step
     where = (f"process {me} waits in {_at(mine)}, but {reason} (it is now "

@@ -1,30 +1,10 @@
 """A per-process watchdog that turns multi-process hangs into errors.
 
 XLA collectives cannot be cancelled: a process whose peer failed, finished
-early or got stuck waits in its collective forever (or until gloo or the
-coordination service gives up, minutes later). The monitor is a daemon thread
-that, twice a second, looks at what this process waits for and at what its
-peers reported through the coordination service's key-value store:
-
-* a peer reported an uncaught exception (`jdist/failed/<id>`): if this
-  process waits in a rendezvous outside XLA, that rendezvous raises
-  `jdist.PeerFailureError` in the main thread; otherwise print it and end
-  this process;
-* this process has waited over 2 s and a peer has finished its program
-  (`jdist/done/<id>`): the processes ran different numbers of steps;
-* this process and its peers wait, stalled, at points that can never meet
-  (`positions.py`: each at a step or rendezvous the next has not reached, or a
-  peer ran another function as this step): the processes took different paths;
-* this process has waited longer than the strategy's `timeout_seconds`: name
-  the peers that have not started the step (from `jdist/beat/<id>`).
-
-Ending means printing a `jdist.<Error>: ...` line to stderr and `os._exit(1)`,
-because the main thread is blocked inside XLA and cannot be interrupted. An
-uncaught exception goes through `fail`: the peers learn of it at once, and a
-collective error caused by a peer that went silent (killed) names that peer.
-JAX's own heartbeats are the last resort (see `jdist.initialize`). The main
-thread pays a tuple assignment and a run update (`positions.record_step`) per
-step; the thread reads its peers' beats only while this process is stalled.
+early or got stuck waits forever. Twice a second the monitor compares this
+process's wait with its peers' reports in the key-value store. A rendezvous
+outside XLA raises the error in the main thread; a process blocked inside
+XLA is ended with the error printed and `os._exit(1)` (docs/faults.md).
 """
 
 from __future__ import annotations
@@ -68,13 +48,7 @@ def _is_ready(probe) -> bool:
 
 
 class Monitor:
-  """Watches this process's waits and its peers' reports; see the module doc.
-
-  Args:
-    client_fn: returns the distributed runtime client (None once shut down).
-    process_id: this process.
-    num_processes: processes in the run.
-  """
+  """Watches this process's waits and its peers' reports."""
 
   def __init__(self, client_fn: Callable[[], Any], process_id: int,
                num_processes: int, *, tick: float = TICK_SECONDS):
@@ -103,7 +77,7 @@ class Monitor:
   # --- called by the main thread --------------------------------------------
 
   def track_step(self, what: str, probe, timeout: float | None) -> None:
-    """Records a dispatched step whose output `probe` becomes ready at its end."""
+    """Records a dispatched step whose output `probe` is ready at its end."""
     self.dispatched += 1
     positions.record_step(self._runs, what, self.dispatched)
     # Steps run in order; with step k+1 dispatched, step k may still run.
@@ -112,12 +86,8 @@ class Monitor:
 
   @contextlib.contextmanager
   def waiting(self, what: str, key: str | None = None):
-    """Marks a rendezvous outside XLA (the caller enforces its own timeout).
-
-    Args:
-      what: what the processes meet for, for messages.
-      key: the rendezvous' key prefix; each process's value is `key` + its id.
-    """
+    """Marks a rendezvous outside XLA on `key` (+ each process's id), for `what`
+    (the caller enforces its own timeout)."""
     flag, saved = _Flag(key), (self._previous, self._wait)
     self._previous = None
     self._wait = (self.dispatched, what, time.monotonic(), flag, None)
@@ -128,11 +98,8 @@ class Monitor:
       self._previous, self._wait = saved
 
   def health(self) -> dict:
-    """Steps dispatched and the wait this process is in (`health_report.py`).
-
-    Read by the health reporter's thread: it only reads fields that the main
-    thread replaces whole.
-    """
+    """Steps dispatched and the wait this process is in, for the health file
+    (read from another thread: only fields replaced whole)."""
     wait = self._blocking_wait()
     at = None
     if wait is not None:
@@ -159,22 +126,15 @@ class Monitor:
               json.dumps({"steps": self.dispatched}))
 
   def stop(self) -> None:
-    """Stops the thread and waits for it (after the runtime shut down).
-
-    Left running into interpreter shutdown, the thread could be inside the
-    runtime's C++ client when Python unwinds daemon threads, which aborts the
-    process ("FATAL: exception not rethrown").
-    """
+    """Stops the thread and waits for it (after the runtime shut down): a thread
+    inside the runtime's client at interpreter exit aborts the process."""
     self._stop.set()
     if threading.current_thread() is not self._thread:
       self._thread.join(timeout=10 * self._tick)
 
   def fail(self, error: str) -> None:
-    """Reports this process's uncaught error to the peers and ends the process.
-
-    If a peer failed first, or this error is a collective's that broke because
-    a peer went silent (killed), the message names that peer instead.
-    """
+    """Reports this process's uncaught error to the peers and ends the process;
+    names the peer instead when one failed first or went silent."""
     if not self._begin_end():
       return
     try:
@@ -233,7 +193,7 @@ class Monitor:
       self._check(client, wait, at, {**beats, self.process_id: mine})
 
   def _position(self, client, wait, beats: dict) -> dict:
-    """Where this process waits (see `positions.py`), with who has not arrived."""
+    """Where this process waits (`positions.py`), with who has not arrived."""
     seq, what, started, probe, _ = wait
     rendezvous = isinstance(probe, _Flag)
     at = {"kind": "rendezvous" if rendezvous else "step", "seq": seq,
@@ -280,7 +240,7 @@ class Monitor:
                                    timeout, beats, EXIT_CODE), publish=True)
 
   def _check_divergence(self, at, beats: dict, rendezvous: bool) -> None:
-    """Ends the run when positions can never meet, seen at two ticks in a row."""
+    """Ends the run when positions can never meet at two ticks in a row."""
     finding = positions.divergence(self.process_id, at, beats) if at else None
     signature = finding and [(p, a and (a["kind"], a["seq"], a.get("key")))
                              for p, a, _ in finding]
@@ -349,7 +309,7 @@ class Monitor:
       self._exit()
 
   def _linger(self) -> None:
-    """Process 0 hosts the key-value store: give the peers time to read it."""
+    """Process 0 hosts the key-value store: gives the peers time to read it."""
     client = self._client_fn()
     deadline = time.monotonic() + LINGER_SECONDS
     while client is not None and time.monotonic() < deadline:

@@ -1,31 +1,13 @@
 """Where each process waits, and whether the processes can still meet.
 
-Every process of a run must pass the same sequence of meeting points: the
-steps it dispatches (each one's collectives need every process) and the
-rendezvous outside XLA (the program check of the k-th compilation, the input
-agreement of a dataset's iterator). A process that leaves a loop early or runs
-process-dependent code takes another path, and then two processes can wait for
-each other forever, each at a point the other has not reached.
+A process that takes another path than its peers can leave two processes
+each waiting where the other has not arrived. These pure functions find
+such a wait: a cycle of stalled processes, each waiting where the next has
+not arrived, or a peer that ran another function as this step. Only
+positions stalled `STALL_SECONDS` count; a merely slower peer makes no cycle.
 
-The monitor publishes its process's *position* in its beat: what it waits in,
-for how long, and which peers have not arrived there. The functions here are
-pure: from this process's position and its peers' beats they find a wait that
-can never end:
-
-* a cycle of stalled processes, each waiting at a point that the next has not
-  reached (process 0 in step 6, which process 1 never dispatched; process 1 in
-  the input agreement of a new dataset, which process 0 has not reached);
-* a peer that ran this process's step under another function (process 0
-  waits in step 6, `train_step`; process 1's step 6 was `eval_step`).
-
-Processes are legitimately at different points for a while (one computes
-while the other waits for it): only stalled positions count (each waited
-`STALL_SECONDS`), and only edges of "has not arrived there", which a peer that
-is merely slower does not create.
-
-A position is a dict (it travels as JSON): `kind` ("step" or "rendezvous"),
-`seq` (steps dispatched when the wait began), `what` (the step function's
-name, or what the rendezvous is for), `key` (a rendezvous' key prefix),
+A position is a JSON dict: `kind` ("step" or "rendezvous"), `seq` (steps
+dispatched when the wait began), `what`, `key` (a rendezvous' key prefix),
 `waited` (seconds) and `waits_for` (the peers that have not arrived).
 
 Example:
@@ -46,7 +28,7 @@ RUNS_KEPT = 8        # step-function runs each process publishes
 
 
 def record_step(runs: list, name: str, seq: int) -> None:
-  """Appends step `seq` of function `name` to `runs` ([name, first, last] runs)."""
+  """Appends step `seq` of function `name` to `runs` (`(name, first, last)`)."""
   if runs and runs[-1][0] == name and runs[-1][2] == seq - 1:
     runs[-1] = (name, runs[-1][1], seq)
   else:
@@ -63,14 +45,8 @@ def step_name(runs, seq: int) -> str | None:
 
 
 def waits_for(position: dict, me: int, beats: dict, published: set) -> list:
-  """The peers that have not arrived where `position` waits.
-
-  Args:
-    position: this process's position (without `waits_for`).
-    me: this process.
-    beats: `{process: beat}` of every process (`steps`: dispatched).
-    published: for a rendezvous, the processes whose value is in the store.
-  """
+  """The peers that have not arrived where `position` waits: by their steps
+  dispatched (`beats`), or for a rendezvous by the values `published`."""
   if position["kind"] == "step":
     return sorted(p for p, b in beats.items()
                   if p != me and b.get("steps", 0) < position["seq"])
@@ -84,17 +60,10 @@ def _stalled(position) -> bool:
 def divergence(me: int, position: dict, beats: dict) -> list | None:
   """A wait of `me` that can never end, or None.
 
-  Args:
-    me: this process.
-    position: where it waits, with `waits_for`.
-    beats: `{process: beat}` of every process (`steps`, `runs`, `at`).
-
   Returns:
-    `[(process, position, reason), ...]`: for a cycle, each process waits at
-    its position for the next one (the last for the first), `reason` saying
-    why the next has not arrived, beginning with the lowest process id; for
-    another function at the same step, `me` (reason None) and the peer, whose
-    `reason` names the function it ran.
+    `[(process, position, reason), ...]`: for a cycle, each process waiting
+    for the next (from the lowest id), with why the next has not arrived; for
+    another function at the same step, `me` and the peer that ran it.
   """
   if not _stalled(position):
     return None
@@ -124,7 +93,7 @@ def divergence(me: int, position: dict, beats: dict) -> list | None:
 
 
 def _cycle(me: int, at: dict) -> list | None:
-  """A path me -> ... -> me along `waits_for` edges between stalled processes."""
+  """A path me -> ... -> me along `waits_for` edges of stalled processes."""
   stack, seen = [(me, [me])], set()
   while stack:
     p, path = stack.pop()

@@ -1,17 +1,10 @@
 """Multi-process checks on a strategy's steps: same program, bounded waits.
 
-A `StepGuard` exists only for strategies whose devices span processes. At the
-first call per compiled signature (jit's trace, before anything runs) each
-process publishes a fingerprint of its traced step through the coordination
-service and compares it with everybody's: processes that would run different
-programs raise `jdist.ProgramMismatchError` instead of meeting in mismatched
-collectives. Every dispatched step is handed to the process monitor, which
-enforces `CommunicationOptions.timeout_seconds`. Per step this costs one tuple
-assignment; per compilation one key-value exchange.
-
-The rendezvous key is the compilation's position in the run (the k-th
-compilation of any step): it must be, because what it compares is the content,
-and processes that compiled different steps must meet to be told so.
+At the first call per compiled signature, every process compares a
+fingerprint of its traced step with everybody's, so different programs
+raise `jdist.ProgramMismatchError` instead of meeting in mismatched
+collectives. The key is the k-th compilation of the run: processes that
+compiled different steps must meet to be told so.
 """
 
 from __future__ import annotations
@@ -35,7 +28,7 @@ class StepGuard:
     self._timeout = options.timeout_seconds
 
   def check_program(self, name: str, closed_jaxpr) -> None:
-    """Raises `ProgramMismatchError` on every process unless all traced the same."""
+    """Raises `ProgramMismatchError` everywhere unless all traced alike."""
     fingerprint = hashlib.sha256(
         _ADDRESS.sub("0x", str(closed_jaxpr)).encode()).hexdigest()[:16]
     signature = ", ".join(a.str_short() for a in closed_jaxpr.in_avals)

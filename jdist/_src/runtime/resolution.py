@@ -9,8 +9,8 @@ from jdist._src.runtime.tf_config import TFConfigClusterResolver
 def resolve(cluster_resolver=None) -> cluster.ClusterConfig | None:
   """The config `jdist.initialize` would use; None for a single process.
 
-  Looks at, in order: `cluster_resolver`; jdist's variables (`jdist launch`);
-  `TF_CONFIG`; JAX's auto-detection.
+  Tries `cluster_resolver`, jdist's variables (`jdist launch`), `TF_CONFIG`,
+  then JAX's auto-detection.
 
   Example:
     >>> import jdist

@@ -1,22 +1,10 @@
 """`Runtime`: this process's membership in a run, and talking to its peers.
 
-`initialize` resolves the cluster (`cluster.py`) and calls
-`jax.distributed.initialize`, with two additions that make failures loud: a
-process that cannot reach the coordinator raises at once (JAX would abort the
-process after its own timeout), and once joined, the `Runtime` it returns
-owns every process-wide effect of a multi-process run, started in one place
-(`Runtime.start`) and undone by `Runtime.shutdown`:
-
-* the monitor thread (`monitor.py`), which turns hangs into errors, and
-  under `jdist launch` the health reports its agent reads (`health_report.py`);
-* a `sys.excepthook` that reports an uncaught exception to the peers and ends
-  the process, instead of leaving it in JAX's shutdown barrier while they hang;
-* an `atexit` handler that tells the peers this process finished its program.
-
-`Runtime.exchange` is the rendezvous jdist builds its checks on: every process
-publishes a value under a key prefix of the coordination service's key-value
-store and reads everybody else's. A single-process run has a `Runtime` too,
-with nothing started and no peers.
+The `Runtime` owns every process-wide effect of a multi-process run (the
+monitor, the health reports, a `sys.excepthook` that tells the peers and
+ends the process instead of hanging in JAX's shutdown barrier, an `atexit`
+handler), started by `start` and undone by `shutdown`. `exchange` is the
+rendezvous jdist's checks are built on.
 """
 
 from __future__ import annotations
@@ -85,11 +73,8 @@ class Runtime:
     return self.num_processes > 1
 
   def next_sequence(self, kind: str) -> int:
-    """1, 2, ...: the next rendezvous of `kind` in this run (program checks).
-
-    Every process runs the same program, so the k-th rendezvous of a kind is
-    the same one everywhere.
-    """
+    """1, 2, ...: the next rendezvous of `kind` in this run (the same one on
+    every process, which all run the same program)."""
     self._sequences[kind] = self._sequences.get(kind, 0) + 1
     return self._sequences[kind]
 
@@ -238,12 +223,8 @@ _runtime_lock = threading.Lock()
 
 
 def current() -> Runtime:
-  """The runtime of this process.
-
-  The one `initialize` joined; else, when `jax.distributed.initialize` was
-  called directly, a runtime attached to it (started: monitor and failure
-  reporting); else a single-process runtime.
-  """
+  """The runtime of this process: the one `initialize` joined, else one
+  attached to a direct `jax.distributed.initialize`, else a single process."""
   global _runtime
   with _runtime_lock:
     if _runtime is not None and _runtime.monitor is None and \
@@ -271,7 +252,7 @@ def initialize(cluster_resolver=None, *, initialization_timeout: int = 300,
   `jdist.MultiWorkerMirroredStrategy` calls it for you). The cluster comes
   from `cluster_resolver`, else jdist's variables (`jdist launch`), else
   `TF_CONFIG`, else JAX's detection of SLURM, Open MPI, Kubernetes or Cloud
-  TPU; with none of them the run is a single process and nothing is started.
+  TPU; with none of them the run is a single process.
 
   Args:
     cluster_resolver: a `jdist.cluster_resolver` resolver (or `ClusterConfig`).
@@ -281,9 +262,7 @@ def initialize(cluster_resolver=None, *, initialization_timeout: int = 300,
       the others stop (JAX's default of 100 s makes a killed peer a long hang).
 
   Returns:
-    The `Runtime`: `config` is the `ClusterConfig` joined (None for a single
-    process); in a multi-process run it owns the monitor thread and the
-    failure reporting (see `Runtime`).
+    The `Runtime` (its `config` is None for a single process).
 
   Raises:
     jdist.ClusterError: the coordinator cannot be reached in time, its port is
@@ -344,7 +323,7 @@ def _already_initialized(cluster_resolver) -> Runtime:
 
 
 def _refuse_busy_port(config) -> None:
-  """Raises `ClusterError` if process 0's coordinator port is taken (`ports.py`)."""
+  """Raises `ClusterError` if process 0's coordinator port is taken."""
   port = int(config.coordinator_address.rpartition(":")[2])
   address = ports.bind_address(port)
   busy = ports.in_use(address)
@@ -384,11 +363,8 @@ def _wait_for_coordinator(config, timeout: float) -> None:
 
 @contextlib.contextmanager
 def _startup_deadline(config, timeout: float):
-  """Ends the process with a clear message if joining takes too long.
-
-  `jax.distributed.initialize` blocks in C++ until every process joined and
-  cannot be interrupted, so a watchdog thread ends the process instead.
-  """
+  """Ends the process with a clear message if joining takes too long
+  (`jax.distributed.initialize` blocks in C++ and cannot be interrupted)."""
   joined = threading.Event()
 
   def watch():

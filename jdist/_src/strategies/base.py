@@ -22,6 +22,7 @@ import weakref
 from typing import Any, Callable, Iterable
 
 from jdist._src.core import context
+from jdist._src.core import mesh_context
 from jdist._src.core import placement
 from jdist._src.keras import distribution as keras_dist
 
@@ -65,6 +66,13 @@ class StrategyBase(abc.ABC):
     return self._state_placement
 
   @property
+  def pipeline(self):
+    """How `jdist.pipeline` runs stacked layers in this strategy's steps (a
+    `PipelineSchedule`), or None: one after another on each replica. Only
+    `jdist.ModelParallelStrategy(pipeline_axis=...)` has one."""
+    return None
+
+  @property
   def synchronous(self) -> bool:
     """Whether every step is one SPMD program over the mesh, run in
     lock-step by all replicas (True here; False for
@@ -89,6 +97,18 @@ class StrategyBase(abc.ABC):
     """The mesh axis that splits each replica's batch over its devices
     (FSDP: `ModelParallelStrategy(fsdp_axis=...)`), or None."""
     return None
+
+  @property
+  def layout_map(self):
+    """The `jdist.LayoutMap` that lays out parameters and layers' outputs:
+    none here (`ModelParallelStrategy` may have one)."""
+    return None
+
+  @property
+  def logical_axis_rules(self) -> tuple:
+    """flax's logical axis rules inside this strategy's steps and `init`:
+    none here (`ModelParallelStrategy` has its own)."""
+    return ()
 
   @property
   def extended(self):
@@ -173,9 +193,9 @@ class StrategyBase(abc.ABC):
   def init(self, fn: Callable, *args, **kwargs) -> Any:
     """New state: `fn(*args, **kwargs)` placed as `replicate` places it.
 
-    A strategy whose replicas span devices (`ModelParallelStrategy`)
-    computes it directly in its layout instead, so that no device holds the
-    whole state.
+    `fn` runs under the strategy's mesh (`mesh_scope`). A strategy whose
+    replicas span devices (`ModelParallelStrategy`) computes it directly in
+    its layout instead, so that no device holds the whole state.
 
     Example:
       >>> import jdist, jax.numpy as jnp
@@ -184,7 +204,54 @@ class StrategyBase(abc.ABC):
       >>> w.sharding.is_fully_replicated
       True
     """
-    return self.replicate(fn(*args, **kwargs))
+    with self.mesh_scope():
+      value = fn(*args, **kwargs)
+    return self.replicate(value)
+
+  def outside_user_mesh(self) -> contextlib.AbstractContextManager:
+    """For the block: a mesh the user set (`jax.set_mesh`), which must be
+    this strategy's (its axes may be Explicit), set aside, so that jdist's
+    programs over the strategy's state run as they do without one. The
+    `Trainer` runs `fit`, `evaluate` and `predict` in it.
+
+    Raises:
+      jdist.StrategyMismatchError: another mesh is in context.
+
+    Example:
+      >>> import jax, jdist
+      >>> mesh = jax.make_mesh((len(jax.devices()),), ("data",))
+      >>> strategy = jdist.MirroredStrategy(mesh=mesh)
+      >>> with jax.set_mesh(mesh), strategy.outside_user_mesh():
+      ...   assert jax.sharding.get_mesh().empty
+    """
+    return mesh_context.set_aside(self.mesh, repr(self))
+
+  def mesh_scope(self, *, strict: bool = True
+                 ) -> contextlib.AbstractContextManager:
+    """The strategy's mesh in JAX's context (`jax.set_mesh`), for code that
+    traces the model outside a step: `init` runs its function in it, the
+    `Trainer` its shape checks.
+
+    Inside it a model's activation constraints (`with_sharding_constraint`
+    with a bare `PartitionSpec`, flax's logical constraints under the
+    strategy's `logical_axis_rules`) are read on this mesh. A mesh a user
+    set with `jax.set_mesh` must be this one (its axes may be Explicit).
+
+    Args:
+      strict: a constraint on another mesh, or naming an axis this mesh does
+        not have, is an error; False leaves those out, for a pass that only
+        reads shapes before the layouts are checked with their own messages.
+
+    Raises:
+      jdist.StrategyMismatchError: another mesh is in context.
+
+    Example:
+      >>> import jax, jdist
+      >>> strategy = jdist.MirroredStrategy()
+      >>> with strategy.mesh_scope():
+      ...   assert jax.sharding.get_mesh() == strategy.mesh
+    """
+    return mesh_context.outside_steps(self, strict=strict)
 
   @abc.abstractmethod
   def reduce(self, reduce_op, value: Any, axis: int | None = None) -> Any:

@@ -14,12 +14,15 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import jax
+from jax.sharding import Mesh
 from jax.sharding import SingleDeviceSharding
 
 from jdist._src.core import placement
 from jdist._src.core.values import is_distributed
+from jdist._src.strategies.device_mesh import DeviceMesh
 from jdist._src.strategies.spmd import Strategy
-from jdist._src.strategies.devices import resolve_device, resolve_devices
+from jdist._src.strategies.devices import (from_mesh, resolve_device,
+                                           resolve_devices)
 
 
 class CentralPlacement(placement.StatePlacement):
@@ -99,7 +102,11 @@ class CentralStorageStrategy(Strategy):
       or strings such as "gpu:1"); default: every local device.
     parameter_device: the device that holds the variables; default: the
       compute device when there is only one, else the host CPU.
-    axis_name: name of the replica mesh axis.
+    axis_name: name of the replica mesh axis (default "replica").
+    mesh: a `jax.sharding.Mesh` (Auto or Explicit axes, as `jax.make_mesh`
+      makes it) or a `jdist.DeviceMesh` of one axis, instead of `compute_devices`:
+      its devices in their order, its axis the replica axis. The strategy
+      then also runs inside `with jax.set_mesh(mesh):`.
 
   Example:
     >>> import jdist, jax.numpy as jnp
@@ -113,7 +120,13 @@ class CentralStorageStrategy(Strategy):
   keras_distribution = "unsupported"
 
   def __init__(self, compute_devices: Sequence[Any] | None = None,
-               parameter_device: Any = None, *, axis_name: str = "replica"):
+               parameter_device: Any = None, *, axis_name: str | None = None,
+               mesh: Mesh | DeviceMesh | None = None):
+    if mesh is not None:
+      compute_devices, axis_name = from_mesh(
+          mesh, "CentralStorageStrategy", devices=compute_devices,
+          axis_name=axis_name)
+    axis_name = axis_name or "replica"
     devices = resolve_devices(compute_devices, jax.local_devices())
     if parameter_device is None:
       cpus = [d for d in _all_local_devices() if d.platform == "cpu"]

@@ -140,6 +140,32 @@ class DeviceMesh:
     self._axis_names = axis_names
     self._devices = np.array(devices, dtype=object).reshape(shape)
 
+  @classmethod
+  def from_jax(cls, mesh: Mesh) -> "DeviceMesh":
+    """The `DeviceMesh` of a `jax.sharding.Mesh`: its devices in their
+    places, its axis names and sizes.
+
+    The mesh's axes may be Auto (`jax.sharding.Mesh`'s default) or Explicit
+    (`jax.make_mesh`'s): jdist maps the replica axis by hand and lets XLA
+    partition each replica over the others (`jax_mesh`'s axes are Auto),
+    so a strategy on this mesh also runs inside `with jax.set_mesh(mesh):`.
+
+    Raises:
+      TypeError: `mesh` is not a `jax.sharding.Mesh` (an `AbstractMesh` has
+        no devices).
+
+    Example:
+      >>> import jax, jdist
+      >>> mesh = jax.make_mesh((1, len(jax.devices())), ("data", "model"))
+      >>> jdist.DeviceMesh.from_jax(mesh).axis_names
+      ('data', 'model')
+    """
+    if not isinstance(mesh, Mesh):
+      raise TypeError(
+          "DeviceMesh.from_jax needs a jax.sharding.Mesh (jax.make_mesh's), "
+          f"got {type(mesh).__name__}.")
+    return cls(mesh.devices.shape, mesh.axis_names, list(mesh.devices.flat))
+
   @property
   def shape(self) -> tuple:
     """The size of each axis."""
@@ -223,3 +249,18 @@ class DeviceMesh:
   def __repr__(self) -> str:
     axes = ", ".join(f"{n}={s}" for n, s in zip(self._axis_names, self._shape))
     return f"DeviceMesh({axes})"
+
+
+def as_device_mesh(mesh: Any, what: str) -> DeviceMesh:
+  """`mesh` as a `DeviceMesh`: itself, or a `jax.sharding.Mesh`'s.
+
+  Raises:
+    TypeError: `mesh` is neither (`what` names the argument).
+  """
+  if isinstance(mesh, DeviceMesh):
+    return mesh
+  if isinstance(mesh, Mesh):
+    return DeviceMesh.from_jax(mesh)
+  raise TypeError(
+      f"{what} must be a jdist.DeviceMesh or a jax.sharding.Mesh "
+      f"(jax.make_mesh's), got {type(mesh).__name__}.")

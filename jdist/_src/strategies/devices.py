@@ -8,6 +8,8 @@ from typing import Any, Sequence
 import jax
 from jax.experimental import mesh_utils
 
+from jdist._src.strategies.device_mesh import as_device_mesh
+
 # "cpu:1", "/gpu:0", "/device:TPU:3", and TensorFlow's full names such as
 # "/job:localhost/replica:0/task:0/device:CPU:0".
 _SPEC = re.compile(r"^(?:/job:[^/]+)?(?:/replica:\d+)?(?:/task:(\d+))?"
@@ -140,3 +142,39 @@ def replica_order(devices: Sequence[Any]) -> tuple:
   for d in devices:
     slices.setdefault(getattr(d, "slice_index", 0) or 0, []).append(d)
   return tuple(d for key in sorted(slices) for d in _ring_order(slices[key]))
+
+
+def from_mesh(mesh: Any, what: str, *, devices: Any = None,
+              axis_name: str | None = None) -> tuple[tuple, str]:
+  """The devices and the replica axis of a strategy built on `mesh`.
+
+  Args:
+    mesh: a `jax.sharding.Mesh` (Auto or Explicit axes) or a
+      `jdist.DeviceMesh`, of one axis: one replica per device.
+    what: the strategy's name, for messages.
+    devices: the strategy's `devices` argument: must be None.
+    axis_name: the strategy's `axis_name` argument: None or the mesh's.
+
+  Returns:
+    `(devices, axis_name)`: the mesh's devices in their order, its axis.
+
+  Raises:
+    ValueError: devices given too, an axis name that is not the mesh's, or a
+      mesh of several axes.
+  """
+  if devices is not None:
+    raise ValueError(f"{what} got both devices and mesh: give one of them.")
+  device_mesh = as_device_mesh(mesh, f"{what}'s mesh")
+  names = device_mesh.axis_names
+  if len(names) != 1:
+    raise ValueError(
+        f"{what} runs one replica per device over one mesh axis, but the mesh "
+        f"has the axes {names} (shape {device_mesh.shape}). For replicas "
+        "that span the other axes (parameters split over them) use "
+        "jdist.ModelParallelStrategy(device_mesh=mesh, batch_dim_name=...); "
+        "for data parallelism over every device give a mesh of one axis.")
+  if axis_name is not None and axis_name != names[0]:
+    raise ValueError(
+        f"{what} got axis_name={axis_name!r} and a mesh whose axis is "
+        f"{names[0]!r}: the replica axis is the mesh's; leave axis_name out.")
+  return tuple(device_mesh.devices.flat), names[0]

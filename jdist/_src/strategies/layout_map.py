@@ -3,8 +3,11 @@
 As Keras 3's `keras.distribution.LayoutMap`: each key is a regular
 expression matched whole (`re.fullmatch`) against a parameter's path, its
 keys in the parameter tree joined by "/" (flax: `Dense_0/kernel`); the value
-names one mesh axis (or None) per dimension of the parameter. A parameter no
-key matches is replicated; one that two keys match is an error.
+names one mesh axis (or None) per dimension of the parameter. A key equal
+to the path wins over regular expressions; a parameter no key matches is
+replicated; one that two regular expressions match is an error. A key that
+ends in "/output" lays out the output of the layer at its path, as Keras's
+output-layout keys do (`output_layout`).
 
 Laying out a tree (`partition_specs`), a key also matches a path's tail
 after any "/": the parameter's rule then lays out its copies deeper in a
@@ -21,10 +24,11 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jdist._src.strategies.device_mesh import DeviceMesh, repeated_axis
+from jdist._src.strategies.device_mesh import (DeviceMesh, as_device_mesh,
+                                               repeated_axis)
 from jdist._src.strategies.partition_metadata import named_leaves, path_name
 
 
@@ -32,7 +36,8 @@ class LayoutMap(collections.abc.MutableMapping):
   """Rules from parameter paths to per-dimension mesh axes.
 
   Args:
-    device_mesh: the `jdist.DeviceMesh` the axes belong to.
+    device_mesh: the `jdist.DeviceMesh` the axes belong to, or a
+      `jax.sharding.Mesh`.
 
   Example:
     >>> import jax, jax.numpy as jnp, jdist
@@ -48,11 +53,8 @@ class LayoutMap(collections.abc.MutableMapping):
     P()
   """
 
-  def __init__(self, device_mesh: DeviceMesh):
-    if not isinstance(device_mesh, DeviceMesh):
-      raise TypeError(
-          f"LayoutMap needs a jdist.DeviceMesh, got {type(device_mesh).__name__}.")
-    self._mesh = device_mesh
+  def __init__(self, device_mesh: DeviceMesh | Mesh):
+    self._mesh = as_device_mesh(device_mesh, "LayoutMap's device_mesh")
     self._rules: dict[str, P] = {}
 
   @property
@@ -84,20 +86,38 @@ class LayoutMap(collections.abc.MutableMapping):
     self._rules[key] = P(*layout)
 
   def __getitem__(self, path: str) -> P | None:
-    """The layout of the parameter at `path`: its key's, or None (replicated).
+    """The layout of the parameter at `path`, as Keras's `LayoutMap` finds
+    it: a key equal to `path` wins; else the one key that matches it as a
+    regular expression (`re.fullmatch`); else None (replicated).
 
     Raises:
-      ValueError: more than one key matches `path`.
+      ValueError: no key equals `path` and more than one matches it.
     """
-    if path in self._rules:
-      return self._rules[path]
-    matches = [k for k in self._rules if re.fullmatch(k, path)]
+    key = self._key([path], path)
+    return None if key is None else self._rules[key]
+
+  def _key(self, candidates: list[str], path: str) -> str | None:
+    """The key for `candidates` (a path, then its shorter tails): one equal
+    to a candidate (the first such), else the one key that fully matches
+    one, else None.
+
+    Raises:
+      ValueError: no key is equal and more than one matches.
+    """
+    for candidate in candidates:
+      if candidate in self._rules:
+        return candidate
+    matches = [k for k in self._rules
+               if any(re.fullmatch(k, c) for c in candidates)]
     if len(matches) > 1:
+      tails = (" (a key matches a path or its tail after a '/')"
+               if len(candidates) > 1 else "")
       raise ValueError(
-          f"Parameter path {path!r} matches more than one LayoutMap key: "
-          f"{matches}. Make the keys exclusive so that each path matches at "
-          "most one.")
-    return self._rules[matches[0]] if matches else None
+          f"Path {path!r} matches more than one LayoutMap key: {matches}"
+          f"{tails}. Make the keys exclusive so that each path matches at "
+          "most one, or add the path itself as a key: a key equal to the "
+          "path wins over regular expressions, as in Keras.")
+    return matches[0] if matches else None
 
   def __delitem__(self, key: str) -> None:
     del self._rules[key]
@@ -109,22 +129,70 @@ class LayoutMap(collections.abc.MutableMapping):
     return len(self._rules)
 
   def layout_of(self, path: str) -> P | None:
-    """The layout of the array at `path` in a tree: the key that matches
-    `path` or one of its tails after a "/", or None (replicated).
+    """The layout of the array at `path` in a tree: as `self[path]` for
+    `path` or its tails after a "/" (`params/dense/kernel` finds the key
+    `dense/kernel`). A key equal to one of them wins (the longest); else
+    the one key that matches one of them; else None (replicated).
 
     Raises:
-      ValueError: more than one key matches.
+      ValueError: no key equals any of them and more than one matches.
     """
-    parts = path.split("/")
-    tails = ["/".join(parts[i:]) for i in range(len(parts))]
-    matches = [k for k in self._rules
-               if any(re.fullmatch(k, tail) for tail in tails)]
-    if len(matches) > 1:
-      raise ValueError(
-          f"Path {path!r} matches more than one LayoutMap key: {matches} (a "
-          "key matches a path or its tail after a '/'). Make the keys "
-          "exclusive so that each path matches at most one.")
-    return self._rules[matches[0]] if matches else None
+    key = self.key_of(path)
+    return None if key is None else self._rules[key]
+
+  def key_of(self, path: str) -> str | None:
+    """The key that lays out the array at `path` (see `layout_of`), or None.
+
+    Raises:
+      ValueError: no key equals `path` or a tail and more than one matches.
+    """
+    return self._key(_tails(path), path)
+
+  @property
+  def output_keys(self) -> tuple:
+    """The keys that lay out layers' outputs (Keras's `"<layer>/output"`)."""
+    return tuple(k for k in self._rules if k.endswith(_OUTPUT))
+
+  def output_layout(self, path: str) -> P | None:
+    """The layout of the output of the layer at `path`: Keras's
+    output-layout key `"<layer path>/output"` (`layout_map["d2/output"] =
+    ("batch", None)`), found as `layout_of` finds a parameter's.
+
+    Keras constrains a layer's output to it (`with_sharding_constraint`);
+    jdist does inside a step for flax modules at `path` (their path in the
+    model: `Dense_1`, `block/mlp`), and a Keras layer's path is Keras's
+    (`sequential/d2`). A step sees one replica: a constraint there leaves
+    the replica axis out of the spec.
+
+    Raises:
+      ValueError: see `layout_of`.
+
+    Example:
+      >>> import jax, jdist
+      >>> mesh = jdist.DeviceMesh((1, len(jax.devices())), ("batch", "model"))
+      >>> layout_map = jdist.LayoutMap(mesh)
+      >>> layout_map["d2/output"] = ("batch", "model")
+      >>> layout_map.output_layout("sequential/d2")
+      P('batch', 'model')
+    """
+    return self.layout_of(f"{path}{_OUTPUT}")
+
+  def warn_unmatched_outputs(self, layer_paths: list[str]) -> None:
+    """Warns for each output-layout key that matches the output of none of
+    the layers at `layer_paths` (those a traced model ran)."""
+    outputs = [f"{p}{_OUTPUT}" for p in layer_paths]
+    for key in self.output_keys:
+      if not _matches_any(key, outputs):
+        shown = ", ".join(map(repr, layer_paths[:20])) or "none"
+        more = " ..." if len(layer_paths) > 20 else ""
+        warnings.warn(
+            f"LayoutMap key {key!r} is an output-layout key (as in Keras, it "
+            "lays out the output of the layer at its path), but it matches "
+            f"the output of no layer the step ran; the layers are {shown}"
+            f"{more}. Inside its steps jdist applies it to flax modules "
+            "(linen, nnx), named by their path in the model (a key matches "
+            "a path or its tail after a '/'); Keras's own fit under the "
+            "strategy's scope applies it to Keras layers.", stacklevel=3)
 
   def spec_for(self, path: str, shape: tuple) -> P:
     """The checked `PartitionSpec` of an array of `shape` at `path` (see
@@ -164,20 +232,33 @@ class LayoutMap(collections.abc.MutableMapping):
     """
     entries = named_leaves(tree)
     specs = [self.spec_for(n, np.shape(x)) for n, x, _ in entries]
-    self.warn_unmatched([n for n, _, _ in entries])
+    self.warn_unmatched([n for n, x, _ in entries if np.ndim(x)])
     return jax.tree_util.tree_unflatten(jax.tree.structure(tree), specs)
 
+  def unmatched(self, names: list[str]) -> list[str]:
+    """The parameter keys that match none of the paths `names` (nor their
+    tails); output-layout keys lay out layers' outputs, not parameters (see
+    `warn_unmatched_outputs`)."""
+    return [key for key in self._rules
+            if not key.endswith(_OUTPUT) and not _matches_any(key, names)]
+
   def warn_unmatched(self, names: list[str]) -> None:
-    """Warns for each key that matches none of the paths `names`."""
-    tails = {"/".join(n.split("/")[i:]) for n in names
-             for i in range(n.count("/") + 1)}
-    for key in self._rules:
-      if not any(re.fullmatch(key, t) for t in tails):
-        warnings.warn(
-            f"LayoutMap key {key!r} matches no parameter; the paths are "
-            f"{names[:20]}{' ...' if len(names) > 20 else ''}. Keys match a "
-            "whole path or a tail after a '/' (re.fullmatch).",
-            stacklevel=3)
+    """Warns for each parameter key that matches none of the paths `names`
+    (see `unmatched`).
+
+    Args:
+      names: the paths of the tree's arrays of one dimension or more. None
+        (an optimizer with no state, as `optax.sgd`'s, or only a step
+        count) warns of nothing: no key can have been meant for it.
+    """
+    if not names:
+      return
+    for key in self.unmatched(names):
+      warnings.warn(
+          f"LayoutMap key {key!r} matches no parameter; the paths are "
+          f"{names[:20]}{' ...' if len(names) > 20 else ''}. Keys match a "
+          "whole path or a tail after a '/' (re.fullmatch).",
+          stacklevel=3)
 
   def shardings(self, tree: Any) -> Any:
     """A `NamedSharding` on the mesh for every leaf of `tree`."""
@@ -188,3 +269,18 @@ class LayoutMap(collections.abc.MutableMapping):
 
   def __repr__(self) -> str:
     return f"LayoutMap({self._mesh!r}, {dict(self._rules)!r})"
+
+
+_OUTPUT = "/output"  # the end of Keras's output-layout keys
+
+
+def _tails(path: str) -> list[str]:
+  """`path` and its tails after each "/", the longest first."""
+  parts = path.split("/")
+  return ["/".join(parts[i:]) for i in range(len(parts))]
+
+
+def _matches_any(key: str, paths: list[str]) -> bool:
+  """Whether `key` is, or fully matches, one of `paths` or their tails."""
+  tails = {t for p in paths for t in _tails(p)}
+  return key in tails or any(re.fullmatch(key, t) for t in tails)

@@ -6,10 +6,13 @@ import functools
 from typing import Any, Callable, Sequence
 
 import jax
+from jax.sharding import Mesh
 
 from jdist._src.strategies import cross_device_ops as cross_device_ops_lib
+from jdist._src.strategies.device_mesh import DeviceMesh
 from jdist._src.strategies.spmd import Strategy
-from jdist._src.strategies.devices import resolve_device, resolve_devices
+from jdist._src.strategies.devices import (from_mesh, resolve_device,
+                                           resolve_devices)
 
 
 class MirroredStrategy(Strategy):
@@ -22,7 +25,11 @@ class MirroredStrategy(Strategy):
       Defaults to every local device, in the order of the physical topology
       on GPU and TPU (that of `jax.make_mesh`, so the all-reduce follows the
       interconnect's ring).
-    axis_name: name of the replica mesh axis.
+    axis_name: name of the replica mesh axis (default "replica").
+    mesh: a `jax.sharding.Mesh` (Auto or Explicit axes, as `jax.make_mesh`
+      makes it) or a `jdist.DeviceMesh` of one axis, instead of `devices`:
+      its devices in their order, its axis the replica axis. The strategy
+      then also runs inside `with jax.set_mesh(mesh):`.
     cross_device_ops: TensorFlow's choice of all-reduce:
       `jdist.NcclAllReduce()`, `jdist.HierarchicalCopyAllReduce()` or
       `jdist.ReductionToOneDevice()` (or TF's own objects). All mean XLA's
@@ -34,14 +41,24 @@ class MirroredStrategy(Strategy):
     >>> strategy = jdist.MirroredStrategy()
     >>> strategy.num_replicas_in_sync == len(jax.local_devices())
     True
+
+    On a mesh of JAX's own:
+
+    >>> mesh = jax.make_mesh((len(jax.devices()),), ("data",))
+    >>> jdist.MirroredStrategy(mesh=mesh).axis_name
+    'data'
   """
 
   def __init__(self, devices: Sequence[Any] | None = None, *,
-               axis_name: str = "replica", cross_device_ops=None):
+               axis_name: str | None = None, cross_device_ops=None,
+               mesh: Mesh | DeviceMesh | None = None):
     self._cross_device_ops = cross_device_ops_lib.from_argument(
         cross_device_ops)
+    if mesh is not None:
+      devices, axis_name = from_mesh(mesh, "MirroredStrategy",
+                                     devices=devices, axis_name=axis_name)
     super().__init__(resolve_devices(devices, jax.local_devices()),
-                     axis_name=axis_name)
+                     axis_name=axis_name or "replica")
 
   @property
   def cross_device_ops(self):
@@ -55,6 +72,11 @@ class OneDeviceStrategy(Strategy):
   Args:
     device: a jax Device, index or string like "cpu:0"; defaults to the first
       local device.
+    axis_name: name of the replica mesh axis (default "replica").
+    mesh: a `jax.sharding.Mesh` (Auto or Explicit axes, as `jax.make_mesh`
+      makes it) or a `jdist.DeviceMesh` of one device, instead of `device`:
+      its devices in their order, its axis the replica axis. The strategy
+      then also runs inside `with jax.set_mesh(mesh):`.
 
   Example:
     >>> import jdist
@@ -62,10 +84,19 @@ class OneDeviceStrategy(Strategy):
     1
   """
 
-  def __init__(self, device: Any = None, *, axis_name: str = "replica"):
+  def __init__(self, device: Any = None, *, axis_name: str | None = None,
+               mesh: Mesh | DeviceMesh | None = None):
     candidates = jax.local_devices()
+    if mesh is not None:
+      devices, axis_name = from_mesh(mesh, "OneDeviceStrategy",
+                                     devices=device, axis_name=axis_name)
+      if len(devices) != 1:
+        raise ValueError(
+            f"OneDeviceStrategy got a mesh of {len(devices)} devices; give "
+            "it a mesh of one (or use MirroredStrategy(mesh=mesh)).")
+      device = devices[0]
     dev = candidates[0] if device is None else resolve_device(device, candidates)
-    super().__init__((dev,), axis_name=axis_name)
+    super().__init__((dev,), axis_name=axis_name or "replica")
 
 
 def mirrored(fn: Callable | None = None, *, devices=None, **options):

@@ -5,18 +5,20 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from typing import Any, Callable
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdist._src.core import kinds, placement
-from jdist._src.strategies.device_mesh import DeviceMesh
+from jdist._src.strategies.device_mesh import DeviceMesh, as_device_mesh
 from jdist._src.strategies.layout_map import LayoutMap
 from jdist._src.strategies.partition_metadata import (
     PartitionMetadata, is_box, named_leaves, named_nodes, warn_unruled)
+from jdist._src.strategies.pipeline_schedule import PipelineSchedule
 from jdist._src.strategies.spmd import Strategy
 
 
@@ -72,11 +74,19 @@ class ModelParallelStrategy(Strategy):
   axis): each leaf keeps its parameter's layout within a replica
   (`replica_layouts`) and is split over `batch_dim_name` on top of it.
 
+  Pipeline parallelism is `pipeline_axis`: a within-replica axis whose
+  devices are the stages of every `jdist.pipeline` call in the step (a
+  model's stacked layers, their layer dimension split over that axis by the
+  layouts); MaxText's schedules, GPipe (`num_repeats=1`) and circular
+  (`num_repeats` virtual stages per stage), over `num_microbatches`
+  microbatches of each replica's batch.
+
   Args:
     layout_map: a `jdist.LayoutMap` over a `jdist.DeviceMesh`, or None to
       lay out from the state's flax metadata alone.
-    device_mesh: the `jdist.DeviceMesh`; needed without `layout_map`, and
-      must be the layout map's when both are given.
+    device_mesh: the `jdist.DeviceMesh`, or a `jax.sharding.Mesh` (Auto or
+      Explicit axes, as `jax.make_mesh` makes it); needed without
+      `layout_map`, and must be the layout map's when both are given.
     batch_dim_name: the mesh axis of the replicas; defaults to the mesh's
       first axis (as Keras).
     fsdp_axis: a mesh axis (not the batch one) for FSDP, or None.
@@ -86,10 +96,22 @@ class ModelParallelStrategy(Strategy):
       Default: the rules of the `nn.logical_axis_rules` context open when
       the strategy is made (none outside one). A box's own rules
       (`with_logical_partitioning(..., rules=...)`) replace them, as in flax.
+    pipeline_axis: a mesh axis (not the batch or FSDP one) whose devices are
+      pipeline stages, or None.
+    num_microbatches: the microbatches `jdist.pipeline` splits each
+      replica's batch into (default: the number of stages); fewer than the
+      stages warns (most of the step would be bubble).
+    num_repeats: virtual stages per stage: 1 is GPipe, more is a circular
+      schedule (bubble `(S - 1) / (V * M + S - 1)`; needs
+      `num_microbatches >= S`).
+    pipeline_remat: rematerialize each stage's layers in the backward pass
+      (`jax.checkpoint`), keeping only their input per iteration.
 
   Raises:
     ValueError: no mesh (neither `layout_map` nor `device_mesh`), two
-      different meshes, or an axis name the mesh does not have.
+      different meshes, an axis name the mesh does not have, pipeline
+      settings without a `pipeline_axis`, or a circular schedule with fewer
+      microbatches than stages.
 
   Example:
     >>> import jax, jax.numpy as jnp, jdist
@@ -118,18 +140,21 @@ class ModelParallelStrategy(Strategy):
   keras_distribution = "model_parallel"  # ModelParallel, with its LayoutMap
 
   def __init__(self, *, layout_map: LayoutMap | None = None,
-               device_mesh: DeviceMesh | None = None,
+               device_mesh: DeviceMesh | Mesh | None = None,
                batch_dim_name: str | None = None,
                fsdp_axis: str | None = None,
-               logical_axis_rules=None):
+               logical_axis_rules=None,
+               pipeline_axis: str | None = None,
+               num_microbatches: int | None = None,
+               num_repeats: int = 1,
+               pipeline_remat: bool = False):
     if layout_map is not None and not isinstance(layout_map, LayoutMap):
       raise TypeError(
           "ModelParallelStrategy's layout_map must be a jdist.LayoutMap(mesh)"
           f", got {type(layout_map).__name__}.")
-    if device_mesh is not None and not isinstance(device_mesh, DeviceMesh):
-      raise TypeError(
-          "ModelParallelStrategy's device_mesh must be a jdist.DeviceMesh, got "
-          f"{type(device_mesh).__name__}.")
+    if device_mesh is not None:
+      device_mesh = as_device_mesh(device_mesh,
+                                   "ModelParallelStrategy's device_mesh")
     if layout_map is None and device_mesh is None:
       raise ValueError(
           "ModelParallelStrategy needs a mesh: device_mesh=jdist.DeviceMesh("
@@ -156,10 +181,14 @@ class ModelParallelStrategy(Strategy):
     if logical_axis_rules is None:  # flax's open context (none if no flax)
       logical_axis_rules = (sys.modules["flax.linen"].get_logical_axis_rules()
                             if "flax.linen" in sys.modules else ())
+    self._pipeline = _schedule(device_mesh, pipeline_axis,
+                               (batch_dim_name, fsdp_axis), num_microbatches,
+                               num_repeats, pipeline_remat)
     self._fsdp_axis = fsdp_axis
     self._device_mesh = device_mesh
     self._layout_map = layout_map
     self._metadata = PartitionMetadata(device_mesh, logical_axis_rules)
+    self._warned_unsplit = False
     mesh = device_mesh.jax_mesh
     first_devices = placement.replica_groups(mesh, batch_dim_name)[:, 0]
     super().__init__(tuple(first_devices), axis_name=batch_dim_name,
@@ -191,11 +220,22 @@ class ModelParallelStrategy(Strategy):
     return self._fsdp_axis
 
   @property
+  def pipeline(self) -> PipelineSchedule | None:
+    """The pipeline's schedule (`pipeline_axis`, stages, microbatches,
+    repeats, remat), or None without a `pipeline_axis`."""
+    return self._pipeline
+
+  @property
   def identity(self) -> tuple:
-    return super().identity + (self.device_mesh, self._fsdp_axis)
+    return super().identity + (self.device_mesh, self._fsdp_axis,
+                               self._pipeline)
 
   def __repr__(self) -> str:
     fsdp = f", fsdp_axis={self._fsdp_axis!r}" if self._fsdp_axis else ""
+    pipe = self._pipeline
+    if pipe is not None:
+      fsdp += (f", pipeline_axis={pipe.axis!r}, num_microbatches="
+               f"{pipe.num_microbatches}, num_repeats={pipe.num_repeats}")
     return (f"ModelParallelStrategy({self.device_mesh!r}, "
             f"batch_dim_name={self.axis_name!r}{fsdp})")
 
@@ -233,9 +273,11 @@ class ModelParallelStrategy(Strategy):
                      for inner, _, _ in named_leaves(kind.payload(node)))
         continue
       box = node if is_box(node) else None
-      for leaf in (jax.tree.leaves(node) if box is not None else [node]):
+      leaves = jax.tree.leaves(node) if box is not None else [node]
+      for leaf in leaves:
         specs.append(self._spec(name, np.shape(leaf), box, unruled=unruled))
-      paths.append(name)
+      if any(np.ndim(leaf) for leaf in leaves):
+        paths.append(name)
     warn_unruled(unruled)
     if self._layout_map is not None:
       self._layout_map.warn_unmatched(paths)
@@ -253,6 +295,79 @@ class ModelParallelStrategy(Strategy):
     """
     return [self._spec(name, np.shape(leaf), box)
             for name, leaf, box in named_leaves(tree)]
+
+  def replicate(self, tree: Any) -> Any:
+    """Places `tree` as `init` lays state out: each array in its layout
+    (its LayoutMap key's, else its flax metadata's, else whole on every
+    device of its replica), checked as `init` checks it; `PerReplica`,
+    `SyncOnRead` and `Sharded` values as `Strategy.replicate` places them.
+
+    Raises:
+      ValueError: a layout names an axis the mesh does not have, or splits a
+        dimension that the axis's size does not divide.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jdist
+      >>> n = len(jax.devices())
+      >>> mesh = jdist.DeviceMesh((1, n), ("data", "model"))
+      >>> layout_map = jdist.LayoutMap(mesh)
+      >>> layout_map["w"] = (None, "model")
+      >>> strategy = jdist.ModelParallelStrategy(layout_map=layout_map)
+      >>> strategy.replicate({"w": jnp.ones((2, 4))})["w"].sharding.spec
+      P(None, 'model')
+    """
+    names, nodes, treedef = named_nodes(tree, stop=kinds.is_node)
+    unruled, laid_out, placed = [], [], []
+    for name, node in zip(names, nodes):
+      if kinds.is_node(node):  # a distributed value: placed as it is kept
+        placed.append(super().replicate(node))
+        continue
+      box = node if is_box(node) else None
+      leaves, leaf_tree = jax.tree.flatten(node) if box is not None else (
+          [node], None)
+      specs = [self._spec(name, np.shape(x), box, unruled=unruled)
+               for x in leaves]
+      laid_out += [(name, x, spec) for x, spec in zip(leaves, specs)]
+      laid = [placement.put_laid_out(x, NamedSharding(self.mesh, spec))
+              for x, spec in zip(leaves, specs)]
+      placed.append(laid[0] if box is None else
+                    jax.tree.unflatten(leaf_tree, laid))
+    warn_unruled(unruled)
+    if self._layout_map is not None:
+      self._layout_map.warn_unmatched([n for n, x, _ in laid_out
+                                       if np.ndim(x)])
+    self._warn_if_nothing_split(laid_out)
+    return jax.tree_util.tree_unflatten(treedef, placed)
+
+  def _warn_if_nothing_split(self, laid_out: list) -> None:
+    """Warns (once per strategy) when state that holds a matrix has no
+    array split over the mesh: every device of a replica then holds all of
+    it, which is what the strategy exists to avoid, with no error.
+
+    Args:
+      laid_out: `(path, array or shape struct, spec)` of each array placed.
+    """
+    if self._warned_unsplit or not laid_out or any(
+        any(axes is not None for axes in spec) for _, _, spec in laid_out):
+      return
+    if max(np.ndim(x) for _, x, _ in laid_out) < 2:
+      return  # no matrix: counters, statistics, small state
+    self._warned_unsplit = True
+    size = lambda x: int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
+    largest = sorted(laid_out, key=lambda e: -size(e[1]))[:3]
+    named = ", ".join(f"{n or 'the array'} ({_mib(size(x))})"
+                      for n, x, _ in largest)
+    total = _mib(sum(size(x) for _, x, _ in laid_out))
+    warnings.warn(
+        f"{self!r} splits no array of this state over its mesh: every "
+        f"device holds all {total} of it, the largest {named}. Give the "
+        "parameters layouts: LayoutMap keys over their paths "
+        "(layout_map['Dense_0/kernel'] = (None, 'model')), or flax's "
+        "partition metadata kept in the state (nn.with_partitioning, nnx's "
+        "with_partitioning: parameters unboxed before they reach the "
+        "strategy, as Trainer(params=nn.meta.unbox(...)), have lost it). For "
+        "data parallelism alone use MirroredStrategy.", UserWarning,
+        stacklevel=3)
 
   def shardings(self, tree: Any) -> Any:
     """The `NamedSharding` of every leaf of `tree` (see `partition_specs`)."""
@@ -327,11 +442,15 @@ class ModelParallelStrategy(Strategy):
         dimension that the axis's size does not divide (before anything
         runs).
     """
-    # The layouts are read (and checked) before flax's eager sharding could
-    # fail on a bad axis with a message that names no parameter.
-    with _no_eager_sharding():
+    # The layouts are read (and checked) before flax's eager sharding, or
+    # linen's constraint on a boxed parameter, could fail on a bad axis with
+    # a message that names no parameter.
+    with self.mesh_scope(strict=False), _no_eager_sharding():
       shapes = jax.eval_shape(fn, *args, **kwargs)
     shardings = jax.tree.leaves(self.shardings(shapes))
+    self._warn_if_nothing_split([
+        (name, x, s.spec) for (name, x, _), s in zip(named_leaves(shapes),
+                                                     shardings)])
     # Flat: nnx records the eager-sharding flag in each variable's metadata,
     # so the result's tree is not the one above.
     treedefs = []
@@ -341,13 +460,39 @@ class ModelParallelStrategy(Strategy):
       treedefs.append(treedef)
       return leaves
 
-    with contextlib.ExitStack() as stack:
-      stack.enter_context(jax.set_mesh(self.mesh))
-      if self.logical_axis_rules:  # for flax's eager sharding of nnx names
-        import flax.linen as nn  # only programs that use flax import it
-        stack.enter_context(nn.logical_axis_rules(self.logical_axis_rules))
+    with self.mesh_scope():  # the mesh and rules of flax's eager sharding
       leaves = jax.jit(flat, out_shardings=shardings)(*args, **kwargs)
     return jax.tree.unflatten(treedefs[-1], leaves)
+
+
+def _mib(size: int) -> str:
+  return f"{size / 2**20:.3g} MiB" if size >= 2**16 else f"{size} bytes"
+
+
+def _schedule(mesh: DeviceMesh, axis: str | None, taken: tuple,
+              num_microbatches: int | None, num_repeats: int,
+              remat: bool) -> PipelineSchedule | None:
+  """The strategy's `PipelineSchedule`, or None without a pipeline axis.
+
+  Raises:
+    ValueError: see `ModelParallelStrategy`.
+  """
+  if axis is None:
+    if num_microbatches is not None or num_repeats != 1 or remat:
+      raise ValueError(
+          "num_microbatches, num_repeats and pipeline_remat configure a "
+          "pipeline; give the mesh axis of its stages too, for example "
+          "pipeline_axis='stage' on DeviceMesh((2, 2), ('data', 'stage')).")
+    return None
+  mesh.check_axis(axis, "pipeline_axis")
+  if axis in taken:
+    raise ValueError(
+        f"pipeline_axis {axis!r} is also the batch or FSDP axis; the stages "
+        "need a mesh axis of their own, for example DeviceMesh((2, 2, 2), "
+        "('data', 'stage', 'model')).")
+  stages = mesh.axis_size(axis)
+  return PipelineSchedule(axis, stages, num_microbatches or stages,
+                          num_repeats, bool(remat))
 
 
 def _no_eager_sharding():

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import jax
+from jax.sharding import Mesh
 
 from jdist._src.runtime import runtime as runtime_lib
+from jdist._src.strategies.device_mesh import DeviceMesh
 from jdist._src.strategies.spmd import Strategy
-from jdist._src.strategies.devices import replica_order
+from jdist._src.strategies.devices import from_mesh, replica_order
 
 
 class MultiWorkerMirroredStrategy(Strategy):
@@ -30,7 +32,11 @@ class MultiWorkerMirroredStrategy(Strategy):
       None reads the environment (`jdist launch`, `TF_CONFIG`, SLURM, ...).
     communication_options: a `jdist.CommunicationOptions`; its
       `timeout_seconds` turns a stuck collective into an error.
-    axis_name: name of the replica mesh axis.
+    axis_name: name of the replica mesh axis (default "replica").
+    mesh: a `jax.sharding.Mesh` (Auto or Explicit axes, as `jax.make_mesh`
+      makes it) or a `jdist.DeviceMesh` of one axis, instead of every device of the run:
+      its devices in their order, its axis the replica axis. The strategy
+      then also runs inside `with jax.set_mesh(mesh):`.
 
   Example:
     >>> import jax, jdist
@@ -40,10 +46,15 @@ class MultiWorkerMirroredStrategy(Strategy):
   """
 
   def __init__(self, cluster_resolver=None, communication_options=None, *,
-               axis_name: str = "replica"):
+               axis_name: str | None = None,
+               mesh: Mesh | DeviceMesh | None = None):
     self._cluster_config = runtime_lib.initialize(cluster_resolver).config
     self._cluster_resolver = cluster_resolver
-    super().__init__(replica_order(jax.devices()), axis_name=axis_name,
+    devices = replica_order(jax.devices())
+    if mesh is not None:
+      devices, axis_name = from_mesh(mesh, "MultiWorkerMirroredStrategy",
+                                     axis_name=axis_name)
+    super().__init__(devices, axis_name=axis_name or "replica",
                      communication_options=communication_options)
 
   @property

@@ -11,11 +11,12 @@ elsewhere.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Iterable, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdist._src.core import cross_replica
@@ -28,6 +29,7 @@ from jdist._src.input.options import InputOptions
 from jdist._src.runtime import runtime as runtime_lib
 from jdist._src.runtime.options import CommunicationOptions
 from jdist._src.runtime.program_check import StepGuard
+from jdist._src.strategies import output_layouts
 from jdist._src.strategies.base import StrategyBase
 
 
@@ -67,6 +69,7 @@ class Strategy(StrategyBase):
                               axis_types=(AxisType.Auto,))
     self._communication_options = CommunicationOptions.of(
         communication_options)
+    self._warned_outputs: set = set()  # output-layout keys warned about
     # Only a mesh that spans processes needs the runtime's cross-process checks.
     self._runtime = self._step_guard = None
     if placement.spans_processes(self._mesh):
@@ -117,6 +120,14 @@ class Strategy(StrategyBase):
     """How many replicas run each step."""
     return len(self._devices)
 
+  def step_scope(self, args: tuple) -> contextlib.AbstractContextManager:
+    """Entered while one replica's step is traced, with its arguments: the
+    `layout_map`'s output-layout keys constrain the outputs of the flax
+    layers the step runs (`strategies/output_layouts.py`)."""
+    return output_layouts.applied(self.layout_map,
+                                  output_layouts.nnx_modules(args),
+                                  self._warned_outputs)
+
   def replica_layouts(self, tree: Any) -> list:
     """The layout within a replica of each leaf of `tree`, in flattening
     order: a `PartitionSpec` over the mesh axes other than the replica one.
@@ -130,6 +141,26 @@ class Strategy(StrategyBase):
       [P()]
     """
     return [P() for _ in jax.tree.leaves(tree)]
+
+  def shardings(self, tree: Any) -> Any:
+    """The `NamedSharding` each leaf of `tree` has as state of this strategy:
+    whole on every device of the mesh (as `replicate` places it), the leaves
+    of a `jdist.Sharded` split as it says. `ModelParallelStrategy` lays
+    leaves out by its rules. Nothing is placed: `tree` may hold
+    `jax.ShapeDtypeStruct` values (planning a state before it exists).
+
+    Example:
+      >>> import jdist, jax.numpy as jnp
+      >>> strategy = jdist.MirroredStrategy()
+      >>> strategy.shardings({"w": jnp.zeros((2, 3))})["w"].spec
+      P()
+    """
+    specs = []
+    for node in jax.tree.leaves(tree, is_leaf=kinds.has_layouts):
+      own = kinds.kind_of(node).layouts(node)
+      specs.extend([P()] if own is None else own)
+    return jax.tree_util.tree_unflatten(jax.tree.structure(tree), [
+        NamedSharding(self._mesh, spec) for spec in specs])
 
   def keep_layouts(self, outputs: Any) -> Any:
     """Inside a traced step: its outputs, held in this strategy's layouts.

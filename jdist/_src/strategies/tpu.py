@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import jax
+from jax.sharding import Mesh
 
 from jdist._src.errors import ClusterError
 from jdist._src.runtime import runtime as runtime_lib
+from jdist._src.strategies.device_mesh import DeviceMesh
 from jdist._src.strategies.spmd import Strategy
-from jdist._src.strategies.devices import replica_order
+from jdist._src.strategies.devices import from_mesh, replica_order
 
 
 def tpu_devices() -> tuple:
@@ -31,7 +33,11 @@ class TPUStrategy(Strategy):
     cluster_resolver: usually None (or `jdist.cluster_resolver.
       TPUClusterResolver()`); JAX finds the TPU hosts itself.
     communication_options: a `jdist.CommunicationOptions`.
-    axis_name: name of the replica mesh axis.
+    axis_name: name of the replica mesh axis (default "replica").
+    mesh: a `jax.sharding.Mesh` (Auto or Explicit axes, as `jax.make_mesh`
+      makes it) or a `jdist.DeviceMesh` of TPU cores on one axis, instead of every TPU core of the run:
+      its devices in their order, its axis the replica axis. The strategy
+      then also runs inside `with jax.set_mesh(mesh):`.
 
   Raises:
     jdist.ClusterError: no TPU is attached to this process (a RuntimeError).
@@ -44,9 +50,14 @@ class TPUStrategy(Strategy):
   """
 
   def __init__(self, cluster_resolver=None, communication_options=None, *,
-               axis_name: str = "replica"):
+               axis_name: str | None = None,
+               mesh: Mesh | DeviceMesh | None = None):
     runtime_lib.initialize(cluster_resolver)
     devices = tpu_devices()
+    if mesh is not None:
+      devices, axis_name = from_mesh(mesh, "TPUStrategy", axis_name=axis_name)
+      if any(d.platform != "tpu" for d in devices):
+        devices = ()  # a mesh of other devices: the error below
     if not devices:
       seen = ", ".join(sorted({d.platform for d in jax.devices()}))
       raise ClusterError(
@@ -55,7 +66,8 @@ class TPUStrategy(Strategy):
           "On CPUs and GPUs use jdist.MirroredStrategy (one host) or "
           "jdist.MultiWorkerMirroredStrategy (several).")
     self._cluster_resolver = cluster_resolver
-    super().__init__(replica_order(devices), axis_name=axis_name,
+    super().__init__(devices if mesh is not None else replica_order(devices),
+                     axis_name=axis_name or "replica",
                      communication_options=communication_options)
 
   @property

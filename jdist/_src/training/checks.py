@@ -56,6 +56,22 @@ class DataChecks:
           self.initialised_for)
     return self._output_specs[key]
 
+  def shapes(self, sample: dict, abstract_state, metrics: dict, what: str):
+    """Checks the loss and `metrics` against the data's targets and the
+    model's predictions by their shapes alone (traced once per shape, no
+    values needed); returns the predictions' shapes.
+
+    Raises:
+      TypeError, ValueError: the model, the loss or a metric does not fit.
+    """
+    y_pred = self.outputs(sample, abstract_state, what)
+    key = _key(sample, abstract_state)
+    if key not in self._objectives_checked:
+      steps.check_objectives(self._program.loss, metrics, sample, y_pred,
+                             what)
+      self._objectives_checked.add(key)
+    return y_pred
+
   def objectives(self, source, sample: dict, state, abstract_state,
                  metrics: dict, what: str) -> None:
     """Checks the loss and `metrics` (`{name: Metric}`) against the data's
@@ -71,11 +87,7 @@ class DataChecks:
         predictions.
     """
     program = self._program
-    y_pred = self.outputs(sample, abstract_state, what)
-    key = _key(sample, abstract_state)
-    if key not in self._objectives_checked:
-      steps.check_objectives(program.loss, metrics, sample, y_pred, what)
-      self._objectives_checked.add(key)
+    y_pred = self.shapes(sample, abstract_state, metrics, what)
     checked = outputs.parts(program.loss, y_pred)
     if not self._checked_first_batch:
       self._checked_first_batch = True

@@ -11,6 +11,7 @@ state and what a resume restores. A `fit` is one `run` of a `FitPlan`.
 from __future__ import annotations
 
 import functools
+import time
 import warnings
 from typing import Any, Callable, NamedTuple
 
@@ -279,12 +280,17 @@ class FitLoop:
       bar.start_epoch(epoch, self.epoch_length(epoch), initial=start)
       if plan.skipped is not None:
         plan.skipped.start_epoch(self._state)
-      if not self._run_epoch(epoch, start, cbs, bar) and start == 0:
+      started = time.perf_counter()
+      ran = self._run_epoch(epoch, start, cbs, bar)
+      if not ran and start == 0:
         warnings.warn(
             f"The training data ran out at epoch {epoch + 1}: no batches were "
             "left. Training stops here; pass steps_per_epoch and enough data "
             "(or a re-iterable dataset) for every epoch.", UserWarning)
         break
+      if bar.times_steps:  # until the epoch's last step is done
+        jax.block_until_ready((self._state, self.totals))
+        bar.timed(ran, time.perf_counter() - started)
       logs = self.logs()
       if plan.validate is not None:
         val_logs = plan.validate(self._state, cbs)

@@ -30,6 +30,7 @@ from jdist._src.core import context
 from jdist._src.core import in_step
 from jdist._src.keras import loading as keras_loading
 from jdist._src.keras.model import StatelessModel
+from jdist._src.strategies import output_layouts
 
 
 def _parameters(fn: Callable):
@@ -290,7 +291,8 @@ class NnxModel(ModelAdapter):
       _global_nnx_batch_norm(module, _replica_axis())
     else:
       module.eval()
-    y = module(x, **self._kwargs(train, rng))
+    with output_layouts.nnx_outputs(module):
+      y = module(x, **self._kwargs(train, rng))
     _, _, new_state = nnx.split(module, nnx.Param, ...)
     return y, new_state
 

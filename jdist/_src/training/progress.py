@@ -34,9 +34,17 @@ def resolve_verbose(verbose) -> int:
 
 
 class ProgressBar:
-  """Shows an epoch's steps, steps per second, loss and metrics."""
+  """Shows an epoch's steps, steps per second, loss and metrics, and at its
+  end the FLOP/s achieved and the MFU (from the train step's `plan`, if
+  given, and the epoch's steps' time: `timed`).
 
-  def __init__(self, verbose, epochs: int, *, refresh: float | None = None):
+  Args:
+    plan: the train step's `jdist.Plan` (its FLOPs per call), or None.
+    batches_per_call: batches each call of the train step runs.
+  """
+
+  def __init__(self, verbose, epochs: int, *, refresh: float | None = None,
+               plan=None, batches_per_call: int = 1):
     self.verbose = resolve_verbose(verbose)
     self.epochs = epochs
     self.refresh = REFRESH if refresh is None else refresh
@@ -45,10 +53,13 @@ class ProgressBar:
     self._start = 0.0
     self._steps = 0
     self._ticked = 0.0
+    self._plan = plan
+    self._batches_per_call = batches_per_call
+    self._throughput = None
 
   def start_epoch(self, epoch: int, total: int | None, initial: int = 0):
     self._start, self._steps, self._shown = time.perf_counter(), 0, 0.0
-    self._ticked = 0.0
+    self._ticked, self._throughput = 0.0, None
     if self.verbose == 1:
       from tqdm.auto import tqdm
       self._bar = tqdm(total=total, initial=initial, unit="step",
@@ -84,14 +95,30 @@ class ProgressBar:
     if self._bar is not None and steps:
       self._bar.update(steps)
 
+  @property
+  def times_steps(self) -> bool:
+    """Whether it shows the throughput (it knows the step's FLOPs): the
+    loop then times each epoch's steps (`timed`)."""
+    return self._plan is not None
+
+  def timed(self, batches: int, seconds: float) -> None:
+    """The epoch's `batches` ran in `seconds` (until the last one's results
+    were read back): its throughput, if the step's plan is known."""
+    calls = batches / self._batches_per_call
+    if self._plan is not None and calls and seconds > 0:
+      self._throughput = self._plan.throughput(seconds / calls)
+
   def end_epoch(self, epoch: int, logs: dict) -> None:
+    shown = _fmt(logs)
+    if self._throughput is not None:
+      shown["throughput"] = str(self._throughput)
     if self._bar is not None:
-      self._bar.set_postfix(_fmt(logs), refresh=False)
+      self._bar.set_postfix(shown, refresh=False)
       self._bar.close()
       self._bar = None
     elif self.verbose == 2:
       took = time.perf_counter() - self._start
-      parts = " - ".join(f"{k}: {v}" for k, v in _fmt(logs).items())
+      parts = " - ".join(f"{k}: {v}" for k, v in shown.items())
       print(f"Epoch {epoch + 1}/{self.epochs} - {self._steps} steps - "
             f"{took:.2f}s - {parts}", flush=True)
 

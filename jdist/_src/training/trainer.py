@@ -43,9 +43,8 @@ class Trainer:
   Args:
     model: a flax linen `Module`, a flax nnx `Module`, a Keras 3 model (JAX
       backend), or an apply function `apply_fn(params, x)` (which may also
-      take `train=` and `rng=`). A Keras model the user compiled brings its
-      compile: the arguments below that the Trainer is not given are taken
-      from it, and one given to both with different values is an error.
+      take `train=` and `rng=`). A compiled Keras model brings its compile's
+      arguments (one given here with another value is an error).
     optimizer: an optax `GradientTransformation`, or a Keras optimizer
       (object or name). For `LearningRateScheduler`, build an optax one with
       `optax.inject_hyperparams`.
@@ -54,15 +53,13 @@ class Trainer:
       Keras loss, a name ("sparse_categorical_crossentropy",
       "categorical_crossentropy", "binary_crossentropy": probabilities, as in
       Keras; "mse", "mae"), or a per-example function `loss(y_true, y_pred)
-      -> (batch,)`. For a model with several outputs (a dict or list of
-      them), as in Keras: a dict `{output name: loss}`, a list in the
-      outputs' order, or one loss for every output; the logs then add each
-      output's own loss as `<output>_loss`.
+      -> (batch,)`. With several outputs, as in Keras: `{output name: loss}`,
+      a list in the outputs' order, or one loss for all (logs add
+      `<output>_loss`).
     metrics: names ("accuracy", "mse", ...), `jdist.metrics` or Keras metric
       objects, or per-example functions `metric(y_true, y_pred)`, as a list,
-      or a dict `{name: metric}`. With several outputs, Keras's form: a dict
-      `{output name: metrics}` or a list with one entry per output, logged
-      as `<output>_<metric>`.
+      or a dict `{name: metric}`. With several outputs, as in Keras: `{output
+      name: metrics}` or a list per output (logged as `<output>_<metric>`).
     weighted_metrics: like `metrics`, weighted by the data's sample weights
       (one named as a metric is logged as `weighted_<name>`, as in Keras).
     loss_weights: as Keras's compile: the outputs' losses are summed times
@@ -77,13 +74,13 @@ class Trainer:
       state keeps its parameter's layout within each replica and is split
       over the replicas on top of it.
     steps_per_execution: training batches run per compiled call (Keras'
-      argument; default 1): the host dispatches once per group of this many steps,
-      which speeds up small models (and is what TPUs want). The results are
-      those of one step per call. As in Keras, per-batch callbacks are called
-      once per execution: `on_train_batch_begin` with the index of its first
-      batch, `on_train_batch_end` with its last; checkpoints every
-      `save_freq` steps are saved at the end of the execution that reaches
-      them. `evaluate` and `predict` run one batch per call.
+      argument; default 1): the host dispatches once per group of them, which
+      speeds up small models (and is what TPUs want). The results are those of
+      one step per call. As in Keras, per-batch callbacks are called once per
+      execution: `on_train_batch_begin` with the index of its first batch,
+      `on_train_batch_end` with its last; checkpoints every `save_freq` steps
+      are saved at the end of the execution that reaches them. `evaluate` and
+      `predict` run one batch per call.
     dtype_policy: mixed precision, by Keras' names: "float32" (default),
       "mixed_bfloat16" or "mixed_float16" (or a `jdist.DTypePolicy`). A
       Keras model computes under its own layers' policy (Keras's
@@ -125,6 +122,10 @@ class Trainer:
       Losses and metrics leave the padding out, so training is the same on
       any number of replicas: a job under `jdist launch --nnodes MIN:MAX`
       restarted on fewer processes keeps its `batch_size`.
+    memory_budget: bytes a device may use (an int, or "16GB"), in place of
+      its own `bytes_limit` (CPUs report none): `fit` plans its step first
+      (`plan`) and raises `jdist.MemoryBudgetError` before building the
+      state when the step's peak per device exceeds the limit.
 
   Example:
     >>> import jdist, optax, numpy as np
@@ -146,7 +147,7 @@ class Trainer:
                shard_optimizer_state: bool = False,
                steps_per_execution: int | None = None, dtype_policy=None,
                gradient_accumulation_steps: int = 1, micro_batches: int = 1,
-               pad_to_replicas: bool = False):
+               pad_to_replicas: bool = False, memory_budget=None):
     self._program, steps_per_execution = TrainingProgram.with_compile(
         model, dict(optimizer=optimizer, loss=loss, loss_weights=loss_weights,
                     metrics=metrics, weighted_metrics=weighted_metrics,
@@ -165,6 +166,9 @@ class Trainer:
     self._loop = loop.FitLoop(self._strategy)  # owns the state, always
     self._functions = None  # the steps compiled by the strategy
     self._checks = DataChecks(self._program)
+    self._memory_budget = step_functions.parse_budget(memory_budget)
+    self._count_flops = getattr(model, "train_flops", None)
+    self._plans = {}  # the train step's plan, by what it depends on
     # Built from the first data's shapes (a metric's form may depend on them).
     self._totals: totals_lib.Totals | None = None
 
@@ -324,7 +328,8 @@ class Trainer:
       sample = jax.tree.map(lambda a: np.asarray(a)[:1], x)
       self._checks.initialised_with(sample)
       program = self._step_functions().program
-      program.check_init(init_key, sample)
+      with self.strategy.mesh_scope(strict=False):  # shapes only
+        program.check_init(init_key, sample)
       # Made by the strategy: under ModelParallelStrategy each array is born
       # in its layout (compiled with output shardings), never whole.
       self.state = self.strategy.init(program.init, init_key, rng_key, sample)
@@ -345,8 +350,9 @@ class Trainer:
 
   def _prepare(self, source, what: str, *, with_loss: bool = True,
                micro_batches: int = 1) -> int | None:
-    """Checks the data against the model before any step (`checks.py`);
-    returns the static global batch size (None: the pipelines batch).
+    """Checks the data against the model before any step (`checks.py`),
+    tracing it under the strategy's mesh; returns the static global batch
+    size (None: the pipelines batch).
 
     Args:
       what: the data's name in messages ("training data", ...).
@@ -354,6 +360,13 @@ class Trainer:
       micro_batches: the micro-batches each replica's share is split into
         (gradient accumulation, when training).
     """
+    with self.strategy.mesh_scope():
+      return self._checked(source, what, with_loss=with_loss,
+                           micro_batches=micro_batches)
+
+  def _checked(self, source, what: str, *, with_loss: bool,
+               micro_batches: int) -> int | None:
+    """`_prepare` under the strategy's mesh."""
     sample = source.peek()
     self.build(sample["x"])
     strategy = self.strategy
@@ -436,8 +449,15 @@ class Trainer:
     source, val_source = data_lib.validation_source(
         source, validation_data, validation_split=validation_split,
         steps=validation_steps, batch_size=validation_batch_size)
+    # Under a known memory limit, the step is planned and checked before
+    # the state is built (jdist.MemoryBudgetError); else after (the logs'
+    # FLOPs): the plan compiles what the first step runs, once.
+    planned = self._plan(source, detail=False, limited=True)
+    if planned is not None:
+      planned.check()
     static = self._prepare(source, "training data",
                            micro_batches=self._program.micro_batches)
+    planned = planned or self._plan(source, detail=False)
     validate = None
     if val_source is not None:
       val_static = self._prepare(val_source, "validation data")
@@ -455,15 +475,42 @@ class Trainer:
                        params={"epochs": epochs, "verbose": verbose,
                                "steps": source.steps_per_epoch},
                        fit_loop=self._loop)
-    bar = ProgressBar(verbose, epochs)
+    bar = ProgressBar(verbose, epochs, plan=planned,
+                      batches_per_call=self._batches_per_call)
     try:
-      self._loop.run(plan, cbs, bar)
+      # A mesh the user set (the strategy's) set aside: jdist's programs
+      # over the state (steps, checkpoints) run as they do without one.
+      with self.strategy.outside_user_mesh():
+        self._loop.run(plan, cbs, bar)
     finally:
       bar.close()
       cbs.close()
     if self._program.model.writes_back:
       self.export()
     return self.history
+
+  def plan(self, x=None, y=None, *, batch_size: int | None = None,
+           sample_weight=None, class_weight: dict | None = None):
+    """The `jdist.Plan` of `fit`'s train step on this data (as `fit` takes
+    it), from the program `fit`'s first step runs: memory per device by
+    kind, FLOPs (and the model's own count, from a `train_flops(x)` method),
+    collectives, layout notes, and over the memory limit the alternatives
+    planned. Builds nothing; None under parameter servers or for a
+    `DatasetCreator` (see docs/planning.md).
+    """
+    return self._plan(data_lib.make_source(
+        x, y, batch_size=batch_size, seed=self._seed,
+        sample_weight=sample_weight, class_weight=class_weight,
+        strategy=self.strategy), detail=True)
+
+  def _plan(self, source, *, detail: bool, limited: bool = False):
+    """The train step's plan on `source` (`step_functions.py`)."""
+    planned, self._totals = step_functions.TrainPlanner(
+        self._step_functions(), self._checks, self._seed, self._input_options,
+        self._batches_per_call, self._shard_optimizer_state,
+        self._memory_budget, self._count_flops, detail, self._plans).plan(
+            source, self.state, self._totals, limited=limited)
+    return planned
 
   # --- evaluate and predict ------------------------------------------------
 
@@ -484,8 +531,9 @@ class Trainer:
     static = self._prepare(source, "evaluation data")
     cbs = CallbackList(callbacks, trainer=self, params={"steps": steps,
                                                         "verbose": verbose})
-    return self._evaluate_source(source, static, self.state, cbs,
-                                 verbose=verbose)
+    with self.strategy.outside_user_mesh():  # as fit's loop
+      return self._evaluate_source(source, static, self.state, cbs,
+                                   verbose=verbose)
 
   def _evaluate_source(self, source, static: int | None, state,
                        cbs: CallbackList, verbose=0) -> dict:
@@ -513,9 +561,10 @@ class Trainer:
                                                         "verbose": verbose})
     inputs = source.distributed(self.strategy, 0, options=self._input_options,
                                 batch_size=static, inputs_only=True)
-    return loop.predict(self.make_predict_function(), self.state, inputs,
-                        self.strategy, cbs, ProgressBar(verbose, 1),
-                        source.steps_per_epoch)
+    with self.strategy.outside_user_mesh():  # as fit's loop
+      return loop.predict(self.make_predict_function(), self.state, inputs,
+                          self.strategy, cbs, ProgressBar(verbose, 1),
+                          source.steps_per_epoch)
 
   def export(self) -> Any:
     """The trained model in its own terms.
