@@ -125,8 +125,7 @@ class CreatorSource(Source):
                   options=None, batch_size: int | None = None,
                   per_call: int = 1, inputs_only: bool = False) -> Iterator:
     """The epoch's items from `start` on, continuing one pipeline iterator
-    all fit long, grouped by `per_call`; `options` and `batch_size` do not
-    apply (the pipelines batch for themselves)."""
+    all fit long, grouped by `per_call` (the pipelines batch for themselves)."""
     del epoch, options, batch_size
     if inputs_only:
       raise TypeError("A DatasetCreator feeds fit only.")

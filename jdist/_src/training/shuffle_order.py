@@ -29,8 +29,7 @@ def worker() -> concurrent.futures.ThreadPoolExecutor:
 
 
 def submit(fn, *args) -> concurrent.futures.Future | None:
-  """`fn(*args)` submitted to the worker, or None if it cannot take it (a
-  `shutdown` in another thread got there first: the caller does the work)."""
+  """`fn(*args)` on the worker, or None after a concurrent `shutdown`."""
   try:
     return worker().submit(fn, *args)
   except RuntimeError:  # shut down between worker() and submit

@@ -72,13 +72,8 @@ class Source:
                         pad: bool = False) -> int | None:
     """The global batch size steps compile for: the first batch's (data
     smaller than a batch is one short padded batch; None for a one-shot
-    iterator whose first batch does not split).
-
-    Raises:
-      ValueError: batches do not split evenly over the replicas (times
-        `micro_batches` and FSDP's devices per replica) and `pad` is off;
-        the message names `pad_to_replicas`.
-    """
+    iterator whose first batch does not split). ValueError if batches do not
+    split over the replicas (and micro-batches, FSDP devices) without `pad`."""
     rows = host.batch_size_of(self.peek()["x"], f"{what}'s first batch")
     num_replicas = strategy.num_replicas_in_sync
     split, split_what = host.batch_split(strategy)

@@ -59,12 +59,9 @@ def batches_per_call(program: TrainingProgram, steps_per_execution: int, *,
 
 
 class StepFunctions:
-  """The compiled steps of `program` on `strategy`, each made on first use.
-
-  `program` has its optimizer as a `ShardedOptimizer` (ZeRO) if
-  `shard_optimizer_state`; `given` is the program as given. Above one,
-  `batches_per_call` makes the train function take a `BatchGroup`.
-  """
+  """The compiled steps of `program` on `strategy`, each made on first use;
+  `program` has a `ShardedOptimizer` if `shard_optimizer_state` (`given`:
+  as given)."""
 
   def __init__(self, program: TrainingProgram, strategy, *,
                shard_optimizer_state: bool = False, batches_per_call: int = 1):
@@ -131,12 +128,8 @@ parse_budget = inputs.parse_bytes
 
 @dataclasses.dataclass(frozen=True)
 class TrainPlanner:
-  """Plans one Trainer's train step (see the module docstring).
-
-  `detail` reads the program's collectives and dtype too (`trainer.plan`);
-  `cache` keeps one plan by the state's and first batch's shapes, dtypes and
-  layouts, so a fit of the same step on the same data plans nothing again.
-  """
+  """Plans one Trainer's train step (see the module docstring); `cache`
+  keeps the last plan, keyed by the state's and first batch's layouts."""
 
   functions: StepFunctions
   checks: Any
