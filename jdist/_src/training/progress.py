@@ -1,6 +1,6 @@
 """The progress bar of `fit`: one `tqdm.auto` bar per epoch, on process 0.
-It takes steps when `due` (every `TICK` seconds) and reads the logs from
-the devices at most every `refresh` seconds: most steps cost a clock read.
+The loop hands it steps when `due` (at most every `TICK` seconds); it reads
+the logs from the devices at most every `refresh` seconds.
 """
 
 from __future__ import annotations
