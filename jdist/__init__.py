@@ -81,6 +81,7 @@ _EXPORTS = {
     "PerWorkerDataset": "jdist._src.ps.datasets",
     "PerWorkerIterator": "jdist._src.ps.datasets",
     "ProgramMismatchError": "jdist._src.errors",
+    "ReduceLROnPlateau": "jdist._src.training.control",
     "ReduceOp": "jdist._src.core.reduce_op",
     "ReductionToOneDevice": "jdist._src.strategies.cross_device_ops",
     "RemoteValue": "jdist._src.ps.remote",

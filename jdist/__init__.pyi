@@ -187,6 +187,7 @@ from jdist._src.training.checkpoint_callbacks import (
 from jdist._src.training.control import (
     EarlyStopping as EarlyStopping,
     LearningRateScheduler as LearningRateScheduler,
+    ReduceLROnPlateau as ReduceLROnPlateau,
 )
 from jdist._src.training.dataset_creator import (
     DatasetCreator as DatasetCreator,
@@ -275,6 +276,7 @@ __all__ = [
     "PerWorkerIterator",
     "Plan",
     "ProgramMismatchError",
+    "ReduceLROnPlateau",
     "ReduceOp",
     "ReductionToOneDevice",
     "RemoteValue",

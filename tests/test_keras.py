@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import jax
 import numpy as np
@@ -119,40 +120,106 @@ def test_keras_names_and_objects_are_keras_meanings(data, weights):
     jdist.Trainer(_mlp(weights), optimizer="adamm", loss="mse")
 
 
-def test_the_trainer_trains_as_keras_fit_does_regularizers_included(data):
-  """A model with L2 kernel regularizers: jdist.Trainer on 2 replicas gives
-  the weights and the logged losses (the model's losses included) of
-  Keras's own fit on one device, and evaluate's loss is Keras's."""
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _same_weights(a, b, atol=1e-5):
+  for x, y in zip(a.get_weights(), b.get_weights(), strict=True):
+    np.testing.assert_allclose(x, y, atol=atol)
+
+
+def _same_history(keras_history, ours, rtol=1e-5):
+  assert sorted(ours) == sorted(keras_history)
+  for key, values in keras_history.items():
+    np.testing.assert_allclose(ours[key], values, rtol=rtol, atol=1e-6,
+                               err_msg=key)
+
+
+def _two_headed(weights=None, *, as_list=False):
+  """Two inputs, two outputs, L2 regularizers (the model's own losses)."""
+  l2 = keras.regularizers.L2(1e-2)
+  left = keras.Input((32,), name="left")
+  right = keras.Input((32,), name="right")
+  h = keras.layers.Concatenate()([
+      keras.layers.Dense(16, activation="relu", kernel_regularizer=l2)(left),
+      keras.layers.Dense(16, activation="relu")(right)])
+  digit = keras.layers.Dense(10, name="digit", kernel_regularizer=l2)(h)
+  ink = keras.layers.Dense(1, name="ink")(h)
+  model = keras.Model([left, right], [digit, ink] if as_list else
+                      {"digit": digit, "ink": ink})
+  if weights is not None:
+    model.set_weights(weights)
+  return model
+
+
+def _compile_two_headed(model):
+  model.compile(
+      optimizer=keras.optimizers.SGD(0.05),
+      loss={"digit": keras.losses.SparseCategoricalCrossentropy(
+          from_logits=True), "ink": "mse"},
+      loss_weights={"digit": 1.0, "ink": 0.5},
+      metrics={"digit": ["accuracy"], "ink": ["mae"]})
+  return model
+
+
+def test_a_compiled_two_output_model_trains_as_keras_fit_does(data):
+  """A functional model with two inputs, two outputs and L2 regularizers,
+  compiled with a dict of losses, loss_weights and per-output metrics:
+  jdist.Trainer(model) takes its compile and trains it on 2 replicas as
+  Keras's fit does on one device (the weights; the History with Keras's
+  names digit_loss, ink_loss, digit_accuracy, ink_mae, the model's losses
+  in "loss"); evaluate (a padded last batch) and predict agree with
+  Keras's. The same arguments given to the Trainer for list outputs train
+  the same; an argument given both to compile and to the Trainer, a model
+  with no loss, or a loss naming no output is a clear error."""
   x, y, x_val, y_val = data
+  inputs = {"left": x[:, :32], "right": x[:, 32:]}
+  targets = {"digit": y, "ink": x.mean(1, keepdims=True)}
+  test_x = {"left": x_val[:, :32], "right": x_val[:, 32:]}
+  test_y = {"digit": y_val.astype(np.int32),
+            "ink": x_val.mean(1, keepdims=True)}
+  weights = _two_headed().get_weights()
+  reference = _compile_two_headed(_two_headed(weights))
+  expected = reference.fit(inputs, targets, batch_size=48, epochs=2,
+                           shuffle=False, verbose=0).history
 
-  def make(weights=None):
-    model = keras.Sequential([
-        keras.Input((64,)),
-        keras.layers.Dense(32, activation="relu", name="hidden",
-                           kernel_regularizer=keras.regularizers.L2(1e-2)),
-        keras.layers.Dense(10, name="logits",
-                           kernel_regularizer=keras.regularizers.L2(1e-2))])
-    if weights is not None:
-      model.set_weights(weights)
-    return model
+  model = _compile_two_headed(_two_headed(weights))
+  trainer = jdist.Trainer(model, strategy=strategy_on(2))
+  history = trainer.fit(inputs, targets, batch_size=48, epochs=2,
+                        shuffle=False, verbose=0).history
+  _same_weights(reference, model)
+  _same_history(expected, history)
+  assert trainer.metrics_names == ["loss", "digit_loss", "ink_loss",
+                                   "digit_accuracy", "ink_mae"]
+  logs = trainer.evaluate(test_x, test_y, batch_size=32)  # a padded batch
+  keras_logs = reference.evaluate(test_x, test_y, batch_size=32, verbose=0,
+                                  return_dict=True)
+  assert logs == pytest.approx(keras_logs, rel=1e-5)
+  predicted = trainer.predict(test_x, batch_size=32)
+  for name, value in reference.predict(test_x, verbose=0).items():
+    np.testing.assert_allclose(predicted[name], value, atol=1e-5)
 
-  keras_model = make()
-  weights = keras_model.get_weights()
-  loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-  keras_model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
-  keras_history = keras_model.fit(x, y, batch_size=48, epochs=2,
-                                  shuffle=False, verbose=0).history
-  ours = make(weights)
-  trainer = jdist.Trainer(ours, optimizer=keras.optimizers.SGD(0.1),
-                          loss=loss, strategy=strategy_on(2))
-  history = trainer.fit(x, y, batch_size=48, epochs=2, shuffle=False,
-                        verbose=0).history
-  for a, b in zip(keras_model.get_weights(), ours.get_weights()):
-    np.testing.assert_allclose(a, b, atol=1e-5)
-  np.testing.assert_allclose(history["loss"], keras_history["loss"],
-                             rtol=1e-5)
-  assert trainer.evaluate(x_val, y_val, batch_size=32)["loss"] == \
-      pytest.approx(keras_model.evaluate(x_val, y_val, verbose=0), rel=1e-5)
+  listed = _two_headed(weights, as_list=True)
+  jdist.Trainer(
+      listed, optimizer=keras.optimizers.SGD(0.05),
+      loss=[keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            "mse"], loss_weights=[1.0, 0.5], strategy=strategy_on(2),
+  ).fit([inputs["left"], inputs["right"]], targets, batch_size=48, epochs=2,
+        shuffle=False, verbose=0)
+  _same_weights(reference, listed)
+
+  with pytest.raises(ValueError, match=r"compiled with optimizer=.*SGD.*"
+                     r"given optimizer='adam'.*one of them"):
+    jdist.Trainer(model, optimizer="adam")
+  with pytest.raises(TypeError, match=r"needs loss=.*or compile the Keras "
+                     r"model"):
+    jdist.Trainer(_two_headed(), optimizer="sgd")
+  with pytest.raises(ValueError, match=r"names \['pixels'\], which are not "
+                     r"outputs of the model: its outputs are \['digit', "
+                     r"'ink'\]"):
+    jdist.Trainer(_two_headed(), optimizer="sgd",
+                  loss={"digit": "mse", "pixels": "mse"}).fit(
+        inputs, targets, batch_size=48, verbose=0)
 
 
 # --- the Trainer's features with a Keras model, each equal to one device
@@ -298,6 +365,95 @@ def test_a_keras_model_computes_in_its_own_dtype_policy(data, weights):
                      "'float32'.*set_dtype_policy"):
     jdist.Trainer(_mlp(weights), optimizer="sgd", loss="mse",
                   dtype_policy="mixed_bfloat16")
+
+
+# --- a text model: Embedding, LSTM and GRU ----------------------------------
+
+
+def _text_model(weights=None):
+  model = keras.Sequential([
+      keras.Input((12,), dtype="int32"),
+      keras.layers.Embedding(50, 8, mask_zero=True),
+      keras.layers.LSTM(8, return_sequences=True, dropout=0.2,
+                        recurrent_dropout=0.2, seed=3),
+      keras.layers.GRU(8, seed=4),
+      keras.layers.Dropout(0.2, seed=5),
+      keras.layers.Dense(1)])
+  if weights is not None:
+    model.set_weights(weights)
+  return model
+
+
+def test_an_lstm_and_gru_text_model_trains_as_keras_fit_does():
+  """Embedding (masking padded tokens), LSTM with dropout and recurrent
+  dropout, GRU, Dropout: on 2 replicas jdist.Trainer gives the weights and
+  History of Keras's fit on one device (the recurrent layers' loops start
+  from zeros and carry each replica's batch; their dropout masks are drawn
+  over the global batch)."""
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(1, 50, size=(128, 12)).astype(np.int32)
+  tokens[rng.random(tokens.shape) < 0.2] = 0
+  labels = (tokens[:, :6].sum(1) > tokens[:, 6:].sum(1)).astype(np.float32)
+  loss = keras.losses.BinaryCrossentropy(from_logits=True)
+  weights = _text_model().get_weights()
+  reference = _text_model(weights)
+  reference.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
+  expected = reference.fit(tokens, labels, batch_size=32, epochs=2,
+                           shuffle=False, verbose=0).history
+  model = _text_model(weights)
+  history = jdist.Trainer(
+      model, optimizer=keras.optimizers.Adam(1e-2), loss=loss,
+      strategy=strategy_on(2)).fit(tokens, labels, batch_size=32, epochs=2,
+                                   shuffle=False, verbose=0).history
+  _same_weights(reference, model)
+  _same_history(expected, history)
+
+
+# --- fit's arguments and callbacks, as in Keras's fit -----------------------
+
+
+def test_class_weight_and_a_plateau_schedule_as_in_keras(data, tmp_path):
+  """class_weight with validation_split weighs the training batches only
+  (Keras's val_loss is unweighted), and jdist.ReduceLROnPlateau lowers a
+  Keras optimizer's rate as keras.callbacks.ReduceLROnPlateau does: the
+  weights, History and rates of Keras's fit. Keras's own callback objects
+  are refused, naming jdist's."""
+  x, y, _, _ = data
+  class_weight = {c: 1.0 + 0.3 * c for c in range(10)}
+  weights = _mlp(dropout=0.0).get_weights()
+  run = dict(batch_size=48, epochs=3, shuffle=False, verbose=0,
+             class_weight=class_weight, validation_split=0.2)
+  plateau = dict(monitor="val_loss", factor=0.5, patience=0, min_delta=10.0)
+  reference = _mlp(weights, dropout=0.0)
+  reference.compile(optimizer=keras.optimizers.SGD(0.1), loss=LOSS,
+                    metrics=["accuracy"], weighted_metrics=["accuracy"])
+  expected = reference.fit(x, y, callbacks=[
+      keras.callbacks.ReduceLROnPlateau(**plateau)], **run).history
+  model = _mlp(weights, dropout=0.0)
+  trainer = jdist.Trainer(model, optimizer=keras.optimizers.SGD(0.1),
+                          loss=LOSS, metrics=["accuracy"],
+                          weighted_metrics=["accuracy"],
+                          strategy=strategy_on(1))
+  history = trainer.fit(x, y, callbacks=[jdist.ReduceLROnPlateau(**plateau)],
+                        **run).history
+  _same_weights(reference, model)
+  _same_history(expected, history)
+  # Logged before each epoch's change, as Keras logs it.
+  assert history["learning_rate"] == pytest.approx([0.1, 0.1, 0.05])
+  assert trainer.learning_rate == pytest.approx(0.025)
+
+  for callback, ours in [
+      (keras.callbacks.EarlyStopping(patience=1), "jdist.EarlyStopping"),
+      (keras.callbacks.ModelCheckpoint(str(tmp_path / "m.keras")),
+       "jdist.ModelCheckpoint"),
+      (keras.callbacks.CSVLogger(str(tmp_path / "log.csv")),
+       "jdist.CSVLogger")]:
+    with pytest.raises(TypeError, match=f"Keras's own fit.*Use {ours}, "
+                       "which takes the same arguments"):
+      trainer.fit(x, y, batch_size=48, verbose=0, callbacks=[callback])
+  with pytest.raises(TypeError, match="Subclass jdist.Callback instead"):
+    trainer.fit(x, y, batch_size=48, verbose=0,
+                callbacks=[keras.callbacks.LambdaCallback()])
 
 
 # --- custom loops: TensorFlow's "Custom training with tf.distribute.Strategy"
@@ -478,7 +634,9 @@ def test_unbuilt_and_functional_models_with_batch_statistics(data):
   with BatchNormalization: their moving statistics are model state,
   averaged over replicas after each step (with a warning, once, that each
   replica normalises with its own batch's statistics); Keras metric names
-  ("auc") and objects (keras.metrics.AUC) count every example once."""
+  ("auc") and objects (keras.metrics.AUC) count every example once. On
+  whole batches the functional one trains as Keras's fit; on a padded short
+  batch it differs, and says so once."""
   x, y, x_val, y_val = data
   binary, binary_val = (y % 2).astype(np.float32), (y_val % 2).astype(
       np.float32)
@@ -505,15 +663,38 @@ def test_unbuilt_and_functional_models_with_batch_statistics(data):
   assert logs["auc"] == pytest.approx(float(reference.result()), abs=1e-6)
   assert logs["keras_auc"] == pytest.approx(logs["auc"], abs=1e-6)
 
-  inputs = keras.Input((64,))
-  hidden = keras.layers.BatchNormalization()(
-      keras.layers.Dense(16, activation="relu")(inputs))
-  functional = keras.Model(inputs, keras.layers.Dense(10)(hidden))
-  trainer = jdist.Trainer(
-      functional, optimizer=keras.optimizers.SGD(0.1), strategy=strategy_on(1),
-      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-  trainer.fit(x, y, batch_size=48, epochs=1, verbose=0)
-  assert trainer.global_step == 5
+  # A functional one: whole batches train as Keras's fit, without a word; a
+  # short last batch, padded, enters the batch statistics (Keras's fit uses
+  # the short batch alone): its first step says so, once.
+  def functional(weights=None):
+    inputs = keras.Input((64,))
+    hidden = keras.layers.BatchNormalization()(
+        keras.layers.Dense(16, activation="relu")(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(10)(hidden))
+    if weights is not None:
+      model.set_weights(weights)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.
+                  SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+  reference = functional()
+  ours = functional(reference.get_weights())
+  trainer = jdist.Trainer(ours, strategy=strategy_on(1))
+  for n, warns in ((240, False), (72, True)):
+    reference.fit(x[:n], y[:n], batch_size=48, epochs=2, shuffle=False,
+                  verbose=0)
+    with warnings.catch_warnings(record=True) as record:
+      warnings.simplefilter("always")
+      trainer.fit(x[:n], y[:n], batch_size=48, epochs=2, shuffle=False,
+                  verbose=0)
+    said = [w for w in record if "padding rows too" in str(w.message)]
+    assert len(said) == int(warns), [str(w.message) for w in record]
+    if not warns:
+      for a, b in zip(reference.get_weights(), ours.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+  assert trainer.global_step == 14
+  assert not np.allclose(reference.get_weights()[0], ours.get_weights()[0],
+                         atol=1e-4)
 
 
 def test_clear_errors_for_keras_objects_jdist_cannot_honour(weights):

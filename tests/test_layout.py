@@ -219,10 +219,11 @@ def _private_reads(path):
 
 
 def test_no_module_reads_another_objects_private_attributes():
-  # jax_compat.py is where every private JAX API is used, on purpose.
+  # jax_compat.py is where every private JAX API is used, on purpose, and
+  # keras/loading.py every private Keras one.
   wrong = [f"{path.relative_to(ROOT.parent)}:{line}: {text}"
            for name, path in MODULES.items()
-           if name != "jdist._src.jax_compat"
+           if name not in ("jdist._src.jax_compat", "jdist._src.keras.loading")
            for line, text in _private_reads(path)]
   assert not wrong, "\n".join(wrong)
 

@@ -22,6 +22,7 @@ from jax._src import mesh as mesh_lib
 from jax._src import pjit
 from jax._src import xla_bridge
 from jax._src.clusters import cloud_tpu_cluster
+from jax._src.lax.control_flow import loops as jax_loops
 from jax._src.random import prng as jax_prng
 
 # --- inside shard_map ----------------------------------------------------------
@@ -222,13 +223,94 @@ def eval_jaxpr_rewriting(closed_jaxpr, args, rules: dict, *,
         # The cast tracing inserted: now to the axes not varied over yet.
         bind, params = _pvary_remaining, {"axes": params["axes"]}
       elif retype and eqn.primitive not in rules:
-        inputs = _varying_alike(inputs)
-      with eqn.ctx.manager:
-        outputs = bind(*inputs, **params)
-      if not eqn.primitive.multiple_results:
-        outputs = [outputs]
+        if _has_bodies(eqn):
+          outputs = _bind_with_bodies(eqn, inputs, rules)
+        else:
+          inputs = _varying_alike(inputs)
+      if outputs is None:
+        with eqn.ctx.manager:
+          outputs = bind(*inputs, **params)
+        if not eqn.primitive.multiple_results:
+          outputs = [outputs]
     env.update(zip(eqn.outvars, outputs))
   return [read(v) for v in jaxpr.outvars]
+
+
+def _has_bodies(eqn) -> bool:
+  """Whether an equation's parameters hold jaxprs (a loop's, a branch's,
+  a custom derivative's primal)."""
+  kinds = (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr)
+  for value in eqn.params.values():
+    values = value if isinstance(value, tuple) else (value,)
+    if any(isinstance(v, kinds) for v in values):
+      return True
+  return False
+
+
+def _bind_with_bodies(eqn, inputs, rules) -> list | None:
+  """An equation with bodies, under `eval_jaxpr_rewriting(retype=True)`.
+
+  Inputs typed as they were traced: None (bound as they are, their bodies
+  typed for them). Inputs that vary over more axes (a rewritten draw flows
+  in): a loop or a branch is traced again from its bodies, rewritten, with
+  its carries cast to varying where they come to vary; a custom
+  derivative's primal is inlined (differentiated as written).
+
+  Raises:
+    NotImplementedError: another primitive with bodies gets such inputs.
+  """
+  traced = [aval_varying_axes(getattr(v, "aval", None)) for v in eqn.invars]
+  if all(varying_axes(x) <= t for x, t in zip(inputs, traced)):
+    return None
+  name = eqn.primitive.name
+  retrace = _RETRACE.get(name)
+  if retrace is not None:
+    with varying_loop_carries():
+      return list(retrace(eqn.params, inputs, rules))
+  primal = eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr"))
+  if name.startswith("custom_") and hasattr(primal, "consts"):
+    return eval_jaxpr_rewriting(primal, inputs, rules, retype=True)
+  raise NotImplementedError(
+      f"jdist cannot rewrite a `{name}` whose inputs come to vary over more "
+      "replicas than when it was traced (a random draw over the global batch "
+      "flows into it). Draw the random values outside it.")
+
+
+def _body_fn(closed, consts, rules):
+  def fn(*args):
+    return eval_jaxpr_rewriting(closed, [*consts, *args], rules, retype=True)
+  return fn
+
+
+def _retraced_scan(params, inputs, rules):
+  nc, nk = params["num_consts"], params["num_carry"]
+  consts, init, xs = inputs[:nc], inputs[nc:nc + nk], inputs[nc + nk:]
+  body = _body_fn(params["jaxpr"], consts, rules)
+
+  def step(carry, x):
+    out = body(*carry, *x)
+    return out[:nk], out[nk:]
+  carry, ys = jax.lax.scan(step, list(init), list(xs), length=params["length"],
+                           reverse=params["reverse"], unroll=params["unroll"])
+  return [*carry, *ys]
+
+
+def _retraced_while(params, inputs, rules):
+  cn, bn = params["cond_nconsts"], params["body_nconsts"]
+  cond = _body_fn(params["cond_jaxpr"], inputs[:cn], rules)
+  body = _body_fn(params["body_jaxpr"], inputs[cn:cn + bn], rules)
+  return jax.lax.while_loop(lambda c: cond(*c)[0], lambda c: body(*c),
+                            list(inputs[cn + bn:]))
+
+
+def _retraced_cond(params, inputs, rules):
+  branches = [_body_fn(b, (), rules) for b in params["branches"]]
+  return jax.lax.switch(inputs[0], branches, *inputs[1:])
+
+
+# Loops and branches traced again by `_bind_with_bodies`, by primitive name.
+_RETRACE = {"scan": _retraced_scan, "while": _retraced_while,
+            "cond": _retraced_cond}
 
 
 def _varying_alike(values: list) -> list:
@@ -247,6 +329,49 @@ def _pvary_remaining(*values, axes):
     rest = tuple(a for a in axes if a not in varying_axes(v))
     out.append(jax.lax.pcast(v, rest, to="varying") if rest else v)
   return out if len(values) > 1 else out[0]
+
+
+_promote_weak_typed = jax_loops._promote_weak_typed_input
+_carry_lock = threading.Lock()
+_carry_users = 0
+
+
+def _promote_or_vary(in_val, in_aval, out_aval):
+  """JAX's promotion of a loop's weakly typed initial carry, and a cast of
+  an initial carry to varying over the manual axes its body's output
+  varies over (what `lax.scan`'s message asks the caller to write)."""
+  in_val, changed = _promote_weak_typed(in_val, in_aval, out_aval)
+  extra = aval_varying_axes(out_aval) - aval_varying_axes(in_aval)
+  if extra and hasattr(in_val, "shape"):
+    return jax.lax.pcast(in_val, tuple(sorted(extra)), to="varying"), True
+  return in_val, changed
+
+
+@contextlib.contextmanager
+def varying_loop_carries() -> Iterator[None]:
+  """While open, `lax.scan` and `lax.while_loop` traced inside `shard_map`
+  cast an initial carry to varying where their body makes it vary.
+
+  A library's loop that starts from constants (Keras's LSTM and GRU start
+  their states from `zeros`) and carries values computed from a replica's
+  batch is refused by `shard_map`'s type check (the carry's input is
+  invariant, its output varying); the same code traces under `jax.jit`.
+  Both loops trace their body twice when a weakly typed initial carry must
+  be promoted (`loops._promote_weak_typed_input`); this widens that second
+  pass to the carry's varying axes. Private: JAX has no public hook for
+  it. Counted, so that nested and concurrent users restore it once.
+  """
+  global _carry_users
+  with _carry_lock:
+    _carry_users += 1
+    jax_loops._promote_weak_typed_input = _promote_or_vary
+  try:
+    yield
+  finally:
+    with _carry_lock:
+      _carry_users -= 1
+      if not _carry_users:
+        jax_loops._promote_weak_typed_input = _promote_weak_typed
 
 
 def random_bits_primitive():

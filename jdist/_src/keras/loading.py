@@ -4,7 +4,9 @@ A Keras object exists only in a program that imported keras, so the tests
 read `sys.modules` and never import keras themselves. Keras picks its
 backend once, when it is first imported (`KERAS_BACKEND`, or
 `~/.keras/keras.json`); jdist runs Keras models through their JAX stateless
-API, so a keras imported with another backend is a clear error.
+API, so a keras imported with another backend is a clear error. Every
+private Keras attribute jdist reads is read here (as `jax_compat.py` holds
+the private JAX ones).
 """
 
 from __future__ import annotations
@@ -60,6 +62,12 @@ def is_metric(value: Any) -> bool:
   """Whether `value` is a Keras metric object (`keras.metrics.Metric`)."""
   keras = _loaded()
   return keras is not None and isinstance(value, keras.metrics.Metric)
+
+
+def is_callback(value: Any) -> bool:
+  """Whether `value` is a Keras callback (`keras.callbacks.Callback`)."""
+  keras = _loaded()
+  return keras is not None and isinstance(value, keras.callbacks.Callback)
 
 
 def backend_problem() -> str | None:
@@ -120,3 +128,15 @@ def no_distribution() -> Iterator[None]:
     yield
   finally:
     keras.distribution.set_distribution(before)
+
+
+def compile_arguments(model) -> dict:
+  """The arguments a compiled Keras model's `compile` was given (optimizer
+  as Keras resolved it, loss, loss_weights, metrics, weighted_metrics,
+  run_eagerly, steps_per_execution, jit_compile).
+
+  Private: Keras keeps them as given only in `model._compile_config`; its
+  public `get_compile_config()` serializes them, and a metric or loss
+  written as a function does not deserialize unless registered.
+  """
+  return dict(model._compile_config.config)

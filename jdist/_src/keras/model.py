@@ -16,12 +16,16 @@ the global batch, each replica keeping its rows (`global_draws.py`): Keras's
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from jdist._src import jax_compat
 from jdist._src.core import placement
+from jdist._src.core.replica_context import resolve_batch
 from jdist._src.keras import global_draws
 from jdist._src.keras import loading
 from jdist._src.keras import variables as variables_lib
@@ -35,6 +39,26 @@ def _zeros_like(x) -> Any:
 def _rows(x) -> int:
   leaves = jax.tree.leaves(x)
   return int(np.shape(leaves[0])[0]) if leaves and np.ndim(leaves[0]) else 0
+
+
+def _layers(model) -> list:
+  """The model's layers, nested ones included."""
+  out, todo = [], list(getattr(model, "layers", []))
+  while todo:
+    layer = todo.pop()
+    out.append(layer)
+    todo.extend(getattr(layer, "layers", []))
+  return out
+
+
+def _report_padding(report) -> None:
+  """Calls `report()` on the host when the running training step's batch
+  holds padding rows (inside a step; a check made on the devices)."""
+  batch = resolve_batch()
+  if batch.mask is None:
+    return
+  jax.lax.cond(jnp.logical_not(jnp.all(batch.mask)),
+               lambda: jax.debug.callback(report), lambda: None)
 
 
 def _state_keys(variables) -> list[str]:
@@ -85,6 +109,8 @@ class StatelessModel:
     self._keras = loading.keras_module("A Keras model")
     self.model = model
     self._paths = None
+    self._batch_statistics = None
+    self._warned_padding = False
 
   def build(self, x) -> None:
     """Builds the model for inputs like `x` (arrays or their shapes and
@@ -143,12 +169,38 @@ class StatelessModel:
       return self.model.stateless_call(tv, ntv, x, training=training,
                                        return_losses=True)
 
-    with loading.no_distribution():
+    if training and self.batch_statistics:
+      _report_padding(self._warn_padding)
+    with loading.no_distribution(), jax_compat.varying_loop_carries():
       if training:
         y, ntv, losses = global_draws.call(call, tv, ntv, x, rows=_rows(x))
       else:
         y, ntv, losses = call(tv, ntv, x)
     return y, variables_lib.tree_of(other_paths, ntv), list(losses)
+
+  @property
+  def batch_statistics(self) -> bool:
+    """Whether the model normalises with its batch's statistics while
+    training (a `BatchNormalization` layer)."""
+    if self._batch_statistics is None:
+      norm = self._keras.layers.BatchNormalization
+      self._batch_statistics = any(
+          isinstance(layer, norm) for layer in _layers(self.model))
+    return self._batch_statistics
+
+  def _warn_padding(self) -> None:
+    if self._warned_padding:
+      return
+    self._warned_padding = True
+    warnings.warn(
+        "A training batch of the Keras model was padded (the data's last "
+        "batch is shorter than the batch size, or does not split evenly over "
+        "the replicas): its BatchNormalization layers compute their batch "
+        "statistics over the padding rows too, where Keras's fit uses the "
+        "short batch's examples alone, so training differs from Keras's. "
+        "Choose a batch size that divides the number of examples (and each "
+        "batch the replicas), or drop the short batch (e.g. x[:n - n % "
+        "batch_size]).", UserWarning, stacklevel=2)
 
   @property
   def has_losses(self) -> bool:

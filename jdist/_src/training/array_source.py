@@ -46,6 +46,11 @@ class ArraySource(Source):
     weights = batches_lib.sample_weights(sample_weight, class_weight, data.get("y"), n)
     if weights is not None:
       data["sample_weight"] = weights
+    # Keras's validation_split keeps the split's sample weights, not the
+    # class weights (those weigh training only).
+    self._sample_weight = (None if sample_weight is None else
+                           batches_lib.sample_weights(sample_weight, None,
+                                                      None, n))
     self.batch_size = batches_lib.check_batch_size(batch_size)
     self.num_examples = n
     self.steps_per_epoch = math.ceil(n / self.batch_size)
@@ -68,6 +73,10 @@ class ArraySource(Source):
                        f"side of {self.num_examples}.")
     head = jax.tree.map(lambda a: a[:cut], self._data)
     tail = jax.tree.map(lambda a: a[cut:], self._data)
+    if self._sample_weight is None:
+      tail.pop("sample_weight", None)
+    else:
+      tail["sample_weight"] = self._sample_weight[cut:]
     make = lambda d, shuffle, size: ArraySource(
         d["x"], d["y"], batch_size=size, shuffle=shuffle,
         seed=self._seed, need_y=True, sample_weight=d.get("sample_weight"))

@@ -14,6 +14,8 @@ from typing import Any, Callable, Iterable
 
 import jax
 
+from jdist._src.keras import loading as keras_loading
+
 
 def is_chief() -> bool:
   """Whether this process writes shared files (process 0)."""
@@ -103,6 +105,36 @@ class LazyLogs(collections.abc.MutableMapping):
 
 _HOOKS = [name for name in vars(Callback) if name.startswith("on_")]
 
+# Keras's callbacks with a jdist equivalent that takes their arguments.
+_KERAS_EQUIVALENTS = {
+    "EarlyStopping": "jdist.EarlyStopping",
+    "ReduceLROnPlateau": "jdist.ReduceLROnPlateau",
+    "LearningRateScheduler": "jdist.LearningRateScheduler",
+    "CSVLogger": "jdist.CSVLogger",
+    "TensorBoard": "jdist.TensorBoard",
+    "TerminateOnNaN": "jdist.TerminateOnNaN",
+    "BackupAndRestore": "jdist.BackupAndRestore",
+    "ModelCheckpoint": "jdist.ModelCheckpoint",
+}
+
+
+def keras_callback_message(callback) -> str:
+  """Why a Keras callback object cannot run in jdist's fit, and what can."""
+  name = type(callback).__name__
+  why = (f"{name} is a callback of Keras's own fit (keras.callbacks."
+         "Callback), made for the Keras model that fit trains in place, its "
+         "self.model; jdist.Trainer.fit trains the model's values on the "
+         "devices and writes them into the model when it ends.")
+  equivalent = _KERAS_EQUIVALENTS.get(name)
+  if type(callback).__module__.startswith("keras.") and equivalent:
+    extra = (" (its filepath a directory, where jdist saves each checkpoint;"
+             " save the Keras file with model.save(...) after fit)"
+             if name == "ModelCheckpoint" else "")
+    return f"{why} Use {equivalent}, which takes the same arguments{extra}."
+  return (f"{why} Subclass jdist.Callback instead: the same on_* hooks, with "
+          "self.model the Trainer (trainer.optimizer.learning_rate, "
+          "trainer.stop_training, trainer.params).")
+
 
 class CallbackList:
   """Calls a hook on every callback, in order."""
@@ -111,6 +143,8 @@ class CallbackList:
                fit_loop=None):
     self.callbacks = list(callbacks or ())  # None, as Keras takes it
     for cb in self.callbacks:
+      if keras_loading.is_callback(cb):
+        raise TypeError(keras_callback_message(cb))
       if not isinstance(cb, Callback):
         raise TypeError(
             f"{cb!r} is not a jdist.Callback; subclass jdist.Callback and "

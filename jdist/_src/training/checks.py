@@ -15,6 +15,7 @@ import functools
 from typing import Callable
 
 from jdist._src.training import objectives
+from jdist._src.training import outputs
 from jdist._src.training import steps
 from jdist._src.training.program import TrainingProgram
 
@@ -89,13 +90,22 @@ class DataChecks:
     """
     program = self._program
     y_pred = self.shapes(sample, abstract_state, metrics, what)
+    checked = outputs.parts(program.loss, y_pred)
     if not self._checked_first_batch:
       self._checked_first_batch = True
-      objectives.check_predictions(program.loss, steps.predictions(
-          program.model, read_state(), sample["x"]))
-    num_classes = y_pred.shape[-1] if y_pred.ndim > 1 else None
-    source.check_targets(functools.partial(
-        objectives.check_targets, program.loss, num_classes=num_classes))
+      predictions = steps.predictions(program.model, read_state(),
+                                      sample["x"])
+      for loss, _, pred in checked:
+        objectives.check_predictions(loss, pred(predictions))
+    checks = [functools.partial(
+        objectives.check_targets, loss,
+        num_classes=pred(y_pred).shape[-1] if pred(y_pred).ndim > 1 else None)
+        for loss, _, pred in checked]
+
+    def check_targets(y, where):
+      for check, (_, true, _) in zip(checks, checked):
+        check(true(y), where)
+    source.check_targets(check_targets)
 
 
 def _key(sample: dict, abstract_state) -> tuple:

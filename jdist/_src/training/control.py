@@ -1,4 +1,5 @@
-"""Callbacks that steer training: LearningRateScheduler and EarlyStopping."""
+"""Callbacks that steer training: LearningRateScheduler, EarlyStopping and
+ReduceLROnPlateau."""
 
 from __future__ import annotations
 
@@ -143,3 +144,87 @@ class EarlyStopping(Callback):
   def on_train_end(self, logs=None):
     if self.stopped_epoch > 0 and self.verbose and is_chief():
       print(f"Epoch {self.stopped_epoch + 1}: early stopping")
+
+
+class ReduceLROnPlateau(Callback):
+  """Lowers the learning rate when a monitored value stops improving, with
+  Keras's arguments and rule.
+
+  At the end of each epoch: a value better than the best by `min_delta`
+  resets the count; otherwise, outside a cooldown, after `patience` epochs
+  without one the rate becomes `max(rate * factor, min_lr)` and a cooldown
+  of `cooldown` epochs starts. The optimizer must keep its learning rate in
+  its state (a Keras optimizer, or optax's `inject_hyperparams`); the logs
+  get "learning_rate".
+
+  Args:
+    monitor: the log to watch, such as "val_loss".
+    factor: what the rate is multiplied by (below 1).
+    patience: epochs without improvement before lowering it.
+    verbose: 1 prints each change (process 0 only).
+    mode: "min", "max", or "auto" (max for names with "acc", else min).
+    min_delta: the smallest change that counts as an improvement.
+    cooldown: epochs to wait after a change before counting again.
+    min_lr: the lowest rate it sets.
+
+  Raises:
+    ValueError: a factor of 1 or more.
+
+  Example:
+    >>> import jdist
+    >>> cb = jdist.ReduceLROnPlateau(monitor="val_loss", factor=0.5,
+    ...                              patience=2, min_lr=1e-5)
+  """
+
+  def __init__(self, monitor: str = "val_loss", factor: float = 0.1,
+               patience: int = 10, verbose: int = 0, mode: str = "auto",
+               min_delta: float = 1e-4, cooldown: int = 0,
+               min_lr: float = 0.0):
+    super().__init__()
+    if factor >= 1.0:
+      raise ValueError("ReduceLROnPlateau does not support a factor >= 1.0 "
+                       f"(it lowers the rate), got {factor}.")
+    self.monitor, self.mode = monitor, resolve_mode(mode, monitor)
+    self.factor, self.patience, self.verbose = factor, patience, verbose
+    self.min_delta, self.cooldown, self.min_lr = min_delta, cooldown, min_lr
+
+  def on_train_begin(self, logs=None):
+    self.model.learning_rate  # fails early, with the fix, if not held
+    self.best = np.inf if self.mode == "min" else -np.inf
+    self.wait = 0
+    self.cooldown_counter = 0
+
+  def _improved(self, value) -> bool:
+    if self.mode == "min":
+      return value < self.best - self.min_delta
+    return value > self.best + self.min_delta
+
+  def on_epoch_end(self, epoch, logs=None):
+    logs = logs if logs is not None else {}
+    logs["learning_rate"] = self.model.learning_rate
+    value = logs.get(self.monitor)
+    if value is None:
+      warnings.warn(
+          f"ReduceLROnPlateau watches {self.monitor!r}, which is not in the "
+          f"logs ({sorted(logs)}); it does nothing.", UserWarning)
+      return
+    if self.cooldown_counter > 0:
+      self.cooldown_counter -= 1
+      self.wait = 0
+    if self._improved(value):
+      self.best, self.wait = value, 0
+    elif self.cooldown_counter <= 0:
+      self.wait += 1
+      if self.wait >= self.patience:
+        self._lower(epoch)
+
+  def _lower(self, epoch: int) -> None:
+    old = self.model.learning_rate
+    if old <= np.float32(self.min_lr):
+      return
+    new = max(old * self.factor, self.min_lr)
+    self.model.learning_rate = new
+    if self.verbose and is_chief():
+      print(f"\nEpoch {epoch + 1}: ReduceLROnPlateau reducing learning rate "
+            f"to {new:.6g}.")
+    self.cooldown_counter, self.wait = self.cooldown, 0

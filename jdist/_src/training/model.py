@@ -163,11 +163,15 @@ class ModelAdapter:
       third value, which the train step adds to the loss once per step.
     dtype_policy: the name of the dtype policy the model computes under by
       itself (a Keras model's layers'), or None: jdist casts for it.
+    output_names: the names of the model's outputs, if it names them (a
+      Keras model's `output_names`), which name a list of outputs' losses
+      and metrics; else None.
   """
 
   writes_back = False
   own_losses = False
   dtype_policy = None
+  output_names = None
 
   def check(self) -> None:
     """Raises if the model cannot be called the way the trainer calls it."""
@@ -377,6 +381,12 @@ class KerasModel(ModelAdapter):
   def dtype_policy(self) -> str:
     """The name of the dtype policy the model computes under (its own)."""
     return self.model.model.dtype_policy.name
+
+  @property
+  def output_names(self) -> list[str] | None:
+    """Keras's names of the model's outputs (a functional model's output
+    layers'); None where Keras has none (a subclassed model)."""
+    return getattr(self.model.model, "output_names", None) or None
 
   def init(self, key, x) -> tuple[Any, Any]:
     del key  # Keras initialises its variables itself (keras.utils.set_random_seed)

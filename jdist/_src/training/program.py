@@ -14,19 +14,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jdist._src.keras import compiled as keras_compiled
 from jdist._src.ops import precision
 from jdist._src.ops.loss_objects import Loss
 from jdist._src.training import mixed_precision
 from jdist._src.training import model as model_lib
 from jdist._src.training import objectives
 from jdist._src.training import optimizers
+from jdist._src.training import outputs
 from jdist._src.training import steps
 from jdist._src.training.state import TrainState
 
@@ -50,6 +52,8 @@ class TrainingProgram:
     policy: the mixed precision `DTypePolicy`.
     metric_items, weighted_items: `[(name, spec)]` of the metrics and the
       weighted metrics (`objectives.metric_items`).
+    output_metrics: for a model with several outputs, the `(metrics,
+      weighted_metrics)` given, matched to its outputs; else None.
     micro_batches: M micro-batches per replica's batch.
     batches_per_step: K batches per optimizer step (accumulation).
     given_optimizer: the optimizer before loss scaling (one that scales
@@ -74,6 +78,7 @@ class TrainingProgram:
   policy: precision.DTypePolicy
   metric_items: tuple = ()
   weighted_items: tuple = ()
+  output_metrics: tuple | None = None
   micro_batches: int = 1
   batches_per_step: int = 1
   given_optimizer: optax.GradientTransformation | None = None
@@ -81,7 +86,7 @@ class TrainingProgram:
   @classmethod
   def make(cls, model, *, optimizer, loss, metrics=None, weighted_metrics=None,
            params=None, dtype_policy=None, micro_batches: int = 1,
-           batches_per_step: int = 1) -> "TrainingProgram":
+           batches_per_step: int = 1, loss_weights=None) -> "TrainingProgram":
     """The program for what a user passes to `jdist.Trainer`.
 
     Each argument goes through its entry point (`model.adapt`,
@@ -99,22 +104,44 @@ class TrainingProgram:
     policy = precision.policy_of(
         dtype_policy if dtype_policy is not None else
         adapter.dtype_policy or "float32")
-    loss = objectives.resolve_loss(loss)
-    metric_items = tuple(objectives.metric_items(metrics))
-    weighted_items = tuple(objectives.metric_items(weighted_metrics,
-                                                   "weighted_metrics"))
-    clash = {n for n, _ in metric_items} & {n for n, _ in weighted_items}
-    if clash:
-      raise ValueError(f"Metric names {sorted(clash)} appear in both metrics "
-                       "and weighted_metrics; name them apart (a dict).")
+    names = adapter.output_names
+    output_metrics = None
+    if (isinstance(loss, (Mapping, list, tuple)) or loss_weights is not None
+        or len(names or ()) > 1):
+      # Keras's per-output losses, weights and metrics (`outputs.py`).
+      loss = outputs.OutputLosses(loss, loss_weights, names)
+      metric_items = weighted_items = ()
+      output_metrics = (metrics, weighted_metrics)
+    else:
+      loss = objectives.resolve_loss(loss)
+      metric_items = tuple(objectives.metric_items(metrics))
+      weighted_items = _weighted_names(
+          metric_items, objectives.metric_items(weighted_metrics,
+                                                "weighted_metrics"))
     check_count(batches_per_step, "gradient_accumulation_steps", minimum=1)
     check_count(micro_batches, "micro_batches", minimum=1)
     return cls(
         model=mixed_precision.adapt(adapter, policy), loss=loss,
         optimizer=mixed_precision.optimizer(given, policy), policy=policy,
         metric_items=metric_items, weighted_items=weighted_items,
-        micro_batches=int(micro_batches),
+        output_metrics=output_metrics, micro_batches=int(micro_batches),
         batches_per_step=int(batches_per_step), given_optimizer=given)
+
+  @classmethod
+  def with_compile(cls, model, given: dict, **kwargs
+                   ) -> tuple["TrainingProgram", int]:
+    """The program and `steps_per_execution` for the Trainer's arguments
+    `given` (optimizer, loss, loss_weights, metrics, weighted_metrics,
+    steps_per_execution; None where not given), completed from a Keras
+    model's own compile (`keras/compiled.py`); `kwargs` go to `make`.
+
+    Raises:
+      TypeError, ValueError: as `make`; no optimizer or loss, given or
+        compiled; or an argument given that the compile set otherwise.
+    """
+    args = keras_compiled.arguments(model, given)
+    steps_per_execution = args.pop("steps_per_execution") or 1
+    return cls.make(model, **args, **kwargs), steps_per_execution
 
   def with_optimizer(self, tx: optax.GradientTransformation
                      ) -> "TrainingProgram":
@@ -193,6 +220,8 @@ class TrainingProgram:
     """`{name: Metric}`, fresh, of the metrics then the weighted metrics,
     for targets like `y` and predictions like `y_pred` (arrays or their
     shapes: a metric's form may depend on them)."""
+    if self.output_metrics is not None:
+      return outputs.build_metrics(self.loss, *self.output_metrics, y, y_pred)
     return {**objectives.build_metrics(self.metric_items, self.loss, y, y_pred),
             **objectives.build_metrics(self.weighted_items, self.loss, y,
                                        y_pred)}
@@ -200,6 +229,26 @@ class TrainingProgram:
   def export(self, state: TrainState) -> Any:
     """The trained model in its own terms (`ModelAdapter.export`)."""
     return self.model.export(state.params, state.model_state)
+
+
+def _weighted_names(metric_items, weighted_items) -> tuple:
+  """The weighted metrics' items, one named as a metric renamed
+  `weighted_<name>`, as Keras names it.
+
+  Raises:
+    ValueError: that name is taken too.
+  """
+  taken = {n for n, _ in metric_items}
+  out = []
+  for name, spec in weighted_items:
+    if name in taken:
+      name = f"weighted_{name}"
+      if name in taken:
+        raise ValueError(f"Metric name {name!r} is taken; name the weighted "
+                         "metrics apart (a dict {name: metric}).")
+    taken.add(name)
+    out.append((name, spec))
+  return tuple(out)
 
 
 def check_count(value, name: str, *, minimum: int) -> None:

@@ -63,7 +63,8 @@ def _accumulate(totals: dict, loss_values, y_pred, batch: dict,
   new = {"loss": totals["loss"].update(loss_values)}
   for name, metric in totals.items():
     if name != "loss":
-      new[name] = metric.update(y, y_pred, sw if name in weighted else None)
+      takes = name in weighted or getattr(metric, "takes_sample_weight", False)
+      new[name] = metric.update(y, y_pred, sw if takes else None)
   return new
 
 
@@ -195,7 +196,7 @@ def predictions(model, state: TrainState, x):
                        (state.params, state.model_state))
   y_pred = jax.jit(lambda p, s, x: model.apply(p, s, x, train=False)[0])(
       *state, x)
-  return np.asarray(y_pred)
+  return jax.tree.map(np.asarray, y_pred)
 
 
 def input_spec(x) -> Any:

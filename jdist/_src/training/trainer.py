@@ -41,19 +41,29 @@ class Trainer:
   (or, failing that, when it is first used).
 
   Args:
-    model: a flax linen `Module`, a flax nnx `Module`, or an apply function
-      `apply_fn(params, x)` (which may also take `train=` and `rng=`).
-    optimizer: an optax `GradientTransformation`. For `LearningRateScheduler`,
-      build it with `optax.inject_hyperparams`.
+    model: a flax linen `Module`, a flax nnx `Module`, a Keras 3 model (JAX
+      backend), or an apply function `apply_fn(params, x)` (which may also
+      take `train=` and `rng=`). A compiled Keras model brings its compile's
+      arguments (one given here with another value is an error).
+    optimizer: an optax `GradientTransformation`, or a Keras optimizer
+      (object or name). For `LearningRateScheduler`, build an optax one with
+      `optax.inject_hyperparams`.
     loss: as in Keras: a `jdist.losses` object (e.g.
-      `jdist.losses.SparseCategoricalCrossentropy(from_logits=True)`), a name
-      ("sparse_categorical_crossentropy", "categorical_crossentropy",
-      "binary_crossentropy": probabilities, as in Keras; "mse", "mae"), or a
-      per-example function `loss(y_true, y_pred) -> (batch,)`.
-    metrics: names ("accuracy", "mse", ...), `jdist.metrics` objects or
-      per-example functions `metric(y_true, y_pred)`, as a list, or a dict
-      `{name: metric}`.
-    weighted_metrics: like `metrics`, weighted by the data's sample weights.
+      `jdist.losses.SparseCategoricalCrossentropy(from_logits=True)`), a
+      Keras loss, a name ("sparse_categorical_crossentropy",
+      "categorical_crossentropy", "binary_crossentropy": probabilities, as in
+      Keras; "mse", "mae"), or a per-example function `loss(y_true, y_pred)
+      -> (batch,)`. With several outputs, as in Keras: `{output name: loss}`,
+      a list in the outputs' order, or one loss for all (logs add
+      `<output>_loss`).
+    metrics: names ("accuracy", "mse", ...), `jdist.metrics` or Keras metric
+      objects, or per-example functions `metric(y_true, y_pred)`, as a list,
+      or a dict `{name: metric}`. With several outputs, as in Keras: `{output
+      name: metrics}` or a list per output (logged as `<output>_<metric>`).
+    weighted_metrics: like `metrics`, weighted by the data's sample weights
+      (one named as a metric is logged as `weighted_<name>`, as in Keras).
+    loss_weights: as Keras's compile: the outputs' losses are summed times
+      these weights (a dict or list like `loss`, or one number).
     params: initial parameters: required for an apply function; for a linen
       module, its variables (skips initialisation).
     strategy: the strategy to run on; default: the current one.
@@ -64,13 +74,13 @@ class Trainer:
       state keeps its parameter's layout within each replica and is split
       over the replicas on top of it.
     steps_per_execution: training batches run per compiled call (Keras'
-      argument): the host dispatches once per group of this many steps,
-      which speeds up small models (and is what TPUs want). The results are
-      those of one step per call. As in Keras, per-batch callbacks are called
-      once per execution: `on_train_batch_begin` with the index of its first
-      batch, `on_train_batch_end` with its last; checkpoints every
-      `save_freq` steps are saved at the end of the execution that reaches
-      them. `evaluate` and `predict` run one batch per call.
+      argument; default 1): the host dispatches once per group of them, which
+      speeds up small models (and is what TPUs want). The results are those of
+      one step per call. As in Keras, per-batch callbacks are called once per
+      execution: `on_train_batch_begin` with the index of its first batch,
+      `on_train_batch_end` with its last; checkpoints every `save_freq` steps
+      are saved at the end of the execution that reaches them. `evaluate` and
+      `predict` run one batch per call.
     dtype_policy: mixed precision, by Keras' names: "float32" (default),
       "mixed_bfloat16" or "mixed_float16" (or a `jdist.DTypePolicy`). A
       Keras model computes under its own layers' policy (Keras's
@@ -131,16 +141,18 @@ class Trainer:
     ['accuracy', 'loss']
   """
 
-  def __init__(self, model, *, optimizer, loss, metrics=None,
-               weighted_metrics=None, params=None, strategy=None,
-               seed: int = 0, shard_optimizer_state: bool = False,
-               steps_per_execution: int = 1, dtype_policy=None,
+  def __init__(self, model, *, optimizer=None, loss=None, metrics=None,
+               weighted_metrics=None, loss_weights=None, params=None,
+               strategy=None, seed: int = 0,
+               shard_optimizer_state: bool = False,
+               steps_per_execution: int | None = None, dtype_policy=None,
                gradient_accumulation_steps: int = 1, micro_batches: int = 1,
                pad_to_replicas: bool = False, memory_budget=None):
-    self._program = TrainingProgram.make(
-        model, optimizer=optimizer, loss=loss, metrics=metrics,
-        weighted_metrics=weighted_metrics, params=params,
-        dtype_policy=dtype_policy, micro_batches=micro_batches,
+    self._program, steps_per_execution = TrainingProgram.with_compile(
+        model, dict(optimizer=optimizer, loss=loss, loss_weights=loss_weights,
+                    metrics=metrics, weighted_metrics=weighted_metrics,
+                    steps_per_execution=steps_per_execution),
+        params=params, dtype_policy=dtype_policy, micro_batches=micro_batches,
         batches_per_step=gradient_accumulation_steps)
     self._steps_per_execution = steps_per_execution
     self._batches_per_call = step_functions.batches_per_call(
@@ -227,6 +239,8 @@ class Trainer:
   def metrics_names(self) -> list[str]:
     """The names in the logs, as Keras' `model.metrics_names`: "loss", then
     the metrics and the weighted metrics."""
+    if self._totals is not None:  # built for the data (several outputs)
+      return ["loss"] + list(self._totals.metrics)
     return self._program.metrics_names
 
   @property
