@@ -192,8 +192,8 @@ class TrainPlanner:
     batch = self._first_batch(strategy, sample, size)
     train = functions.train()
     carried = train.carry(state, totals)
-    lowered = (train.lower(state, totals, batch) if carried is None else
-               carried.program.lower(*carried.leaves, batch))
+    lowered = (train.lower(state, totals, batch) if carried.leaves is None
+               else carried.program.lower(*carried.leaves, batch))
     batch_leaves = memory.batch_leaves(batch)
     other = [dataclasses.replace(l, path=f"totals/{l.path}",
                                  kind=memory.OTHER)
