@@ -78,13 +78,9 @@ def merge_micro_batches(tree):
 def scan_micro_batches(loss_fn: Callable, params, carry, batch, *,
                        num_micro_batches: int, num_batches: int = 1,
                        sum_over_replicas: bool = True):
-  """The engine of `accumulate_gradients`, with a `carry` between micro-batches.
-
-  `loss_fn(params, carry, micro_batch, index) -> (loss, (carry, aux))` over
-  `num_batches` joined batches of `num_micro_batches` each; returns
-  `((loss, (carry, aux)), grads)` with `aux` stacked. With
-  `sum_over_replicas=False` each replica keeps its own gradients.
-  """
+  """`accumulate_gradients` with a `carry` between micro-batches: `loss_fn(
+  params, carry, micro_batch, index) -> (loss, (carry, aux))`; returns
+  `((loss, (carry, aux)), grads)` with `aux` stacked."""
   per_batch = check_steps(num_micro_batches)
   k = per_batch * num_batches
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -145,10 +141,10 @@ def accumulate_gradients(loss_fn: Callable, params, batch, *,
                          num_micro_batches: int, has_aux: bool = False) -> Any:
   """`jax.value_and_grad` over a batch split into micro-batches.
 
-  Inside a step, each replica's batch runs as micro-batches one after
-  another and the gradients are summed over replicas once. With the loss
-  scaled by `jdist.compute_average_loss` the result equals
-  `jax.value_and_grad` of the whole batch (outside a step: their mean).
+  Each replica's batch runs as micro-batches one after another, and the
+  gradients are summed over replicas once. With the loss scaled by
+  `jdist.compute_average_loss` the result equals `jax.value_and_grad` of
+  the whole batch (docs/accumulation_and_precision.md).
 
   Args:
     loss_fn: `loss_fn(params, micro_batch) -> loss` (or `(loss, aux)`),
@@ -169,20 +165,14 @@ def accumulate_gradients(loss_fn: Callable, params, batch, *,
       not split into that many micro-batches.
 
   Example:
-    >>> import jdist, jax.numpy as jnp, numpy as np
-    >>> strategy = jdist.get_strategy()
+    >>> import jdist, jax.numpy as jnp
     >>> def loss_fn(w, batch):
     ...   return jdist.compute_average_loss((batch["x"] @ w - batch["y"]) ** 2)
-    >>> @strategy.function
-    ... def step(w, batch):
-    ...   loss, grad = jdist.accumulate_gradients(loss_fn, w, batch,
-    ...                                           num_micro_batches=4)
-    ...   return w - 0.1 * grad, loss
-    >>> data = {"x": np.ones((8, 2), np.float32), "y": np.ones(8, np.float32)}
-    >>> batches = strategy.experimental_distribute_dataset([data])
-    >>> w, loss = step(jnp.zeros(2), next(iter(batches)))
-    >>> float(strategy.reduce("sum", loss))
-    1.0
+    >>> data = {"x": jnp.ones((8, 2)), "y": jnp.ones(8)}
+    >>> loss, grad = jdist.accumulate_gradients(loss_fn, jnp.zeros(2), data,
+    ...                                         num_micro_batches=4)
+    >>> float(loss), grad.tolist()
+    (1.0, [-2.0, -2.0])
   """
   def with_carry(p, carry, micro_batch, index):
     del index

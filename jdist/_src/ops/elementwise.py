@@ -164,9 +164,8 @@ def _output_names(out) -> list[str]:
 
 def result_problem(optimizer, layout: Layout,
                    state_axes: Callable[[list, list], list]) -> str | None:
-  """Why the update on each replica's blocks of a small random probe does not
-  put together the whole leaves' update (naming the first leaf), or None.
-  It runs eagerly on the CPU for two steps, also inside a trace."""
+  """Why the blocks' updates of a small random probe do not make up the whole
+  leaves' update (naming the first leaf), or None; runs eagerly on the CPU."""
   probe = layout.probe_specs()
   axes_of_state = state_axes(probe, layout.block_specs(probe))
   rng = np.random.default_rng(0)

@@ -194,8 +194,6 @@ class Mean(Metric):
     >>> m = jdist.metrics.Mean().update(jnp.array([1.0, 2.0, 6.0]))
     >>> float(m.result())
     3.0
-    >>> float(m.update(jnp.array([3.0, 5.0]), sample_weight=[1.0, 0.0]).result())
-    3.0
     >>> float(m.reset().result())  # nothing seen: 0.0, as in Keras
     0.0
   """

@@ -29,11 +29,9 @@ def pipeline(layer_fn: Callable[[Any, Any], Any], stacked_params: Any,
   with a pipeline axis, one after another otherwise.
 
   In a step of `jdist.ModelParallelStrategy(pipeline_axis=...)` each
-  replica's batch is split into microbatches (rows `i, i + M, ...` form
-  microbatch `i`) that the stages run as `strategy.pipeline` schedules;
-  anywhere else the layers run in order, so the model is the same function
-  everywhere. Rows must not interact inside a layer (no batch statistics).
-  See docs/pipelines.md.
+  replica's batch is split into microbatches that the stages run;
+  anywhere else the layers run in order. Rows must not interact inside a
+  layer (no batch statistics). See docs/pipelines.md.
 
   Args:
     layer_fn: one layer, `(params, x) -> x`, taking one layer's parameters
@@ -170,13 +168,10 @@ def _stage_fn(layer_fn: Callable, remat: bool, per_stage: int) -> Callable:
 
 def _stage_loop(layer_fn: Callable, schedule: PipelineSchedule, w: Any,
                 micro: Any, dtypes: tuple) -> Any:
-  """Inside the map over the pipeline axis: one stage's loop over its layers
-  `w` (leaves `(V, 1, k, ...)`) and the microbatches `micro` (`(M, b, ...)`,
-  maybe `_widened` from `dtypes`); every microbatch's output, on every stage.
-
-  Both are typed as varying over every axis before the loop, so autodiff
-  sums their gradients once after it rather than at every iteration.
-  """
+  """One stage's loop over its layers `w` (leaves `(V, 1, k, ...)`) and the
+  microbatches `micro` (`(M, b, ...)`); every microbatch's output, on every
+  stage. Both are typed as varying before the loop, so autodiff sums their
+  gradients once after it."""
   axis, s = schedule.axis, schedule.num_stages
   m, v = schedule.num_microbatches, schedule.num_repeats
   stage = lax.axis_index(axis)

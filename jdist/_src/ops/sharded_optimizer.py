@@ -29,15 +29,7 @@ from jdist._src.ops import elementwise
 def split_axis(shape: Sequence[int], num_replicas: int,
                within: Sequence[int] | None = None) -> int | None:
   """The first axis of `shape` that `num_replicas` (times `within`, the
-  per-axis split within a replica) divides, or None (kept whole).
-
-  Example:
-    >>> from jdist._src.ops.sharded_optimizer import split_axis
-    >>> split_axis((10, 64), 4), split_axis((10,), 4), split_axis((), 4)
-    (1, None, None)
-    >>> split_axis((2, 8), 2, within=(2, 1))  # axis 0: 2 replicas x 2 devices
-    1
-  """
+  per-axis split within a replica) divides, or None (kept whole)."""
   if num_replicas == 1:
     return None
   for k, size in enumerate(shape):
@@ -69,13 +61,10 @@ def _block(x, axis: int, num_replicas: int, index) -> jax.Array:
 class ShardedOptimizer:
   """An optax optimizer whose state is split over the replicas (ZeRO).
 
-  A drop-in for the optax `GradientTransformation` it wraps: `init` places
-  each replica's block of the state; `update`, in a step, updates this
-  replica's block and returns the whole update. Gradients summed by
-  `jax.grad` are cut to the block (ZeRO-1); this optimizer's
-  `value_and_grad` keeps them per replica for a reduce-scatter (ZeRO-2).
-  The optimizer must be elementwise (adam, sgd, ...; `init` checks it).
-  See docs/sharded_optimizer.md.
+  A drop-in for the elementwise optax optimizer it wraps (adam, sgd, ...):
+  each replica updates its block of the state and the update is gathered
+  whole. Its `value_and_grad` keeps gradients per replica for a
+  reduce-scatter (ZeRO-2). See docs/sharded_optimizer.md.
 
   Args:
     optimizer: the optax `GradientTransformation` to shard.

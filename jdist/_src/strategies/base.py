@@ -60,11 +60,8 @@ class StrategyBase(abc.ABC):
   @property
   def synchronous(self) -> bool:
     """Whether every step is one SPMD program run in lock-step by all
-    replicas (False for `ParameterServerStrategy`).
-
-    A synchronous step may run several batches per call, may donate its
-    state, and returns state as an immutable value; an asynchronous one
-    runs one step per call on state held remotely and updated in place.
+    replicas (False for `ParameterServerStrategy`, whose steps update state
+    held remotely, in place).
 
     Example:
       >>> import jdist
@@ -176,8 +173,8 @@ class StrategyBase(abc.ABC):
     return self.replicate(value)
 
   def outside_user_mesh(self) -> contextlib.AbstractContextManager:
-    """For the block: the mesh the user set (`jax.set_mesh`; it must be this
-    strategy's) set aside, so jdist's programs run as they do without one.
+    """For the block: the mesh the user set with `jax.set_mesh` (it must be
+    this strategy's) set aside.
 
     Raises:
       jdist.StrategyMismatchError: another mesh is in context.

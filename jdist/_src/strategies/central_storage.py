@@ -79,9 +79,8 @@ def _all_local_devices() -> tuple:
 class CentralStorageStrategy(Strategy):
   """Synchronous training with the variables held once, on one device.
 
-  Steps run as under `MirroredStrategy`. Between steps the mirrored state is
-  held on the parameter device only (one copy instead of one per replica),
-  at the cost of two transfers of the state per step.
+  Steps run as under `MirroredStrategy`; between steps the state is held
+  once, on the parameter device, at two transfers of it per step.
 
   Args:
     compute_devices: the devices that run the replicas (as

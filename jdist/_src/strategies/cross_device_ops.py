@@ -8,9 +8,8 @@ from typing import Any
 class CrossDeviceOps:
   """Base class of the accepted `cross_device_ops` values (TF's names).
 
-  The all-reduce is part of the compiled XLA program and XLA chooses its
-  algorithm, so all of them mean XLA's all-reduce (same sums); TF code runs
-  unchanged, and any other value is refused.
+  XLA chooses the all-reduce of the compiled step, so all of them mean
+  XLA's all-reduce; any other value is refused.
 
   Example:
     >>> import jdist

@@ -15,9 +15,8 @@ from jdist._src.runtime import runtime as runtime_lib
 
 
 def default_devices(shape: tuple) -> np.ndarray:
-  """Every device of the run, laid out on `shape` by the hybrid mesh rule
-  (the first axis split over the processes), or in `jax.devices()` order
-  when they do not fit it (the caller's size check names the mismatch)."""
+  """Every device of the run, laid out on `shape` by the hybrid mesh rule,
+  or in `jax.devices()` order when they do not fit it."""
   runtime_lib.initialize()  # a process of a run sees every device only after
   processes = jax.process_count()
   devices = jax.devices()
@@ -80,9 +79,8 @@ class DeviceMesh:
     shape: the size of each axis; their product is the number of devices.
     axis_names: one name per axis.
     devices: the devices, in row-major order over `shape`. Default: every
-      device of every process (joining the run, `jdist.initialize`), the
-      first axis split over the processes and the others within each, so
-      only the replicas' gradient sum crosses the network between hosts.
+      device of every process (joining the run), the first axis split over
+      the processes (docs/model_parallelism.md).
 
   Raises:
     ValueError: the shape and the names differ in length, a name repeats,

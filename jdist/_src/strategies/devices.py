@@ -22,9 +22,8 @@ def _describe(devices: Sequence[Any]) -> str:
 
 def resolve_device(spec: Any, candidates: Sequence[Any]) -> Any:
   """The device among `candidates` that `spec` names: a jax Device, an
-  index, or a string ("cpu:1", TensorFlow's full name of a device of this
-  process) whose number is the position among that platform's candidates
-  (ids are not contiguous across processes)."""
+  index, or a string ("cpu:1", or TensorFlow's full name) whose number is
+  the position among that platform's candidates."""
   if isinstance(spec, jax.Device):
     if spec not in candidates:
       raise ValueError(
@@ -104,9 +103,8 @@ def _ring_order(devices: Sequence[Any]) -> tuple:
 
 
 def replica_order(devices: Sequence[Any]) -> tuple:
-  """`devices` (of one platform) in replica order: on TPU and GPU the ring
-  of the interconnect, as `jax.make_mesh` orders them (TPU slices one after
-  another); elsewhere by (process, id) (docs/many_hosts.md).
+  """`devices` (of one platform) in replica order: on TPU and GPU the
+  interconnect's ring, as `jax.make_mesh` orders them; else by (process, id).
   """
   devices = tuple(devices)
   if not devices or devices[0].platform not in ("tpu", "gpu"):

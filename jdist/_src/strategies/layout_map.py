@@ -21,11 +21,9 @@ class LayoutMap(collections.abc.MutableMapping):
   """Rules from parameter paths to per-dimension mesh axes.
 
   As Keras 3's `keras.distribution.LayoutMap`: a key is a regular expression
-  matched whole against a parameter's path (`Dense_0/kernel`), or a tail of
-  it after a "/" (so it lays out the parameter's copies in optimizer state
-  too); the value names one mesh axis (or None) per dimension. A key equal
-  to the path wins; a path no key matches is replicated, one that two keys
-  match is an error. A key ending in "/output" lays out a layer's output.
+  matched whole against a parameter's path (`Dense_0/kernel`) or its tail
+  after a "/"; the value names one mesh axis (or None) per dimension. A
+  path no key matches is replicated (the rules: docs/model_parallelism.md).
 
   Args:
     device_mesh: the `jdist.DeviceMesh` the axes belong to, or a
@@ -40,9 +38,6 @@ class LayoutMap(collections.abc.MutableMapping):
     P(None, 'model')
     >>> layout_map["dense_1/bias"] is None
     True
-    >>> params = {"dense_1": {"kernel": jnp.zeros((3, 8)), "bias": jnp.zeros(8)}}
-    >>> layout_map.partition_specs(params)["dense_1"]["bias"]
-    P()
   """
 
   def __init__(self, device_mesh: DeviceMesh | Mesh):
@@ -137,11 +132,9 @@ class LayoutMap(collections.abc.MutableMapping):
     return tuple(k for k in self._rules if k.endswith(_OUTPUT))
 
   def output_layout(self, path: str) -> P | None:
-    """The layout of the output of the layer at `path`: its key
-    `"<layer path>/output"`, as Keras's output-layout keys.
-
-    Inside a step jdist constrains the outputs of flax modules to it (a
-    module's path in the model: `Dense_1`, `block/mlp`).
+    """The layout of the output of the layer at `path` (`Dense_1`,
+    `block/mlp`): its key `"<layer path>/output"`, as in Keras. Inside a
+    step jdist constrains the outputs of flax modules to it.
 
     Raises:
       ValueError: see `layout_of`.
@@ -198,11 +191,8 @@ class LayoutMap(collections.abc.MutableMapping):
         path, shape, spec, "or None for that dimension in its LayoutMap key.")
 
   def partition_specs(self, tree: Any) -> Any:
-    """A `PartitionSpec` for every leaf of the parameter tree `tree`.
-
-    A leaf in a flax box is named by the box's path (`Dense_0/kernel`).
-    Warns for each key that matched no leaf (a misspelt path).
-    """
+    """A `PartitionSpec` for every leaf of the parameter tree `tree`; warns
+    for each key that matched no leaf (a misspelt path)."""
     entries = named_leaves(tree)
     specs = [self.spec_for(n, np.shape(x)) for n, x, _ in entries]
     self.warn_unmatched([n for n, x, _ in entries if np.ndim(x)])
@@ -215,8 +205,7 @@ class LayoutMap(collections.abc.MutableMapping):
 
   def warn_unmatched(self, names: list[str]) -> None:
     """Warns for each parameter key that matches none of `names`, the paths
-    of a tree's arrays of one dimension or more (none: nothing to warn of).
-    """
+    of a tree's arrays of one dimension or more."""
     if not names:
       return
     for key in self.unmatched(names):

@@ -34,12 +34,6 @@ class MirroredStrategy(Strategy):
     >>> strategy = jdist.MirroredStrategy()
     >>> strategy.num_replicas_in_sync == len(jax.local_devices())
     True
-
-    On a mesh of JAX's own:
-
-    >>> mesh = jax.make_mesh((len(jax.devices()),), ("data",))
-    >>> jdist.MirroredStrategy(mesh=mesh).axis_name
-    'data'
   """
 
   def __init__(self, devices: Sequence[Any] | None = None, *,
@@ -93,8 +87,7 @@ def mirrored(fn: Callable | None = None, *, devices=None, **options):
   """Decorator: runs `fn` as a per-replica step with a `MirroredStrategy`.
 
   The strategy (over `devices`, default every local one) is made at the
-  first call, then available as `step.strategy`. Other keyword arguments are
-  those of `Strategy.function`.
+  first call, as `step.strategy`; other arguments are `Strategy.function`'s.
 
   Example:
     >>> import jdist, jax.numpy as jnp

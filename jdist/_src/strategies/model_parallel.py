@@ -44,16 +44,10 @@ class ModelParallelStrategy(Strategy):
   """Data parallelism over one mesh axis, the parameters split over the others.
 
   As Keras 3's `keras.distribution.ModelParallel`: `batch_dim_name` splits
-  the global batch over the replicas; each replica spans the devices of the
-  other axes, over which XLA partitions its computation from the
-  parameters' layouts. The per-replica step means what it means for
-  `MirroredStrategy`; gradients are summed over the replicas.
-
-  An array's layout is its `layout_map` key's, else its flax partition
-  metadata's (linen `nn.with_partitioning`, `nn.with_logical_partitioning`,
-  nnx `out_sharding`: keep the boxes in the state), else replicated.
-  `fsdp_axis` adds FSDP, `pipeline_axis` pipeline stages
-  (docs/model_parallelism.md, docs/pipelines.md).
+  the global batch over the replicas, each of which spans the devices of
+  the other axes. An array's layout is its `layout_map` key's, else its
+  flax partition metadata's, else replicated (docs/model_parallelism.md;
+  pipeline stages: docs/pipelines.md).
 
   Args:
     layout_map: a `jdist.LayoutMap`, or None to lay out from flax's
@@ -63,10 +57,8 @@ class ModelParallelStrategy(Strategy):
     batch_dim_name: the mesh axis of the replicas (default: the first).
     fsdp_axis: a mesh axis (not the batch one) that splits every parameter
       and each replica's batch (ZeRO-3), or None.
-    logical_axis_rules: `(logical name, mesh axes or None)` pairs, as
-      flax's `nn.logical_axis_rules` takes (default: the rules of the
-      context open when the strategy is made). A name with no rule is
-      replicated, with a warning.
+    logical_axis_rules: `(logical name, mesh axes or None)` pairs, as in
+      flax (default: those of flax's context open when the strategy is made).
     pipeline_axis: a mesh axis (not the batch or FSDP one) whose devices are
       the stages of `jdist.pipeline`, or None.
     num_microbatches: the microbatches of each replica's batch (default:
@@ -89,17 +81,6 @@ class ModelParallelStrategy(Strategy):
     ...                                        batch_dim_name="data")
     >>> params = strategy.init(lambda: {"w": jnp.ones((2, 4))})
     >>> params["w"].sharding.spec
-    P(None, 'model')
-
-    From flax's metadata, with no LayoutMap:
-
-    >>> import flax.linen as nn
-    >>> strategy = jdist.ModelParallelStrategy(device_mesh=mesh)
-    >>> dense = nn.Dense(4, kernel_init=nn.with_partitioning(
-    ...     nn.initializers.lecun_normal(), (None, "model")))
-    >>> x = jnp.ones((1, 2))
-    >>> variables = strategy.init(dense.init, jax.random.key(0), x)
-    >>> variables["params"]["kernel"].value.sharding.spec
     P(None, 'model')
   """
 
@@ -216,12 +197,10 @@ class ModelParallelStrategy(Strategy):
     return self._with_fsdp(spec, shape)
 
   def partition_specs(self, tree: Any) -> Any:
-    """The `PartitionSpec` of every leaf of `tree`, with `fsdp_axis`; a
-    `jdist.Sharded`'s leaves keep their own.
+    """The `PartitionSpec` of every leaf of `tree`, with `fsdp_axis`.
 
     Raises:
-      ValueError: a layout names an axis the mesh does not have, or splits a
-        dimension that the axis's size does not divide.
+      ValueError: a layout does not fit the mesh or its array.
     """
     names, nodes, _ = named_nodes(tree, stop=kinds.has_layouts)
     unruled, specs, paths = [], [], []
@@ -246,11 +225,7 @@ class ModelParallelStrategy(Strategy):
 
   def replica_layouts(self, tree: Any) -> list:
     """The layout of each leaf of `tree` within a replica, in flattening
-    order, as `partition_specs` gives it (without its warnings).
-
-    Raises:
-      ValueError: see `partition_specs`.
-    """
+    order, as `partition_specs` gives it (without its warnings)."""
     return [self._spec(name, np.shape(leaf), box)
             for name, leaf, box in named_leaves(tree)]
 
@@ -260,16 +235,6 @@ class ModelParallelStrategy(Strategy):
 
     Raises:
       ValueError: see `partition_specs`.
-
-    Example:
-      >>> import jax, jax.numpy as jnp, jdist
-      >>> n = len(jax.devices())
-      >>> mesh = jdist.DeviceMesh((1, n), ("data", "model"))
-      >>> layout_map = jdist.LayoutMap(mesh)
-      >>> layout_map["w"] = (None, "model")
-      >>> strategy = jdist.ModelParallelStrategy(layout_map=layout_map)
-      >>> strategy.replicate({"w": jnp.ones((2, 4))})["w"].sharding.spec
-      P(None, 'model')
     """
     names, nodes, treedef = named_nodes(tree, stop=kinds.is_node)
     unruled, laid_out, placed = [], [], []
@@ -332,12 +297,9 @@ class ModelParallelStrategy(Strategy):
     return fsdp_spec(spec, shape, self._fsdp_axis, size)
 
   def keep_layouts(self, outputs: Any) -> Any:
-    """Inside a traced step: its outputs held in the layouts `init` gives.
-
-    Otherwise XLA may return an array in another layout, and the next call
-    compiles the step again. An array its layout cannot lay out (another
-    rank, an indivisible dimension) is left as XLA places it.
-    """
+    """Inside a traced step: its outputs held in the layouts `init` gives,
+    so the next call does not compile again; an array its layout cannot lay
+    out is left as XLA places it."""
     names, nodes, treedef = named_nodes(outputs, stop=kinds.is_node)
 
     def constrain(name, box, x):
@@ -368,12 +330,9 @@ class ModelParallelStrategy(Strategy):
 
   def init(self, fn: Callable, *args, **kwargs) -> Any:
     """Runs `fn(*args, **kwargs)` compiled so that its result is created laid
-    out: each leaf directly in its layout, never whole on one device.
-
-    For the parameters and the optimizer state (`strategy.init(
-    optimizer.init, params)`: a key matches a path's tail, so the moments
-    are split as their parameter). `fn` runs under the strategy's mesh and
-    `logical_axis_rules`, so an eagerly sharded nnx model can be built in it.
+    out, never whole on one device: the parameters, or the optimizer state
+    (`strategy.init(optimizer.init, params)`). `fn` runs under the mesh and
+    `logical_axis_rules`, so an nnx model can be built in it.
 
     Raises:
       ValueError: see `partition_specs` (before anything runs).

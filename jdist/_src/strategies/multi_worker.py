@@ -14,10 +14,9 @@ from jdist._src.strategies.devices import from_mesh, replica_order
 class MultiWorkerMirroredStrategy(Strategy):
   """Synchronous data parallelism over the devices of all processes.
 
-  Every process runs the same program (multi-controller SPMD) and feeds
-  only its own replicas. Creating the strategy joins the run
-  (`jdist.initialize`); without a cluster it is one process, like
-  `MirroredStrategy` (docs/many_hosts.md).
+  Every process runs the same program and feeds only its own replicas.
+  Creating the strategy joins the run (`jdist.initialize`); without a
+  cluster it is `MirroredStrategy` (docs/many_hosts.md).
 
   Args:
     cluster_resolver: how to find the cluster (see `jdist.cluster_resolver`);

@@ -1,9 +1,7 @@
-"""Layouts read from flax's own partition metadata: linen `Partitioned`
-(mesh axes) and `LogicallyPartitioned` (logical names mapped by rules as
-`nn.logical_to_mesh_axes` maps them) boxes, and nnx variables'
-`out_sharding`. optax keeps the boxes around a parameter's moments, so every
-copy of a parameter in a state is laid out from its box, under any path; a
-leaf in a box is named by the box's path (`Dense_0/kernel`).
+"""Layouts read from flax's own partition metadata: linen `Partitioned` and
+`LogicallyPartitioned` boxes, and nnx variables' `out_sharding`. optax keeps
+the boxes around a parameter's moments, so every copy of a parameter is laid
+out from its box; a leaf in a box is named by the box's path.
 """
 
 from __future__ import annotations
@@ -104,13 +102,12 @@ class PartitionMetadata:
 
   def spec(self, path: str, shape: Sequence[int], box: Any, *,
            unruled: list | None = None) -> P | None:
-    """The checked `PartitionSpec` that `box`'s metadata gives the array of
-    `shape` at `path`, or None when the box carries no layout; each
-    `(path, logical name)` no rule maps is appended to `unruled`.
+    """The checked `PartitionSpec` that `box` gives the array of `shape` at
+    `path`, or None; each `(path, logical name)` no rule maps is appended
+    to `unruled`.
 
     Raises:
-      ValueError: an axis the mesh does not have, more entries than
-        dimensions, or an axis size that does not divide its dimension.
+      ValueError: the layout does not fit the mesh or the array.
     """
     import flax.linen as nn
     from flax import nnx

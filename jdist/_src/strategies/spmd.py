@@ -122,13 +122,7 @@ class Strategy(StrategyBase):
 
   def replica_layouts(self, tree: Any) -> list:
     """The `PartitionSpec` within a replica of each leaf of `tree`, in
-    flattening order (`P()`: a replica is one device here).
-
-    Example:
-      >>> import jdist, jax.numpy as jnp
-      >>> jdist.MirroredStrategy().replica_layouts({"w": jnp.zeros((2, 3))})
-      [P()]
-    """
+    flattening order (`P()`: a replica is one device here)."""
     return [P() for _ in jax.tree.leaves(tree)]
 
   def shardings(self, tree: Any) -> Any:
@@ -176,22 +170,19 @@ class Strategy(StrategyBase):
                state_output=state_output_lib.DEFAULT):
     """Compiles `fn` as a per-replica step; the result is called like `fn`.
 
-    `fn` runs once per replica (inside `jax.shard_map`) on its slice of
-    `PerReplica` arguments; other arguments reach every replica whole.
-    Outputs equal on every replica come back mirrored, the others as
-    `PerReplica`. It is traced twice per compilation (once abstractly).
+    `fn` runs once per replica on its slice of `PerReplica` arguments;
+    other arguments reach every replica whole. Outputs equal on every
+    replica come back mirrored, the others as `PerReplica`.
 
     Args:
       fn: the per-replica step; omit it to decorate with arguments.
-      donate_argnums: passed to `jax.jit`.
-      static_argnums, static_argnames: passed to `jax.jit`.
+      donate_argnums, static_argnums, static_argnames: passed to `jax.jit`.
       check_state: raise `jdist.VaryingStateError` when an output shaped
         like a mirrored input (the state) varies over replicas.
       check_loss_scaling: raise `jdist.LossScalingError` when the loss is a
-        mean over the replica's batch (gradients num_replicas times too
-        large).
-      state_output: as `jdist.ParameterServerStrategy.function` takes it;
-        only its form is checked here, so a step runs under every strategy.
+        mean over the replica's batch (gradients too large).
+      state_output: as `jdist.ParameterServerStrategy.function` takes it
+        (only its form is checked here).
 
     Returns:
       A `DistributedFunction`.
@@ -222,8 +213,7 @@ class Strategy(StrategyBase):
       reduce_op: `jdist.ReduceOp` SUM, MEAN, MAX or MIN (or its name).
       value: a pytree holding `PerReplica` values (and mirrored arrays).
       axis: None to combine replicas' values; an axis of each replica's value
-        to reduce along it as well (axis=0 of per-example values is over the
-        whole global batch, padding excluded).
+        to reduce along it as well (padding excluded).
 
     Returns:
       The reduced pytree, replicated on every device (and every process).
@@ -255,9 +245,8 @@ class Strategy(StrategyBase):
                                       global_batch_size: int | None = None):
     """Splits each global batch of `dataset` over the replicas.
 
-    The global batch size must divide evenly over the replicas. A shorter
-    last batch is padded and masked: nothing is dropped or counted twice,
-    and the step does not recompile.
+    The global batch size must divide evenly over the replicas; a shorter
+    last batch is padded and masked (nothing dropped or counted twice).
 
     Args:
       dataset: any iterable of batches (pytrees of arrays with a leading batch

@@ -432,35 +432,23 @@ class _Hooks:
 
 
 class _Carry:
-  """The loop's state and totals between calls of the train function,
-  held flat: `DistributedFunction.carry`'s program runs on their leaves and
-  replaces them, so no pytree is built per call; whichever way an epoch
-  runs, fit compiles the step once. Where the step function cannot run
-  them flat (its `carry` gives None: a parameter-server step, state held
-  off the mesh), they are passed whole, as a call takes them.
-  """
+  """The loop's state and totals between calls of the train function, as
+  its `carry` holds them (`core/carried.py`): flat, so that no pytree is
+  built per call, or whole where the step cannot take them flat (a
+  parameter-server step, state held off the mesh)."""
 
   def __init__(self, train):
     self._train = train
     self._carried = None
-    self._whole = None  # (state, totals), when not carried flat
 
   def start(self, state, totals) -> Callable:
     """Holds `(state, totals)`; returns `call(batch)`, which runs one call
     of the train function on them and keeps its result in their place."""
     self._carried = self._train.carry(state, totals)
-    if self._carried is None:
-      self._whole = (state, totals)
-      return self._call_whole
     return functools.partial(self._train.call_carried, self._carried)
-
-  def _call_whole(self, batch) -> None:
-    self._whole = tuple(self._train(*self._whole, batch))
 
   def values(self) -> tuple:
     """`(state, totals)` as the last call returned them."""
-    if self._carried is None:
-      return self._whole
     return self._carried.values()
 
 
