@@ -200,13 +200,9 @@ class ModelCheckpoint(Callback):
 class BackupAndRestore(Callback):
   """Survives interruption: backs up training and resumes it exactly.
 
-  When `fit` starts, it restores the newest usable backup in `backup_dir`
-  (state, data position, epoch logs), even onto another number of devices
-  or processes; a corrupt newest backup is skipped with a warning. On
-  SIGTERM to any process, all processes save a backup at one agreed step
-  and exit with status 0; the relaunched job ends as an uninterrupted run
-  would. Backups are deleted when training completes, but kept if the
-  state ended non-finite (a non-finite state is never backed up).
+  When `fit` starts, it restores the newest usable backup (state, data
+  position, logs), on any number of devices; on SIGTERM all processes back
+  up at one agreed step and exit 0 (docs/fit.md, docs/checkpoints.md).
 
   Args:
     backup_dir: where backups go (shared by all processes).
@@ -217,9 +213,7 @@ class BackupAndRestore(Callback):
     max_to_keep: backups kept; more than one lets a corrupt newest one fall
       back to the one before it.
     snapshot_every: batches between snapshots of the state in host memory
-      (a jdist extension, only under `jdist launch`; None: none). A
-      restarted attempt resumes from the newest snapshot or backup, so
-      backups can be rare.
+      (a jdist extension, under `jdist launch` only; None: none).
 
   Raises:
     ValueError: `save_freq` or `snapshot_every` is not a positive number of
