@@ -76,10 +76,8 @@ class ModelCheckpoint(Callback):
   Only `filepath` and `monitor` may be positional, as in Keras 3.
 
   Args:
-    filepath: a directory with one orbax step directory per checkpoint
-      (a `.keras` or `.h5` name is a ValueError). As in Keras, it may be a
-      template filled in at each save with the epoch (1-based), the batch
-      and the logs ("ckpt_{epoch:02d}"): each save its own directory.
+    filepath: a directory of orbax step directories (not `.keras`/`.h5`);
+      as in Keras, a template ("ckpt_{epoch:02d}") makes one per save.
     monitor: the log that decides the best epoch for `save_best_only`.
     verbose: 1 prints each save (process 0 only).
     save_best_only: save at an epoch's end only if `monitor` improved.

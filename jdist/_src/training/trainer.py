@@ -1,12 +1,8 @@
 """`Trainer`: Keras' fit, evaluate and predict on any jdist strategy.
 
-A thin facade. The `TrainingProgram` (`program.py`) holds what training
-computes, as pure functions; the strategy compiles its steps
-(`step_functions.py`); the `FitLoop` (`loop.py`) owns the train state and
-runs the batches that the data's `Source` (`source.py`) gives. The Trainer
-wires them together, checks the data before any step (`checks.py`), and
-answers as Keras' `Model` does (`history`, `stop_training`, `optimizer`,
-`metrics_names`, `train_function`, ...).
+A thin facade: it wires the `TrainingProgram` (`program.py`), the compiled
+steps (`step_functions.py`), the `FitLoop` (`loop.py`) and the data's
+`Source`, and answers as Keras' `Model` does.
 """
 
 from __future__ import annotations
