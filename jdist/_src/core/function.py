@@ -251,14 +251,9 @@ class DistributedFunction:
     return out
 
   def carry(self, *values) -> carried_lib.Carried:
-    """Holds `values`, the step's first positional arguments, for a loop of
-    `call_carried` that feeds the step's first outputs back in their place.
-
-    Each call passes their leaves as the last one returned them, rebuilding
-    no pytree; the step's results are those of calling it.
-
-    Returns:
-      The `Carried` values.
+    """The `Carried` `values`, the step's first positional arguments, for a
+    loop of `call_carried` that feeds the step's first outputs back in their
+    place: each call passes their leaves as the last one returned them.
     """
     if not context.may_call_step(self._strategy):
       raise self._misplaced_call()

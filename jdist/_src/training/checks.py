@@ -40,11 +40,8 @@ class DataChecks:
     self.initialised_for = steps.input_spec(sample)
 
   def outputs(self, sample: dict, abstract_state, what: str):
-    """The model's output shapes for `sample` (traced once per shape).
-
-    Raises:
-      TypeError, ValueError: the model does not take the data's inputs.
-    """
+    """The model's output shapes for `sample` (traced once per shape);
+    TypeError, ValueError if the model does not take the data's inputs."""
     key = _key(sample, abstract_state)
     if key not in self._output_specs:
       self._output_specs[key] = steps.output_spec(

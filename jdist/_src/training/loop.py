@@ -240,12 +240,8 @@ class FitLoop:
     return self.history
 
   def _start(self, plan: FitPlan) -> None:
-    """Takes `plan`'s inputs and starts a fit's own records.
-
-    Raises:
-      ValueError: an epoch of known length would end inside an
-        accumulation group (`epochs.check_whole_groups`).
-    """
+    """Takes `plan`'s inputs and starts a fit's own records; ValueError for
+    an epoch that would end inside an accumulation group."""
     epochs_lib.check_whole_groups(
         plan.source, range(plan.initial_epoch, plan.epochs),
         plan.batches_per_step, plan.steps_per_execution)
@@ -352,8 +348,7 @@ class FitLoop:
     return self._plan.read_logs(state)(totals)
 
   def _warn(self, epoch: int, logs: dict) -> None:
-    """The epoch's warnings: steps skipped at the loss scale's floor (every
-    epoch they happen in), a non-finite loss (once a fit)."""
+    """The epoch's warnings: steps skipped at the scale's floor, a NaN loss."""
     skipped = self._plan.skipped
     message = None if skipped is None else skipped.end_epoch(epoch)
     if message is not None:

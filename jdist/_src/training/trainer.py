@@ -64,9 +64,8 @@ class Trainer:
       micro-batches in one step: the same training, less memory.
     pad_to_replicas: pad a batch the replicas do not divide with masked
       rows instead of refusing it (docs/elastic.md).
-    memory_budget: bytes a device may use (an int, or "16GB"): `fit` raises
-      `jdist.MemoryBudgetError` before building the state when the planned
-      step exceeds it (docs/planning.md).
+    memory_budget: bytes a device may use ("16GB"): a step planned above it
+      is a `jdist.MemoryBudgetError` before any state (docs/planning.md).
 
   Example:
     >>> import jdist, optax, numpy as np
