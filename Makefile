@@ -54,12 +54,13 @@ $(TPU_PLUGIN)/.installed-$(LIBTPU):
 demo: $(STAMP)
 	$(PY) -m jdist.examples.demo
 
-# Two pytest workers, one test file each at a time (module fixtures, such as
-# a Ray cluster, stay in one process): most of the suite waits on processes it
-# started, so two workers halve its time on two cores. Files go out in
-# collection order, heaviest first (tests/conftest.py), so that the workers
-# end together. TEST_WORKERS=0 runs it in this process.
-TEST_WORKERS ?= 2
+# Three pytest workers, one test file each at a time (module fixtures, such
+# as a Ray cluster, stay in one process): much of the suite waits on processes
+# it started or on leases and timeouts, so on two cores a third worker fills
+# the time two leave idle. Files go out in collection order, heaviest first
+# (tests/conftest.py), so that the workers end together. TEST_WORKERS=0 runs
+# it in this process.
+TEST_WORKERS ?= 3
 test: $(STAMP)
 	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
 

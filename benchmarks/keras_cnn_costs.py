@@ -14,12 +14,15 @@ computation, which a timing on a shared machine cannot.
 
 from __future__ import annotations
 
+import argparse
 import os
 import pathlib
 import re
 import subprocess
 import sys
 import tempfile
+
+import provenance  # (benchmarks/provenance.py: which run a section is from)
 
 HERE = pathlib.Path(__file__).resolve().parent
 WORKERS = {
@@ -88,19 +91,55 @@ def costs(text: str) -> dict:
           "count": len(convolutions)}
 
 
-def main() -> None:
+def measure() -> dict:
+  """Each way's train step's costs, by worker name."""
   rows = {}
   for which in WORKERS:
     with tempfile.TemporaryDirectory(prefix="jdist-cnn-costs-") as tmp:
       dump(which, tmp)
       rows[which] = costs(train_step(tmp))
-  print("| trained by | GFLOP per device step | MB accessed | HLO "
-        "instructions | convolutions (layouts) |")
-  print("|---|---:|---:|---:|---|")
+  return {"rows": rows}
+
+
+def section(res: dict) -> list:
+  """The RESULTS.md section: the table, and whether the three compute the
+  same (the same convolutions and bytes, FLOPs within 1%)."""
+  rows = res["rows"]
+  lines = [
+      "## Keras models in jdist.Trainer: the CNN's compiled train step "
+      "(benchmarks/keras_cnn_costs.py)", "",
+      provenance.line(res["provenance"]), "",
+      "keras_models.py's CNN trained two steps on 2 fake CPU devices each "
+      "of the three ways, XLA dumping what it compiles (its default "
+      "optimization level); the train step is the optimized program with "
+      "convolutions, read by XLA's cost analysis. The figures do not depend "
+      "on the machine's load.", "",
+      "| trained by | GFLOP per device step | MB accessed | HLO instructions "
+      "| convolutions (layouts) |", "|---|---:|---:|---:|---|"]
   for which, c in rows.items():
-    print(f"| {WORKERS[which]} | {c['flops'] / 1e9:.3f} | "
-          f"{c['bytes'] / 1e6:.1f} | {c['instructions']} | {c['count']} "
-          f"({', '.join(c['convolutions'])}) |")
+    lines.append(f"| {WORKERS[which]} | {c['flops'] / 1e9:.3f} | "
+                 f"{c['bytes'] / 1e6:.1f} | {c['instructions']} | "
+                 f"{c['count']} ({', '.join(c['convolutions'])}) |")
+  flops = [c["flops"] for c in rows.values()]
+  same = (len({(c["count"], tuple(c["convolutions"]), round(c["bytes"], -5))
+               for c in rows.values()}) == 1 and
+          max(flops) <= 1.01 * min(flops))
+  lines += ["", (
+      "The three compute the same: the same convolutions in the same "
+      "layouts, the same bytes, FLOPs within 1%. A step of this CNN is its "
+      "convolutions, so its speed ratios in the section above measure the "
+      "same XLA program, not jdist's host work." if same else
+      "The three compiled programs differ (above): their speed ratios "
+      "compare different computations.")]
+  return lines
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--json", action="store_true",
+                      help="also print the result as JSON")
+  args = parser.parse_args()
+  provenance.report(measure, section, args.json)
 
 
 if __name__ == "__main__":

@@ -67,31 +67,66 @@ def _trainer(n, weights, **kwargs):
   trainer = jdist.Trainer(
       model, optimizer=kwargs.pop("optimizer", keras.optimizers.SGD(0.1)),
       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-      metrics=["accuracy", keras.metrics.SparseCategoricalAccuracy(
-          name="keras_accuracy")],
-      strategy=strategy_on(n), **kwargs)
+      metrics=["accuracy"], strategy=strategy_on(n), **kwargs)
   return model, trainer
 
 
-def test_a_keras_model_trains_in_the_trainer_as_on_one_device(data, weights):
-  """30 SGD steps of a Keras Sequential with Dropout, a Keras optimizer,
-  loss and metric, on 1 and 2 replicas: the same parameters (Dropout draws
-  each example's mask as on one device), the same logs; the trained values
-  are written back into the Keras model, whose own predict and evaluate
-  then agree with the Trainer's."""
+def _fit_keras(strategy, weights, data, *, optimizer=None, callbacks=(),
+               validate=False, **kwargs):
+  """30 batches of 24 (3 epochs) of `_mlp` (Dropout on), by default with
+  Keras's SGD with momentum; Keras's accuracy object beside jdist's."""
   x, y, x_val, y_val = data
+  model = _mlp(weights)
+  trainer = jdist.Trainer(
+      model, optimizer=optimizer or keras.optimizers.SGD(0.05, momentum=0.9),
+      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+      metrics=["accuracy", keras.metrics.SparseCategoricalAccuracy(
+          name="keras_accuracy")], strategy=strategy, **kwargs)
+  history = trainer.fit(x, y, batch_size=24, epochs=3, shuffle=False,
+                        verbose=0, callbacks=list(callbacks),
+                        validation_data=(x_val, y_val) if validate else None)
+  return model, trainer, history.history
+
+
+@pytest.fixture(scope="module")
+def one_device_runs(data, weights):
+  """The one-device runs the N-device ones compare with, by accumulation
+  (what changes the trajectory): each trained once, without accumulation
+  validated too."""
   runs = {}
-  for n in (1, 2):
-    model, trainer = _trainer(n, weights)
-    history = trainer.fit(x, y, batch_size=48, epochs=6, shuffle=False,
-                          verbose=0, validation_data=(x_val, y_val))
-    assert trainer.global_step == 30
-    runs[n] = (model, trainer, history.history)
-  (m1, t1, h1), (m2, t2, h2) = runs[1], runs[2]
-  for a, b in zip(m1.get_weights(), m2.get_weights()):
+
+  def run(accumulation):
+    if accumulation not in runs:
+      model, trainer, history = _fit_keras(
+          strategy_on(1), weights, data, validate=accumulation == 1,
+          gradient_accumulation_steps=accumulation)
+      runs[accumulation] = (model.get_weights(), trainer.global_step, history)
+    return runs[accumulation]
+  return run
+
+
+@pytest.fixture(scope="module")
+def two_replicas(data, weights):
+  """Data parallel on 2 replicas, validated: `(model, trainer, history)`."""
+  return _fit_keras(strategy_on(2), weights, data, validate=True)
+
+
+def test_a_keras_model_trains_in_the_trainer_as_on_one_device(
+    data, one_device_runs, two_replicas):
+  """30 steps of Keras's SGD with momentum of a Keras Sequential with
+  Dropout, a Keras loss and metric, on 1 and 2 replicas: the same
+  parameters (Dropout draws each example's mask as on one device), the
+  same logs, validation's included; the trained values are written back
+  into the Keras model, whose own predict then agrees with the Trainer's."""
+  _, _, x_val, _ = data
+  weights1, steps1, h1 = one_device_runs(1)
+  m2, t2, h2 = two_replicas
+  assert steps1 == t2.global_step == 30
+  for a, b in zip(weights1, m2.get_weights(), strict=True):
     np.testing.assert_allclose(a, b, atol=1e-5)
   # Keras's metric object and jdist's "accuracy" count the same examples.
   assert h2["keras_accuracy"] == pytest.approx(h2["accuracy"], abs=1e-6)
+  assert sorted(h1) == sorted(h2) and "val_keras_accuracy" in h2
   for key in h1:
     np.testing.assert_allclose(h1[key], h2[key], rtol=1e-5, atol=1e-6)
   # The Keras model holds the trained values: Keras's own predict agrees.
@@ -178,8 +213,8 @@ def test_a_compiled_two_output_model_trains_as_keras_fit_does(data):
   test_x = {"left": x_val[:, :32], "right": x_val[:, 32:]}
   test_y = {"digit": y_val.astype(np.int32),
             "ink": x_val.mean(1, keepdims=True)}
-  weights = _two_headed().get_weights()
-  reference = _compile_two_headed(_two_headed(weights))
+  reference = _compile_two_headed(_two_headed())
+  weights = reference.get_weights()
   expected = reference.fit(inputs, targets, batch_size=48, epochs=2,
                            shuffle=False, verbose=0).history
 
@@ -225,19 +260,6 @@ def test_a_compiled_two_output_model_trains_as_keras_fit_does(data):
 # --- the Trainer's features with a Keras model, each equal to one device
 
 
-def _fit_keras(strategy, weights, data, *, optimizer=None, callbacks=(),
-               **kwargs):
-  x, y, _, _ = data
-  model = _mlp(weights)
-  trainer = jdist.Trainer(
-      model, optimizer=optimizer or keras.optimizers.SGD(0.05, momentum=0.9),
-      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-      metrics=["accuracy"], strategy=strategy, **kwargs)
-  history = trainer.fit(x, y, batch_size=24, epochs=3, shuffle=False,
-                        verbose=0, callbacks=list(callbacks))
-  return model, trainer, history.history
-
-
 def _model_parallel():
   layout_map = jdist.LayoutMap(jdist.DeviceMesh((2, 2), ("data", "model")))
   layout_map["hidden/kernel"] = (None, "model")   # Keras's variable path
@@ -257,47 +279,31 @@ CONFIGURATIONS = {
 }
 
 
-@pytest.fixture(scope="module")
-def one_device_runs(data, weights):
-  """The one-device runs the configurations compare with, by accumulation
-  (what changes the trajectory): each trained once."""
-  runs = {}
-
-  def run(accumulation):
-    if accumulation not in runs:
-      model, trainer, history = _fit_keras(
-          strategy_on(1), weights, data,
-          gradient_accumulation_steps=accumulation)
-      runs[accumulation] = (model.get_weights(), trainer.global_step,
-                            history["loss"])
-    return runs[accumulation]
-  return run
-
-
 @pytest.mark.parametrize("name", sorted(CONFIGURATIONS))
 def test_trainer_features_with_a_keras_model_equal_one_device(
     name, data, weights, one_device_runs):
   """30 batches (SGD with momentum, Dropout on): N devices as one."""
   make_strategy, kwargs = CONFIGURATIONS[name]
   accumulation = kwargs.get("gradient_accumulation_steps", 1)
-  weights1, steps1, loss1 = one_device_runs(accumulation)
+  weights1, steps1, history1 = one_device_runs(accumulation)
   many, trainer, history = _fit_keras(make_strategy(), weights, data,
                                       **kwargs)
   assert steps1 == trainer.global_step == 30 // accumulation
   for a, b in zip(weights1, many.get_weights()):
     np.testing.assert_allclose(a, b, atol=1e-5)
-  np.testing.assert_allclose(loss1, history["loss"], rtol=1e-5)
+  np.testing.assert_allclose(history1["loss"], history["loss"], rtol=1e-5)
   if name == "model_parallel":
     kernel = trainer.params["mlp"]["hidden"]["kernel"]
     assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "model")
 
 
-def test_a_keras_models_training_resumes_exactly(data, weights, tmp_path):
+def test_a_keras_models_training_resumes_exactly(data, weights, tmp_path,
+                                                 two_replicas):
   """BackupAndRestore over a Keras model: the seed generators' states (its
   Dropout's) and the Keras optimizer's moments are in the train state, so
   a run killed after step 13 and resumed equals one never interrupted."""
   strategy = strategy_on(2)
-  whole, _, h_whole = _fit_keras(strategy, weights, data)
+  whole, _, h_whole = two_replicas
   with pytest.raises(KeyboardInterrupt):
     _fit_keras(strategy, weights, data, callbacks=[
         Interrupt(13), jdist.BackupAndRestore(tmp_path, save_freq=4)])
@@ -395,8 +401,8 @@ def test_an_lstm_and_gru_text_model_trains_as_keras_fit_does():
   tokens[rng.random(tokens.shape) < 0.2] = 0
   labels = (tokens[:, :6].sum(1) > tokens[:, 6:].sum(1)).astype(np.float32)
   loss = keras.losses.BinaryCrossentropy(from_logits=True)
-  weights = _text_model().get_weights()
-  reference = _text_model(weights)
+  reference = _text_model()
+  weights = reference.get_weights()
   reference.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
   expected = reference.fit(tokens, labels, batch_size=32, epochs=2,
                            shuffle=False, verbose=0).history
@@ -420,11 +426,11 @@ def test_class_weight_and_a_plateau_schedule_as_in_keras(data, tmp_path):
   are refused, naming jdist's."""
   x, y, _, _ = data
   class_weight = {c: 1.0 + 0.3 * c for c in range(10)}
-  weights = _mlp(dropout=0.0).get_weights()
   run = dict(batch_size=48, epochs=3, shuffle=False, verbose=0,
              class_weight=class_weight, validation_split=0.2)
   plateau = dict(monitor="val_loss", factor=0.5, patience=0, min_delta=10.0)
-  reference = _mlp(weights, dropout=0.0)
+  reference = _mlp(dropout=0.0)
+  weights = reference.get_weights()
   reference.compile(optimizer=keras.optimizers.SGD(0.1), loss=LOSS,
                     metrics=["accuracy"], weighted_metrics=["accuracy"])
   expected = reference.fit(x, y, callbacks=[
@@ -569,14 +575,13 @@ def _compiled(weights, optimizer="sgd"):
 
 def test_keras_fit_under_a_scope_distributes_or_fails_loudly(data, weights):
   """TensorFlow's literal program: model and compile in the scope, fit
-  after it. Keras's own fit then runs data-parallel over the strategy's
-  devices (its keras.distribution) and equals one device; a
+  after it. The scope sets Keras's distribution (DataParallel over the
+  strategy's devices), whose fit then runs data-parallel; a
   ModelParallelStrategy's LayoutMap splits the variables Keras makes; a
-  strategy Keras's fit cannot run fails at fit, naming jdist.Trainer."""
+  strategy Keras's fit cannot run fails at fit, naming jdist.Trainer.
+  (That Keras's fit in these scopes trains as one device does is
+  test_keras_programs.py's: TensorFlow's tutorial and Keras's guide.)"""
   x, y, _, _ = data
-  reference = _compiled(weights)
-  reference.fit(x, y, batch_size=48, epochs=2, shuffle=False, verbose=0)
-
   strategy = strategy_on(2)
   with strategy.scope():
     model = _compiled(weights)
@@ -585,20 +590,14 @@ def test_keras_fit_under_a_scope_distributes_or_fails_loudly(data, weights):
   assert list(distribution.device_mesh.devices) == list(strategy.devices)
   kernel = model.get_layer("hidden").kernel.value
   assert set(kernel.sharding.device_set) == set(strategy.devices)
-  model.fit(x, y, batch_size=48, epochs=2, shuffle=False, verbose=0)
-  for a, b in zip(reference.get_weights(), model.get_weights()):
-    np.testing.assert_allclose(a, b, atol=1e-5)
 
   mesh = jdist.DeviceMesh((2, 2), ("data", "model"))
   layout_map = jdist.LayoutMap(mesh)
   layout_map["hidden/kernel"] = (None, "model")
   with jdist.ModelParallelStrategy(layout_map=layout_map).scope():
     split = _compiled(weights)
-    split.fit(x, y, batch_size=48, epochs=2, shuffle=False, verbose=0)
-    assert split.get_layer("hidden").kernel.value.sharding.spec == \
-        jax.sharding.PartitionSpec(None, "model")
-  for a, b in zip(reference.get_weights(), split.get_weights()):
-    np.testing.assert_allclose(a, b, atol=1e-5)
+  assert split.get_layer("hidden").kernel.value.sharding.spec == \
+      jax.sharding.PartitionSpec(None, "model")
 
   with jdist.CentralStorageStrategy(jax.devices()[:2]).scope():
     central = _compiled(weights)

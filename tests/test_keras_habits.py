@@ -324,11 +324,12 @@ def test_class_weight_trains_the_same_on_padded_batches(data):
   weights = {0: 4.0, 1: 0.5}
   histories = []
   for n in (1, 4):
-    trainer, history = _fit(MLP(), jdist.losses.SparseCategoricalCrossentropy(
-        from_logits=True), (x, y, None, None), n=n, metrics=["accuracy"],
-        weighted_metrics={"weighted_acc": "accuracy"})
-    histories.append(trainer.fit(x, y, batch_size=64, class_weight=weights,
-                                 verbose=0).history)
+    trainer = jdist.Trainer(
+        MLP(), optimizer=optax.sgd(0.1), strategy=strategy_on(n),
+        loss=jdist.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"], weighted_metrics={"weighted_acc": "accuracy"})
+    histories.append(trainer.fit(x, y, batch_size=64, epochs=2,
+                                 class_weight=weights, verbose=0).history)
   for key in ("loss", "accuracy", "weighted_acc"):
     np.testing.assert_allclose(histories[0][key], histories[1][key], rtol=1e-5)
   assert histories[0]["weighted_acc"] != histories[0]["accuracy"]
