@@ -1,8 +1,6 @@
-"""`jdist.keras_functions`: a Keras model and optimizer as the pytree of
-variables (`KerasVariables`) and the pure functions (`KerasFunctions`) that
-a custom loop's `strategy.function` step uses. A JAX step cannot update
-Keras variables in place, so they go in and out of the step, and `assign`
-writes them back after training.
+"""`jdist.keras_functions`: a Keras model and optimizer as a pytree of
+variables and pure functions for a custom loop's step (a JAX step cannot
+update Keras variables in place; `assign` writes them back).
 """
 
 from __future__ import annotations
@@ -47,11 +45,9 @@ class KerasFunctions:
     self.model = model.model
 
   def call(self, trainable, non_trainable, x, *, training: bool = False):
-    """`(y, non_trainable, losses)`: Keras's `model.stateless_call(trainable,
-    non_trainable, x, training=training, return_losses=True)` on trees.
+    """`(y, non_trainable, losses)`: Keras's `model.stateless_call` on trees.
 
-    Random draws (Dropout) are made over the global batch, so training is
-    the same on any number of replicas.
+    Random draws are made over the global batch, as on one replica.
     """
     return self._model.apply(trainable, non_trainable, x, training=training)
 

@@ -1,10 +1,8 @@
 """The callback protocol: Keras' hook names, called by `Trainer`.
 
-A callback sees the trainer as `self.model` (Keras' name; `self.trainer` is
-the same object), `self.params` (epochs, steps) and, during `fit`,
-`self.fit_loop` (the running `FitLoop`: position, history, checkpoint
-metadata). Per-batch `logs` are read from the devices only when a callback
-looks at them, so callbacks that ignore them cost no synchronisation per step.
+A callback sees the trainer as `self.model` (Keras' name), `self.params`
+and, during `fit`, `self.fit_loop`. Per-batch `logs` are read from the
+devices only when a callback looks at them (no synchronisation otherwise).
 """
 
 from __future__ import annotations
@@ -78,9 +76,8 @@ class Callback:
   def on_predict_batch_end(self, batch: int, logs=None): pass
 
   def close(self) -> None:
-    """Frees what the callback holds (files, handlers, a checkpoint
-    directory's claim) when `fit` ends, also when it ends by an exception,
-    where `on_train_end` is not called. A jdist addition; default: nothing."""
+    """Frees what the callback holds when `fit` ends, also by an exception
+    (unlike `on_train_end`). A jdist addition; default: nothing."""
 
 
 class LazyLogs(collections.abc.MutableMapping):
