@@ -7,6 +7,21 @@ and draws a progress bar (verbose=0 here: no terminal in a benchmark).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python benchmarks/fit_overhead.py
     python benchmarks/fit_overhead.py --quick --json   # seconds: a smoke run
+    python benchmarks/fit_overhead.py --instructions   # valgrind: per step
+
+With `--instructions`, each loop's instructions per step on the thread that
+runs it, on one device, counted by valgrind's callgrind (repeatable on a
+shared machine, where times are not): a process per loop, warmed up
+(compiled) before callgrind's instrumentation is turned on, counts inside
+`functools.reduce` around a run of 1 and one of 3 epochs; the difference
+over the steps between them leaves each run's fixed cost out. With
+`--against DIR` as well, the same loops are counted again with the jdist
+package found in DIR (another checkout), in the same run:
+
+    python benchmarks/fit_overhead.py --instructions 1 --against /path/to/main
+
+`JDIST_BENCH_SOURCE=DIR` measures the jdist package found in DIR instead of
+this checkout's (as in benchmarks/overhead.py).
 
 The three loops alternate round by round (each timing a few epochs), so that
 the machine's noise hits them alike; a ratio is the median over rounds of
@@ -14,17 +29,28 @@ the two loops' speeds in the same round.
 """
 
 import argparse
+import functools
+import glob
+import json
 import os
+import re
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+_SOURCE = os.environ.get("JDIST_BENCH_SOURCE")
+if _SOURCE:  # before `import jdist`: leave the editable install's finder out
+  sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f)]
 
 import jax  # noqa: E402
 import optax  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, _SOURCE or
+                os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jdist  # noqa: E402
 import provenance  # noqa: E402  (RESULTS.md's "from which run")
@@ -141,6 +167,79 @@ def section(res: dict) -> list:
   return lines
 
 
+INSTRUCTION_EXAMPLES = 4_096  # 16 steps an epoch
+INSTRUCTION_EPOCHS = (1, 3)
+
+
+def _callgrind(*command: str) -> None:
+  """Sends callgrind `command` for this process and waits for its answer
+  (callgrind reads it while this process runs code: it spins)."""
+  control = subprocess.Popen(["callgrind_control", *command,
+                              str(os.getpid())], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+  while control.poll() is None:
+    sum(range(1000))
+
+
+def count_steps(which: int) -> None:
+  """Runs loop `which` (an index into LOOPS) on one device, after a
+  warm-up run, for each of INSTRUCTION_EPOCHS inside `functools.reduce`
+  (the one function callgrind counts in), with a callgrind dump after each."""
+  strategy = jdist.MirroredStrategy(jax.local_devices()[:1])
+  x, y = synthetic(INSTRUCTION_EXAMPLES, 64, 10)
+  make = (hand_written, with_fit,
+          functools.partial(with_fit, shuffle=False))[which]
+  run = make(strategy, x, y)
+  run(1)  # compiles
+  _callgrind("-i", "on")
+  for epochs in INSTRUCTION_EPOCHS:
+    functools.reduce(lambda _, e: run(e), [epochs], None)
+    _callgrind("-d")
+
+
+def instructions(loops, keep: str | None = None,
+                 source: str | None = None) -> dict | None:
+  """Instructions per step of each of `loops` (indices into LOOPS) on the
+  thread that runs it (one device), or None without valgrind: the
+  difference between the runs of INSTRUCTION_EPOCHS epochs over the steps
+  between them, so each run's fixed cost drops out.
+
+  Args:
+    keep: a directory to keep callgrind's files in (`callgrind_annotate`
+      them for the instructions per function), or None.
+    source: a directory whose jdist package is counted (None: this one's).
+  """
+  valgrind = shutil.which("valgrind")
+  if valgrind is None or shutil.which("callgrind_control") is None:
+    return None
+  steps = INSTRUCTION_EXAMPLES // BATCH
+  out = {"devices": 1, "steps_per_epoch": steps,
+         "epochs": list(INSTRUCTION_EPOCHS)}
+  env = dict(os.environ)
+  if source:
+    env["JDIST_BENCH_SOURCE"] = source
+  with tempfile.TemporaryDirectory() as tmp:
+    tmp = keep or tmp
+    for i in loops:
+      prefix = f"{tmp}/{'against-' if source else ''}{i}"
+      subprocess.run(
+          [valgrind, "--tool=callgrind", "--separate-threads=yes",
+           "--instr-atstart=no", "--collect-atstart=no",
+           "--toggle-collect=functools_reduce",
+           f"--callgrind-out-file={prefix}.%p", sys.executable, __file__,
+           "--count-steps", str(i)], env=env,
+          check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+      counts = []
+      for dump in (1, 2):  # a dump counts since the one before
+        (main_thread,) = glob.glob(f"{prefix}.*.{dump}-01")
+        with open(main_thread) as f:
+          counts.append(int(re.search(r"^summary: (\d+)", f.read(),
+                                      re.M).group(1)))
+      out[LOOPS[i]] = (counts[1] - counts[0]) / (
+          steps * (INSTRUCTION_EPOCHS[1] - INSTRUCTION_EPOCHS[0]))
+  return out
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true",
@@ -148,7 +247,30 @@ def main(argv=None):
                            "the devices: a smoke run")
   parser.add_argument("--json", action="store_true",
                       help="print one JSON line of the results at the end")
+  parser.add_argument("--instructions", nargs="?", const="0,1,2",
+                      metavar="LOOPS",
+                      help="only count the instructions per step of these "
+                           "loops (indices, default all; one device; "
+                           "valgrind)")
+  parser.add_argument("--keep-profiles", metavar="DIR",
+                      help="with --instructions: keep callgrind's files in DIR")
+  parser.add_argument("--against", metavar="DIR",
+                      help="with --instructions: count the loops with DIR's "
+                           "jdist package too (e.g. main's checkout)")
+  parser.add_argument("--count-steps", type=int,
+                      help=argparse.SUPPRESS)  # what --instructions runs
   args = parser.parse_args(argv)
+  if args.count_steps is not None:
+    count_steps(args.count_steps)
+    return
+  if args.instructions:
+    loops = [int(i) for i in args.instructions.split(",")]
+    counts = instructions(loops, args.keep_profiles)
+    if args.against and counts is not None:
+      counts["against"] = {"source": args.against, **instructions(
+          loops, args.keep_profiles, args.against)}
+    print(json.dumps(counts))
+    return
   provenance.report(lambda: measure(QUICK if args.quick else FULL), section, args.json)
 
 

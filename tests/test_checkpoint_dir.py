@@ -215,12 +215,12 @@ class LockAtTrainBegin(jdist.Callback):
   ModelCheckpoint, next in the list, claims the directory): on a loaded
   machine fit's start alone can outlast a 3 s lease."""
 
-  def __init__(self, directory):
+  def __init__(self, directory, **owner):
     super().__init__()
-    self.directory, self.written = directory, None
+    self.directory, self.owner, self.written = directory, owner, None
 
   def on_train_begin(self, logs=None):
-    write_lock(self.directory)
+    write_lock(self.directory, **self.owner)
     self.written = time.monotonic()
 
 
@@ -255,9 +255,11 @@ def test_an_earlier_attempt_of_the_job_on_another_host_is_taken_over_at_once(
           "('train.py'), in attempt 0 of this job, "
           "which has ended; taking it over") in err
   assert "waiting" not in err and fit.steps == 4
-  write_lock(tmp_path, run="run-7", attempt=1)
-  fit(data, [jdist.ModelCheckpoint(tmp_path)])
-  assert "waiting up to 3 s" in capfd.readouterr().err
+  # This attempt's own lock, written as fit begins (fit's start can outlast
+  # the lease on a loaded machine).
+  fit(data, [LockAtTrainBegin(tmp_path, run="run-7", attempt=1),
+             jdist.ModelCheckpoint(tmp_path)])
+  assert re.search(r"waiting up to \d+ s", capfd.readouterr().err)
 
 
 def test_a_live_owner_on_another_machine_is_refused(data, tmp_path,

@@ -102,6 +102,28 @@ def test_diagnose_counts_the_collectives_over_the_stages(devices):
   assert "  over stage" in str(d)
 
 
+def test_the_plan_reads_the_pipelines_layout(devices):
+  strategy = _strategy(devices, (1, 2, 2), num_microbatches=2)
+  params = strategy.init(_params)
+  step = strategy.function(_step)
+  plan = jdist.plan(step, params, _batches(1)[0])
+  # The stacked layers split over stage x model: each device holds a quarter
+  # of them, and the plan counts exactly the placed blocks.
+  held = sum(x.addressable_shards[0].data.nbytes
+             for x in jax.tree.leaves(params))
+  assert plan.argument("parameters") == held
+  assert held < sum(x.nbytes for x in jax.tree.leaves(_params())) / 2
+  batch = next(iter(strategy.experimental_distribute_dataset(_batches(1))))
+  memory = step.lower(params, batch).compile().memory_analysis()
+  assert plan.peak_bytes == (
+      memory.argument_size_in_bytes + memory.output_size_in_bytes -
+      memory.alias_size_in_bytes + memory.temp_size_in_bytes)
+  # The stages' hand-offs and sums are read from the compiled program.
+  text = str(plan)
+  assert "pipeline_axis='stage', num_microbatches=2" in text, text
+  assert "over stage: collective-permute" in text, text
+
+
 def test_bad_pipelines_fail_before_the_first_step(devices):
   mesh = jdist.DeviceMesh((2, 2), ("data", "model"), devices[:4])
   with pytest.raises(ValueError, match="pipeline_axis names the mesh axis "

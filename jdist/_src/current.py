@@ -1,8 +1,5 @@
-"""Which strategy and which replica context apply where code runs.
-
-The only module that knows the default strategy: below it, a function that
-needs a strategy takes it as an argument.
-"""
+"""Which strategy and replica context apply where code runs (the only
+module that knows the default strategy)."""
 
 from __future__ import annotations
 
@@ -42,11 +39,8 @@ def has_strategy() -> bool:
 
 
 def get_replica_context():
-  """The running step's `ReplicaContext`.
-
-  None in cross-replica context (inside `strategy.scope()` but outside a
-  step, or inside `merge_call`); a one-replica default context in plain code
-  outside any strategy, as in TensorFlow.
+  """The running step's `ReplicaContext`: None inside `strategy.scope()`
+  outside a step, a one-replica default outside any strategy (as in TF).
 
   Example:
     >>> import jdist
@@ -69,8 +63,7 @@ def all_reduce(reduce_op, value):
   """Shorthand for `jdist.get_replica_context().all_reduce(reduce_op, value)`.
 
   Raises:
-    jdist.ReplicaContextError: called in cross-replica context, where
-      `strategy.reduce` combines per-replica values.
+    jdist.ReplicaContextError: called in cross-replica context.
   """
   ctx = get_replica_context()
   if ctx is None:

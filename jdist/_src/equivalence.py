@@ -27,8 +27,8 @@ def run_training(strategy, step_fn: Callable, state: Any, batches: Iterable,
                  *, scalar_reduce=ReduceOp.SUM) -> Trajectory:
   """Trains `step_fn(state, batch) -> (state, outputs)` on `strategy`.
 
-  Outputs are made comparable across device counts: per-example outputs are
-  gathered over replicas and per-replica scalars reduced with `scalar_reduce`.
+  Per-example outputs are gathered over replicas and per-replica scalars
+  reduced with `scalar_reduce`, to compare across device counts.
   """
   step = strategy.function(step_fn)
   state = strategy.replicate(state)
@@ -95,17 +95,15 @@ def assert_equivalent(step_fn: Callable, state: Any, batches: Iterable,
                       scalar_reduce=ReduceOp.SUM) -> Trajectory:
   """Checks that training on N replicas matches training on one device.
 
-  Runs `step_fn(state, batch) -> (state, outputs)` over `batches` (global
-  batches) on one device and on `strategy` (default: a `MirroredStrategy` over
-  the first `num_replicas` local devices), then compares the final state and
-  every step's outputs: mirrored outputs as they are, per-example outputs
-  gathered over replicas, per-replica scalars reduced with `scalar_reduce`.
+  Runs `step_fn(state, batch) -> (state, outputs)` over the global `batches`
+  on both and compares the final state and every step's outputs.
 
   Args:
     step_fn: the per-replica training step.
     state: the initial state (not yet replicated).
     batches: a re-iterable of global batches (a list, for example).
-    num_replicas: replicas of the strategy under test.
+    num_replicas: replicas of the `MirroredStrategy` under test (default:
+      every local device).
     strategy: the strategy under test, instead of `num_replicas`.
     reference: the reference strategy; default one device.
     rtol, atol: float tolerance (reduction order differs between runs).

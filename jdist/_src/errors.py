@@ -1,8 +1,5 @@
-"""Every error jdist raises on purpose, under one base class, `jdist.Error`.
-
-Each error also keeps a builtin base (`ValueError` for a wrong setup,
-`RuntimeError` for a failure while running, ...), so `except ValueError`
-still works. docs/errors.md lists where each is raised.
+"""Every error jdist raises on purpose: a `jdist.Error` that keeps a builtin
+base (docs/errors.md lists where each is raised).
 
 Example:
   >>> import jdist
@@ -30,8 +27,7 @@ class VaryingStateError(DistributionError):
 
 
 class LossScalingError(DistributionError):
-  """A step's loss is a mean over its replica's batch: gradients, summed over
-  replicas, would be num_replicas times too large."""
+  """A step's loss is a mean over its replica's batch (gradients too large)."""
 
 
 class StrategyMismatchError(DistributionError):
@@ -43,8 +39,7 @@ class ShardingError(DistributionError):
 
 
 class MemoryBudgetError(DistributionError):
-  """A step's per-device memory, planned from its compiled program before
-  it runs, exceeds the device's memory or the budget given."""
+  """A step's planned per-device memory exceeds the device's or the budget."""
 
 
 class ProgramMismatchError(DistributionError):
@@ -52,8 +47,7 @@ class ProgramMismatchError(DistributionError):
 
 
 class ReplicaContextError(Error, RuntimeError):
-  """Code ran in the wrong context: a collective outside a step, a step
-  inside another step, or a scope entered inside a step."""
+  """Code ran in the wrong context (a collective outside a step, ...)."""
 
 
 class ClusterError(Error, RuntimeError):
@@ -65,17 +59,11 @@ class CollectiveTimeoutError(Error, RuntimeError):
 
 
 class PeerFailureError(Error, RuntimeError):
-  """Another process of the run failed, so this one cannot continue.
-
-  Raised by a rendezvous outside XLA that learns of the failure; a process
-  blocked inside an XLA collective cannot raise, so its monitor prints
-  `jdist.PeerFailureError: ...` and ends the process instead.
-  """
+  """Another process of the run failed, so this one cannot continue."""
 
 
 class CheckpointError(Error, RuntimeError):
-  """A checkpoint cannot be written (a full disk), or no checkpoint in a
-  directory can be restored (all are corrupt)."""
+  """A checkpoint cannot be written, or none in a directory restores."""
 
 
 class CheckpointDirectoryError(Error, OSError):
@@ -95,23 +83,13 @@ class CheckpointMismatchError(DistributionError):
 
 
 class WorkerFailedError(Error, RuntimeError):
-  """A worker of a parameter-server cluster failed (or hung).
-
-  The coordinator runs the worker's functions again on the other workers;
-  raise it from a scheduled function to say its worker is unusable. It
-  reaches `join()` only when fewer workers are left than
-  `ray_options["min_workers"]` (default 1).
-  """
+  """A worker of a parameter-server cluster failed (or hung); raise it from
+  a scheduled function to say its worker is unusable."""
 
 
 class ParameterServerError(Error, RuntimeError):
-  """A parameter server is unavailable (dead, or silent for the strategy's
-  `timeout_seconds`): its variables are lost.
-
-  Raised by `ClusterCoordinator.join()`, `schedule()` and `done()`, and by
-  reading variables. Restart the cluster and restore the variables from a
-  checkpoint.
-  """
+  """A parameter server is unavailable: its variables are lost (restart the
+  cluster and restore them from a checkpoint)."""
 
 
 class CancelledError(Error, RuntimeError):

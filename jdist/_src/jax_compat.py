@@ -29,11 +29,8 @@ from jax._src.random import prng as jax_prng
 
 
 def varying_axes(x: Any) -> frozenset:
-  """The mesh axes a traced value varies over inside `shard_map` (none for
-  Python scalars and numpy values).
-
-  Version-specific: `jax.typeof(x).mat.varying` on 0.10, `.vma` before.
-  """
+  """The mesh axes a traced value varies over inside `shard_map`.
+  Version-specific: `jax.typeof(x).mat.varying` on 0.10, `.vma` before."""
   try:
     aval = jax.typeof(x)
   except TypeError:
@@ -62,21 +59,14 @@ except ImportError:  # pragma: no cover - depends on the jax version
 
 def context_mesh():
   """The concrete mesh a user's `jax.set_mesh` put in context, or None.
-
-  Private: the public `jax.sharding.get_mesh()` refuses to answer inside
-  `jax.jit`, where jdist traces its steps and compares this mesh with the
-  strategy's (the abstract mesh that is public there has no devices).
-  """
+  Private: the public `get_mesh()` refuses to answer inside `jax.jit`."""
   mesh = mesh_lib.get_concrete_mesh()
   return None if mesh is None or mesh.empty else mesh
 
 
 def inside_trace() -> bool:
-  """Whether JAX is tracing (inside `jax.jit`, `eval_shape`, ...), where
-  `jax.set_mesh` refuses to run.
-
-  Private: JAX's test for it (`core.trace_state_clean`) is internal.
-  """
+  """Whether JAX is tracing (where `jax.set_mesh` refuses to run); JAX's
+  test for it is internal."""
   return not _core.trace_state_clean()
 
 
@@ -93,8 +83,7 @@ _prepare_shardings = pjit.prepare_axis_resources  # JAX's own
 
 
 def _prepare_shardings_mapped(axis_resources, arg_name, *args, **kwargs):
-  """JAX's `prepare_axis_resources`, with a constraint's shardings first
-  given to this thread's mapper (see `sharding_constraints_mapped`)."""
+  """JAX's `prepare_axis_resources`, a constraint's shardings mapped first."""
   mapper = _constraint_map.mapper
   if mapper is not None and arg_name == "shardings":  # with_sharding_constraint
     axis_resources = jax.tree.map(
@@ -107,16 +96,11 @@ def _prepare_shardings_mapped(axis_resources, arg_name, *args, **kwargs):
 @contextlib.contextmanager
 def sharding_constraints_mapped(mapper: Callable) -> Iterator[None]:
   """In this thread, for the block: each sharding given to
-  `jax.lax.with_sharding_constraint` (a `PartitionSpec` or a `Sharding`) is
-  replaced by `mapper(sharding)` before JAX reads it.
+  `jax.lax.with_sharding_constraint` is replaced by `mapper(sharding)`.
 
-  Private: JAX checks a constraint's sharding and turns it into one on the
-  context mesh inside `with_sharding_constraint`, then refuses a spec that
-  names a manual axis (the replica axis inside jdist's `shard_map`) or a
-  sharding on the concrete mesh there. A user's constraint, written for the
-  global program as flax's and JAX's guides write it, means per replica the
-  same spec without the replica axis; the public API has no hook to say so.
-  Other threads, and constraints outside the block, are untouched.
+  Private: a user's constraint, written for the global program, means per
+  replica the spec without the replica axis, which JAX refuses inside a
+  `shard_map`; the public API has no hook to map it.
   """
   pjit.prepare_axis_resources = _prepare_shardings_mapped
   previous, _constraint_map.mapper = _constraint_map.mapper, mapper
@@ -131,17 +115,10 @@ _NESTED_RESIDUALS_FIXED = []
 def fix_nested_shard_map_residuals() -> None:
   """Lets autodiff go through a `shard_map` nested in another one.
 
-  Differentiating a map that is manual over one axis inside a map manual over
-  another (the pipeline's over "stage" in a step's over "data"), jax 0.10.2
-  gives each residual the out spec of every axis it varies over
-  (`ShapedArray.nospec`), the outer map's axis too, and the compiler rejects
-  it ("operates on axis 'data' which is already bound by a parent
-  sdy.manual_computation"). Inside the outer map that axis is implicit, so
-  the fix leaves out of the spec every axis that is already manual where the
-  residual is made and that the inner map does not make manual (jax's own
-  comment there asks whether only the newly manual names should count).
-  Specs that do not name such an axis, every spec of a map that is not
-  nested, are unchanged. Installed once, by the first pipeline traced.
+  jax 0.10.2 gives a nested map's residuals an out spec naming the outer
+  map's axis too (`ShapedArray.nospec`), which the compiler rejects; this
+  leaves out the axes already manual outside the inner map. Specs of maps
+  that are not nested are unchanged. Installed once.
   """
   if _NESTED_RESIDUALS_FIXED:
     return
@@ -175,8 +152,7 @@ _CHECKPOINT = "remat2"
 
 
 def _body(eqn):
-  """The jaxpr an equation runs as its body: a jitted call's (closed) or a
-  `jax.checkpoint`'s (open); else None."""
+  """The body of a jitted call (closed) or a `jax.checkpoint` (open), or None."""
   name = eqn.primitive.name
   body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
   if name in _CALLS and hasattr(body, "consts"):
@@ -216,12 +192,10 @@ def eval_jaxpr_rewriting(closed_jaxpr, args, rules: dict, *,
   trace, binding `rules[primitive](*inputs, **params)` for each primitive
   `rules` names.
 
-  Jitted calls that use such a primitive are inlined and a `jax.checkpoint`'s
-  body is rewritten; other bodies are bound as they are. With `retype`, a rule
-  may return a value varying over more manual axes than the one it replaces:
-  every jitted call is inlined, and inputs are cast to varying as tracing
-  would. Private: JAX has no public way to replace a primitive while
-  evaluating a jaxpr.
+  Bodies that use such a primitive are rewritten too. With `retype`, a rule
+  may return a value varying over more manual axes than the one it replaces
+  (inputs are cast as tracing would). Private: JAX has no public way to
+  replace a primitive while evaluating a jaxpr.
   """
   jaxpr = closed_jaxpr.jaxpr
   env: dict = {}
@@ -410,11 +384,8 @@ def random_bits_primitive():
 
 
 def distributed_state():
-  """JAX's process-wide distributed state (client, process id and count).
-
-  Private: the public API does not give the coordination service client
-  whose key-value store jdist's rendezvous use, nor the coordinator address
-  and preemption manager.
+  """JAX's process-wide distributed state. Private: the public API does not
+  give the coordination service's client (jdist's rendezvous use its store).
   """
   return distributed.global_state
 
@@ -459,12 +430,8 @@ except ImportError:  # pragma: no cover - depends on the jax version
 
 
 def array_type() -> type | None:
-  """The class of the arrays jax's computations return (`ArrayImpl`), or None.
-
-  `isinstance(x, jax.Array)` goes through `abc`; every call of a step asks
-  whether its output is concrete, and `type(x) is array_type()` is an
-  identity test.
-  """
+  """`ArrayImpl`, or None: `type(x) is array_type()` is cheaper than
+  `isinstance(x, jax.Array)` (through `abc`), asked at every step's call."""
   return _ArrayImpl
 
 

@@ -257,10 +257,9 @@ class CheckpointManager:
     like `like`; sets `restored_step`.
 
     `like` is the state as this run holds it (a `jdist.Sharded` leaf is
-    restored split, the others whole on every device), or its shapes
-    (`jax.eval_shape`: every leaf whole). With `snapshot_every`, the newest
-    complete snapshot is used when it is at least as new as the newest
-    checkpoint.
+    restored split), or its shapes (`jax.eval_shape`: every leaf whole).
+    With `snapshot_every`, the newest complete snapshot wins when it is at
+    least as new.
 
     Raises:
       jdist.CheckpointNotFoundError: the directory holds no checkpoint.

@@ -1,10 +1,8 @@
 """Which strategy's scope is open, and whether code runs inside a replica's step.
 
-Two thread-local stacks, as in TensorFlow: `strategy.scope()` pushes a strategy
-(cross-replica context), and tracing a step pushes its `ReplicaContext`
-(`merge_call` pushes None: cross-replica context inside a step). This module
-knows no strategy class: what applies outside both stacks (the default
-strategy) is decided at the top layer, in `jdist/_src/current.py`.
+Two thread-local stacks, as in TensorFlow: `strategy.scope()` pushes a
+strategy, tracing a step its `ReplicaContext` (`merge_call`: None). The
+default strategy is decided at the top layer (`jdist/_src/current.py`).
 """
 
 from __future__ import annotations
@@ -87,10 +85,8 @@ def replica_scope(replica_context) -> Iterator[Any]:
 
 
 def current_replica_context():
-  """The replica context of the step being traced, or None outside steps.
-
-  Also None inside `merge_call`, which runs in cross-replica context.
-  """
+  """The replica context of the step being traced, or None outside steps
+  (and inside `merge_call`)."""
   replicas = _stacks.replicas
   return replicas[-1] if replicas else None
 
@@ -102,9 +98,8 @@ def tracing_step() -> bool:
 
 def may_call_step(strategy) -> bool:
   """Whether a step of `strategy` may be called here: outside every step (or
-  in its `merge_call`), and in no other strategy's scope. Asked at every step
-  call, so it is cheap; while `open_count` is 0 the answer is True without
-  asking (`if context.open_count and not context.may_call_step(...)`)."""
+  in its `merge_call`), and in no other strategy's scope (callers skip it
+  while `open_count` is 0)."""
   stacks = _stacks
   if stacks.replicas and stacks.replicas[-1] is not None:
     return False
@@ -114,10 +109,8 @@ def may_call_step(strategy) -> bool:
 
 @contextlib.contextmanager
 def untyped_replica() -> Iterator[None]:
-  """Marks the block as a trace whose varying-axis types are not tracked
-  (a step of one replica spanning several devices, mapped with
-  `check_vma=False`): every value counts as the replica's own
-  (`in_step.is_varying`), which over one replica is what it is."""
+  """Marks a trace whose varying-axis types are not tracked (one replica
+  over several devices, `check_vma=False`): every value counts as varying."""
   _stacks.untyped += 1
   try:
     yield

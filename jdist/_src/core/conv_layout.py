@@ -1,14 +1,8 @@
 """Convolutions in the one layout XLA's CPU backend runs fast everywhere.
 
-XLA:CPU runs a convolution with its library kernels only for operands laid
-out as (batch, spatial..., features) and (spatial..., in, out). Autodiff's
-convolutions come in other orders, which a compiler pass fixes with
-transposes only at the program's top level: inside a loop's body
-(`lax.scan`, `fori_loop`) they compile to plain loop nests, tens of times
-slower. `canonical_convolutions(fn)` computes what `fn` computes with every
-convolution written in that order between explicit transposes. It is for
-CPU (`runs_on_cpu`); its users are `accumulate_gradients`' scanned gradient
-and the step `multi_step` scans.
+XLA:CPU fixes other orders than (batch, spatial..., features) and
+(spatial..., in, out) only at the top level: in a loop body they compile to
+slow loop nests. For the loops jdist builds, on CPU.
 """
 
 from __future__ import annotations
@@ -33,9 +27,7 @@ def runs_on_cpu(strategy=None) -> bool:
 
 
 def canonical_convolution(lhs, rhs, *, dimension_numbers, **params):
-  """`lax.conv_general_dilated_p` in the (batch, spatial..., features),
-  (spatial..., in, out) order, the operands and result transposed to and
-  from it: the same value (transposes move, they do not compute)."""
+  """`lax.conv_general_dilated_p` in that order, between transposes."""
   lhs_spec, rhs_spec, out_spec = dimension_numbers
   n = len(lhs_spec) - 2
   spatial = tuple(range(1, n + 1))
@@ -57,11 +49,7 @@ def canonical_convolution(lhs, rhs, *, dimension_numbers, **params):
 def canonical_convolutions(fn: Callable) -> Callable:
   """`fn` with each of its convolutions in XLA:CPU's fast layout.
 
-  Traces `fn` on its arguments and evaluates the trace with every
-  convolution (those inside jitted functions and `jax.checkpoint` too)
-  replaced by `canonical_convolution`. Convolutions inside other nested
-  bodies (a scan, a cond, a custom derivative) are left as they are. A
-  function without convolutions is traced once more, as written.
+  Not inside scan, cond or custom-derivative bodies (jit and remat: yes).
 
   Example:
     >>> import jax, jax.numpy as jnp

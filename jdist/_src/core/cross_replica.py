@@ -1,11 +1,8 @@
 """Reductions outside steps: reduce, gather and local results of a step's outputs.
 
-`in_step.py` is their counterpart inside steps.
-
-The arithmetic is pure (`reduce_stacked`, `gather_stacked`) so that it also
-serves `merge_call`, where `PerReplica` values are traced. Outside steps it runs
-under `jax.jit` with a replicated output sharding, so every process of a
-multi-host run gets the same, locally readable result.
+The arithmetic is pure, so it also serves `merge_call` (traced values);
+outside steps it runs under `jax.jit` with a replicated output, readable on
+every process.
 """
 
 from __future__ import annotations
@@ -149,9 +146,8 @@ def _check_owner(strategy, rows: Any, what: str) -> None:
 
 
 def _by_kind(value: Any, on_rows, on_global) -> Any:
-  """`value` with each node mapped as its kind holds it: `on_rows(tree,
-  validity)` for one held as replica rows (`ValueKind.rows`), `on_global(x)`
-  of its payload for one that is one global value."""
+  """`value` with `on_rows(tree, validity)` applied to each node held as
+  replica rows, `on_global(payload)` to the others."""
   def one(node):
     kind = kinds.kind_of(node)
     rows = kind.rows(node)
@@ -169,8 +165,7 @@ def _replica_ids(value: Any) -> range:
 
 
 def _pick(value: Any, i: int, row) -> Any:
-  """Replica `i`'s values of `value` (`row(x, i)` of each leaf of its rows);
-  a value that is one global value whole."""
+  """Replica `i`'s values of `value` (`row(x, i)` of each leaf of its rows)."""
   def one(node):
     rows = kinds.kind_of(node).rows(node)
     if rows is None:
@@ -180,8 +175,7 @@ def _pick(value: Any, i: int, row) -> Any:
 
 
 def _padding_dropped(out, x, validity: Validity | None, axis: int, keep):
-  """`out`, the gathered leaf `x`, without its padding rows when `axis` is
-  the batch's; `keep()` gives the flat indices of the real examples."""
+  """`out`, the gathered leaf `x`, without its padding rows (`keep()`)."""
   batch_rows = None if validity is None else validity.batch_size
   if _is_batch_axis(x, batch_rows, axis % max(x.ndim - 1, 1)):
     rows = keep()
@@ -276,9 +270,8 @@ def reduce_fetched(op, value: Any, axis=None) -> Any:
 
 
 def gather_fetched(value: Any, axis: int = 0) -> Any:
-  """`gather` of fetched values, on the host (padding rows dropped); a
-  value that is one global value is left as it is (how many replicas
-  computed it is not known here)."""
+  """`gather` of fetched values, on the host (padding rows dropped; a global
+  value as it is)."""
   def stacked(tree, validity):
     kept = lambda: np.flatnonzero(np.asarray(validity.mask).reshape(-1))
     return jax.tree.map(lambda x: _padding_dropped(
@@ -288,8 +281,7 @@ def gather_fetched(value: Any, axis: int = 0) -> Any:
 
 
 def local_results_fetched(value: Any) -> tuple:
-  """`experimental_local_results` of fetched values: one entry per replica
-  of the rows they hold (`(value,)` when they hold none)."""
+  """`experimental_local_results` of fetched values, one entry per replica."""
   ids = _replica_ids(value)
   return (tuple(_pick(value, i, lambda x, i: x[i]) for i in ids) if ids
           else (value,))

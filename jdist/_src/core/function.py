@@ -10,6 +10,9 @@ scope test reads one module counter while no scope is open), the
 CPU throttle (`_watch_step`) and, when the throttle needs a leaf or a
 batch's validity is handed back, the outputs rebuilt from the flat leaves
 the program returns (`_Flat`); otherwise jit returns the outputs themselves.
+A loop that feeds outputs back as the next call's arguments calls through
+`carry` and `call_carried` instead (`carried.py`), and a call's arguments
+are placed, or the one jit refused named, in `step_arguments.py`.
 """
 
 from __future__ import annotations
@@ -24,11 +27,13 @@ from typing import Any, Callable
 import jax
 
 from jdist._src import jax_compat
+from jdist._src.core import carried as carried_lib
 from jdist._src.core import context
 from jdist._src.core import conv_layout
 from jdist._src.core import kinds
 from jdist._src.core import mesh_context
 from jdist._src.core import probe
+from jdist._src.core import step_arguments
 from jdist._src.core.plan import InputPlan
 from jdist._src.core.replica_context import ReplicaContext
 from jdist._src.errors import (Error, ReplicaContextError,
@@ -113,37 +118,6 @@ class _Flat:
 
 jax.tree_util.register_pytree_node(
     _Flat, lambda f: (f.leaves, (f.treedef, f.forwarded)), _Flat)
-
-
-class Carried:
-  """Values a loop feeds back to a step, held flat between its calls.
-
-  Made by `DistributedFunction.carry`; `call_carried` replaces the leaves
-  with the ones the step returns in their place, so that a loop of steps
-  builds no pytree of them (a train state, metric totals) at every call,
-  only once at its end (`values`).
-
-  Attributes:
-    program: the jitted step over the carried values' leaves.
-    treedefs: the structure of each carried value.
-    leaves: a list of leaves per carried value (None once held whole).
-    whole: the values themselves, when the step returned them in another
-      structure than it took (the loop then calls the step as usual).
-  """
-
-  __slots__ = ("program", "treedefs", "leaves", "whole")
-
-  def __init__(self, program, treedefs: tuple, leaves: list):
-    self.program = program
-    self.treedefs = treedefs
-    self.leaves = leaves
-    self.whole = None
-
-  def values(self) -> tuple:
-    """The carried values, as the step last returned them."""
-    if self.whole is not None:
-      return self.whole
-    return tuple(td.unflatten(l) for td, l in zip(self.treedefs, self.leaves))
 
 
 class DistributedFunction:
@@ -241,7 +215,8 @@ class DistributedFunction:
     if self._placement is not None:
       args, kwargs = self._placement.to_compute(args, kwargs,
                                                 self._strategy.mesh)
-    if self._guard is None and not _needs_placing((args, kwargs)):
+    if (self._guard is None and
+        not step_arguments.needs_placing((args, kwargs))):
       self._lowering = True  # not a call: no retracing warning
       try:
         return _Lowered(self._program.lower(*args, **kwargs))
@@ -265,7 +240,7 @@ class DistributedFunction:
     try:
       out = self._program(*args, **kwargs)
       if type(out) is _Unplaced:
-        args, kwargs = _placed(args, kwargs, self._strategy)
+        args, kwargs = step_arguments.placed(args, kwargs, self._strategy)
         out = self._program(*args, **kwargs)
     except ValueError as e:
       self._explain_refused(e, args, kwargs)
@@ -294,49 +269,48 @@ class DistributedFunction:
       out = self._placement.to_storage(out, self._strategy.mesh)
     return out
 
-  def carry(self, *values) -> Carried | None:
+  def carry(self, *values) -> carried_lib.Carried:
     """Holds `values`, the step's first positional arguments, for a loop of
     `call_carried` that feeds the step's first outputs back in their place
     (as `state, totals = step(state, totals, batch)` does).
 
     Each call then passes their leaves as they came out of the last one: it
     flattens and rebuilds no pytree of them. The step, its compilations and
-    its outputs are those of calling it.
+    its outputs are those of calling it. Where the step cannot take them
+    flat (state held off the mesh, static arguments, values that need
+    placing first), they are held whole and each call is a call.
 
     Returns:
-      The `Carried` values, or None where the step cannot run them flat:
-      state held off the mesh (`CentralStorageStrategy`), static arguments,
-      or values that need placing first. Call the step as usual then.
+      The `Carried` values.
     """
     if not context.may_call_step(self._strategy):
       raise self._misplaced_call()
     options = self._options
     if (self._placement is not None or options.static_argnums or
-        options.static_argnames or _needs_placing(values)):
-      return None
-    flat = [jax.tree_util.tree_flatten(v) for v in values]
-    treedefs = tuple(treedef for _, treedef in flat)
+        options.static_argnames or step_arguments.needs_placing(values)):
+      return carried_lib.Carried.held_whole(values)
+    treedefs, leaves = carried_lib.flatten(values)
     program = self._carried_programs.get(treedefs)
     if program is None:
       program = self._carried_programs[treedefs] = jax.jit(
           functools.partial(self._trace_carried, treedefs),
           donate_argnums=options.donate_argnums)
-    return Carried(program, treedefs, [leaves for leaves, _ in flat])
+    return carried_lib.Carried(program, treedefs, leaves)
 
-  def call_carried(self, carried: Carried, *args) -> tuple:
+  def call_carried(self, carried: carried_lib.Carried, *args) -> tuple:
     """Calls the step with `carried`'s values, then `args`; the outputs in
     the carried values' place replace them. Returns the other outputs.
 
     The loop around it asks nothing else per call (no strategy scope test:
     `carry` made it, and a loop of steps opens no scope between calls).
     """
-    if carried.whole is not None:  # the step changed their structure
-      return self._call_whole(carried, args)
+    if carried.leaves is None:  # held whole
+      return carried.hold(self._name, self(*carried.whole, *args))
     self._calls += 1
     try:
       out = carried.program(*carried.leaves, *args)
       if type(out) is _Unplaced:
-        args = _placed(args, {}, self._strategy)[0]
+        args = step_arguments.placed(args, {}, self._strategy)[0]
         out = carried.program(*carried.leaves, *args)
     except ValueError as e:
       self._explain_refused(e, carried.values() + tuple(args), {})
@@ -345,9 +319,8 @@ class DistributedFunction:
     if self._recompiling:
       message, self._recompiling = self._recompiling, None
       warnings.warn(message, UserWarning, stacklevel=2)
-    if leaves is None:  # returned whole: see `_trace_carried`
-      carried.leaves = None
-      return self._hold_whole(carried, rest)
+    if leaves is None:  # another structure: see `carried.flat_outputs`
+      return carried.hold(self._name, rest)
     carried.leaves = leaves
     last = leaves[-1]
     if self._watch and last:
@@ -360,24 +333,9 @@ class DistributedFunction:
     committed to other devices than the program's (which one, and why);
     returns otherwise, for the caller to raise `error` itself."""
     mismatch = (None if isinstance(error, Error) else
-                _foreign_argument(args, kwargs, self._strategy))
+                step_arguments.foreign_argument(args, kwargs, self._strategy))
     if mismatch is not None:
       raise mismatch from error
-
-  def _call_whole(self, carried: Carried, args: tuple) -> tuple:
-    """`call_carried` for values the step returns in another structure."""
-    return self._hold_whole(carried, self(*carried.whole, *args))
-
-  def _hold_whole(self, carried: Carried, out) -> tuple:
-    """Holds the carried values of `out` whole; returns its other outputs."""
-    k = len(carried.treedefs)
-    if not isinstance(out, (tuple, list)) or len(out) < k:
-      raise TypeError(
-          f"{self._name} must return its {k} carried value(s) first (as "
-          f"`state, totals = step(state, totals, batch)`), got "
-          f"{type(out).__name__}.")
-    carried.whole = tuple(out[:k])
-    return tuple(out[k:])
 
   def trace_step(self, args: tuple, kwargs: dict, *, check: bool = True,
                  in_loop: bool = False):
@@ -448,7 +406,7 @@ class DistributedFunction:
     caller places the values and calls again. Calls with placed values,
     the common case, never reach this function after their first.
     """
-    if _needs_placing((args, kwargs)):
+    if step_arguments.needs_placing((args, kwargs)):
       return _UNPLACED
     if not self._lowering:
       self._count_compilation()
@@ -460,22 +418,14 @@ class DistributedFunction:
   def _trace_carried(self, treedefs: tuple, *flat_args):
     """What a carried program traces (see `carry`): the step over the
     carried values rebuilt from their leaves, then the other arguments;
-    returns `(leaves, rest)`: a list of leaves per carried output and the
-    other outputs, or `(None, outputs)` when the carried outputs' structure
-    differs from the values' (the loop then holds them whole)."""
-    k = len(treedefs)
-    args = tuple(treedef.unflatten(leaves) for treedef, leaves in
-                 zip(treedefs, flat_args[:k])) + flat_args[k:]
-    if _needs_placing(args):
+    returns `carried.flat_outputs` of its outputs."""
+    args = carried_lib.unflatten(treedefs, flat_args)
+    if step_arguments.needs_placing(args):
       return _UNPLACED
     self._count_compilation()
     self._compilations += 1
-    out = self._trace(args, {}, check=True)
-    if (isinstance(out, (tuple, list)) and len(out) >= k and all(
-        jax.tree_util.tree_structure(o) == treedef
-        for o, treedef in zip(out, treedefs))):
-      return [jax.tree_util.tree_leaves(o) for o in out[:k]], tuple(out[k:])
-    return None, out
+    return carried_lib.flat_outputs(self._trace(args, {}, check=True),
+                                    treedefs)
 
   def _count_compilation(self) -> None:
     """Warns once, as TF's retracing warning does, when most recent calls of
@@ -612,45 +562,3 @@ def _flat(out: Any, args: tuple, donated, *, whole: bool) -> Any:
   if whole and not forwarded:
     return out
   return _Flat((treedef, tuple(forwarded)), kept)
-
-
-def _needs_placing(tree: Any) -> bool:
-  return any(kinds.kind_of(x).needs_placing(x) for x in
-             jax.tree_util.tree_leaves(tree, is_leaf=kinds.is_node))
-
-
-def _placed(args: tuple, kwargs: dict, strategy) -> tuple:
-  """`(args, kwargs)` with every value that needs placing placed."""
-  def place(x):
-    kind = kinds.kind_of(x)
-    return kind.place(x, strategy) if kind.needs_placing(x) else x
-  return jax.tree.map(place, (args, kwargs), is_leaf=kinds.is_node)
-
-
-def _foreign_argument(args: tuple, kwargs: dict,
-                      strategy) -> StrategyMismatchError | None:
-  """The error for an argument committed to devices other than the
-  strategy's (jit refuses such a call), or None if there is none."""
-  mesh_devices = set(strategy.mesh.devices.flat)
-  with_path = jax.tree_util.tree_flatten_with_path((args, kwargs),
-                                                   is_leaf=kinds.is_node)[0]
-  for path, node in with_path:
-    for x in jax.tree.leaves(node):
-      if (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and
-          x.committed and x.sharding.device_set != mesh_devices):
-        where = ", ".join(f"{d.platform}:{d.id}" for d in sorted(
-            x.sharding.device_set, key=lambda d: d.id))
-        return StrategyMismatchError(
-            f"An argument lives on other devices than {strategy!r}: "
-            f"{_argument_name(path)} (a {kinds.kind_of(node).name}) is on "
-            f"[{where}]. Distributed values belong to the strategy that made "
-            "them; place state with this strategy's replicate() and "
-            "distribute batches with its experimental_distribute_dataset().")
-  return None
-
-
-def _argument_name(path) -> str:
-  """`args[0]['w']` for a path into `(args, kwargs)`."""
-  top, *rest = path
-  return ("args" if top.idx == 0 else "kwargs") + jax.tree_util.keystr(
-      tuple(rest))

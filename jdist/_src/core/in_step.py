@@ -1,12 +1,5 @@
-"""Reductions inside a step (across replicas, in the compiled program).
-
-`cross_replica.py` is their counterpart outside steps, on the host's side.
-
-Inside `jax.shard_map` with `check_vma=True`, every value is typed as varying
-over the replica axis or invariant (the same on every replica). The gradient of
-a loss with respect to mirrored parameters is already invariant: autodiff summed
-it over replicas. `lax.psum` of such a value silently multiplies it by the
-number of replicas, so `all_reduce(SUM, ...)` here refuses invariant values.
+"""Reductions inside a step. `all_reduce(SUM, ...)` refuses invariant values
+(a gradient autodiff summed already): `psum` would multiply it by N.
 """
 
 from __future__ import annotations
@@ -24,11 +17,8 @@ from jdist._src.errors import DoubleReductionError
 
 
 def is_varying(x: Any, axis_name: str) -> bool:
-  """Whether `x` (traced inside a step) may differ between replicas.
-
-  In a trace whose types are not tracked (`context.untyped_replica`: one
-  replica, checked already by the typed probe) every value may.
-  """
+  """Whether `x` (traced inside a step) may differ between replicas (always,
+  in `context.untyped_replica`)."""
   if context.varying_types_untracked():
     return True
   return axis_name in jax_compat.varying_axes(x)
@@ -47,20 +37,10 @@ def _path_str(path) -> str:
 
 
 def all_reduce(op, value: Any, axis_name: str, num_replicas: int) -> Any:
-  """Reduces every leaf of `value` over the replica axis.
-
-  Args:
-    op: a `ReduceOp` (or its name).
-    value: a pytree of arrays, traced inside a step.
-    axis_name: the strategy's mesh axis.
-    num_replicas: the size of that axis.
-
-  Returns:
-    A pytree of invariant arrays, the same on every replica.
+  """Reduces every leaf of `value` over the replica axis: invariant arrays.
 
   Raises:
-    DoubleReductionError: `op` is SUM and a leaf is already the same on every
-      replica (a gradient autodiff summed, or a value reduced before).
+    DoubleReductionError: `op` is SUM and a leaf is already invariant.
   """
   op = ReduceOp.of(op)
   leaves, treedef = jax.tree_util.tree_flatten_with_path(value)

@@ -1,37 +1,10 @@
 """Value kinds: what the engine does with each kind of value, in one table.
 
-A step's arguments and results are pytrees. Their leaves are arrays, Python
-values, or distributed values (`PerReplica`, `SyncOnRead`, `Sharded`). How
-a leaf crosses the step depends only on its kind, and each kind says it once,
-in one `ValueKind`:
-
-  outside the map   `inputs`: the `shard_map` inputs it becomes and their
-                    partition specs (any mesh axes, per leaf)
-  inside the map    `local`: what the replica's step sees of it
-  inside the map    `out_specs` and `result`: how an output of it leaves
-  outside the map   `wrap`: what the caller gets back
-  outside a step    `rows`: its per-replica rows (`strategy.reduce`, `gather`,
-                    `experimental_local_results`, on the devices or fetched
-                    to a parameter-server coordinator); `replicate`: how
-                    `strategy.replicate` places it; `read`: what a reader
-                    sees; `layouts`: a layout of its own over the mesh;
-                    `named_as_payload`: how a checkpoint names its leaves
-
-An output is recognised by its type when its kind keeps it whole through the
-step (`kept_in_step`: `SyncOnRead`, `Sharded`); an array output is
-`PER_REPLICA` when it varies over the replicas, else `MIRRORED`.
-
-`plan.py` (inputs) and `probe.py` (outputs) loop over a call's leaves and ask
-each leaf's kind; neither knows a kind. A distributed value's kind is found by
-its type in one table (as jax finds `device_put_handlers[type(x)]`); any other
-leaf is an array (`MIRRORED`, or `PER_REPLICA` for an output that varies over
-the replicas) or, under jit's trace, a Python value (`STATIC`).
-
-A new kind is one value class (a `DistributedValue`) and one entry here: a
-`ValueKind` subclass and `register(cls, kind)`. The map is manual over the
-replica axis only (a replica may span devices), so a kind's specs name that
-axis alone; a layout over the other mesh axes is carried by the arrays'
-shardings (`Sharded.layouts`: the replica axis and a parameter's layout).
+Each kind of leaf says once, in a `ValueKind`, how it crosses a step and
+what it is outside steps; `plan.py` and `probe.py` ask it and know no kind
+(ARCHITECTURE.md, "Value kinds"). The map is manual over the replica axis
+only, so a kind's specs name that axis alone. A new kind is one
+`DistributedValue` class and one `register(cls, kind)` here.
 """
 
 from __future__ import annotations
@@ -53,13 +26,8 @@ from jdist._src.errors import StrategyMismatchError
 
 @dataclasses.dataclass(frozen=True)
 class Inputs:
-  """What one argument feeds the step's `shard_map`.
-
-  Attributes:
-    leaves: the global arrays, in order.
-    specs: one `PartitionSpec` per leaf.
-    aux: what `ValueKind.local` needs to rebuild the argument in the map.
-  """
+  """What one argument feeds the step's `shard_map`: global arrays, one
+  `PartitionSpec` each, and what `ValueKind.local` rebuilds it from (`aux`)."""
 
   leaves: tuple
   specs: tuple
@@ -69,8 +37,7 @@ class Inputs:
 class ValueKind:
   """How one kind of value enters a step, is seen in it, and leaves it.
 
-  Subclasses override what applies to them: an input-only kind (`STATIC`)
-  has no output side, a kind never seen outside a step has no `rows`.
+  Subclasses override what applies to them (`STATIC` has no output side).
   """
 
   name = "value"
@@ -90,12 +57,8 @@ class ValueKind:
     raise TypeError(f"A {self.name} cannot be passed to a step.")
 
   def local(self, aux: Any, blocks: Sequence) -> Any:
-    """Inside the map: the argument as one replica sees it.
-
-    Args:
-      aux: `Inputs.aux`.
-      blocks: this replica's blocks of `Inputs.leaves`.
-    """
+    """Inside the map: the argument as one replica sees it, rebuilt from
+    `Inputs.aux` and this replica's blocks of `Inputs.leaves`."""
     raise NotImplementedError(self.name)
 
   def validity(self, x: Any) -> Validity | None:
@@ -149,8 +112,7 @@ class ValueKind:
     raise NotImplementedError(self.name)
 
   def replicate(self, x: Any, strategy) -> Any:
-    """`x` placed as `strategy.replicate` places it: its arrays where the
-    strategy holds state (mirrored, or on its parameter device)."""
+    """`x` placed as `strategy.replicate` places it."""
     put, mesh = strategy.state_placement.put, strategy.mesh
     return jax.tree.map(lambda leaf: put(leaf, mesh), x)
 
@@ -164,8 +126,7 @@ class ValueKind:
     return None
 
   def unplaced(self, x: Any) -> Any:
-    """`x` as a value made outside any step, placed nowhere (how parameter
-    servers store it: a `SyncOnRead` read, its aggregation kept)."""
+    """`x` as a value placed nowhere (how parameter servers store it)."""
     return x
 
   def layouts(self, x: Any) -> tuple | None:
@@ -362,10 +323,8 @@ class _SyncOnRead(ValueKind):
 class _Sharded(ValueKind):
   """State split over the replicas (`Sharded`): each replica its blocks.
 
-  The map is manual over the replica axis alone, so its specs name only that
-  axis (`Sharded.replica_specs`); a layout within a replica
-  (`Sharded.layouts`) travels with the arrays' own shardings, and the
-  strategy's `keep_layouts` holds the step's new blocks in it."""
+  Its specs name the replica axis alone; a layout within a replica travels
+  with the arrays' own shardings."""
 
   name = "Sharded"
   kept_in_step = True
@@ -424,7 +383,7 @@ class _BatchGroup(ValueKind):
 
 def _spec_after(tree: Any, skip: int) -> Any:
   """`tree`'s leaves as `jax.ShapeDtypeStruct`s without their first `skip`
-  axes (the replica axis, and a group's steps)."""
+  axes."""
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[skip:], x.dtype),
                       tree)
 
@@ -490,8 +449,7 @@ def is_kept_in_step(x: Any) -> bool:
 
 
 def is_named_as_payload(x: Any) -> bool:
-  """Whether a checkpoint names `x`'s leaves as its payload's (a node whose
-  kind adds no level to their paths)."""
+  """Whether a checkpoint names `x`'s leaves as its payload's."""
   kind = _BY_TYPE.get(type(x))
   return kind is not None and kind.named_as_payload
 

@@ -1,26 +1,9 @@
 """A user's JAX mesh around jdist's programs, and what a sharding constraint
-means inside a replica's step.
+means inside a replica's step (docs/jax_meshes.md says it for users).
 
-A program written as JAX's and flax's guides write it runs inside
-`with jax.set_mesh(mesh):`, and its model may constrain activations
-(`jax.lax.with_sharding_constraint`, flax's `nn.with_logical_constraint`).
-jdist maps each step over its strategy's mesh, manually over the replica
-axis. So:
-
-- the mesh in context must be the strategy's own (the same devices in the
-  same places, the same axis names); its axes may be Auto or Explicit: the
-  step runs over the strategy's mesh, whose within-replica axes XLA
-  partitions (Auto). Any other mesh is an error that names both.
-- inside a replica, a constraint's spec is the global one without the
-  replica axis: a replica's rows are its own already, and what the spec says
-  of the other axes (split over "model", or not split) holds within the
-  replica. A `NamedSharding` on the strategy's mesh means its spec; one on
-  another mesh, or a spec naming an axis the mesh does not have, is an error.
-  Replicas of one device each have nothing to split: there every constraint
-  keeps the value whole (constraints change no number).
-- the strategy's `logical_axis_rules` are flax's rules inside the step, as
-  they are in `strategy.init`, which (and the Trainer's shape checks) runs
-  under the strategy's mesh (`outside_steps`).
+The mesh in context must be the strategy's own (any axis types). Inside a
+replica, a constraint's spec is the global one without the replica axis;
+replicas of one device each keep every value whole.
 """
 
 from __future__ import annotations
@@ -51,9 +34,7 @@ def describe(mesh) -> str:
 
 
 def same_mesh(a, b) -> bool:
-  """Whether `a` and `b` are one mesh, whatever their axis types: the same
-  axis names and sizes, and (both concrete) the same devices in the same
-  places."""
+  """Whether `a` and `b` are one mesh, whatever their axis types."""
   if tuple(a.axis_names) != tuple(b.axis_names) or \
       tuple(a.axis_sizes) != tuple(b.axis_sizes):
     return False
@@ -69,16 +50,8 @@ def _context_meshes():
 
 
 def check_context(mesh: Mesh, what: str) -> None:
-  """Raises unless the mesh in context (if any) is `mesh`, whatever its axis
-  types.
-
-  Args:
-    mesh: the strategy's mesh.
-    what: who runs (for the message), as "ModelParallelStrategy(...)'s step".
-
-  Raises:
-    StrategyMismatchError: another mesh is in context.
-  """
+  """Raises `StrategyMismatchError` unless the mesh in context (if any) is
+  the strategy's `mesh`; `what` names who runs, for the message."""
   concrete, abstract = _context_meshes()
   user = concrete if concrete is not None else abstract
   if (concrete is None and abstract.empty) or same_mesh(user, mesh):
@@ -92,9 +65,8 @@ def check_context(mesh: Mesh, what: str) -> None:
 
 
 def entered(mesh: Mesh, what: str) -> contextlib.AbstractContextManager:
-  """Inside a trace: the strategy's mesh as the context mesh, once
-  `check_context` accepts the user's (which may type the same axes
-  Explicit: JAX's `shard_map` wants the context mesh to be its own)."""
+  """Inside a trace: the strategy's mesh as the context mesh (`shard_map`
+  wants its own), once `check_context` accepts the user's."""
   check_context(mesh, what)
   abstract = jax.sharding.get_abstract_mesh()
   if abstract.empty or abstract == mesh.abstract_mesh:
@@ -103,9 +75,7 @@ def entered(mesh: Mesh, what: str) -> contextlib.AbstractContextManager:
 
 
 def on_mesh(mesh: Mesh, what: str, fn):
-  """`fn`, traced under `entered(mesh, what)`: for a jitted program of
-  jdist's over the strategy's mesh that a user may call inside
-  `jax.set_mesh`."""
+  """`fn`, traced under `entered(mesh, what)`."""
   @functools.wraps(fn)
   def traced(*args, **kwargs):
     with entered(mesh, what):
@@ -115,11 +85,9 @@ def on_mesh(mesh: Mesh, what: str, fn):
 
 def set_aside(mesh: Mesh | None = None,
               what: str = "") -> contextlib.AbstractContextManager:
-  """Outside a trace: a mesh the user set (`jax.set_mesh`) set aside for the
-  block, after `check_context` accepts it (if `mesh` is given), so that
-  jdist's programs over a strategy's state (its steps, checkpoints,
-  metrics, state held on one device) run as they do without one. Nothing
-  changes where no mesh is set, or inside a trace."""
+  """Outside a trace: the user's mesh set aside for the block (after
+  `check_context`, if `mesh` is given), so jdist's programs run as they do
+  without one."""
   concrete, abstract = _context_meshes()
   if (concrete is None and abstract.empty) or jax_compat.inside_trace():
     return contextlib.nullcontext()
@@ -135,8 +103,7 @@ def _axes(entry) -> tuple:
 
 
 def _known_once(spec: P, names) -> P:
-  """`spec` without the axes that are not in `names` and without an axis's
-  second use."""
+  """`spec` without axes not in `names` and without an axis's second use."""
   seen: set = set()
 
   def keep(axis) -> bool:
@@ -159,17 +126,11 @@ def _keeping(entry, keep):
 def constraint(strategy, sharding: Any, *, in_step: bool,
                strict: bool = True) -> Any:
   """What a sharding given to `with_sharding_constraint` means in code that
-  `strategy` runs: inside one of its replicas' steps (`in_step`), or in the
-  global program of `init` and the Trainer's shape checks.
-
-  A strategy whose replicas are one device each has nothing to split within
-  a replica: every constraint is the value whole (`P()`), which changes no
-  number. Otherwise the spec stays, without the replica axis in a step.
+  `strategy` runs, inside a replica's step (`in_step`) or outside.
 
   Args:
     strict: raise for another mesh or an unknown axis; else leave those
-      out, and an axis's second use (to read shapes only, before jdist
-      checks the layouts itself with messages that name the parameter).
+      out (to read shapes only, before jdist checks the layouts itself).
 
   Raises:
     StrategyMismatchError: a `NamedSharding` on another mesh.
@@ -220,15 +181,9 @@ def _rules_and_constraints(stack: contextlib.ExitStack, strategy, *,
 
 @contextlib.contextmanager
 def outside_steps(strategy, *, strict: bool = True) -> Iterator[None]:
-  """For code that traces the model outside a step (`strategy.init`, the
-  Trainer's shape checks): the strategy's mesh in JAX's context (after
-  `check_context`), its `logical_axis_rules` as flax's, and constraints as
-  `constraint` reads them; a model that constrains its activations with a
-  bare `PartitionSpec` needs a mesh in context.
-
-  Args:
-    strict: see `constraint`.
-  """
+  """For code that traces the model outside a step (`strategy.init`): the
+  strategy's mesh in context, its rules as flax's, and constraints as
+  `constraint(strict=strict)` reads them."""
   what = repr(strategy)
   with contextlib.ExitStack() as stack:
     if jax_compat.inside_trace():
@@ -242,8 +197,7 @@ def outside_steps(strategy, *, strict: bool = True) -> Iterator[None]:
 
 @contextlib.contextmanager
 def replica_scope(strategy) -> Iterator[None]:
-  """Inside one replica's step: constraints as `constraint` reads them, and
-  the strategy's `logical_axis_rules` as flax's rules."""
+  """Inside one replica's step: constraints and flax's rules."""
   with contextlib.ExitStack() as stack:
     _rules_and_constraints(stack, strategy, in_step=True)
     yield

@@ -1,12 +1,8 @@
 """`jdist.multi_step`: many steps of a `strategy.function` step per dispatch.
 
-Keras' `steps_per_execution` for custom loops: one compiled call runs the
-step over the K batches of a `BatchGroup` with `lax.scan`, so the host
-dispatches once per K steps. The step traces itself once inside the scan's
-body (`DistributedFunction.trace_step`), and each iteration hands it one
-batch with its own validity, so masks and counts are those of K separate
-calls. On CPU the step's convolutions are traced in the layout XLA:CPU runs
-fast inside loops (`conv_layout.canonical_convolutions`).
+The step is traced once into a `lax.scan` body over a `BatchGroup`
+(`DistributedFunction.trace_step`), each iteration with its batch's own
+validity.
 """
 
 from __future__ import annotations
@@ -23,15 +19,11 @@ from jdist._src.core.function import DistributedFunction
 class MultiStepFunction(DistributedFunction):
   """A step run once per batch of a `BatchGroup`, in one compiled call.
 
-  Called as `multi(*carried, group)`: the step's own arguments, the batch
-  replaced by a group of K batches. See `multi_step`.
+  Called as `multi(*carried, group)`. See `multi_step`.
 
   Args:
     step: the per-batch step (a `strategy.function`).
-    batches_per_step: each call of `step` takes this many consecutive
-      batches of the group joined into one (`BatchGroup.merged`): the
-      Trainer's gradient accumulation, one optimizer step per that many
-      batches. The group's length must be a multiple of it.
+    batches_per_step: batches joined into one per call (accumulation).
   """
 
   def __init__(self, step: DistributedFunction, batches_per_step: int = 1):
@@ -103,8 +95,7 @@ def _split(out: Any, carried: tuple, name: str):
 
 
 def _check_carry(new: tuple, carried: tuple, name: str) -> None:
-  """Raises unless every carried output has its argument's shape and dtype
-  (what `lax.scan` needs to feed it to the next step)."""
+  """Raises unless every carried output has its argument's shape and dtype."""
   new_leaves, new_tree = jax.tree_util.tree_flatten_with_path(new)
   old_leaves, old_tree = jax.tree_util.tree_flatten(carried)
   if new_tree == old_tree:
@@ -133,8 +124,7 @@ def _type(x: Any) -> str:
 
 
 def _like(new: tuple, carried: tuple) -> tuple:
-  """`new` with each distributed value's validity as its carried argument had
-  it (a step's outputs carry the batch's validity; the loop's input may not)."""
+  """`new` with each distributed value's validity as its argument had it."""
   def one(n, c):
     rows = kinds.kind_of(n).rows(n)
     if rows is None or kinds.kind_of(c) is not kinds.kind_of(n):
@@ -162,15 +152,10 @@ def _replicas_first(x: Any) -> Any:
 def multi_step(step: DistributedFunction) -> MultiStepFunction:
   """Runs `step` once per batch of a `BatchGroup`, all in one compiled call.
 
-  Keras' `steps_per_execution` for a custom loop: the host dispatches once per
-  group of K batches, with exactly the result of K calls (each batch's own
-  masks and counts). `step` takes the values it carries (state, metrics) first
-  and the batch last, and returns the new carried values first, in the same
-  order, then anything else. The multi-step function returns the last step's
-  carried values and the other outputs stacked on a step axis (a `PerReplica`
-  loss as `(replicas, K, ...)`, a mirrored output as `(K, ...)`). Stacked
-  `PerReplica` outputs carry no validity mask: reduce them with SUM. A shorter
-  last group compiles once more.
+  Keras' `steps_per_execution` for a custom loop. `step` takes its carried
+  values (state, metrics) first and the batch last, and returns the new
+  carried values first, then other outputs, which come back stacked on a
+  step axis (a `PerReplica` loss as `(replicas, K, ...)`, unmasked: SUM it).
 
   Args:
     step: a `strategy.function` step (its `donate_argnums` apply to the

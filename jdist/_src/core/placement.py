@@ -1,9 +1,5 @@
-"""Moving host data onto a strategy's mesh, in one process or in many.
-
-Every function here works the same in a single process and in a multi-process
-(multi-controller) run: when the mesh spans processes, each process supplies
-only the rows of its own replicas and jax assembles the global array.
-"""
+"""Moving host data onto a strategy's mesh, in one process or in many (each
+process supplies the rows of its own replicas)."""
 
 from __future__ import annotations
 
@@ -25,12 +21,9 @@ def replicated_sharding(mesh) -> NamedSharding:
 @functools.lru_cache(maxsize=256)
 def per_replica_sharding(mesh, axis_name: str, inner_axis: str | None = None,
                          batch_axis: int = 1) -> NamedSharding:
-  """Rows split over `axis_name`; each row's batch (its axis `batch_axis`:
-  2 for a group of steps `(R, steps, b, ...)`) over `inner_axis` (FSDP).
-
-  Asked for every batch: one object per mesh and axes (making and hashing
-  a new `NamedSharding` costs more than the rest of placing a small
-  batch)."""
+  """Rows split over `axis_name`; each row's batch (its axis `batch_axis`)
+  over `inner_axis`. Cached: a new `NamedSharding` per batch costs more than
+  placing a small batch."""
   if inner_axis is None:
     return NamedSharding(mesh, P(axis_name))
   return NamedSharding(mesh, P(axis_name, *[None] * (batch_axis - 1),
@@ -71,12 +64,8 @@ def put_laid_out(x: Any, sharding: NamedSharding) -> jax.Array:
 def put_per_replica(local_rows: Any, mesh, axis_name: str,
                     num_replicas: int, inner_axis: str | None = None,
                     batch_axis: int = 1) -> Any:
-  """Places this process's rows `(local_replicas, ...)` as `(R, ...)` arrays.
-
-  `local_rows` may be a pytree; every leaf goes in one transfer. With
-  `inner_axis`, each replica's batch (axis `batch_axis`) is split over that
-  mesh axis.
-  """
+  """Places this process's rows `(local_replicas, ...)` (a pytree, in one
+  transfer) as `(R, ...)` arrays."""
   sharding = per_replica_sharding(mesh, axis_name, inner_axis, batch_axis)
   if not spans_processes(mesh):
     leaves, treedef = jax.tree.flatten(local_rows)
@@ -92,14 +81,9 @@ def put_per_replica(local_rows: Any, mesh, axis_name: str,
 class StatePlacement:
   """Where a strategy holds its state between steps, and how it is read and written.
 
-  The engine calls `to_compute` before and `to_storage` after each step of a
-  placement that `moves`. Code that keeps state across steps (the Trainer,
-  callbacks, checkpoints) never asks what the strategy is: it `read`s held
-  state, `write`s a value into it and asks its shapes (`abstract`). This
-  default keeps a copy on every device of the mesh, so nothing moves around a
-  step; `CentralStorageStrategy` holds state once on one device
-  (`CentralPlacement`), `ParameterServerStrategy` on its servers
-  (`ServerPlacement`).
+  The engine calls `to_compute` and `to_storage` around each step of a
+  placement that `moves`; state kept across steps goes through `read`,
+  `write` and `abstract`. This default mirrors state on the mesh.
 
   Example:
     >>> import jdist, numpy as np
@@ -129,31 +113,19 @@ class StatePlacement:
     return outputs
 
   def read(self, held: Any) -> Any:
-    """The value of held state, as arrays the caller may read or keep.
-
-    On the mesh, held state is its own value: nothing is copied.
-    """
+    """The value of held state, as arrays the caller may read or keep."""
     return held
 
   def write(self, held: Any, value: Any, mesh) -> Any:
-    """Writes `value` (same structure as `held`) into held state.
-
-    Host leaves (numpy, Python numbers) are placed where this placement holds
-    state; arrays already on devices are kept where they are (a step moves
-    them if it must), and so are distributed values (`PerReplica`,
-    `SyncOnRead`, `Sharded`).
-
-    Returns:
-      The held state to use from now on (on the mesh: the placed value).
-    """
+    """Writes `value` (same structure as `held`) into held state and returns
+    the held state to use from now on; only host leaves are placed."""
     del held
     return jax.tree.map(
         lambda x: x if isinstance(x, jax.Array) or is_distributed(x)
         else self.put(x, mesh), value, is_leaf=is_distributed)
 
   def abstract(self, held: Any) -> Any:
-    """Held state's structure with `jax.ShapeDtypeStruct` leaves (nothing is
-    read)."""
+    """Held state's structure with `jax.ShapeDtypeStruct` leaves."""
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), held)
 
@@ -164,10 +136,7 @@ MESH_PLACEMENT = StatePlacement()
 def local_replica_ids(mesh, axis_name: str) -> tuple:
   """Positions along `axis_name` of the replicas with a device in this process.
 
-  A replica that spans devices (a model-parallel mesh) counts for every
-  process that drives one of them: when a mesh's within-replica axes cross
-  processes, each of those processes feeds the replica's rows, as
-  `jax.make_array_from_process_local_data` expects.
+  A replica spanning processes counts for each of them: each feeds its rows.
   """
   me = jax.process_index()
   return tuple(i for i, replica in enumerate(replica_groups(mesh, axis_name))
@@ -182,25 +151,16 @@ def replica_groups(mesh, axis_name: str) -> np.ndarray:
 
 
 def host_local(x: Any) -> Any:
-  """This process's copy of a replicated array (any array in one process).
-
-  A replicated global array of a multi-process run is not fully addressable,
-  so `np.asarray` refuses it; every process holds a full copy on its own
-  devices, and this returns that copy. Other values are returned as they are.
-  """
+  """This process's copy of a replicated array (which `np.asarray` refuses
+  when the array spans processes); other values as they are."""
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
     return x.addressable_data(0)
   return x
 
 
 def copy_arrays(tree: Any) -> Any:
-  """A pytree with its device arrays copied (same placement), other leaves
-  as they are: what a caller keeps when a step donates the originals.
-
-  Arrays of this process alone are copied in one `jax.device_put` (a copy
-  per leaf costs a dispatch each: `fit` copies the whole state when it
-  starts); others (across processes, traced, typed keys) leaf by leaf.
-  """
+  """A pytree with its device arrays copied (same placement; local ones in
+  one dispatch): what a caller keeps when a step donates the originals."""
   leaves, treedef = jax.tree.flatten(tree)
   at = [i for i, a in enumerate(leaves) if isinstance(a, jax.Array)]
   arrays = [leaves[i] for i in at]
@@ -216,8 +176,7 @@ def copy_arrays(tree: Any) -> Any:
 
 
 def to_host(tree: Any) -> Any:
-  """A pytree of replicated arrays as numpy arrays on the host (typed PRNG
-  keys as their key data)."""
+  """A pytree of replicated arrays as numpy arrays (keys as key data)."""
   def leaf(x):
     x = host_local(x)
     if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):

@@ -1,11 +1,5 @@
-"""The plan of a step's inputs: how each argument enters `jax.shard_map`.
-
-`DistributedFunction` traces a step under `jax.jit`; its arguments are then
-tracers (arrays), distributed values (`PerReplica`, `SyncOnRead`, ...), or
-other Python values. The plan asks each flattened argument's kind
-(`kinds.py`) for the global arrays it feeds the `shard_map` and their
-partition specs, and, inside the map, for each replica's view of it. It knows
-no kind itself.
+"""The plan of a step's inputs: how each argument enters `jax.shard_map`,
+asked of each flattened argument's kind (`kinds.py`); it knows no kind.
 """
 
 from __future__ import annotations
@@ -22,13 +16,8 @@ from jdist._src.core.validity import Validity
 
 @dataclasses.dataclass(frozen=True)
 class ArgSlot:
-  """One flattened argument: its kind and what rebuilds it inside the map.
-
-  Attributes:
-    kind: the argument's `kinds.ValueKind`.
-    count: how many `shard_map` inputs it takes.
-    aux: the kind's `Inputs.aux` (what `kind.local` needs).
-  """
+  """One flattened argument: its kind, how many `shard_map` inputs it takes,
+  and the kind's `Inputs.aux` that rebuilds it inside the map."""
 
   kind: kinds.ValueKind
   count: int
@@ -39,13 +28,9 @@ class ArgSlot:
 class InputPlan:
   """How a call's arguments enter the step's `shard_map`.
 
-  Attributes:
-    in_tree: the structure of `(args, kwargs)`, distributed values as leaves.
-    slots: one `ArgSlot` per flattened argument.
-    leaves: the global arrays the `shard_map` takes, in order.
-    specs: their partition specs.
-    validity: the `Validity` of the step's distributed batch (the first
-      argument whose kind has one), fed as the last input; or None.
+  `in_tree` is the structure of `(args, kwargs)` (distributed values as
+  leaves), one `ArgSlot` per leaf; `leaves` and `specs` are the `shard_map`'s
+  inputs; the batch's `validity` (or None) is fed as the last input.
   """
 
   in_tree: Any
@@ -74,11 +59,8 @@ class InputPlan:
     return cls(in_tree, tuple(slots), tuple(leaves), tuple(specs), validity)
 
   def local_arguments(self, local: tuple) -> tuple:
-    """Inside the map: `(args, kwargs, validity)` as this replica sees them.
-
-    Args:
-      local: this replica's blocks of `leaves`.
-    """
+    """Inside the map: `(args, kwargs, validity)` as this replica sees them,
+    from its blocks of `leaves`."""
     pos, nodes = 0, []
     for slot in self.slots:
       chunk, pos = local[pos:pos + slot.count], pos + slot.count

@@ -1,13 +1,8 @@
 """The probe of a step's outputs: which vary over replicas, read from JAX's types.
 
-The step is traced once abstractly with every output returned per replica
-(`P(axis)` is a prefix of any output structure). Inside that trace each
-output leaf's kind is known (`kinds.output_kind`: a value kept whole, such as
-a `SyncOnRead`, by its type; an array by whether it varies over the
-replicas), which gives the `OutputPlan`: each kind's out specs inside the map
-and its wrap outside. The real map is then built from the plan. It costs one
-extra trace per compilation and nothing per step. The same trace checks that
-state passed in mirrored comes back mirrored.
+One abstract trace per compilation, every output returned per replica, gives
+each output's kind and so the `OutputPlan` the real map is built from; the
+same trace runs the step's checks (mirrored state, loss scaling, draws).
 """
 
 from __future__ import annotations
@@ -32,14 +27,9 @@ def _flatten(out):
 
 @dataclasses.dataclass(frozen=True)
 class OutputPlan:
-  """How each output of a step leaves the `shard_map`, and is wrapped after.
-
-  Attributes:
-    tree: the outputs' structure, values kept whole in the step (`SyncOnRead`,
-      `Sharded`) as leaves.
-    kinds: one `kinds.ValueKind` per flattened output.
-    auxes: what each kind needs of its traced output (`ValueKind.out_aux`).
-  """
+  """How each output of a step leaves the `shard_map`, and is wrapped after:
+  the outputs' `tree` (values kept whole as leaves), and per leaf its kind and
+  `ValueKind.out_aux`."""
 
   tree: Any
   kinds: tuple
@@ -73,21 +63,9 @@ def probe(run_replica: Callable, leaves: tuple, specs: tuple, strategy, *,
           warn_draws: Callable | None = None) -> OutputPlan:
   """Traces the step once abstractly and returns its `OutputPlan`.
 
-  Args:
-    run_replica: `run_replica(*local) -> (outputs, state_trees)`: the user's
-      step on one replica's inputs, and the `mirrored_structures` of its
-      arguments (read before it ran).
-    leaves, specs: the `shard_map`'s inputs and their specs.
-    strategy, name: the step's strategy and name (for messages).
-    check_state: raise `VaryingStateError` for state that stops being mirrored.
-    program_check: if given, receives the probe's jaxpr (compared across
-      processes).
-    batch_rows: the per-replica batch size, to look for a loss averaged over
-      it (`scaling_check.py`) and for random draws alike on every replica
-      over its rows (`random_check.py`); None skips both checks.
-    check_loss_scaling: look for the loss averaged over a replica's batch.
-    warn_draws: called with the message when the step draws alike on
-      every replica over its rows (None: not looked for).
+  `run_replica(*local) -> (outputs, state_trees)` runs the user's step on one
+  replica's inputs; `program_check` receives the jaxpr; `batch_rows` (the
+  per-replica batch) enables the loss-scaling and draw checks.
 
   Raises:
     VaryingStateError, LossScalingError: as the checks find.
@@ -128,9 +106,8 @@ def probe(run_replica: Callable, leaves: tuple, specs: tuple, strategy, *,
 
 
 def mirrored_structures(call_args, axis: str) -> list:
-  """The structures of the arguments that are mirrored state (several leaves,
-  none varying), read before the step runs: flax nnx updates its Variables
-  in place, so afterwards its state would already look varying."""
+  """The structures of the arguments that are mirrored state, read before
+  the step runs (flax nnx updates its Variables in place)."""
   in_trees = []
   for a in call_args:
     leaves, tree = jax.tree_util.tree_flatten(a, is_leaf=kinds.is_kept_in_step)
@@ -142,14 +119,8 @@ def mirrored_structures(call_args, axis: str) -> list:
 
 
 def check_mirrored_state(out, in_trees: list, axis: str, name: str) -> None:
-  """Raises if an output shaped like a mirrored input varies over replicas.
-
-  Args:
-    out: the step's outputs.
-    in_trees: `mirrored_structures` of its arguments, read before it ran.
-    axis: the replica axis.
-    name: the step's name, for the message.
-  """
+  """Raises if an output shaped like a mirrored input (`in_trees`) varies
+  over replicas."""
   outputs = out if isinstance(out, tuple) else (out,)
   for i, o in enumerate(outputs):
     leaves, tree = jax.tree_util.tree_flatten_with_path(

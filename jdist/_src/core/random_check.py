@@ -1,18 +1,8 @@
 """Random draws that make a step differ from one device, found in its program.
 
-flax's `Dropout` (linen and nnx), like any `jax.random` call with the step's
-key, draws a mask of the shape of its input: inside a step, the replica's
-rows. The key is the same on every replica (it is mirrored), so every
-replica draws the same mask for different examples, where one device draws
-one mask over the whole global batch: training on N replicas differs from
-one device, with no error. `jdist.dropout` keys each example's mask by its
-global position instead (`example_keys`), so its keys vary over the
-replicas.
-
-In the traced step such a draw is a `random_bits` equation whose result does
-not vary over the replica axis and whose leading axis is the replica's
-batch. Nested programs (jitted calls, `jax.checkpoint`, scans, conds) are
-looked into.
+A draw with the step's mirrored key (flax's `Dropout`) gives every replica
+the same mask for different examples. In the trace: a `random_bits` result,
+not varying over the replica axis, whose leading axis is the replica's batch.
 """
 
 from __future__ import annotations
@@ -38,13 +28,8 @@ def _draws(jaxpr, axis: str, rows: int, found: list) -> None:
 
 
 def same_draws(closed_jaxpr: Any, axis: str, rows: int) -> list[tuple]:
-  """The shapes of the draws that every replica makes alike over its rows.
-
-  Args:
-    closed_jaxpr: the traced step (`jax.make_jaxpr` of its `shard_map`).
-    axis: the replica axis.
-    rows: the per-replica batch size.
-  """
+  """The shapes of the draws that every replica makes alike over its `rows`
+  rows, in the traced step's `shard_map`."""
   found: list = []
   _draws(closed_jaxpr.jaxpr, axis, rows, found)
   return found

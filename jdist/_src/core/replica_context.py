@@ -1,10 +1,8 @@
 """`ReplicaContext`: what a step sees of the other replicas while it runs.
 
-A replica context is made for a strategy and a batch validity, passed in: it
-never looks up a strategy itself. `resolve_batch` is the one place where the
-functions a step calls (`compute_average_loss`, `example_keys`, the Trainer's
-metrics) turn their explicit `mask=` / `num_valid=` arguments, or the running
-step's implicit ones (TensorFlow's convention), into what they use.
+`resolve_batch` is the one place where the functions a step calls turn
+their `mask=` / `num_valid=` arguments, or the running step's, into what
+they use.
 """
 
 from __future__ import annotations
@@ -26,13 +24,11 @@ from jdist._src.core.values import PerReplica
 class ReplicaContext:
   """The replica a step runs as, and collectives over all replicas.
 
-  Obtain it with `jdist.get_replica_context()` inside a step run by
-  `strategy.run` or `strategy.function`.
+  Obtain it with `jdist.get_replica_context()` inside a step.
 
   Args:
     strategy: the strategy running the step.
-    validity: this replica's `Validity` (its rows of the step's distributed
-      batch), or None when the step got no distributed batch.
+    validity: this replica's rows' `Validity`, or None (no distributed batch).
 
   Example:
     >>> import jdist, jax.numpy as jnp
@@ -86,8 +82,9 @@ class ReplicaContext:
   def all_reduce(self, reduce_op, value: Any) -> Any:
     """Reduces `value` (a pytree) over replicas; the result is the same on all.
 
-    SUM of a value that is already the same on every replica raises
-    `jdist.DoubleReductionError` (ARCHITECTURE.md, "Gradients").
+    Raises:
+      jdist.DoubleReductionError: SUM of a value already the same on every
+        replica.
     """
     return in_step.all_reduce(reduce_op, value, self.axis_name,
                               self.num_replicas_in_sync)
@@ -105,10 +102,7 @@ class ReplicaContext:
   def merge_call(self, merge_fn: Callable, args=(), kwargs=None) -> Any:
     """Runs `merge_fn(strategy, *args, **kwargs)` once over all replicas' values.
 
-    Arguments that differ between replicas reach `merge_fn` as `PerReplica`
-    values (stacked in replica order); `strategy.reduce` and
-    `strategy.experimental_local_results` work on them there. The result is the
-    same on every replica.
+    Arguments that differ between replicas reach it as `PerReplica` values.
     """
     kwargs = kwargs or {}
     n = self.num_replicas_in_sync
@@ -131,11 +125,7 @@ class ReplicaContext:
 
 
 class DefaultReplicaContext:
-  """The replica context of plain code outside any strategy: one replica.
-
-  Args:
-    strategy: the default strategy (`jdist.get_strategy()` outside scopes).
-  """
+  """The replica context of plain code outside any strategy: one replica."""
 
   num_replicas_in_sync = 1
   replica_id_in_sync_group = 0
@@ -168,15 +158,9 @@ class DefaultReplicaContext:
 
 @dataclasses.dataclass(frozen=True)
 class StepBatch:
-  """What a function called inside a step knows of the step's batch.
-
-  Attributes:
-    mask: this replica's validity mask `(b,)`, or None (every row is real).
-    num_valid: the global number of valid examples, or None (unknown: count
-      the rows).
-    num_replicas: replicas running the step (1 outside steps).
-    replica_context: the running step's context, or None outside steps.
-  """
+  """What a function called inside a step knows of the step's batch: this
+  replica's `mask` and the global `num_valid` (None: every row is real, count
+  them), and the replicas and context (1 and None outside steps)."""
 
   mask: Any = None
   num_valid: Any = None
@@ -185,17 +169,8 @@ class StepBatch:
 
 
 def resolve_batch(mask=None, num_valid=None) -> StepBatch:
-  """The batch a step function should use: explicit values, else the step's.
-
-  Args:
-    mask: an explicit validity mask of this replica's rows (wins).
-    num_valid: an explicit global count of valid examples (wins).
-
-  Returns:
-    A `StepBatch`. Inside a step, what is not given comes from the step's
-    distributed batch; outside steps (or inside `merge_call`) there is one
-    replica and no implicit mask.
-  """
+  """The batch a step function should use: explicit values, else the step's
+  (outside steps and in `merge_call`: one replica, no implicit mask)."""
   ctx = context.current_replica_context()
   if ctx is None:
     return StepBatch(mask, num_valid)

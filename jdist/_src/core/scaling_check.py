@@ -1,20 +1,10 @@
 """The classic loss-scaling mistake, found in a step's program when it is traced.
 
-A step whose loss is a mean over its replica's batch (`per_example.mean()`)
-trains with gradients `num_replicas` times too large, since gradients with
-respect to mirrored parameters are summed over replicas. Nothing fails but
-the numbers, so it is caught in the program.
-
-Reverse-mode autodiff of `mean(v)` over `n` elements broadcasts the constant
-`1/n` back to `v`'s shape: in the traced step, a `broadcast_in_dim` of a
-constant scalar `1/n` into a tensor that varies over replicas, whose leading
-axis is the replica's batch and whose size is `n`, feeding the gradient's
-`psum`. `compute_average_loss` (a traced divisor), `sum(v) / GLOBAL_BATCH`
-(`1/(N * b)`) and `mean(v) / num_replicas` (constants are folded through
-the chain's scalar arithmetic) never match; `sum(v) / PER_REPLICA_BATCH`
-does. Not found (false negatives, never false alarms): a local mean scaled
-by another constant, or with a computed divisor (`sum(w * v) / sum(w)`);
-`jdist.testing.assert_equivalent` names loss scaling for those.
+A loss averaged over a replica's batch (`per_example.mean()`) gives gradients
+`num_replicas` times too large, since gradients of mirrored parameters are
+summed over replicas. Its trace shows a `broadcast_in_dim` of `1/n` into a
+varying tensor of the replica's batch, feeding the gradient's `psum`. Misses
+are possible (a computed divisor); false alarms are not.
 """
 
 from __future__ import annotations
@@ -47,23 +37,16 @@ _SUMS = {"psum", "psum_invariant", "psum2", "reduce_scatter"}
 
 @dataclasses.dataclass(frozen=True)
 class LocalMean:
-  """A mean over a replica-local tensor that a gradient sum depends on.
-
-  Attributes:
-    shape: the shape of the tensor averaged (its leading axis: the batch).
-  """
+  """A mean over a replica-local tensor of `shape` that a gradient sum
+  depends on."""
 
   shape: tuple
 
 
 class _Walk:
-  """One pass over a traced step: the candidate local means found, and those
-  confirmed to reach a sum of gradients over replicas.
-
-  Each jaxpr is walked with `known` (var -> constant scalar, folded through
-  the scalar arithmetic) and `tainted` (var -> ids of the candidates whose
-  cotangent it depends on).
-  """
+  """One pass over a traced step: candidate local means, and those confirmed
+  to reach a sum over replicas (`known`: var -> folded constant scalar;
+  `tainted`: var -> the candidates it depends on)."""
 
   def __init__(self, axis: str, rows: int):
     self.axis = axis
@@ -116,9 +99,8 @@ class _Walk:
         tainted[v] = taint
 
   def _arithmetic(self, eqn, known: dict, taint: frozenset) -> frozenset:
-    """Folds a scalar equation into `known`, and starts a candidate at a
-    broadcast of `1/n` into a varying tensor of `n` elements over the batch.
-    Returns the taint of the equation's outputs."""
+    """Folds a scalar equation into `known`, or starts a candidate at a
+    broadcast of `1/n`; returns the taint of the equation's outputs."""
     name = eqn.primitive.name
     ins = [_value(known, v) for v in eqn.invars]
     out = eqn.outvars[0] if eqn.outvars else None
@@ -194,16 +176,8 @@ def _has_sum(jaxpr) -> bool:
 
 
 def local_means(closed_jaxpr: Any, axis: str, rows: int) -> list[LocalMean]:
-  """The local means over replica batches that gradient sums depend on.
-
-  Args:
-    closed_jaxpr: the traced step (`jax.make_jaxpr` of its `shard_map`).
-    axis: the replica axis.
-    rows: the per-replica batch size (the batch's leading axis per replica).
-
-  Returns:
-    One `LocalMean` per mean found; empty for a correctly scaled step.
-  """
+  """The local means over replica batches (of `rows` rows) that gradient
+  sums depend on, in the traced step's `shard_map`; empty when correct."""
   walk = _Walk(axis, rows)
   walk.jaxpr(closed_jaxpr.jaxpr,
              _constants(closed_jaxpr.jaxpr, closed_jaxpr.consts), {})

@@ -1,20 +1,12 @@
 """`state_output`: where a step returns the new value of the state it took.
 
-`ParameterServerStrategy` writes a step's new state back to its servers
-itself, so which output is new state is stated, never inferred from shapes:
-a value that merely looks like the state (an evaluation's `w / norm(w)`)
-must not overwrite it. Every strategy's `function` takes `state_output`, so
-a step declared once runs under each; only the parameter servers act on it.
+Stated, never inferred from shapes (parameter servers write it back: a value
+that merely looks like the state must not overwrite it). The forms:
 
-The forms (checked here, read where the state is written):
-
-- `DEFAULT`: output 0 of a tuple or list is the new value of the one set of
-  variables the step takes (`step(state, batch) -> (state, outputs)`). A
-  whole output with the variables' structure must say what it is
-  (`lambda out: out` or `None`).
+- `DEFAULT`: output 0 of a tuple or list (`step(state, batch) -> (state,
+  outputs)`); a whole output shaped like the state must say what it is.
 - `None`: the step only reads its variables.
-- a place: an int (an index of a tuple or list output), a str (a key of a
-  mapping output) or a callable (given the output, returns the new state).
+- a place: an int (tuple index), a str (mapping key) or a callable.
 - a tuple of places (or None), one per set of variables, in argument order.
 """
 
@@ -25,8 +17,7 @@ from typing import Any
 
 
 class _Default(enum.Enum):
-  """The type of `DEFAULT` (an enum member: it keeps its identity through
-  pickling to a Ray worker)."""
+  """The type of `DEFAULT` (an enum: its identity survives pickling)."""
 
   FIRST = "output 0"
 
@@ -75,6 +66,5 @@ def describe(place: Any) -> str:
 
 
 def whole(output: Any) -> Any:
-  """The place that is the whole output: the step returns only the new value
-  of its variables (`lambda out: out`, with a name for messages)."""
+  """The place that is the whole output (`lambda out: out`, named)."""
   return output

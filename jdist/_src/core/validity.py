@@ -1,11 +1,8 @@
 """`Validity`: which rows of a batch are real examples, and how many globally.
 
-A short last batch is padded to the static batch shape so that the step does
-not recompile; its validity says which rows are padding and how many valid
-examples the global batch holds. Both travel as one int32 array, the mask in
-the first columns and the global count in the last (repeated on every row),
-so a step receives one extra buffer, not two, in the batch's own transfer.
-This module is the only place that knows that layout.
+A short last batch is padded to the static shape (no recompile). Mask and
+count travel as one int32 array (one extra buffer per step), a layout only
+this module knows.
 """
 
 from __future__ import annotations
@@ -29,9 +26,8 @@ class Validity:
   """A batch's validity mask and global count of valid examples.
 
   Attributes:
-    packed: int32 array `(..., b + 1)`: for each of the leading rows (one per
-      replica outside a step; none inside one), the mask of its `b` examples
-      followed by the global count.
+    packed: int32 array `(..., b + 1)`: per leading row (one per replica
+      outside a step), the mask of its `b` examples, then the global count.
 
   Example:
     >>> import numpy as np
@@ -45,10 +41,8 @@ class Validity:
 
   @classmethod
   def pack(cls, mask, num_valid=None) -> "Validity":
-    """Packs a boolean `mask` `(..., b)` and the global count (default: its sum).
-
-    Host (numpy) inputs give a host array, traced inputs a traced one.
-    """
+    """Packs a boolean `mask` `(..., b)` and the global count (default: its
+    sum); host inputs give a host array."""
     xp = _xp(mask)
     mask = xp.asarray(mask)
     if num_valid is None:

@@ -1,11 +1,5 @@
 """Distributed values: `PerReplica`, `SyncOnRead` and `Sharded`, all pytrees.
 
-`PerReplica`: one value per replica on a leading, sharded replica axis; a
-distributed batch also carries its `Validity` (padding mask and global
-count), so losses and reductions are exact without recompiling.
-`SyncOnRead`: state each replica updates on its own inside a step (metric
-sums, batch-norm statistics), aggregated when read outside. `Sharded`: state
-split over the replicas, one block of every leaf each (`ShardedOptimizer`).
 What a step does with each is the value's kind, written once in `kinds.py`.
 """
 
@@ -28,8 +22,8 @@ from jdist._src.core.validity import Validity
 class DistributedValue:
   """A value spread over a strategy's replicas (as `tf.distribute.DistributedValues`).
 
-  The base of `PerReplica`, `SyncOnRead` and `Sharded`; pytree functions
-  that must keep such values whole pass `is_leaf=is_distributed`.
+  Pytree functions that must keep such values whole pass
+  `is_leaf=is_distributed`.
   """
 
   __slots__ = ()
@@ -40,9 +34,7 @@ class PerReplica(DistributedValue):
 
   Every leaf of `values` has shape `(num_replicas, ...)`; inside a step each
   replica sees its own slice. A distributed batch also has a `validity`
-  (`mask` of shape `(num_replicas, per_replica_batch)` and `num_valid`, the
-  global count; None for values that are not batches), held as its one array
-  `packed` so that a call flattens no `Validity` node.
+  (its padding `mask` and global `num_valid`; None for other values).
 
   Example:
     >>> import jdist, jax.numpy as jnp
@@ -92,12 +84,11 @@ class PerReplica(DistributedValue):
     return PerReplica(values, packed=self.packed)
 
   def __iter__(self):
-    """Unpacks a batch of several parts as TensorFlow's distributed batches
-    unpack (`images, labels = next(iterator)`): one `PerReplica` per part,
-    each with the batch's rows and validity.
+    """One `PerReplica` per part of a tuple or list batch, each with the
+    batch's validity (`images, labels = next(iterator)`).
 
     Raises:
-      TypeError: the values are not a tuple or list (an array, a dict).
+      TypeError: the values are not a tuple or list.
     """
     if not isinstance(self.values, (tuple, list)):
       raise TypeError(
@@ -122,11 +113,9 @@ jax.tree_util.register_dataclass(PerReplica, data_fields=("values", "packed"),
 class BatchGroup:
   """Several distributed batches stacked for one multi-step call.
 
-  What `DistributedDataset.group(k)` yields and what a `jdist.multi_step`
-  function takes: every leaf of `values` has shape
-  `(num_replicas, steps, b, ...)`: the replica axis (sharded), then one entry
-  per step; `validity` holds each step's mask and count. A multi-step
-  function hands step `i` the `PerReplica` batch `group.batch(i)`.
+  What `DistributedDataset.group(k)` yields and `jdist.multi_step` takes:
+  every leaf of `values` has shape `(num_replicas, steps, b, ...)`;
+  `validity` holds each step's mask and count.
 
   Example:
     >>> import jdist, numpy as np
@@ -159,12 +148,8 @@ class BatchGroup:
     return PerReplica(jax.tree.map(take, self.values), validity=validity)
 
   def merged(self, k: int) -> "BatchGroup":
-    """The group with every `k` consecutive batches joined into one.
-
-    Each replica's rows of `k` consecutive batches become one batch of `k * b`
-    rows, whose validity holds their masks side by side and the sum of their
-    counts: gradient accumulation over batches. Works on host, device and
-    traced arrays.
+    """The group with every `k` consecutive batches joined into one of
+    `k * b` rows per replica (gradient accumulation), validity included.
 
     Raises:
       ValueError: the group's batches are not a multiple of `k`.
@@ -205,10 +190,7 @@ class SyncOnRead(DistributedValue):
 
   Wrap any pytree (metric totals, batch-norm statistics). Inside a step
   `.value` is the replica's own copy and `.assign(new)` returns the updated
-  wrapper; outside, `.read()` aggregates. `strategy.replicate` places it so
-  that reading gives the value back: a copy on every replica for MEAN and
-  ONLY_FIRST_REPLICA, the value on the first replica and zeros elsewhere for
-  SUM.
+  wrapper; outside, `.read()` aggregates.
 
   Example:
     >>> import jdist, jax.numpy as jnp
@@ -241,12 +223,8 @@ class SyncOnRead(DistributedValue):
     return SyncOnRead(value, self.aggregation, self.per_replica)
 
   def read(self, replica_context=None) -> Any:
-    """Aggregates over replicas: the value a reader outside a step sees.
-
-    Inside a step (where `.value` is this replica's copy) it all-reduces over
-    `replica_context` (default: the running step's), so every replica reads
-    the same aggregate.
-    """
+    """Aggregates over replicas (inside a step: all-reduces over
+    `replica_context`, default the running step's)."""
     if not self.per_replica:
       return self.value
     agg = self.aggregation
@@ -260,12 +238,9 @@ class SyncOnRead(DistributedValue):
     return jax.tree.map(lambda x: x[0], self.value)
 
   def replica_rows(self, num_replicas: int, xp=np) -> "SyncOnRead":
-    """This unplaced value as `num_replicas` rows that read back as the value.
-
-    MEAN and ONLY_FIRST_REPLICA copy the value to every row; SUM puts it on
-    the first row and zeros on the others. `xp` is numpy (on the host, before
-    placement) or jax.numpy (inside a traced step).
-    """
+    """This unplaced value as `num_replicas` rows that read back as the value
+    (SUM: the value on the first row, zeros on the others); `xp` is numpy or
+    jax.numpy."""
     if self.per_replica:
       return self
     n = num_replicas
@@ -291,9 +266,7 @@ class Sharded(DistributedValue):
   Each leaf of `value` is a global array whose axis `axes[i]` holds one block
   per replica (None: whole on every replica); inside a step a replica sees
   and returns its own blocks. The leaves keep the unsharded shapes, so a
-  checkpoint restores onto any number of devices. When a replica spans
-  devices (`ModelParallelStrategy`), `layouts` gives each leaf's layout within
-  a replica, and the replica axis goes first on a dimension both split.
+  checkpoint restores onto any number of devices.
 
   Attributes:
     value: the pytree of arrays (global outside a step, blocks inside).
@@ -358,8 +331,7 @@ class Sharded(DistributedValue):
 
 
 def _with_replica_axis(layout: P, axis: int | None, axis_name: str) -> P:
-  """`layout` with dimension `axis` also split over `axis_name`, outermost
-  (each replica's block contiguous, then split as `layout` says)."""
+  """`layout` with dimension `axis` also split over `axis_name`, outermost."""
   if axis is None:
     return layout
   dims = list(layout) + [None] * max(0, axis + 1 - len(layout))
@@ -381,8 +353,7 @@ def _read_in_step(value: Any, agg: VariableAggregation, ctx) -> Any:
 
 
 class RemoteState(abc.ABC):
-  """State held away from this process's devices and read on request: the
-  base of the parameter servers' `ServerVariables`."""
+  """State held away from this process's devices (`ServerVariables`)."""
 
   @abc.abstractmethod
   def read(self) -> Any:
@@ -392,9 +363,7 @@ class RemoteState(abc.ABC):
 def read_value(tree: Any) -> Any:
   """Every `SyncOnRead` in `tree` aggregated, every `jdist.ServerVariables` read.
 
-  Values come back in the form they were placed in (a `jdist.metrics` metric
-  stays a metric: `read_value(accuracy).result()`). Use it to evaluate or
-  save state that holds per-replica statistics.
+  Values keep their form (a `jdist.metrics` metric stays a metric).
 
   Example:
     >>> import jdist, jax.numpy as jnp

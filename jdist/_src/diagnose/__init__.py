@@ -1,8 +1,5 @@
-"""`jdist.diagnose`: where a training step's time goes, on 1 and on N devices.
-
-Everything is measured, nothing modelled: `measure` times the step, `hlo`
-reads the compiled program, `advice` turns times into a bottleneck, cause
-and fix (rules as rows of a table), and `report` prints the `Diagnosis`.
+"""`jdist.diagnose`: where a training step's time goes, on 1 and on N devices
+(measured, not modelled; `advice` turns the times into a bottleneck).
 """
 
 from __future__ import annotations
@@ -29,13 +26,9 @@ def diagnose(step: Callable, state: Any, batches: Iterable, *,
 
   The step is `step(state, batch) -> (state, outputs)`, or a
   `strategy.function` / `@jdist.mirrored` step (its strategy is then the
-  N-device one). Over the first `steps` batches, after a compiling call, on
-  one device and on N, it times the loop users write (fed host batches), the
-  same loop over batches placed ahead, the step run K times in one compiled
-  program, and the step's collectives alone; the differences are the parts of
-  `StepTimes` (docs/diagnose.md says how each is measured). Each loop's
-  fastest of three rounds counts: on a shared machine read the split, not the
-  digits.
+  N-device one). It times the first `steps` batches on one device and on N
+  in several loops, whose differences are the parts of `StepTimes`
+  (docs/diagnose.md says how each is measured).
 
   Args:
     step: the per-replica training step.

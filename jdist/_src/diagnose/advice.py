@@ -1,8 +1,7 @@
 """What a diagnosis concludes from its times: advice as rows of a table.
 
-The first of `RULES` whose `when` holds names the bottleneck, its cause and
-fix (templates filled from `Facts.words()`); every `NOTES` row that holds
-adds a note. Adding advice is adding a row.
+The first of `RULES` that holds names the bottleneck; every `NOTES` row that
+holds adds a note. Adding advice is adding a row.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """What a compiled step's HLO text says: its collectives' sizes and mesh axes,
 its callbacks.
 
-A collective's devices are partition ids (positions in the mesh,
-row-major), written listed (`{{0,2},{1,3}}`), as an iota (`[2,2]<=[4]`,
-`[2,2]<=[2,2]T(1,0)`) or over a mesh of XLA's own
-(`mesh['axis_0'=2,'axis_1'=2] {'axis_0'}`, its positions holding the ids
-in order or as `device_ids=([2,2]T(1,0))` lays them out); the mesh axes
-along which a group's ids vary are the axes it runs over.
+A collective's groups are partition ids (row-major mesh positions), listed
+(`{{0,2},{1,3}}`), as an iota (`[2,2]<=[2,2]T(1,0)`) or over an XLA mesh
+(`mesh['axis_0'=2,'axis_1'=2] {'axis_0'}`, optionally with `device_ids=`).
 """
 
 from __future__ import annotations
@@ -48,9 +45,8 @@ def host_callbacks(hlo: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
-  """One collective of a compiled program: its `kind` ("all-reduce", ...), its
-  result's `bytes` per device, its `groups` of partition ids (None where not
-  in a known form), and the JAX operation it comes from (`op_name`, or "")."""
+  """One collective of a compiled program: `kind`, result `bytes` per device,
+  `groups` of partition ids (None: unknown form) and its JAX `op_name`."""
 
   kind: str
   bytes: int
@@ -118,8 +114,7 @@ def _groups(line: str) -> tuple[tuple[int, ...], ...] | None:
 
 
 def mesh_axes(groups, axis_names, mesh_shape) -> tuple[str, ...] | None:
-  """The mesh axes a collective's groups run over (those along which a
-  group's ids vary), or None for groups not known.
+  """The mesh axes along which a collective's groups vary (None: unknown).
 
   Example:
     >>> from jdist._src.diagnose.hlo import mesh_axes

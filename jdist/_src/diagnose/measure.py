@@ -1,5 +1,4 @@
-"""Timing a step on one strategy: where each of its seconds goes (see
-`jdist.diagnose` for how each part is measured)."""
+"""Timing a step on one strategy: where each of its seconds goes."""
 
 from __future__ import annotations
 
@@ -32,18 +31,15 @@ class StepTimes:
     input_wait: waiting for the next batch (reading, splitting, copying).
     compute: the step's computation on the devices.
     collectives: the step's all-reduces (and other collectives).
-    dispatch: the host launching each step, the part the devices do not
-      hide: the placed loop's step less the time on the devices.
+    dispatch: the host launching each step, where the devices do not hide it.
     compile_seconds: compiling the step (its first call, less one step).
     recompilations: compilations after the first, while the loops ran.
     host_callbacks: callbacks to Python compiled into the step.
     collective_bytes: bytes the step's collectives carry, per device.
     samples_per_second: global batch / `step`.
-    num_devices: devices the strategy runs on (more than `num_replicas`
-      where a replica spans devices; None: one per replica).
-    collectives_by_axes: `((axes, count, bytes), ...)`: the collectives by
-      the mesh axes they run over (`"data"`, `"data+model"`; `"?"`: not
-      known), largest first.
+    num_devices: devices the strategy runs on (None: one per replica).
+    collectives_by_axes: `((axes, count, bytes), ...)` by the mesh axes
+      they run over (`"data+model"`; `"?"`: not known), largest first.
   """
 
   num_replicas: int
@@ -173,8 +169,7 @@ def _device_time(strategy, fn, state, batch, k: int) -> float:
 
 
 def _collective_time(mesh, by_axes: dict, k: int) -> float:
-  """Seconds per step for all-reduces of the step's collective bytes over the
-  mesh axes each ran over, K rounds in one program."""
+  """Seconds per step for all-reduces of the step's collective bytes."""
   if not by_axes:
     return 0.0
   names = tuple(mesh.axis_names)

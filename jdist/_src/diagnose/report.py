@@ -1,5 +1,4 @@
-"""`jdist.Diagnosis`: a step's times on 1 and N devices, the advice that
-follows from them, and the table a person reads."""
+"""`jdist.Diagnosis`: a step's times on 1 and N devices, advice and table."""
 
 from __future__ import annotations
 
@@ -17,9 +16,7 @@ from jdist._src.diagnose.measure import StepTimes
 class Diagnosis:
   """What `jdist.diagnose` found; `print()` it for a table.
 
-  The fields are measurements; the bottleneck, cause, fix and notes follow
-  from them by fixed rules, so a `Diagnosis` built from times measured
-  elsewhere gives the same advice.
+  The fields are measurements; the advice follows from them by fixed rules.
 
   Attributes:
     single: `StepTimes` on one device.
@@ -30,8 +27,7 @@ class Diagnosis:
     host_cores: CPU cores of the host that ran the step.
     measurement_notes: what the measurement could not do, if anything.
     bottleneck: where most of the N-device step goes: "input", "compute",
-      "collectives", "dispatch" (launching each step from the host) or
-      "recompilation" (the step compiled again during the loop).
+      "collectives", "dispatch" or "recompilation".
     cause: why, in a sentence, with the numbers.
     fix: what to change.
     notes: other things worth knowing (host callbacks, shared CPU cores).

@@ -1,10 +1,8 @@
 """Keeping the input pipelines of several processes in step.
 
-Every process must run every step, or the others wait in its collectives
-forever. Once per window of steps read ahead, the processes exchange their
-step counts and valid examples: all run the longest input (an ended one
-feeds masked padding), and every step knows its global count without an
-all-reduce. Global batches are also compared by `fingerprint`.
+Every process must run every step, or the others wait forever. Once per
+window of steps read ahead the processes exchange step counts and valid
+examples: all run the longest input (an ended one feeds masked padding).
 """
 
 from __future__ import annotations
@@ -29,8 +27,7 @@ FINGERPRINT_ELEMENTS = 4096
 
 def fingerprint(leaves: list) -> str:
   """A short hash of a global batch: the same batch gives the same on every
-  process, other rows or another order almost surely another. It reads every
-  row and a bounded sample of each row (CRC-32: no adversary here).
+  process, other rows or another order almost surely another (CRC-32).
 
   Example:
     >>> import numpy as np

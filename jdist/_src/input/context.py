@@ -1,5 +1,4 @@
-"""`InputContext`: what `distribute_datasets_from_function` tells the dataset
-function."""
+"""`InputContext`: what a dataset function is told of its pipeline."""
 
 from __future__ import annotations
 

@@ -68,11 +68,9 @@ _ONE_SHOT_FUNCTION = (
 class DistributedDataset:
   """An iterable of distributed batches; each `iter()` starts a new pass.
 
-  Made by `strategy.experimental_distribute_dataset` (global batches in) or
-  `strategy.distribute_datasets_from_function` (per-replica batches in). Every
-  item is a `PerReplica` with leaves `(num_replicas, b, ...)` (after
-  `group(k)`, a `BatchGroup`). Each pass iterates the source again, so a
-  source that reshuffles on each `__iter__` gives each pass its order.
+  Made by `strategy.experimental_distribute_dataset` or
+  `strategy.distribute_datasets_from_function`. Every item is a `PerReplica`
+  with leaves `(num_replicas, b, ...)`; each pass iterates the source again.
   """
 
   def __init__(self, strategy, source: Iterable, mode: Mode, *,
@@ -92,8 +90,7 @@ class DistributedDataset:
   def group(self, steps: int) -> "DistributedDataset":
     """The same batches, `steps` at a time, for a `jdist.multi_step` call.
 
-    Each item is a `BatchGroup` of `steps` consecutive batches (the last of a
-    pass may hold fewer), placed in one transfer; each batch keeps its mask.
+    Each item is a `BatchGroup` of `steps` batches (the last may hold fewer).
 
     Args:
       steps: batches per group (Keras' `steps_per_execution`), at least 1.
@@ -116,9 +113,8 @@ class DistributedDataset:
   def element_spec(self) -> Any:
     """What one replica's step receives of each batch (TensorFlow's name).
 
-    `jax.ShapeDtypeStruct`s of one replica's rows. Asked before any pass, it
-    starts the first pass and reads its first batch; the next `iter()`
-    continues that pass, so no batch is read twice or lost.
+    `jax.ShapeDtypeStruct` values of one replica's rows. Asked before any
+    pass, it reads the first batch, which the next `iter()` then yields.
 
     Example:
       >>> import jdist, numpy as np
@@ -214,9 +210,8 @@ class DistributedIterator:
   def element_spec(self) -> Any:
     """What one replica's step receives of each batch (TensorFlow's name).
 
-    `jax.ShapeDtypeStruct`s of one replica's rows (after `group(k)`, of each
-    batch of a group). Before the first batch is handed out it reads and keeps
-    it, so in a multi-process run every process must ask.
+    `jax.ShapeDtypeStruct` values of one replica's rows; it reads (and keeps)
+    the first batch, so in a multi-process run every process must ask.
 
     Raises:
       ValueError: the data has no batches.
@@ -234,8 +229,7 @@ class DistributedIterator:
   def get_next_as_optional(self) -> Optional:
     """The next batch as a `jdist.Optional`, empty at the end of the data.
 
-    TensorFlow's way to end a loop without `StopIteration`; across processes
-    all see an empty optional at the same step.
+    Across processes all see an empty optional at the same step.
 
     Example:
       >>> import jdist, numpy as np
@@ -418,7 +412,7 @@ _NONE = object()  # no item read ahead (None is the end of the data)
 
 
 def per_replica_spec(item: PerReplica | BatchGroup) -> Any:
-  """`jax.ShapeDtypeStruct`s of one replica's batch."""
+  """`jax.ShapeDtypeStruct` values of one replica's batch."""
   return kinds.kind_of(item).batch_spec(item)
 
 

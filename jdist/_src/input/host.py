@@ -14,8 +14,7 @@ from jdist._src.core.validity import Validity
 
 class HostStep(NamedTuple):
   """One step's batch on the host: this process's `rows` `(local replicas, b,
-  ...)`, which are `valid`, the step's (global, once agreed) `count` of real
-  examples or None, and the global batch's `fingerprint`."""
+  ...)`, which are `valid`, the global `count` (or None), the `fingerprint`."""
 
   rows: Any
   valid: np.ndarray
@@ -70,7 +69,7 @@ def split_error(size: int, n: int, parts: str = "replicas") -> ValueError:
 
 def padded_size(rows: int, multiple: int) -> int:
   """The size a batch that is all of the data is padded to: `rows` up to a
-  multiple of `multiple`. The one place that rule is written.
+  multiple of `multiple`.
 
   Example:
     >>> from jdist._src.input.host import padded_size
@@ -166,8 +165,7 @@ class Placer:
                   enumerate(zip(placed, whole))])
 
   def validity(self, local_mask: np.ndarray, num_valid: int | None) -> Validity:
-    """The host `Validity` of this process's rows; full batches share one host
-    copy (each batch still gets device buffers of its own, for donation)."""
+    """The host `Validity` of this process's rows (one shared for full ones)."""
     key = local_mask.shape
     if num_valid is None:
       num_valid = int(local_mask.sum())  # one process holds every row
@@ -186,9 +184,8 @@ class Placer:
     return self.put((step.rows, self.validity(step.valid, step.count)))
 
   def host_group(self, items: list):
-    """`(values, validity)` of several `HostStep`s stacked on a step axis, on
-    the host: `(local replicas, steps, b, ...)` and `(local replicas, steps,
-    b + 1)`."""
+    """`(values, validity)` of several `HostStep`s stacked on a step axis
+    (axis 1), on the host."""
     rows = jax.tree.map(lambda *xs: np.stack(xs, axis=1),
                         *[item.rows for item in items])
     packed = np.stack([self.validity(item.valid, item.count).packed

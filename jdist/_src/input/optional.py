@@ -1,5 +1,4 @@
-"""`Optional`: a value that may be absent (TensorFlow's
-`tf.experimental.Optional`)."""
+"""`Optional`: a value that may be absent (`tf.experimental.Optional`)."""
 
 from __future__ import annotations
 
@@ -12,8 +11,7 @@ class Optional:
   """A value or nothing, with the spec of the value it would hold.
 
   Made by `Optional.from_value(value)` or `Optional.empty(element_spec)`.
-  `has_value()` is a Python bool (TensorFlow's is a boolean tensor, which an
-  `if` reads the same way).
+  `has_value()` is a Python bool (TensorFlow's: a boolean tensor).
 
   Example:
     >>> import jdist

@@ -18,16 +18,12 @@ class InputOptions:
     experimental_fetch_to_device: place each batch on the devices ahead of
       the step, as TensorFlow does by default. Only True is supported.
     experimental_per_replica_buffer_size: batches (or groups) placed ahead
-      of the one the loop runs (TF's default 1; 0: none), at most
-      `MAX_BUFFER_SIZE` (64), each holding device memory until its step.
+      of the one the loop runs (TF's default 1; 0: none), at most 64.
     experimental_prefetch_in_thread: read and place batches in a background
-      thread: it pays when the host works per batch while the devices run,
-      and costs where the thread contends for Python's lock. One process
-      only.
+      thread (pays when the host works per batch). One process only.
     pad_to_replicas: pad a global batch that the replicas do not divide with
-      masked zero rows, as a short last batch is (without it, an error), so
-      an elastic job restarted on fewer processes keeps its global batch.
-      Metrics written by hand must use the mask.
+      masked zero rows (without it, an error), so an elastic job restarted
+      on fewer processes keeps its global batch.
 
   Example:
     >>> import jdist, numpy as np
@@ -80,9 +76,8 @@ class InputOptions:
   def of(cls, options) -> "InputOptions":
     """Accepts None, an instance, or TensorFlow's `tf.distribute.InputOptions`.
 
-    TensorFlow's options keep their meaning; its settings jdist cannot honour
-    (fetching to the host, per-replica pipelines, datasets on the devices) are
-    errors.
+    TensorFlow's options keep their meaning; settings jdist cannot honour
+    are errors.
 
     Example:
       >>> import collections, jdist

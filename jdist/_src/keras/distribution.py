@@ -1,23 +1,12 @@
-"""What a jdist strategy's scope tells Keras: the `keras.distribution` its own
-`fit` reads.
-
-TensorFlow's literal program, `with strategy.scope(): model = ...;
-model.compile(...)` then `model.fit(...)`, runs Keras's own fit. On the JAX
-backend that fit distributes only under `keras.distribution.distribution()`,
-so while a strategy's scope is open it sets one on the strategy's devices:
-a data-parallel strategy (Mirrored, OneDevice, MultiWorkerMirrored, TPU) as
-`keras.distribution.DataParallel`, a `ModelParallelStrategy` as
-`ModelParallel` laid out by the strategy's `LayoutMap` (its keys matched as
-jdist matches them, so Keras's fit and `jdist.Trainer` split the same
-variables). A strategy Keras's fit cannot run (CentralStorage, parameter
-servers) sets one whose data layout raises, so that fit fails at its first
-batch naming `jdist.Trainer`, instead of training on one device in silence.
-
-As in TensorFlow, a model made in the scope keeps its strategy: when Keras
-variables were created while it was open, the distribution stays set after
-the scope closes (so `model.fit` outside the scope, as TensorFlow's tutorial
-calls it, still distributes), until another scope replaces it or the
-program calls `keras.distribution.set_distribution(None)`.
+"""What a jdist strategy's scope tells Keras: the `keras.distribution` its
+own `fit` reads, so TensorFlow's `with strategy.scope(): ...; model.fit()`
+distributes on the JAX backend. A data-parallel strategy sets
+`DataParallel`, a `ModelParallelStrategy` `ModelParallel` laid out by its
+`LayoutMap` (matched as jdist matches it); one Keras's fit cannot run
+(CentralStorage, parameter servers) sets one whose data layout raises,
+naming `jdist.Trainer`. As in TensorFlow, a model made in the scope keeps
+its strategy: the distribution stays set after the scope closes until
+another replaces it or `keras.distribution.set_distribution(None)`.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
-"""`jdist.keras_functions`: a Keras model and its optimizer as the values and
-pure functions a custom training loop's `strategy.function` step uses.
-
-TensorFlow's "Custom training with tf.distribute.Strategy" keeps a Keras
-model and optimizer whose variables the step updates in place. Under JAX a
-step is a pure function, so the model comes apart into its variables, a
-pytree that goes in and out of the step (`KerasVariables`: trainable,
-non-trainable and the optimizer's, keyed by `variable.path`), and the
-functions that compute with them (`KerasFunctions`): the model's
-`stateless_call` and the optimizer's `stateless_apply`. After training,
-`assign` writes the values back into the model.
+"""`jdist.keras_functions`: a Keras model and optimizer as the pytree of
+variables (`KerasVariables`) and the pure functions (`KerasFunctions`) that
+a custom loop's `strategy.function` step uses. A JAX step cannot update
+Keras variables in place, so they go in and out of the step, and `assign`
+writes them back after training.
 """
 
 from __future__ import annotations
@@ -29,13 +23,10 @@ class KerasVariables:
   """A Keras model's variables as a pytree, for a custom loop's state.
 
   Attributes:
-    trainable: the trainable variables, nested dicts by `variable.path`
-      (what gradients are taken with respect to).
-    non_trainable: the others (BatchNormalization's moving statistics,
-      random layers' seed states), the same way.
-    optimizer: the optimizer's variables (its moments under the slot's name
-      and the parameter's path, `iteration`, `learning_rate`); None without
-      an optimizer.
+    trainable: the trainable variables, nested dicts by `variable.path`.
+    non_trainable: the others (moving statistics, seed states), the same way.
+    optimizer: the optimizer's variables (slots under the slot's name and
+      the parameter's path); None without an optimizer.
   """
 
   trainable: Any
@@ -48,11 +39,7 @@ class KerasVariables:
 
 
 class KerasFunctions:
-  """The pure functions of a Keras model and optimizer (see `keras_functions`).
-
-  Attributes:
-    model: the Keras model.
-  """
+  """The pure functions of a Keras model and optimizer (`keras_functions`)."""
 
   def __init__(self, model: StatelessModel, optimizer: KerasOptimizer | None):
     self._model = model
@@ -63,10 +50,8 @@ class KerasFunctions:
     """`(y, non_trainable, losses)`: Keras's `model.stateless_call(trainable,
     non_trainable, x, training=training, return_losses=True)` on trees.
 
-    Inside a step on several replicas the model's random draws (Dropout) are
-    made over the global batch, each replica keeping its rows, so training
-    is the same on any number of replicas. `losses` is the list of the
-    model's own losses (regularizers, `add_loss`), as `model.losses`.
+    Random draws (Dropout) are made over the global batch, so training is
+    the same on any number of replicas.
     """
     return self._model.apply(trainable, non_trainable, x, training=training)
 
@@ -87,9 +72,8 @@ class KerasFunctions:
     return variables.replace(trainable=trainable, optimizer=state)
 
   def assign(self, variables: KerasVariables) -> None:
-    """Writes the model's values (trainable and non-trainable) into the
-    Keras model, as its variables would be after Keras's own training, so
-    that `model.save`, `model.predict` and `model.evaluate` see them."""
+    """Writes the trainable and non-trainable values into the Keras model
+    (for `model.save`, `model.predict`, `model.evaluate`)."""
     self._model.assign(variables.trainable, variables.non_trainable)
 
 
@@ -99,18 +83,16 @@ def keras_functions(model, optimizer=None
   loop.
 
   Args:
-    model: a built Keras 3 model (JAX backend): give it an `Input`, or call
-      `model.build(input_shape)` first.
+    model: a built Keras 3 model (JAX backend).
     optimizer: a Keras optimizer object or name ("adam"), or None.
 
   Returns:
-    `(variables, functions)`: the model's current values (and the
-    optimizer's fresh ones) as a `KerasVariables` pytree, to place with
-    `strategy.replicate` and carry through the steps; and a
-    `KerasFunctions` whose `call` and `apply_gradients` the step uses.
+    `(variables, functions)`: a `KerasVariables` pytree to place with
+    `strategy.replicate`, and the `KerasFunctions` the step calls.
 
   Raises:
-    ValueError: the model is not built.
+    ValueError: the model is not built (give it an `Input`, or call
+      `model.build(input_shape)`).
 
   Example:
     >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")

@@ -1,18 +1,11 @@
 """Random draws over the global batch, for Keras layers inside a replica.
 
-Keras's random layers (`Dropout`, `GaussianNoise`, `SpatialDropout`, ...)
-draw from a `SeedGenerator`'s state, the same on every replica, a value of
-their input's shape: on one device the whole batch's mask, on each of N
-replicas a mask of its own rows' shape, drawn from the same key, so every
-replica would get the first rows of the one-device mask. Here each draw of
-random bits whose first dimension is the replica's batch is drawn for the
-global batch instead and the replica keeps its own rows: the mask of every
-example is the one it gets on one device, whatever the number of replicas.
-
-The draws are found in the traced function (JAX's `random_bits` primitive,
-which every `jax.random` sampler reduces to), not by patching Keras.
-Exact when each replica's batch runs whole (`micro_batches=1`): micro-
-batches draw per micro-batch, as Keras draws per call.
+Keras's random layers draw a value of their input's shape from a seed the
+same on every replica, so each replica would get the first rows of the
+one-device mask. Each `random_bits` draw whose first dimension is the
+replica's batch is made for the global batch instead, the replica keeping
+its rows: found in the traced function, not by patching Keras. Exact with
+`micro_batches=1` (micro-batches draw per micro-batch, as Keras per call).
 """
 
 from __future__ import annotations
@@ -40,14 +33,8 @@ def _rule(rows: int, replicas: int, replica: jax.Array):
 
 
 def call(fn: Callable, *args, rows: int) -> Any:
-  """`fn(*args)`, its random draws of `rows` rows made over the global batch.
-
-  Outside a step, or on one replica, it is `fn(*args)` as written.
-
-  Args:
-    fn: the function (a Keras model's stateless call).
-    args: its arguments (pytrees of arrays).
-    rows: the replica's batch size (the inputs' first dimension).
+  """`fn(*args)`, its random draws of `rows` rows (the replica's batch)
+  made over the global batch; as written outside a step or on one replica.
 
   Example:
     >>> import jax, jdist

@@ -1,18 +1,10 @@
 """Keras loss and metric objects as `jdist.losses` and `jdist.metrics` values.
 
-A Keras loss computes what it computes in Keras: `KerasLoss.call` is the
-loss's own `call` on targets and predictions converted to its dtype, as
-`keras.losses.Loss.__call__` converts them; the trainer then reduces it as
-Keras's default reduction does, the weighted sum over the number of
-examples (over the global batch, the padding of a short last batch left
-out).
-
-A Keras metric keeps its variables (`total` and `count`, a confusion
-matrix's counts, AUC's thresholds' counts) as the running sums of a
-`jdist.metrics.Metric`: each replica updates its own copy with the metric's
-`stateless_update_state`, the padding rows weighted 0, and reading adds the
-replicas' copies before the metric's `stateless_result`. That is exact for a
-metric whose variables are sums from zero, which jdist checks.
+A Keras loss runs its own `call`, reduced as Keras's default reduction
+(over the global batch, padding left out). A Keras metric's variables are
+the running sums of a `jdist.metrics.Metric`: each replica updates its copy
+with `stateless_update_state`, and reading adds the copies before
+`stateless_result`, which is exact only for sums from zero (checked).
 """
 
 from __future__ import annotations
@@ -48,12 +40,9 @@ _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 class KerasLoss(loss_objects.Loss):
   """A `keras.losses.Loss` object as a `jdist.losses.Loss`.
 
-  Args:
-    loss: the Keras loss; its reduction must be Keras's default
-      ("sum_over_batch_size", or "mean", the same).
-
   Raises:
-    ValueError: another reduction, which the trainer would not honour.
+    ValueError: `loss`'s reduction is not Keras's default
+      ("sum_over_batch_size" or "mean"), which the trainer would not honour.
 
   Example:
     >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -89,11 +78,8 @@ class KerasLoss(loss_objects.Loss):
 
 
 def resolve_loss(loss) -> loss_objects.Loss:
-  """A Keras loss object, or a name Keras knows, as a `jdist.losses.Loss`.
-
-  Raises:
-    ValueError: a name that Keras does not know either.
-  """
+  """A Keras loss object, or a name Keras knows, as a `jdist.losses.Loss`
+  (ValueError for a name Keras does not know either)."""
   if not isinstance(loss, str):
     return KerasLoss(loss)
   keras = loading.keras_module(f"The loss {loss!r}")
@@ -117,28 +103,17 @@ def _zero_initialised(metric) -> bool:
 
 
 class KerasMetric(metrics_lib.Metric):
-  """A `keras.metrics.Metric` object as a `jdist.metrics.Metric`.
-
-  `update(y_true, y_pred, sample_weight=None, *, mask=None)` runs the Keras
-  metric's `stateless_update_state` on this replica's copy of its
-  variables, the step's padding weighted 0; `result()` adds the copies and
-  runs its `stateless_result`.
-
-  Attributes:
-    keras_metric: the user's Keras metric (its own variables are not used).
-  """
+  """A `keras.metrics.Metric` object as a `jdist.metrics.Metric`: `update`
+  runs its `stateless_update_state` on this replica's copy of its variables
+  (padding weighted 0), and `result()` adds the copies first."""
 
   name: str = "keras_metric"
   keras_metric: Any = None
 
   @classmethod
   def of(cls, metric, name: str | None = None) -> "KerasMetric":
-    """The jdist form of a Keras metric, its sums at zero.
-
-    Raises:
-      ValueError: a metric whose variables do not start at zero: they are
-        not sums that replicas can add.
-    """
+    """The jdist form of a Keras metric, its sums at zero (ValueError if its
+    variables do not start at zero: not sums that replicas can add)."""
     if not _zero_initialised(metric):
       raise ValueError(
           f"The Keras metric {metric.name!r} starts with non-zero variables, "

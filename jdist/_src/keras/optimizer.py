@@ -1,23 +1,11 @@
 """A Keras optimizer as an optax `GradientTransformation`.
 
-`update(grads, state, params)` runs the optimizer's own
-`stateless_apply(optimizer_variables, grads, trainable_variables)`, so the
-arithmetic is Keras's (its Adam, its learning-rate schedules, its weight
-decay and clipping), and returns `new_params - params` as optax's updates.
-Being optax, it composes with everything jdist does to an optimizer: loss
-scaling, gradient accumulation, `ShardedOptimizer` (ZeRO).
-
-The state is a pytree of the optimizer's variables: each per-parameter
-variable (a moment, a velocity) under its slot name and the parameter's
-path (`{"momentum": {"sequential": {"dense": {"kernel": ...}}}}`), so that a
-`LayoutMap` rule written for the parameter lays out its moments too; the
-others (`iteration`, `learning_rate`) by name, which is where
-`trainer.learning_rate` and `LearningRateScheduler` find the rate.
-
-The Keras optimizer is built on variables of its own, made from the
-parameters' paths, shapes and dtypes: it works for any model's parameters,
-and for the blocks `ShardedOptimizer` hands it (a copy of the optimizer is
-built for each set of shapes it is given).
+`update` runs the optimizer's own `stateless_apply` (Keras's arithmetic)
+and returns `new_params - params`, so it composes with loss scaling,
+gradient accumulation and `ShardedOptimizer`. The state holds each slot
+variable under its slot name and the parameter's path, so a `LayoutMap`
+rule for a parameter lays out its moments too; `iteration` and
+`learning_rate` by name. A copy is built for each set of shapes given.
 """
 
 from __future__ import annotations
@@ -62,12 +50,9 @@ def _refuse_unsupported(optimizer) -> None:
 
 
 def resolve(optimizer) -> optax.GradientTransformation:
-  """The optax transformation of a Keras optimizer object or name ("adam").
-
-  Raises:
-    ImportError: a name was given and keras is not installed.
-    ValueError: the name is not a Keras optimizer's, or the optimizer uses
-      an option jdist provides in the Trainer instead.
+  """The optax transformation of a Keras optimizer object or name ("adam");
+  ImportError without keras, ValueError for an unknown name or an option
+  jdist provides in the Trainer instead.
 
   Example:
     >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -93,21 +78,13 @@ def _placeholder(keras, path: str, shape: tuple, dtype) -> Any:
 
 
 class KerasOptimizer:
-  """A Keras optimizer's configuration, built for each set of shapes.
-
-  Args:
-    optimizer: the user's Keras optimizer (read for its class and config;
-      its own variables are left alone).
-  """
+  """A Keras optimizer's configuration (read from the user's optimizer,
+  whose own variables are left alone), built for each set of shapes."""
 
   @classmethod
   def of(cls, optimizer) -> "KerasOptimizer":
-    """The `KerasOptimizer` of a Keras optimizer object or name.
-
-    Raises:
-      ImportError: a name was given and keras is not installed.
-      ValueError: an unknown name, or an option jdist provides otherwise.
-    """
+    """The `KerasOptimizer` of a Keras optimizer object or name (errors as
+    `resolve`)."""
     keras = loading.keras_module(f"The optimizer {optimizer!r}")
     if isinstance(optimizer, str):
       try:
@@ -202,13 +179,9 @@ def _signature(names, leaves) -> tuple:
 
 
 def _state_keys(optimizer, paths, shapes) -> list[str]:
-  """Where each of the optimizer's variables sits in the state tree: a
-  parameter's slot at `slot/<parameter path>`, any other by its name.
-
-  Keras names a slot variable after its parameter's path
-  (`sequential_dense_kernel_momentum`); the longest parameter whose name
-  prefixes it, of its shape, is its parameter.
-  """
+  """Where each optimizer variable sits in the state: a slot at
+  `slot/<parameter path>` (its parameter: the longest of its shape whose
+  name prefixes the Keras slot name), any other by its name."""
   prefixes = sorted(((p.replace("/", "_") + "_", p, s)
                      for p, s in zip(paths, shapes)),
                     key=lambda t: -len(t[0]))

@@ -1,12 +1,7 @@
-"""Keras variables as pytrees keyed by their paths.
-
-A Keras variable's `path` (`sequential/dense/kernel`) is what Keras's own
-`LayoutMap` matches and what its checkpoints name. Held as nested dicts, one
-level per part of the path, a tree's own path of each array ("/"-joined
-keys) is the variable's path: a `jdist.LayoutMap` key matches it as it
-matches a flax parameter's, the optimizer's moments (`.../momentum/
-sequential/dense/kernel`) take their variable's layout, and checkpoints get
-plain nested names.
+"""Keras variables as nested dicts keyed by the parts of their paths
+(`sequential/dense/kernel`), so a tree path is the variable's path: a
+`jdist.LayoutMap` key matches it as a flax parameter's, the optimizer's
+moments take their variable's layout, and checkpoints get plain names.
 """
 
 from __future__ import annotations
@@ -15,12 +10,8 @@ from typing import Any, Sequence
 
 
 def check_paths(paths: Sequence[str], what: str) -> None:
-  """Raises unless every path is unique and none is a prefix of another.
-
-  Raises:
-    ValueError: two variables share a path (two layers of one name), or a
-      path is another's parent (they cannot both be dict entries).
-  """
+  """ValueError unless every path is unique and none is another's parent
+  (two layers of one name; both could not be dict entries)."""
   seen = set()
   for path in paths:
     if path in seen:
@@ -59,10 +50,8 @@ def tree_of(paths: Sequence[str], values: Sequence[Any]) -> dict:
 
 
 def at_paths(tree: dict, paths: Sequence[str], what: str) -> list:
-  """The values of `tree` at `paths`, in that order (`tree_of`'s inverse).
-
-  Raises:
-    ValueError: a path is missing from `tree` (state made for another model).
+  """The values of `tree` at `paths`, in order (`tree_of`'s inverse);
+  ValueError if one is missing (state made for another model).
 
   Example:
     >>> from jdist._src.keras.variables import at_paths

@@ -1,10 +1,5 @@
-"""Gradient accumulation: K micro-batches, one gradient reduction per step.
-
-The micro-batches run in a `lax.scan` inside the compiled step, so one
-micro-batch's activations are alive at a time. The parameters are typed as
-varying before autodiff, so the gradients add up per replica and are summed
-over replicas once, after the last.
-"""
+"""Gradient accumulation: K micro-batches in a `lax.scan` (one micro-batch's
+activations alive at a time), one gradient reduction per step."""
 
 from __future__ import annotations
 
@@ -23,12 +18,7 @@ from jdist._src.core.validity import Validity
 
 
 def check_steps(num_micro_batches) -> int:
-  """`num_micro_batches` as an int.
-
-  Raises:
-    TypeError: it is not a whole number.
-    ValueError: it is less than 1.
-  """
+  """`num_micro_batches` as an int, checked to be a whole number >= 1."""
   k = num_micro_batches
   if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
     raise TypeError(
@@ -43,9 +33,8 @@ def check_steps(num_micro_batches) -> int:
 
 
 class MicroBatchContext(ReplicaContext):
-  """The replica context of one micro-batch: its validity counts the whole
-  step's examples, and `example_index` gives rows their positions in the
-  step's global batch (so random draws are the whole batch's)."""
+  """The replica context of one micro-batch: validity and `example_index`
+  are the whole step's (random draws are the whole batch's)."""
 
   def __init__(self, parent: ReplicaContext, validity: Validity | None,
                index, num_micro_batches: int):
@@ -89,15 +78,9 @@ def merge_micro_batches(tree):
 def scan_micro_batches(loss_fn: Callable, params, carry, batch, *,
                        num_micro_batches: int, num_batches: int = 1,
                        sum_over_replicas: bool = True):
-  """The engine of `accumulate_gradients`, with a `carry` between micro-batches.
-
-  `loss_fn(params, carry, micro_batch, index) -> (loss, (carry, aux))`;
-  `batch` is this replica's rows of `num_batches` batches joined, each run as
-  `num_micro_batches` micro-batches. Returns `((loss, (carry, aux)), grads)`
-  summed over the micro-batches (their mean outside a step), with `aux`
-  stacked; with `sum_over_replicas=False` each replica keeps its own gradients
-  (`ShardedOptimizer` reduce-scatters them).
-  """
+  """`accumulate_gradients` with a `carry` between micro-batches: `loss_fn(
+  params, carry, micro_batch, index) -> (loss, (carry, aux))`; returns
+  `((loss, (carry, aux)), grads)` with `aux` stacked."""
   per_batch = check_steps(num_micro_batches)
   k = per_batch * num_batches
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -158,22 +141,20 @@ def accumulate_gradients(loss_fn: Callable, params, batch, *,
                          num_micro_batches: int, has_aux: bool = False) -> Any:
   """`jax.value_and_grad` over a batch split into micro-batches.
 
-  Inside a step, each replica's batch runs as `num_micro_batches`
-  micro-batches one after another; the gradients are summed over replicas
-  once, at the end. The result equals `jax.value_and_grad` of the whole
-  batch's loss, also on a padded last batch, when the loss is scaled with
-  `jdist.compute_average_loss`. Outside a step the micro-batches' losses and
-  gradients are averaged.
+  Each replica's batch runs as micro-batches one after another, and the
+  gradients are summed over replicas once. With the loss scaled by
+  `jdist.compute_average_loss` the result equals `jax.value_and_grad` of
+  the whole batch (docs/accumulation_and_precision.md).
 
   Args:
-    loss_fn: `loss_fn(params, micro_batch) -> loss` (or `(loss, aux)` with
-      `has_aux`), written as for the whole batch.
-    params: what to differentiate (the mirrored parameters).
-    batch: this replica's batch: a pytree of arrays with a leading axis of
-      rows, a multiple of `num_micro_batches`.
+    loss_fn: `loss_fn(params, micro_batch) -> loss` (or `(loss, aux)`),
+      written as for the whole batch.
+    params: what to differentiate.
+    batch: this replica's batch (leading axis: rows, a multiple of
+      `num_micro_batches`).
     num_micro_batches: micro-batches per step (K >= 1).
-    has_aux: whether `loss_fn` returns `(loss, aux)`; `aux` is then stacked
-      over micro-batches along a new leading axis (as `lax.scan` does).
+    has_aux: whether `loss_fn` returns `(loss, aux)`; `aux` is stacked over
+      micro-batches.
 
   Returns:
     `(loss, grads)`, or `((loss, aux), grads)` with `has_aux`, shaped as
@@ -184,20 +165,14 @@ def accumulate_gradients(loss_fn: Callable, params, batch, *,
       not split into that many micro-batches.
 
   Example:
-    >>> import jdist, jax.numpy as jnp, numpy as np
-    >>> strategy = jdist.get_strategy()
+    >>> import jdist, jax.numpy as jnp
     >>> def loss_fn(w, batch):
     ...   return jdist.compute_average_loss((batch["x"] @ w - batch["y"]) ** 2)
-    >>> @strategy.function
-    ... def step(w, batch):
-    ...   loss, grad = jdist.accumulate_gradients(loss_fn, w, batch,
-    ...                                           num_micro_batches=4)
-    ...   return w - 0.1 * grad, loss
-    >>> data = {"x": np.ones((8, 2), np.float32), "y": np.ones(8, np.float32)}
-    >>> batches = strategy.experimental_distribute_dataset([data])
-    >>> w, loss = step(jnp.zeros(2), next(iter(batches)))
-    >>> float(strategy.reduce("sum", loss))
-    1.0
+    >>> data = {"x": jnp.ones((8, 2)), "y": jnp.ones(8)}
+    >>> loss, grad = jdist.accumulate_gradients(loss_fn, jnp.zeros(2), data,
+    ...                                         num_micro_batches=4)
+    >>> float(loss), grad.tolist()
+    (1.0, [-2.0, -2.0])
   """
   def with_carry(p, carry, micro_batch, index):
     del index

@@ -1,9 +1,6 @@
-"""Whether an optax update is elementwise: what `ShardedOptimizer` needs.
-
-Checked before the first step, by program (the update's jaxpr on one
-replica's blocks feeds no output from a primitive that mixes an array's
-elements) and by result (on a small random probe, the blocks' updates must
-put together the whole leaf's, which catches random draws and moved values).
+"""Whether an optax update is elementwise, as `ShardedOptimizer` needs:
+checked by program (no output from a primitive that mixes elements) and by
+result (the blocks' updates of a random probe make up the whole leaf's).
 """
 
 from __future__ import annotations
@@ -69,8 +66,7 @@ def _subjaxprs(eqn):
 
 
 def notable_by_output(jaxpr) -> list[frozenset]:
-  """For each output of `jaxpr`, the notable primitives it depends on (a
-  nested jaxpr counts for every output of its equation)."""
+  """For each output of `jaxpr`, the notable primitives it depends on."""
   deps = {}
 
   def of(v):
@@ -168,9 +164,8 @@ def _output_names(out) -> list[str]:
 
 def result_problem(optimizer, layout: Layout,
                    state_axes: Callable[[list, list], list]) -> str | None:
-  """Why the update on each replica's blocks of a small random probe does not
-  put together the whole leaves' update (naming the first leaf), or None.
-  It runs eagerly on the CPU for two steps, also inside a trace."""
+  """Why the blocks' updates of a small random probe do not make up the whole
+  leaves' update (naming the first leaf), or None; runs eagerly on the CPU."""
   probe = layout.probe_specs()
   axes_of_state = state_axes(probe, layout.block_specs(probe))
   rng = np.random.default_rng(0)

@@ -29,8 +29,8 @@ class Loss:
 
   Attributes:
     from_logits: whether predictions are logits (None: not a class loss).
-    kind: "categorical", "sparse", "binary" or "regression": what the
-      trainer's first-batch checks expect of predictions and targets.
+    kind: "categorical", "sparse", "binary" or "regression", for the
+      trainer's checks of predictions and targets.
   """
 
   from_logits = None

@@ -13,9 +13,8 @@ from jdist._src.errors import LossScalingError
 
 
 def _fit_weights(sample_weight, loss):
-  """`sample_weight` shaped for `loss` by TensorFlow's rule (a trailing axis
-  squeezed, or one added), or an error: plain broadcasting would turn (b, 1)
-  against (b,) into (b, b)."""
+  """`sample_weight` shaped for `loss` by TensorFlow's rule (not plain
+  broadcasting, which makes (b, 1) against (b,) a (b, b))."""
   w = jnp.asarray(sample_weight, loss.dtype)
   fitted = w
   if w.ndim and w.ndim == loss.ndim + 1 and w.shape[-1] == 1:
@@ -63,16 +62,13 @@ def compute_average_loss(per_example_loss, sample_weight=None,
   Args:
     per_example_loss: losses of this replica's examples, shape `(b, ...)`.
       Extra axes are summed, as in TensorFlow.
-    sample_weight: optional weights, as TensorFlow accepts them: a scalar,
-      one per example (`(b,)` or `(b, 1)`), or the shape of
-      `per_example_loss`. Other shapes are an error.
-    global_batch_size: the divisor, a positive integer. Defaults to the
-      global count of valid examples of the step's distributed batch (exact
-      on a padded last batch), or to `b * num_replicas_in_sync` when the
-      step got no distributed batch.
+    sample_weight: optional weights: a scalar, one per example (`(b,)` or
+      `(b, 1)`), or the shape of `per_example_loss`.
+    global_batch_size: the divisor, a positive integer. Default: the
+      step's global count of valid examples (exact on a padded last batch),
+      or `b * num_replicas_in_sync` without a distributed batch.
     mask: which of this replica's rows are real examples, instead of the
-      step's batch mask. Without `global_batch_size`, the divisor is then the
-      mask's count over all replicas (one all-reduce).
+      step's batch mask (counted over all replicas).
 
   Returns:
     This replica's scalar loss; summed over replicas it is the global mean.
@@ -121,9 +117,8 @@ def compute_average_loss(per_example_loss, sample_weight=None,
 
 
 def _check_varies(loss, batch) -> None:
-  """Refuses per-example losses that are the same on every replica when the
-  divisor is `b * num_replicas`: each replica saw the whole batch, and the
-  gradients would be `num_replicas` times too small, silently."""
+  """Refuses per-example losses that are the same on every replica (each
+  saw the whole batch: gradients `num_replicas` times too small)."""
   ctx = batch.replica_context
   axis = getattr(ctx, "axis_name", None)
   if batch.num_replicas < 2 or axis is None or in_step.is_varying(loss, axis):
@@ -143,9 +138,8 @@ def _check_varies(loss, batch) -> None:
 def scale_regularization_loss(regularization_loss) -> jax.Array:
   """Divides a loss added on every replica by the number of replicas.
 
-  A term computed from mirrored parameters is added once per replica and the
-  gradients are summed over replicas; this keeps its weight one device's. As
-  in TensorFlow, a list of losses is added up and summed to a scalar first.
+  A term added on every replica has its gradients summed over replicas;
+  this keeps its weight one device's. A list of losses is summed first.
 
   Args:
     regularization_loss: a scalar, an array or a list of them.

@@ -1,12 +1,8 @@
 """Keras' metrics as values: updated inside a step, read outside it, exact.
 
-A metric holds running sums (`total`, `count`) in a `SyncOnRead` SUM value,
-as TensorFlow keeps metric variables: each replica adds its own examples,
-and reading adds the replicas and processes, so `result()` is the exact mean
-over every example seen. Inside a step `update` leaves out the padding rows.
-Metrics are frozen pytrees, so they go in and out of steps, `jax.jit` and
-checkpoints like any state; as in flax's `nnx.metrics`, a subclass says only
-what differs.
+A metric's running sums are a `SyncOnRead` SUM value, as TensorFlow keeps
+metric variables: each replica adds its own examples (padding left out) and
+reading adds the replicas, so `result()` is exact on any number of devices.
 """
 
 from __future__ import annotations
@@ -97,9 +93,9 @@ def _frozen_pytree(cls: type) -> type:
 class Metric:
   """Base class: a running `total` and `count`, summed over replicas on read.
 
-  Subclasses declare their configuration as fields and an `update` that adds
-  to the sums; the result is `total / count` unless `value_of` says
-  otherwise.
+  A metric is a frozen pytree: it goes in and out of steps, `jax.jit` and
+  checkpoints as state. Subclasses declare their configuration as fields,
+  an `update`, and `value_of` if the result is not `total / count`.
 
   Attributes:
     name: the metric's name (the key in logs).
@@ -137,8 +133,7 @@ class Metric:
     return totals.read()
 
   def result(self) -> jax.Array:
-    """`total / count` over every example seen by every replica (0.0 if none,
-    as in Keras); inside a step, all-reduced."""
+    """`total / count` over every example seen (0.0 if none, as in Keras)."""
     return self.value_of(self.sums())
 
   def value_of(self, sums: dict):
@@ -156,9 +151,8 @@ class Metric:
         self, totals=jax.tree.map(jnp.zeros_like, self.totals))
 
   def with_sums(self, sums: dict) -> "Metric":
-    """The same metric holding `sums` (`{"total", "count"}`, as `sums()` reads
-    them), e.g. a checkpoint's: it continues, unplaced, on any number of
-    replicas.
+    """The same metric holding `sums` (as `sums()` reads them), to continue
+    on any number of replicas.
 
     Example:
       >>> import jdist, jax.numpy as jnp
@@ -192,16 +186,13 @@ class Metric:
 class Mean(Metric):
   """The (weighted) mean of the values it is given, as `keras.metrics.Mean`.
 
-  `update(values, sample_weight=None, *, mask=None)`: every element counts,
-  weighted by `sample_weight`; inside a step, padding rows are left out. A
-  scalar counts once per replica that has examples.
+  Every element counts, weighted by `sample_weight`; a scalar counts once
+  per replica that has examples.
 
   Example:
     >>> import jdist, jax.numpy as jnp
     >>> m = jdist.metrics.Mean().update(jnp.array([1.0, 2.0, 6.0]))
     >>> float(m.result())
-    3.0
-    >>> float(m.update(jnp.array([3.0, 5.0]), sample_weight=[1.0, 0.0]).result())
     3.0
     >>> float(m.reset().result())  # nothing seen: 0.0, as in Keras
     0.0
@@ -237,15 +228,8 @@ class _PerExampleMean(Mean):
     raise NotImplementedError
 
   def update(self, y_true, y_pred, sample_weight=None, *, mask=None):
-    """Adds a batch's examples (weighted); returns the updated metric.
-
-    Args:
-      y_true: the targets, one row per example.
-      y_pred: the model's outputs, one row per example.
-      sample_weight: optional per-example weights.
-      mask: which rows are real examples (inside a step, default: the step's
-        batch mask).
-    """
+    """Adds a batch's examples (one row each, weighted by `sample_weight`;
+    `mask`: the real rows, default the step's); returns the new metric."""
     values = _one_per_row(self._fn(jnp.asarray(y_true), jnp.asarray(y_pred)))
     return super().update(values, sample_weight, mask=mask)
 
@@ -316,8 +300,8 @@ class CategoricalAccuracy(_PerExampleMean):
 
 
 class BinaryAccuracy(_PerExampleMean):
-  """`y_pred > threshold` against 0/1 targets, as in Keras (0.5 is for
-  probabilities; for logits use `threshold=0.0`).
+  """`y_pred > threshold` against 0/1 targets, as in Keras (for logits use
+  `threshold=0.0`).
 
   Example:
     >>> import jdist, jax.numpy as jnp

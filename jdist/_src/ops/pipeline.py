@@ -1,26 +1,10 @@
 """`jdist.pipeline`: a model's stacked layers, run as pipeline stages when
 the step's strategy has a pipeline axis, and one after another otherwise.
 
-Under `ModelParallelStrategy(pipeline_axis=...)` the call is one SPMD
-program: a `jax.shard_map` manual over the pipeline axis alone (inside the
-step's map over the replicas), so the other axes (FSDP, tensor parallelism)
-stay the compiler's. Each stage holds its slice of the stacked layers (the
-layer dimension split over the axis by the LayoutMap or flax metadata) and
-runs a loop of `V * M + S - 1` iterations (`PipelineSchedule`): the first
-stage reads microbatch inputs (or, in a circular schedule, what the last
-stage sent back), every stage runs its layers and passes the result to the
-next with `lax.ppermute`, and the last stage writes the outputs, which a
-`psum` over the axis gives to every stage. A stage skips its work in the
-bubble (`lax.cond`). The whole loop is differentiated by autodiff, so the
-backward pass is the same schedule in reverse and the user's step is
-unchanged.
-
-A circular schedule's virtual stage `q` runs on stage `q % S`, but the
-LayoutMap splits the layer dimension into contiguous blocks: the call
-regroups the layers (`(V, S, k)`, stage on the middle axis), which costs an
-all-to-all of the stacked parameters per step (and one of their gradient),
-and leaves the parameters in the order every other layout and checkpoint
-shares.
+A second `jax.shard_map`, manual over the pipeline axis alone, inside the
+step's, so the other axes stay the compiler's. Each stage runs a loop of
+`PipelineSchedule.iterations`, passing activations on with `ppermute`;
+autodiff runs the same schedule backwards (docs/pipelines.md).
 """
 
 from __future__ import annotations
@@ -44,26 +28,17 @@ def pipeline(layer_fn: Callable[[Any, Any], Any], stacked_params: Any,
   """Runs `L` stacked layers over `x`, as pipeline stages under a strategy
   with a pipeline axis, one after another otherwise.
 
-  `layer_fn(params, x)` is one layer: it takes one layer's parameters (the
-  leaves of `stacked_params` without their leading dimension) and
-  activations, and returns activations of the same shapes and dtypes.
-  Called in a step of `jdist.ModelParallelStrategy(pipeline_axis=...)`,
-  the layers run as `strategy.pipeline` schedules them: each replica's batch
-  is split into microbatches (rows `i, i + M, i + 2M, ...` form microbatch
-  `i`), and each stage runs its layers on them. Anywhere else (one device,
-  a strategy with no pipeline axis, `strategy.init`) the same call runs the
-  layers in order, so the model is the same function everywhere. Rows must
-  not interact inside a layer (no batch statistics): each microbatch runs
-  apart.
+  In a step of `jdist.ModelParallelStrategy(pipeline_axis=...)` each
+  replica's batch is split into microbatches that the stages run;
+  anywhere else the layers run in order. Rows must not interact inside a
+  layer (no batch statistics). See docs/pipelines.md.
 
   Args:
-    layer_fn: one layer, `(params, x) -> x`.
+    layer_fn: one layer, `(params, x) -> x`, taking one layer's parameters
+      and returning activations of the shapes and dtypes it takes.
     stacked_params: a pytree of arrays whose leading dimension is the layer
-      (the same size `L` for every leaf). Lay that dimension out over the
-      pipeline axis (a LayoutMap key `("stage", ...)`), so that each stage
-      holds its own layers.
-    x: the activations: an array, or a pytree of arrays, with the batch as
-      leading dimension.
+      (size `L`), laid out over the pipeline axis.
+    x: the activations (a pytree), with the batch as leading dimension.
 
   Returns:
     The activations after the `L` layers, shaped as `x`.
@@ -72,7 +47,7 @@ def pipeline(layer_fn: Callable[[Any, Any], Any], stacked_params: Any,
     jdist.DistributionError: `layer_fn` changes the activations' shapes,
       the leaves of `stacked_params` disagree on `L`, `L` is not a multiple
       of stages x repeats, or a replica's batch is not a multiple of
-      `num_microbatches` (all while the step is traced, before it runs).
+      `num_microbatches` (while the step is traced).
 
   Example:
     >>> import jax, jax.numpy as jnp, jdist
@@ -104,8 +79,7 @@ def _num_layers(stacked_params: Any) -> int:
 
 
 def _check_layer(layer_fn: Callable, params: Any, x: Any) -> None:
-  """Raises unless `layer_fn` maps `x` to activations shaped as `x` (traced
-  where the layers run: a layer may ask for the pipeline's axis)."""
+  """Raises unless `layer_fn` maps `x` to activations shaped as `x`."""
   out = jax.eval_shape(layer_fn, params, x)
   shapes = jax.tree.map(lambda a: (jnp.shape(a), jnp.result_type(a)), x)
   out_shapes = jax.tree.map(lambda a: (a.shape, a.dtype), out)
@@ -154,12 +128,8 @@ def _pipelined(layer_fn: Callable, stacked_params: Any, x: Any,
 
 
 def _widened(tree: Any, wide: bool) -> Any:
-  """`tree` with its floats narrower than 32 bits in float32, when `wide`.
-
-  XLA:CPU aborts on a bfloat16 all-reduce in a partly manual program; the
-  values that cross the pipeline's map, where the sums over the axes are
-  (below), do it in float32 there. Exact: those sums add zeros, or add
-  gradients that the step would sum in float32 anyway.
+  """`tree` with floats narrower than 32 bits in float32, when `wide` (XLA:CPU
+  aborts on a bfloat16 all-reduce in a partly manual program; exact here).
   """
   def one(a):
     if wide and jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize < 4:
@@ -183,12 +153,7 @@ def _saveable(primitive, *_, **__) -> bool:
 
 def _stage_fn(layer_fn: Callable, remat: bool, per_stage: int) -> Callable:
   """One stage's work at one iteration: when `busy`, the layers of `repeat`
-  over one microbatch, in order; else the microbatch as it is (the bubble).
-
-  Each layer's parameters are sliced from the stage's where it runs, and
-  views are recomputed in the backward pass rather than kept (`_saveable`).
-  With `remat`, nothing is kept but the inputs.
-  """
+  over one microbatch; else the microbatch as it is (the bubble)."""
   def layers(w, repeat, h):
     def one(h, j):
       return layer_fn(jax.tree.map(lambda a: a[repeat, j], w), h), None
@@ -203,22 +168,10 @@ def _stage_fn(layer_fn: Callable, remat: bool, per_stage: int) -> Callable:
 
 def _stage_loop(layer_fn: Callable, schedule: PipelineSchedule, w: Any,
                 micro: Any, dtypes: tuple) -> Any:
-  """Inside the map over the pipeline axis: one stage's loop.
-
-  The layers and the inputs are typed as varying over every axis before the
-  loop, so that autodiff sums their gradients over the replicas and the
-  stages once, after it, rather than at every iteration.
-
-  Args:
-    w: this stage's layers, each leaf `(V, 1, k, ...)`.
-    micro: every microbatch's input, each leaf `(M, b, ...)`.
-    dtypes: the dtypes of `(w, micro)` as the layers take them (they may
-      come `_widened`).
-
-  Returns:
-    Every microbatch's output `(M, b, ...)` summed over the stages (the
-    last stage's, on every stage), in the dtype `micro` came in.
-  """
+  """One stage's loop over its layers `w` (leaves `(V, 1, k, ...)`) and the
+  microbatches `micro` (`(M, b, ...)`); every microbatch's output, on every
+  stage. Both are typed as varying before the loop, so autodiff sums their
+  gradients once after it."""
   axis, s = schedule.axis, schedule.num_stages
   m, v = schedule.num_microbatches, schedule.num_repeats
   stage = lax.axis_index(axis)
@@ -269,8 +222,8 @@ def _where(pred, a: Any, b: Any) -> Any:
 
 
 def _varying_like(axis: str, *trees) -> Callable:
-  """A function typing a tree's arrays as varying over `axis` and over every
-  axis the leaves of `trees` vary over (a loop's carry must keep its type)."""
+  """A function typing a tree's arrays as varying over `axis` and every axis
+  the leaves of `trees` vary over."""
   want = {axis}.union(*(jax_compat.varying_axes(x)
                         for x in jax.tree.leaves(trees)))
 

@@ -1,6 +1,4 @@
-"""Mixed precision policies, by Keras' names: parameters and optimizer state
-in float32, the model computing in bfloat16 or float16 (which also needs
-loss scaling), the loss's outputs in float32."""
+"""Mixed precision policies, by Keras' names."""
 
 from __future__ import annotations
 

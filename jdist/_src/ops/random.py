@@ -1,6 +1,5 @@
-"""Random streams that do not depend on the number of replicas: keyed by the
-example's position in the global batch (a key shared by all replicas would
-repeat masks, one folded with the replica id would change with N)."""
+"""Random streams keyed by the example's position in the global batch, so
+they do not depend on the number of replicas."""
 
 from __future__ import annotations
 
@@ -15,13 +14,13 @@ def example_keys(key: jax.Array, batch_size: int, *,
   """One key per example of this replica's batch, keyed by global position.
 
   Args:
-    key: a key that is the same on every replica (e.g. folded with the step).
+    key: a key that is the same on every replica.
     batch_size: this replica's batch size.
-    replica_id: this replica's position among the replicas; default: the
-      running step's (`replica_id_in_sync_group`), 0 outside steps.
+    replica_id: this replica's position; default: the running step's
+      (0 outside steps).
 
   Returns:
-    `batch_size` keys; example `i` of the global batch always gets
+    `batch_size` keys: example `i` of the global batch gets
     `jax.random.fold_in(key, i)`.
 
   Example:
@@ -44,9 +43,9 @@ def dropout(key: jax.Array, rate: float, x: jax.Array, *,
             deterministic: bool = False) -> jax.Array:
   """Inverted dropout over a batch `x`, with per-example masks.
 
-  The mask of each example depends only on `key` and the example's global
-  position, so training is the same on any number of replicas. Use it in place
-  of `flax.linen.Dropout` (pass `self.make_rng("dropout")`).
+  Each example's mask depends only on `key` and its global position, so
+  training is the same on any number of replicas (unlike
+  `flax.linen.Dropout`; pass it `self.make_rng("dropout")`).
 
   Example:
     >>> import jdist, jax, jax.numpy as jnp

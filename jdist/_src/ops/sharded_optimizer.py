@@ -1,10 +1,8 @@
 """`ShardedOptimizer`: optimizer state split over the replicas (ZeRO-1/2).
 
-Each leaf is split along its first axis the replica count divides; a leaf
-with none keeps its state whole. Leaves keep their unsharded shapes, so
-checkpoints restore onto any device count; under `ModelParallelStrategy`
-the state keeps its parameter's layout within each replica and is split
-over the replicas on top of it.
+Leaves keep their whole shapes (checkpoints restore onto any device count);
+under `ModelParallelStrategy` a leaf is split over the replicas on top of its
+parameter's layout.
 """
 
 from __future__ import annotations
@@ -30,17 +28,8 @@ from jdist._src.ops import elementwise
 
 def split_axis(shape: Sequence[int], num_replicas: int,
                within: Sequence[int] | None = None) -> int | None:
-  """The axis of a leaf of `shape` split over `num_replicas`, or None (kept
-  whole; always on one replica). `within` gives, per axis, over how many
-  devices of a replica the leaf's layout splits it.
-
-  Example:
-    >>> from jdist._src.ops.sharded_optimizer import split_axis
-    >>> split_axis((10, 64), 4), split_axis((10,), 4), split_axis((), 4)
-    (1, None, None)
-    >>> split_axis((2, 8), 2, within=(2, 1))  # axis 0: 2 replicas x 2 devices
-    1
-  """
+  """The first axis of `shape` that `num_replicas` (times `within`, the
+  per-axis split within a replica) divides, or None (kept whole)."""
   if num_replicas == 1:
     return None
   for k, size in enumerate(shape):
@@ -72,28 +61,17 @@ def _block(x, axis: int, num_replicas: int, index) -> jax.Array:
 class ShardedOptimizer:
   """An optax optimizer whose state is split over the replicas (ZeRO).
 
-  A drop-in for the optax `GradientTransformation` it wraps, in a step of a
-  synchronous strategy: `init(params)` outside the step places each replica's
-  block of the state; `update(grads, state, params)` inside the step updates
-  this replica's block and returns the whole update, the same on every
-  replica, so the parameters stay mirrored. Gradients from `jax.grad` arrive
-  summed over replicas and `update` takes its block (ZeRO-1); gradients from
-  this optimizer's `value_and_grad` are each replica's own and are
-  reduce-scattered (ZeRO-2).
-
-  The wrapped optimizer must be elementwise (adam, adamw, sgd, momentum,
-  rmsprop, adagrad, lion, ...): `init` refuses, naming the parameter, one that
-  combines a parameter's elements (`clip_by_global_norm`, adafactor, lamb,
-  `apply_if_finite`), draws random numbers or moves values between elements.
-  Apply such a transform to the summed gradients first.
+  A drop-in for the elementwise optax optimizer it wraps (adam, sgd, ...):
+  each replica updates its block of the state and the update is gathered
+  whole. Its `value_and_grad` keeps gradients per replica for a
+  reduce-scatter (ZeRO-2). See docs/sharded_optimizer.md.
 
   Args:
     optimizer: the optax `GradientTransformation` to shard.
     strategy: the strategy the steps run on; default: the current one when
       `init` is called.
-    mirror_indivisible: keep whole the state of leaves none of whose axes the
-      replica count divides (True), or refuse them with
-      `jdist.ShardingError` (False).
+    mirror_indivisible: keep whole the state of a leaf no axis of which the
+      replica count divides (True), or raise `jdist.ShardingError`.
 
   Example:
     >>> import jdist, jax, jax.numpy as jnp, optax
@@ -138,8 +116,7 @@ class ShardedOptimizer:
 
     Args:
       params: the parameters (arrays or `jax.ShapeDtypeStruct` values).
-      num_replicas: default: the strategy's (without a strategy, each replica
-        is one device).
+      num_replicas: default: the strategy's.
 
     Example:
       >>> import jdist, jax.numpy as jnp, optax
@@ -155,8 +132,7 @@ class ShardedOptimizer:
 
   @staticmethod
   def _split_axes(params: Any, n: int, strategy) -> tuple[list, list]:
-    """`(axes, counts)`: each leaf's split axis (or None), and over how many
-    devices of a replica its layout splits each axis."""
+    """Each leaf's split axis, and its `_split_counts`."""
     leaves = jax.tree.leaves(params)
     if strategy is None:
       counts = [(1,) * np.ndim(x) for x in leaves]
@@ -247,10 +223,8 @@ class ShardedOptimizer:
   # --- optax's interface -----------------------------------------------
 
   def init(self, params: Any) -> Sharded:
-    """Each replica's block of the optimizer state, placed on its device.
-
-    Call it outside a step, on host, mirrored or laid out parameters; inside
-    a trace the state is laid out in the traced program.
+    """Each replica's block of the optimizer state, placed on its device
+    (call it outside a step).
 
     Raises:
       jdist.ShardingError: the optimizer is not elementwise, no parameter
@@ -284,10 +258,8 @@ class ShardedOptimizer:
 
   def update(self, grads: Any, state: Sharded, params: Any = None
              ) -> tuple[Any, Sharded]:
-    """This replica's block of the update, gathered whole on every replica.
-
-    Call it inside a step, with gradients summed over replicas (`jax.grad`) or
-    each replica's own (this optimizer's `value_and_grad`).
+    """This replica's block of the update, gathered whole on every replica
+    (call it inside a step).
 
     Returns:
       `(updates, state)`: updates for the whole parameters, the same on
@@ -334,9 +306,8 @@ class ShardedOptimizer:
 
   def value_and_grad(self, fun: Callable, argnums: int | Sequence[int] = 0,
                      has_aux: bool = False) -> Callable:
-    """`jax.value_and_grad` whose gradients are each replica's own (not summed
-    over replicas), for this optimizer's `update` to reduce-scatter (ZeRO-2).
-    Outside a step it is `jax.value_and_grad`."""
+    """`jax.value_and_grad` whose gradients are each replica's own, for
+    `update` to reduce-scatter (ZeRO-2)."""
     grad_fn = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
     positions = (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
@@ -371,8 +342,7 @@ def _check_free_replica_axis(params: Any, strategy) -> None:
 
 
 def _state_layouts(whole_state: Any, axes: Sequence, strategy) -> tuple | None:
-  """Each state leaf's layout within a replica (its parameter's), or None when
-  all are whole; raises if a split axis cannot hold both splits."""
+  """Each state leaf's layout within a replica, or None when all are whole."""
   n = strategy.num_replicas_in_sync
   flat = jax.tree_util.tree_flatten_with_path(whole_state)[0]
   layouts = tuple(strategy.replica_layouts(whole_state))

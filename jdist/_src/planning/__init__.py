@@ -33,14 +33,10 @@ def plan(step: Callable, state: Any, batch: Any, *, strategy=None,
          alternatives: bool = True, whole_above: int = WHOLE_ABOVE) -> Plan:
   """Plans a training step from its compiled program: nothing runs.
 
-  The step is compiled ahead of time for `state` and `batch` laid out as the
-  strategy lays them out. The plan reads, per device, the arguments' bytes by
-  kind, the outputs' and temporaries' (so the peak), the FLOPs of one step,
-  each collective's bytes by mesh axis, the compute dtype and the device's
-  peak FLOP/s in it (for MFU), and notes on the layout. When the peak exceeds
-  the memory limit (`memory_budget`, else the device's `bytes_limit`; CPUs
-  report none), other layouts of the step are compiled and planned until one
-  fits, and `plan.check()` raises `jdist.MemoryBudgetError` naming it.
+  The step is compiled ahead of time for `state` and `batch` as the strategy
+  lays them out; the plan reads its per-device bytes, FLOPs, collectives
+  and layout (docs/planning.md). When the peak exceeds the memory limit,
+  other layouts are planned until one fits.
 
   Args:
     step: a `strategy.function` step (its own program is planned, so a later
@@ -121,9 +117,8 @@ def plan_program(step, strategy, state: Any, batch: Any, *,
 def read_plan(lowered, strategy, state_leaves: list, other_leaves: list, *,
               model_flops: float | None, limit: tuple,
               whole_above: int = WHOLE_ABOVE, detail: bool = True) -> Plan:
-  """The `Plan` of a `lowered` step, compiling it; `state_leaves` are what the
-  layout notes read. Without `detail`, the program's text is not read (no
-  collectives; the compute dtype only where the device has a known peak)."""
+  """The `Plan` of a `lowered` step, compiling it; without `detail`, the
+  program's text is not read."""
   device = strategy.mesh.devices.flat[0]
   facts = program.read(lowered, lowered.compile(), strategy.mesh,
                        detail=detail or peaks.known(device.device_kind))
@@ -151,8 +146,7 @@ def read_plan(lowered, strategy, state_leaves: list, other_leaves: list, *,
 
 
 def memory_limit(strategy, budget: int | None) -> tuple:
-  """`(bytes a device may use, where that comes from)`: the budget, else the
-  first device's `bytes_limit`, else `(None, "")`."""
+  """`(bytes a device may use, where that comes from)`, or `(None, "")`."""
   if budget is not None:
     return budget, "memory_budget"
   device = strategy.mesh.devices.flat[0]

@@ -1,6 +1,4 @@
-"""A step's arguments as a plan compiles them: shapes, dtypes and layouts,
-no data (unplaced leaves laid out as the strategy holds state; a global
-batch as the abstract `PerReplica` its distributed dataset would give)."""
+"""A step's arguments as a plan compiles them: shapes, dtypes and layouts."""
 
 from __future__ import annotations
 
@@ -39,8 +37,8 @@ def shapes(state: Any) -> Any:
   """`state`'s shapes and dtypes alone (no layout), to lay out anew.
 
   Raises:
-    ValueError: the state holds a `jdist.Sharded` (optimizer state split
-      over one strategy's replicas), which no other layout can take as is.
+    ValueError: the state holds a `jdist.Sharded`, which no other layout
+      takes as is.
   """
   if any(kinds.has_layouts(x) for x in jax.tree.leaves(
       state, is_leaf=kinds.has_layouts)):

@@ -24,9 +24,8 @@ KINDS = (PARAMETERS, OPTIMIZER, OTHER, BATCH)
 
 @dataclasses.dataclass(frozen=True)
 class Leaf:
-  """One array argument of a step as one device holds it: its path, kind,
-  global shape, dtype, the mesh axes splitting each dimension (`spec`), and
-  one device's block's shape and bytes."""
+  """One array argument of a step as one device holds it (`spec`: the mesh
+  axes splitting each dimension)."""
 
   path: str
   kind: str

@@ -1,10 +1,9 @@
 """Peak FLOP/s of one device by device kind and compute dtype: the
 denominator of model FLOPs utilization (MFU).
 
-Each figure is the vendor's dense peak per JAX device (a TPU v2 or v3 chip
-is two). "float32" is the peak at JAX's default matmul precision (TF32 on
-NVIDIA, one bfloat16 pass on TPUs). An unknown kind or dtype has no peak
-and its MFU is "n/a": a guessed peak is how an MFU above 100% is reported.
+Each figure is the vendor's dense peak per JAX device, "float32" at JAX's
+default matmul precision. An unknown kind or dtype has no peak (MFU "n/a"):
+a guessed peak is how an MFU above 100% gets reported.
 """
 
 from __future__ import annotations
@@ -98,10 +97,8 @@ def peak_flops(device_kind: str, dtype: str | None) -> float | None:
 
 @dataclasses.dataclass(frozen=True)
 class Throughput:
-  """How fast a measured step computed: the compiled program's FLOP/s (over
-  all devices, and per device), and MFU: the model's FLOPs (its own count
-  where known, else the program's, per `mfu_counts`) over the step time and
-  the devices' summed peak (None where unknown)."""
+  """How fast a measured step computed: the program's FLOP/s, and MFU (None
+  where the peak is unknown)."""
 
   flops_per_second: float
   flops_per_second_per_device: float

@@ -1,7 +1,5 @@
-"""What a compiled step says about itself, before it runs: XLA's memory and
-cost analyses, its collectives (as `jdist.diagnose` reads them), and the
-dtype its matrix products take in the lowered program (before XLA's passes
-may widen them)."""
+"""What a compiled step says about itself, before it runs: XLA's analyses,
+its collectives and its compute dtype (read before XLA's passes)."""
 
 from __future__ import annotations
 
@@ -25,10 +23,8 @@ _ELEMENT = {"f64": "float64", "f32": "float32", "bf16": "bfloat16",
 
 @dataclasses.dataclass(frozen=True)
 class ProgramFacts:
-  """One device's view of a compiled step: XLA's bytes of its arguments,
-  outputs (with 8 bytes an output for their address table), the output
-  arrays alone, the outputs aliasing donated buffers and its temporaries; its
-  FLOPs; its collectives by mesh axes and kind; its compute dtype."""
+  """One device's view of a compiled step: XLA's bytes, FLOPs, collectives
+  and compute dtype."""
 
   argument_bytes: int
   output_bytes: int
@@ -41,9 +37,8 @@ class ProgramFacts:
 
   @property
   def peak_bytes(self) -> int:
-    """What the program needs on a device while it runs: arguments, outputs that
-    reuse no argument's buffer, and temporaries (XLA:CPU's own
-    `peak_memory_in_bytes` leaves the temporaries out)."""
+    """Arguments, outputs that reuse no argument's buffer, and temporaries
+    (XLA:CPU's `peak_memory_in_bytes` leaves temporaries out)."""
     return (self.argument_bytes + self.output_bytes - self.alias_bytes +
             self.temp_bytes)
 

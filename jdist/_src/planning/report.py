@@ -13,9 +13,8 @@ from jdist._src.planning.memory import format_bytes
 
 @dataclasses.dataclass(frozen=True)
 class Alternative:
-  """Another layout of the same step on the same devices: its name, the code
-  that asks for it, its `Plan` (or why it could not be planned), and its
-  strategy where a strategy is all it changes."""
+  """Another layout of the same step on the same devices: its name, code,
+  `Plan` (or why it could not be planned) and strategy."""
 
   name: str
   how: str
@@ -28,9 +27,7 @@ class Alternative:
 class Plan:
   """What one device holds and does in a step, from its compiled program.
 
-  Every byte count is per device; nothing ran to get them. `print(plan)`
-  shows a table, `check()` raises when the step would not fit, and
-  `throughput(seconds_per_step)` gives FLOP/s and MFU.
+  Every byte count is per device; nothing ran to get them.
 
   Attributes:
     strategy: the strategy's repr.
@@ -42,24 +39,18 @@ class Plan:
     arguments: `((kind, bytes), ...)`: the step's arguments by kind
       ("parameters", "optimizer state", "other state", "batch").
     output_bytes: the step's output arrays (their blocks on a device).
-    alias_bytes: outputs written into donated arguments' buffers (not
-      counted twice in the peak).
+    alias_bytes: outputs written into donated arguments' buffers.
     temp_bytes: the compiled program's temporary allocation.
-    program_argument_bytes: the compiled program's arguments (equal to the
-      sum of `arguments`).
-    program_output_bytes: the compiled program's outputs, with the table of
-      their addresses (8 bytes an array).
+    program_argument_bytes: the compiled program's arguments.
+    program_output_bytes: the compiled program's outputs, address table too.
     flops_per_device: XLA's count of the FLOPs one device runs per step.
-    model_flops: FLOPs per step by the model's own count (all devices), or
-      None.
+    model_flops: FLOPs per step by the model's own count, or None.
     compute_dtype: the dtype most matrix products take, or None.
-    peak_flops_per_device: the device's dense peak FLOP/s in that dtype, or
-      None where unknown (CPU).
+    peak_flops_per_device: the device's dense peak FLOP/s in that dtype.
     collectives: `((axes, kind, count, bytes), ...)` per step and device.
     largest: `((path, kind, bytes), ...)`: the largest arrays per device.
     notes: layout notes.
-    memory_limit: the bytes a device may use: `memory_budget`, else the
-      device's `bytes_limit`; None if neither is known.
+    memory_limit: the bytes a device may use, or None if not known.
     memory_limit_source: where `memory_limit` comes from.
     alternatives: other layouts planned because this one does not fit.
   """
@@ -123,9 +114,8 @@ class Plan:
     return self.peak_bytes <= self.memory_limit
 
   def throughput(self, seconds_per_step: float) -> peaks.Throughput:
-    """Achieved FLOP/s (the compiled program's FLOPs over the time) and MFU
-    (the model's count where known, over the time and the devices' peak;
-    "n/a" where the peak is unknown) for a measured step time.
+    """Achieved FLOP/s and MFU ("n/a" where the peak is unknown) for a
+    measured step time.
 
     Args:
       seconds_per_step: the measured wall time of one step.
@@ -157,12 +147,9 @@ class Plan:
     return out
 
   def check(self) -> "Plan":
-    """Raises `jdist.MemoryBudgetError` when the step's peak exceeds the memory
-    limit; returns the plan otherwise.
-
-    The error names the largest parts of the peak and arrays, and the first
-    alternative layout whose plan fits, or the smallest if none does.
-    """
+    """Raises `jdist.MemoryBudgetError` (naming the largest parts and a
+    layout that fits) when the step's peak exceeds the memory limit; returns
+    the plan otherwise."""
     if self.fits is False:
       raise MemoryBudgetError(self.budget_message())
     return self
@@ -193,8 +180,7 @@ class Plan:
 
 
 def change(plan: Plan, other: Plan) -> str:
-  """`other` against `plan`: "parameters + optimizer state A -> B; peak C ->
-  D (fits E)"."""
+  """`other` against `plan`: "parameters + optimizer state A -> B; ..."."""
   limit = other.memory_limit
   fits = "" if limit is None else (
       f" ({'fits' if other.fits else 'over'} {format_bytes(limit)})")

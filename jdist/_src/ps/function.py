@@ -17,6 +17,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from jdist._src.core import carried as carried_lib
 from jdist._src.core import state_output as state_output_lib
 from jdist._src.errors import DistributionError, VaryingStateError
 from jdist._src.ps import worker as worker_lib
@@ -298,6 +299,18 @@ class ParameterServerFunction:
     if ctx is None:
       return self._schedule(args, kwargs)
     return self._run(ctx, args, kwargs)
+
+  def carry(self, *values) -> carried_lib.Carried:
+    """Holds `values`, the step's first positional arguments, for a loop of
+    `call_carried`: whole, as a scheduled call takes them (see
+    `DistributedFunction.carry`)."""
+    return carried_lib.Carried.held_whole(values)
+
+  def call_carried(self, carried: carried_lib.Carried, *args) -> tuple:
+    """Calls the step with `carried`'s values, then `args`; the outputs in
+    the carried values' place replace them. Returns the other outputs."""
+    out = self(*carried.whole, *args)
+    return carried.hold(getattr(self, "__name__", "step"), tuple(out))
 
   # --- on a worker -------------------------------------------------------------
 

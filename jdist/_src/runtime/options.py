@@ -12,9 +12,8 @@ class CommunicationOptions:
   Attributes:
     timeout_seconds: a step whose collectives do not complete in this time
       ends the waiting processes with `jdist.CollectiveTimeoutError`, naming
-      the processes that did not join (an XLA collective cannot be cancelled:
-      the error is printed and the process exits; a rendezvous outside XLA
-      raises it). None waits forever, as TensorFlow does.
+      the processes that did not join (inside XLA: printed, then the process
+      exits). None waits forever, as TensorFlow does.
     bytes_per_pack: accepted for TensorFlow compatibility; XLA packs itself.
     implementation: accepted for TensorFlow compatibility ("auto", "ring",
       "nccl"); XLA chooses the collective implementation.

@@ -1,10 +1,9 @@
 """`Runtime`: this process's membership in a run, and talking to its peers.
 
 The `Runtime` owns every process-wide effect of a multi-process run (the
-monitor, the health reports, a `sys.excepthook` that tells the peers and
-ends the process instead of hanging in JAX's shutdown barrier, an `atexit`
-handler), started by `start` and undone by `shutdown`. `exchange` is the
-rendezvous jdist's checks are built on.
+monitor, health reports, a `sys.excepthook` that tells the peers instead of
+hanging in JAX's shutdown barrier, an `atexit` handler): `start` sets them
+up, `shutdown` undoes them. `exchange` is the rendezvous of jdist's checks.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """`StrategyBase`: what every jdist strategy is, whatever engine runs its steps.
 
-A strategy says where state is held between steps (a `StatePlacement`), makes
-itself current (`scope`), compiles per-replica steps (`function`) and runs
-them (`run`, which keeps one compiled step per function and warns, as
-TensorFlow's retracing warning does, when it keeps getting new ones). Two
-families build on it: `spmd.py: Strategy`, one SPMD program over a device
-mesh (Mirrored, MultiWorkerMirrored, TPU, OneDevice, CentralStorage), and
-`ps/strategy.py: ParameterServerStrategy`, an asynchronous coordinator.
-
-The training layer (the Trainer, its callbacks, checkpoints) talks to a
-strategy only through this interface and its `state_placement`, so a new
-strategy adds a module (and its name in the facade), with no branch elsewhere.
+Two families build on it: `spmd.py: Strategy` (one SPMD program over a mesh)
+and `ps/strategy.py: ParameterServerStrategy` (an asynchronous coordinator).
+The training layer talks to a strategy only through this interface, so a new
+strategy adds a module and no branch elsewhere.
 """
 
 from __future__ import annotations
@@ -37,12 +30,6 @@ class StrategyBase(abc.ABC):
   Args:
     state_placement: where state is held between steps, and how the training
       layer reads and writes it (default: on the mesh's devices).
-
-  Example:
-    >>> import jdist
-    >>> from jdist._src.strategies.base import StrategyBase
-    >>> isinstance(jdist.MirroredStrategy(), StrategyBase)
-    True
   """
 
   # What Keras's own fit runs as while this strategy's scope is open
@@ -61,29 +48,20 @@ class StrategyBase(abc.ABC):
 
   @property
   def state_placement(self) -> placement.StatePlacement:
-    """Where state is held between steps, and how it is read and written
-    (see `StatePlacement`)."""
+    """Where state is held between steps, and how it is read and written."""
     return self._state_placement
 
   @property
   def pipeline(self):
-    """How `jdist.pipeline` runs stacked layers in this strategy's steps (a
-    `PipelineSchedule`), or None: one after another on each replica. Only
-    `jdist.ModelParallelStrategy(pipeline_axis=...)` has one."""
+    """The `PipelineSchedule` of `jdist.pipeline` in this strategy's steps,
+    or None (the layers run one after another)."""
     return None
 
   @property
   def synchronous(self) -> bool:
-    """Whether every step is one SPMD program over the mesh, run in
-    lock-step by all replicas (True here; False for
-    `ParameterServerStrategy`, whose steps are scheduled on workers).
-
-    What the training layer asks instead of the strategy's type: a
-    synchronous strategy's step may run several batches per call
-    (`jdist.multi_step`, `steps_per_execution`), may donate the state it is
-    given, and returns state that is an immutable value (reading it after a
-    step waits for that step only). An asynchronous one runs one step per
-    call and holds its state remotely, updated in place.
+    """Whether every step is one SPMD program run in lock-step by all
+    replicas (False for `ParameterServerStrategy`, whose steps update state
+    held remotely, in place).
 
     Example:
       >>> import jdist
@@ -94,20 +72,17 @@ class StrategyBase(abc.ABC):
 
   @property
   def replica_batch_axis(self) -> str | None:
-    """The mesh axis that splits each replica's batch over its devices
-    (FSDP: `ModelParallelStrategy(fsdp_axis=...)`), or None."""
+    """The mesh axis that splits each replica's batch (FSDP), or None."""
     return None
 
   @property
   def layout_map(self):
-    """The `jdist.LayoutMap` that lays out parameters and layers' outputs:
-    none here (`ModelParallelStrategy` may have one)."""
+    """The `jdist.LayoutMap` of parameters and layers' outputs, or None."""
     return None
 
   @property
   def logical_axis_rules(self) -> tuple:
-    """flax's logical axis rules inside this strategy's steps and `init`:
-    none here (`ModelParallelStrategy` has its own)."""
+    """flax's logical axis rules inside this strategy's steps and `init`."""
     return ()
 
   @property
@@ -118,12 +93,8 @@ class StrategyBase(abc.ABC):
   def scope(self) -> contextlib.AbstractContextManager:
     """Makes this the current strategy: `jdist.get_strategy()` returns it.
 
-    In a program that uses Keras (JAX backend) it also sets the
-    `keras.distribution` that Keras's own `fit` reads, on this strategy's
-    devices: `DataParallel` for data-parallel strategies, `ModelParallel`
-    with the `LayoutMap` for `ModelParallelStrategy`; one that Keras's fit
-    cannot run makes fit fail naming `jdist.Trainer`. A Keras model made
-    in the scope keeps it after the scope closes, as in TensorFlow.
+    With Keras (JAX backend) it also sets the matching `keras.distribution`
+    for Keras's own `fit` (docs/keras.md).
 
     Example:
       >>> import jdist
@@ -134,11 +105,8 @@ class StrategyBase(abc.ABC):
     return keras_dist.scope(self, context.strategy_scope(self))
 
   def run(self, fn: Callable, args=(), kwargs=None) -> Any:
-    """Runs `fn(*args, **kwargs)` on every replica, as `tf.distribute` does.
-
-    The compiled step is cached per `fn`, so calling `run` in a loop with the
-    same function compiles once.
-    """
+    """Runs `fn(*args, **kwargs)` on every replica, as `tf.distribute` does;
+    the compiled step is cached per `fn`."""
     try:
       step = self._run_cache.get(fn)
     except TypeError:  # not weak-referenceable
@@ -153,8 +121,7 @@ class StrategyBase(abc.ABC):
     return step(*args, **(kwargs or {}))
 
   def _count_new_function(self, fn: Callable) -> None:
-    """Warns, as TF's retracing warning does, when `run` keeps getting new
-    function objects for the same code: each one compiles again."""
+    """Warns when `run` keeps getting new function objects for one code."""
     code = getattr(getattr(fn, "__func__", fn), "__code__", None)
     if code is None:
       return
@@ -191,11 +158,8 @@ class StrategyBase(abc.ABC):
     """Places `tree` where this strategy holds state (mirrored placement)."""
 
   def init(self, fn: Callable, *args, **kwargs) -> Any:
-    """New state: `fn(*args, **kwargs)` placed as `replicate` places it.
-
-    `fn` runs under the strategy's mesh (`mesh_scope`). A strategy whose
-    replicas span devices (`ModelParallelStrategy`) computes it directly in
-    its layout instead, so that no device holds the whole state.
+    """New state: `fn(*args, **kwargs)`, run in `mesh_scope`, placed as
+    `replicate` places it.
 
     Example:
       >>> import jdist, jax.numpy as jnp
@@ -209,10 +173,8 @@ class StrategyBase(abc.ABC):
     return self.replicate(value)
 
   def outside_user_mesh(self) -> contextlib.AbstractContextManager:
-    """For the block: a mesh the user set (`jax.set_mesh`), which must be
-    this strategy's (its axes may be Explicit), set aside, so that jdist's
-    programs over the strategy's state run as they do without one. The
-    `Trainer` runs `fit`, `evaluate` and `predict` in it.
+    """For the block: the mesh the user set with `jax.set_mesh` (it must be
+    this strategy's) set aside.
 
     Raises:
       jdist.StrategyMismatchError: another mesh is in context.
@@ -228,19 +190,12 @@ class StrategyBase(abc.ABC):
 
   def mesh_scope(self, *, strict: bool = True
                  ) -> contextlib.AbstractContextManager:
-    """The strategy's mesh in JAX's context (`jax.set_mesh`), for code that
-    traces the model outside a step: `init` runs its function in it, the
-    `Trainer` its shape checks.
-
-    Inside it a model's activation constraints (`with_sharding_constraint`
-    with a bare `PartitionSpec`, flax's logical constraints under the
-    strategy's `logical_axis_rules`) are read on this mesh. A mesh a user
-    set with `jax.set_mesh` must be this one (its axes may be Explicit).
+    """The strategy's mesh (and `logical_axis_rules`) in JAX's context, for
+    code that traces the model outside a step, as `init` does.
 
     Args:
-      strict: a constraint on another mesh, or naming an axis this mesh does
-        not have, is an error; False leaves those out, for a pass that only
-        reads shapes before the layouts are checked with their own messages.
+      strict: whether a constraint on another mesh, or on an axis this mesh
+        lacks, is an error (False: left out, for a pass that reads shapes).
 
     Raises:
       jdist.StrategyMismatchError: another mesh is in context.

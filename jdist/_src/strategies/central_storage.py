@@ -1,12 +1,7 @@
 """CentralStorageStrategy: variables held once, on one device; compute mirrored.
 
-TensorFlow's `CentralStorageStrategy` keeps every variable on one device (the
-CPU when there are several GPUs, or the only GPU) and copies it to the compute
-devices when a step reads it; gradients are aggregated before they are applied
-to the central copy. Here the same engine as `MirroredStrategy` runs the step
-(the gradient of the mirrored parameters is summed by autodiff, then applied
-once); only where the state lives between steps differs, and that is this
-module's `CentralPlacement`, a `StatePlacement` the strategy owns.
+The step runs as under `MirroredStrategy`; only where the state lives between
+steps differs: `CentralPlacement`, the strategy's `StatePlacement`.
 """
 
 from __future__ import annotations
@@ -26,13 +21,8 @@ from jdist._src.strategies.devices import (from_mesh, resolve_device,
 
 
 class CentralPlacement(placement.StatePlacement):
-  """Mirrored values held once on `device`; moved to the mesh for each step.
-
-  A step's inputs held on `device` go to every compute device in one
-  transfer, and the step's mirrored outputs (the new state) come back to
-  `device` in one transfer, so between steps the parameters take the memory
-  of one copy. `PerReplica` and `SyncOnRead` values are per device by nature
-  and stay on the mesh.
+  """Mirrored values held once on `device`, moved to the mesh (and the new
+  state back) in one transfer each way per step; per-replica values stay.
   """
 
   moves = True
@@ -89,24 +79,17 @@ def _all_local_devices() -> tuple:
 class CentralStorageStrategy(Strategy):
   """Synchronous training with the variables held once, on one device.
 
-  Steps run on every compute device, one replica each, exactly as under
-  `MirroredStrategy` (same results as one device); gradients are summed over
-  replicas before the optimizer applies them, once. Between steps the state
-  that `replicate` placed and the steps return (mirrored values) is held on
-  the parameter device only: one copy of the parameters instead of one per
-  replica. Each step copies it to the compute devices and the new state back,
-  which costs two transfers of the state per step.
+  Steps run as under `MirroredStrategy`; between steps the state is held
+  once, on the parameter device, at two transfers of it per step.
 
   Args:
-    compute_devices: the devices that run the replicas (jax Devices, indices
-      or strings such as "gpu:1"); default: every local device.
+    compute_devices: the devices that run the replicas (as
+      `MirroredStrategy`'s `devices`); default: every local device.
     parameter_device: the device that holds the variables; default: the
       compute device when there is only one, else the host CPU.
     axis_name: name of the replica mesh axis (default "replica").
-    mesh: a `jax.sharding.Mesh` (Auto or Explicit axes, as `jax.make_mesh`
-      makes it) or a `jdist.DeviceMesh` of one axis, instead of `compute_devices`:
-      its devices in their order, its axis the replica axis. The strategy
-      then also runs inside `with jax.set_mesh(mesh):`.
+    mesh: instead of `compute_devices`, a mesh of one axis (see
+      `MirroredStrategy`).
 
   Example:
     >>> import jdist, jax.numpy as jnp

@@ -1,15 +1,4 @@
-"""TensorFlow's `cross_device_ops` choices, accepted with what they mean here.
-
-In TensorFlow, `MirroredStrategy(cross_device_ops=...)` picks how gradients
-are all-reduced between devices: NCCL, hierarchical copies, or a reduction
-on one device then a broadcast. In jdist the all-reduce is part of the one
-compiled XLA program (the gradient `psum` autodiff inserts), and XLA chooses
-its algorithm (NCCL on GPU, the interconnect on TPU, shared memory on CPU).
-The three TF classes are therefore accepted so TF code runs unchanged, and
-all three mean the same thing: XLA's all-reduce, with the same results (a
-sum is a sum; only float rounding order may differ). Anything else is
-refused, so a typo or a wrong object cannot pass silently.
-"""
+"""TensorFlow's `cross_device_ops` choices, accepted with what they mean here."""
 
 from __future__ import annotations
 
@@ -18,6 +7,9 @@ from typing import Any
 
 class CrossDeviceOps:
   """Base class of the accepted `cross_device_ops` values (TF's names).
+
+  XLA chooses the all-reduce of the compiled step, so all of them mean
+  XLA's all-reduce; any other value is refused.
 
   Example:
     >>> import jdist
@@ -76,14 +68,8 @@ _TF_NAMES = {"NcclAllReduce": NcclAllReduce,
 
 
 def from_argument(value: Any) -> CrossDeviceOps | None:
-  """`cross_device_ops` as jdist keeps it: None, or one of the classes above.
-
-  TensorFlow's own instances (`tf.distribute.NcclAllReduce()`, ...) map to
-  the class of the same name.
-
-  Raises:
-    TypeError: any other value.
-  """
+  """`cross_device_ops` as jdist keeps it: None, or one of the classes above
+  (TF's own instances map to theirs); a TypeError for any other value."""
   if value is None or isinstance(value, CrossDeviceOps):
     return value
   cls = type(value)

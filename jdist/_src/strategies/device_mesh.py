@@ -15,15 +15,8 @@ from jdist._src.runtime import runtime as runtime_lib
 
 
 def default_devices(shape: tuple) -> np.ndarray:
-  """Every device of the run, laid out on `shape` by the hybrid mesh rule.
-
-  One process: `jax.devices()` in order. Several: the first axis is split
-  over the processes (each takes `shape[0] / processes` of its rows) and
-  each process lays its own devices out on the rest (its interconnect).
-  When the processes do not divide the first axis, or the devices do not
-  fill `shape`, the devices are returned in `jax.devices()` order and the
-  caller's size check names the mismatch.
-  """
+  """Every device of the run, laid out on `shape` by the hybrid mesh rule,
+  or in `jax.devices()` order when they do not fit it."""
   runtime_lib.initialize()  # a process of a run sees every device only after
   processes = jax.process_count()
   devices = jax.devices()
@@ -37,9 +30,7 @@ def default_devices(shape: tuple) -> np.ndarray:
 
 
 def _sizes(shape: tuple, axis_names: tuple) -> tuple:
-  """`shape` as Python ints, each checked to be a positive integer (numpy's
-  -1 for "the rest" is not a size here, nor is a float, which `int()` would
-  round down)."""
+  """`shape` as Python ints, each checked to be a positive integer."""
   for size, name in zip(shape, axis_names):
     if (isinstance(size, bool) or not isinstance(size, numbers.Integral)
         or size < 1):
@@ -66,15 +57,7 @@ def _check_unique(devices: list) -> None:
 
 def repeated_axis(spec) -> tuple[str, int, int] | None:
   """`(axis, first dimension, second dimension)` of the first mesh axis that
-  the layout `spec` (one entry per dimension: None, an axis or a tuple of
-  axes) names for two dimensions, or None. JAX refuses such a layout: an
-  axis splits one dimension of an array.
-
-  Example:
-    >>> from jdist._src.strategies.device_mesh import repeated_axis
-    >>> repeated_axis(("model", None, "model")), repeated_axis((None, "model"))
-    (('model', 0, 2), None)
-  """
+  the layout `spec` names for two dimensions (JAX refuses it), or None."""
   seen = {}
   for dim, axes in enumerate(spec):
     for axis in axes if isinstance(axes, tuple) else (axes,):
@@ -89,22 +72,15 @@ def repeated_axis(spec) -> tuple[str, int, int] | None:
 class DeviceMesh:
   """Devices laid out on a grid whose axes have names.
 
-  The names mean what Keras 3's `keras.distribution.DeviceMesh` means: one
-  axis splits the global batch over replicas (the data axis), the others
-  split each replica's parameters (and, for FSDP, its batch) over devices.
+  As Keras 3's `keras.distribution.DeviceMesh`: one axis splits the batch
+  over replicas, the others split each replica's parameters.
 
   Args:
     shape: the size of each axis; their product is the number of devices.
     axis_names: one name per axis.
-    devices: the devices, in row-major order over `shape`: jax Devices.
-      Defaults to every device of every process, laid out as JAX's hybrid
-      mesh rule does (`mesh_utils.create_hybrid_device_mesh`): in a run of
-      several processes the first axis (the replicas', as Keras's default
-      `batch_dim_name`) is split over the processes and the other axes stay
-      inside each process, so that only the replicas' gradient sum crosses
-      the slow network between hosts. Creating such a mesh joins the run
-      (`jdist.initialize`) if that has not happened yet. Pass devices to
-      lay the mesh out otherwise.
+    devices: the devices, in row-major order over `shape`. Default: every
+      device of every process (joining the run), the first axis split over
+      the processes (docs/model_parallelism.md).
 
   Raises:
     ValueError: the shape and the names differ in length, a name repeats,
@@ -142,17 +118,11 @@ class DeviceMesh:
 
   @classmethod
   def from_jax(cls, mesh: Mesh) -> "DeviceMesh":
-    """The `DeviceMesh` of a `jax.sharding.Mesh`: its devices in their
-    places, its axis names and sizes.
-
-    The mesh's axes may be Auto (`jax.sharding.Mesh`'s default) or Explicit
-    (`jax.make_mesh`'s): jdist maps the replica axis by hand and lets XLA
-    partition each replica over the others (`jax_mesh`'s axes are Auto),
-    so a strategy on this mesh also runs inside `with jax.set_mesh(mesh):`.
+    """The `DeviceMesh` of a `jax.sharding.Mesh` (Auto or Explicit axes),
+    so a strategy on it also runs inside `with jax.set_mesh(mesh):`.
 
     Raises:
-      TypeError: `mesh` is not a `jax.sharding.Mesh` (an `AbstractMesh` has
-        no devices).
+      TypeError: `mesh` is not a `jax.sharding.Mesh`.
 
     Example:
       >>> import jax, jdist
@@ -200,16 +170,8 @@ class DeviceMesh:
 
   def split_problem(self, path: str, shape: Sequence[int], spec,
                     remedy: str) -> str | None:
-    """Why `spec` cannot split the array of `shape` at `path` on this mesh (an
-    axis's size does not divide the dimension it splits), or None.
-
-    Args:
-      path: the array's path, for the message.
-      shape: the array's shape.
-      spec: one entry per leading dimension: None, an axis name or a tuple of
-        names.
-      remedy: the end of the message: where to put None instead.
-    """
+    """Why `spec` cannot split the array of `shape` at `path` on this mesh,
+    or None; `remedy` ends the message."""
     shape = tuple(shape)
     repeated = repeated_axis(spec)
     if repeated is not None:
@@ -252,11 +214,7 @@ class DeviceMesh:
 
 
 def as_device_mesh(mesh: Any, what: str) -> DeviceMesh:
-  """`mesh` as a `DeviceMesh`: itself, or a `jax.sharding.Mesh`'s.
-
-  Raises:
-    TypeError: `mesh` is neither (`what` names the argument).
-  """
+  """`mesh` as a `DeviceMesh`; a TypeError naming `what` if it is none."""
   if isinstance(mesh, DeviceMesh):
     return mesh
   if isinstance(mesh, Mesh):

@@ -21,15 +21,9 @@ def _describe(devices: Sequence[Any]) -> str:
 
 
 def resolve_device(spec: Any, candidates: Sequence[Any]) -> Any:
-  """Returns the device among `candidates` that `spec` names.
-
-  `spec` is a jax Device, an index into `candidates`, or a string such as
-  "cpu:1", "/gpu:0", "/device:TPU:3" or TensorFlow's full name
-  "/job:localhost/replica:0/task:0/device:CPU:0" (its task must be this
-  process). The number in a string is the position among the candidates of
-  that platform, not the device id, which is not contiguous on
-  multi-process runs.
-  """
+  """The device among `candidates` that `spec` names: a jax Device, an
+  index, or a string ("cpu:1", or TensorFlow's full name) whose number is
+  the position among that platform's candidates."""
   if isinstance(spec, jax.Device):
     if spec not in candidates:
       raise ValueError(
@@ -69,8 +63,7 @@ def resolve_device(spec: Any, candidates: Sequence[Any]) -> Any:
 
 def resolve_devices(specs: Sequence[Any] | None,
                     candidates: Sequence[Any]) -> tuple:
-  """Resolves a list of device specs, in the order given; None means every
-  candidate, in `replica_order`."""
+  """Resolves device specs in order; None: every candidate, `replica_order`."""
   if specs is None:
     return replica_order(candidates)
   if isinstance(specs, (str, jax.Device)):
@@ -110,30 +103,8 @@ def _ring_order(devices: Sequence[Any]) -> tuple:
 
 
 def replica_order(devices: Sequence[Any]) -> tuple:
-  """The order of the replicas over `devices`: the physical topology's on
-  TPU and GPU, each process's devices together on other platforms.
-
-  The replica axis is a ring for the all-reduce, so on TPU and GPU the
-  replicas follow `jax.experimental.mesh_utils.create_device_mesh` (what
-  `jax.make_mesh` uses): TPU cores in the order of the chips' interconnect
-  (a TPU v3-8 gives ids 0, 1, 2, 3, 6, 7, 4, 5), GPUs by XLA's global
-  numbering. Several TPU slices (multislice, joined by the data-center
-  network) come one after the other by `slice_index`, each in its ring order,
-  as `mesh_utils.create_hybrid_device_mesh` lays out a 1-D mesh. Elsewhere
-  (CPU), and where mesh_utils knows no layout, devices are ordered by
-  (process, id): ids are not positions (a 2-process CPU run has ids 0, 1,
-  2048, 2049).
-
-  On a TPU pod the ring may alternate between hosts; a process then supplies
-  the rows of replicas that are not contiguous (each process gathers its
-  rows of the global batch, which costs a host copy), and results are the
-  same as with any other order.
-
-  Args:
-    devices: jax Devices of one platform.
-
-  Returns:
-    The same devices, as a tuple in replica order.
+  """`devices` (of one platform) in replica order: on TPU and GPU the
+  interconnect's ring, as `jax.make_mesh` orders them; else by (process, id).
   """
   devices = tuple(devices)
   if not devices or devices[0].platform not in ("tpu", "gpu"):
@@ -146,21 +117,8 @@ def replica_order(devices: Sequence[Any]) -> tuple:
 
 def from_mesh(mesh: Any, what: str, *, devices: Any = None,
               axis_name: str | None = None) -> tuple[tuple, str]:
-  """The devices and the replica axis of a strategy built on `mesh`.
-
-  Args:
-    mesh: a `jax.sharding.Mesh` (Auto or Explicit axes) or a
-      `jdist.DeviceMesh`, of one axis: one replica per device.
-    what: the strategy's name, for messages.
-    devices: the strategy's `devices` argument: must be None.
-    axis_name: the strategy's `axis_name` argument: None or the mesh's.
-
-  Returns:
-    `(devices, axis_name)`: the mesh's devices in their order, its axis.
-
-  Raises:
-    ValueError: devices given too, an axis name that is not the mesh's, or a
-      mesh of several axes.
+  """`(devices, axis_name)` of strategy `what` built on the one-axis `mesh`;
+  a ValueError for `devices` given too, another `axis_name`, or more axes.
   """
   if devices is not None:
     raise ValueError(f"{what} got both devices and mesh: give one of them.")

@@ -1,19 +1,4 @@
-"""`LayoutMap`: which mesh axes split each parameter, by rules over its path.
-
-As Keras 3's `keras.distribution.LayoutMap`: each key is a regular
-expression matched whole (`re.fullmatch`) against a parameter's path, its
-keys in the parameter tree joined by "/" (flax: `Dense_0/kernel`); the value
-names one mesh axis (or None) per dimension of the parameter. A key equal
-to the path wins over regular expressions; a parameter no key matches is
-replicated; one that two regular expressions match is an error. A key that
-ends in "/output" lays out the output of the layer at its path, as Keras's
-output-layout keys do (`output_layout`).
-
-Laying out a tree (`partition_specs`), a key also matches a path's tail
-after any "/": the parameter's rule then lays out its copies deeper in a
-state tree (`params/Dense_0/kernel` in a train state, the momentum's
-`0/trace/Dense_0/kernel`) with no key naming their prefixes.
-"""
+"""`LayoutMap`: which mesh axes split each parameter, by rules over its path."""
 
 from __future__ import annotations
 
@@ -35,6 +20,11 @@ from jdist._src.strategies.partition_metadata import named_leaves, path_name
 class LayoutMap(collections.abc.MutableMapping):
   """Rules from parameter paths to per-dimension mesh axes.
 
+  As Keras 3's `keras.distribution.LayoutMap`: a key is a regular expression
+  matched whole against a parameter's path (`Dense_0/kernel`) or its tail
+  after a "/"; the value names one mesh axis (or None) per dimension. A
+  path no key matches is replicated (the rules: docs/model_parallelism.md).
+
   Args:
     device_mesh: the `jdist.DeviceMesh` the axes belong to, or a
       `jax.sharding.Mesh`.
@@ -48,9 +38,6 @@ class LayoutMap(collections.abc.MutableMapping):
     P(None, 'model')
     >>> layout_map["dense_1/bias"] is None
     True
-    >>> params = {"dense_1": {"kernel": jnp.zeros((3, 8)), "bias": jnp.zeros(8)}}
-    >>> layout_map.partition_specs(params)["dense_1"]["bias"]
-    P()
   """
 
   def __init__(self, device_mesh: DeviceMesh | Mesh):
@@ -86,9 +73,7 @@ class LayoutMap(collections.abc.MutableMapping):
     self._rules[key] = P(*layout)
 
   def __getitem__(self, path: str) -> P | None:
-    """The layout of the parameter at `path`, as Keras's `LayoutMap` finds
-    it: a key equal to `path` wins; else the one key that matches it as a
-    regular expression (`re.fullmatch`); else None (replicated).
+    """The layout of the parameter at `path` (None: replicated).
 
     Raises:
       ValueError: no key equals `path` and more than one matches it.
@@ -97,13 +82,8 @@ class LayoutMap(collections.abc.MutableMapping):
     return None if key is None else self._rules[key]
 
   def _key(self, candidates: list[str], path: str) -> str | None:
-    """The key for `candidates` (a path, then its shorter tails): one equal
-    to a candidate (the first such), else the one key that fully matches
-    one, else None.
-
-    Raises:
-      ValueError: no key is equal and more than one matches.
-    """
+    """The key equal to the first of `candidates` that has one, else the one
+    key that matches any, else None."""
     for candidate in candidates:
       if candidate in self._rules:
         return candidate
@@ -129,10 +109,8 @@ class LayoutMap(collections.abc.MutableMapping):
     return len(self._rules)
 
   def layout_of(self, path: str) -> P | None:
-    """The layout of the array at `path` in a tree: as `self[path]` for
-    `path` or its tails after a "/" (`params/dense/kernel` finds the key
-    `dense/kernel`). A key equal to one of them wins (the longest); else
-    the one key that matches one of them; else None (replicated).
+    """The layout of the array at `path` in a tree: as `self[path]`, for
+    `path` or its tails after a "/" (the longest equal key wins).
 
     Raises:
       ValueError: no key equals any of them and more than one matches.
@@ -154,15 +132,9 @@ class LayoutMap(collections.abc.MutableMapping):
     return tuple(k for k in self._rules if k.endswith(_OUTPUT))
 
   def output_layout(self, path: str) -> P | None:
-    """The layout of the output of the layer at `path`: Keras's
-    output-layout key `"<layer path>/output"` (`layout_map["d2/output"] =
-    ("batch", None)`), found as `layout_of` finds a parameter's.
-
-    Keras constrains a layer's output to it (`with_sharding_constraint`);
-    jdist does inside a step for flax modules at `path` (their path in the
-    model: `Dense_1`, `block/mlp`), and a Keras layer's path is Keras's
-    (`sequential/d2`). A step sees one replica: a constraint there leaves
-    the replica axis out of the spec.
+    """The layout of the output of the layer at `path` (`Dense_1`,
+    `block/mlp`): its key `"<layer path>/output"`, as in Keras. Inside a
+    step jdist constrains the outputs of flax modules to it.
 
     Raises:
       ValueError: see `layout_of`.
@@ -178,8 +150,7 @@ class LayoutMap(collections.abc.MutableMapping):
     return self.layout_of(f"{path}{_OUTPUT}")
 
   def warn_unmatched_outputs(self, layer_paths: list[str]) -> None:
-    """Warns for each output-layout key that matches the output of none of
-    the layers at `layer_paths` (those a traced model ran)."""
+    """Warns for each output-layout key that none of `layer_paths` match."""
     outputs = [f"{p}{_OUTPUT}" for p in layer_paths]
     for key in self.output_keys:
       if not _matches_any(key, outputs):
@@ -195,8 +166,7 @@ class LayoutMap(collections.abc.MutableMapping):
             "strategy's scope applies it to Keras layers.", stacklevel=3)
 
   def spec_for(self, path: str, shape: tuple) -> P:
-    """The checked `PartitionSpec` of an array of `shape` at `path` (see
-    `layout_of`).
+    """The checked `PartitionSpec` of an array of `shape` at `path`.
 
     Raises:
       ValueError: the layout's rank is not the array's, or an axis's size
@@ -208,9 +178,7 @@ class LayoutMap(collections.abc.MutableMapping):
     return self.layout_of(path) or P()
 
   def problem(self, path: str, shape: tuple) -> str | None:
-    """Why the layout of `path` cannot lay out an array of `shape` (its rank
-    differs, or an axis does not divide the dimension it splits), or None.
-    """
+    """Why the layout of `path` cannot lay out an array of `shape`, or None."""
     spec = self.layout_of(path)
     if spec is None:
       return None
@@ -223,34 +191,21 @@ class LayoutMap(collections.abc.MutableMapping):
         path, shape, spec, "or None for that dimension in its LayoutMap key.")
 
   def partition_specs(self, tree: Any) -> Any:
-    """A `PartitionSpec` for every leaf of the parameter tree `tree`.
-
-    A leaf inside a flax metadata box (`nn.Partitioned`, an `nnx.Variable`)
-    is named by the box's path (`Dense_0/kernel`, not `Dense_0/kernel/value`).
-    Warns for each key that matched no leaf (a misspelt path would otherwise
-    leave its parameters replicated, silently).
-    """
+    """A `PartitionSpec` for every leaf of the parameter tree `tree`; warns
+    for each key that matched no leaf (a misspelt path)."""
     entries = named_leaves(tree)
     specs = [self.spec_for(n, np.shape(x)) for n, x, _ in entries]
     self.warn_unmatched([n for n, x, _ in entries if np.ndim(x)])
     return jax.tree_util.tree_unflatten(jax.tree.structure(tree), specs)
 
   def unmatched(self, names: list[str]) -> list[str]:
-    """The parameter keys that match none of the paths `names` (nor their
-    tails); output-layout keys lay out layers' outputs, not parameters (see
-    `warn_unmatched_outputs`)."""
+    """The parameter keys (not output keys) that match none of `names`."""
     return [key for key in self._rules
             if not key.endswith(_OUTPUT) and not _matches_any(key, names)]
 
   def warn_unmatched(self, names: list[str]) -> None:
-    """Warns for each parameter key that matches none of the paths `names`
-    (see `unmatched`).
-
-    Args:
-      names: the paths of the tree's arrays of one dimension or more. None
-        (an optimizer with no state, as `optax.sgd`'s, or only a step
-        count) warns of nothing: no key can have been meant for it.
-    """
+    """Warns for each parameter key that matches none of `names`, the paths
+    of a tree's arrays of one dimension or more."""
     if not names:
       return
     for key in self.unmatched(names):

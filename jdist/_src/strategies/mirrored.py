@@ -19,34 +19,21 @@ class MirroredStrategy(Strategy):
   """Synchronous data parallelism over this process's devices.
 
   Args:
-    devices: the devices to use, one replica each: jax Devices, indices, or
-      strings such as "cpu:0", "/gpu:1" or TensorFlow's
-      "/job:localhost/replica:0/task:0/device:GPU:1", in replica order.
-      Defaults to every local device, in the order of the physical topology
-      on GPU and TPU (that of `jax.make_mesh`, so the all-reduce follows the
-      interconnect's ring).
+    devices: the devices, one replica each, in order: jax Devices, indices,
+      or strings such as "cpu:0", "/gpu:1" or TensorFlow's full names.
+      Default: every local device, in the interconnect's ring order.
     axis_name: name of the replica mesh axis (default "replica").
-    mesh: a `jax.sharding.Mesh` (Auto or Explicit axes, as `jax.make_mesh`
-      makes it) or a `jdist.DeviceMesh` of one axis, instead of `devices`:
-      its devices in their order, its axis the replica axis. The strategy
-      then also runs inside `with jax.set_mesh(mesh):`.
-    cross_device_ops: TensorFlow's choice of all-reduce:
-      `jdist.NcclAllReduce()`, `jdist.HierarchicalCopyAllReduce()` or
-      `jdist.ReductionToOneDevice()` (or TF's own objects). All mean XLA's
-      all-reduce here, which the compiler chooses; other values are a
-      TypeError.
+    mesh: instead of `devices`, a `jax.sharding.Mesh` or `jdist.DeviceMesh`
+      of one axis (the replica axis); the strategy then also runs inside
+      `with jax.set_mesh(mesh):`.
+    cross_device_ops: TensorFlow's choice of all-reduce (a
+      `jdist.CrossDeviceOps` or TF's own); XLA's all-reduce runs for all.
 
   Example:
     >>> import jax, jdist
     >>> strategy = jdist.MirroredStrategy()
     >>> strategy.num_replicas_in_sync == len(jax.local_devices())
     True
-
-    On a mesh of JAX's own:
-
-    >>> mesh = jax.make_mesh((len(jax.devices()),), ("data",))
-    >>> jdist.MirroredStrategy(mesh=mesh).axis_name
-    'data'
   """
 
   def __init__(self, devices: Sequence[Any] | None = None, *,
@@ -70,13 +57,10 @@ class OneDeviceStrategy(Strategy):
   """Runs steps on one device, with the same API and semantics.
 
   Args:
-    device: a jax Device, index or string like "cpu:0"; defaults to the first
-      local device.
+    device: a jax Device, index or string like "cpu:0" (default: the first
+      local device).
     axis_name: name of the replica mesh axis (default "replica").
-    mesh: a `jax.sharding.Mesh` (Auto or Explicit axes, as `jax.make_mesh`
-      makes it) or a `jdist.DeviceMesh` of one device, instead of `device`:
-      its devices in their order, its axis the replica axis. The strategy
-      then also runs inside `with jax.set_mesh(mesh):`.
+    mesh: instead of `device`, a mesh of one device (see `MirroredStrategy`).
 
   Example:
     >>> import jdist
@@ -102,11 +86,8 @@ class OneDeviceStrategy(Strategy):
 def mirrored(fn: Callable | None = None, *, devices=None, **options):
   """Decorator: runs `fn` as a per-replica step with a `MirroredStrategy`.
 
-  The strategy (every local device unless `devices` is given) is created at
-  the first call, so the decorator may be applied before devices are set up.
-  The strategy is available as `step.strategy` after that. Other keyword
-  arguments (`donate_argnums`, `static_argnums`, `check_state`, ...) are those
-  of `Strategy.function`.
+  The strategy (over `devices`, default every local one) is made at the
+  first call, as `step.strategy`; other arguments are `Strategy.function`'s.
 
   Example:
     >>> import jdist, jax.numpy as jnp

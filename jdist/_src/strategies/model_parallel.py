@@ -28,8 +28,7 @@ def _uses(spec: P, axis: str) -> bool:
 
 def fsdp_spec(spec: P, shape: tuple, axis: str, size: int) -> P:
   """`spec` with its largest free dimension that `size` divides split over
-  the FSDP `axis` (ZeRO-3); unchanged when it already uses `axis` or no
-  dimension fits (scalars, small vectors: kept whole on each device)."""
+  `axis`; unchanged when it uses `axis` already or no dimension fits."""
   if _uses(spec, axis):
     return spec
   dims = list(spec) + [None] * (len(shape) - len(spec))
@@ -44,74 +43,33 @@ def fsdp_spec(spec: P, shape: tuple, axis: str, size: int) -> P:
 class ModelParallelStrategy(Strategy):
   """Data parallelism over one mesh axis, the parameters split over the others.
 
-  As Keras 3's `keras.distribution.ModelParallel`: the mesh axis
-  `batch_dim_name` splits the global batch over replicas; each replica is
-  the group of devices along the other axes, over which the parameters are
-  split (XLA partitions the replica's computation from those layouts). The
-  per-replica step, `compute_average_loss`, metrics and
-  `num_replicas_in_sync` (the size of the batch axis) mean what they mean
-  for `MirroredStrategy`; gradients are summed over the replicas.
-
-  The layouts come from a `layout_map` (regexes over parameter paths) or
-  from flax's own partition metadata in the state (so a model annotated for
-  MaxText-style sharding runs as it is): linen `nn.with_partitioning` (mesh
-  axes), linen `nn.with_logical_partitioning` (logical names, mapped by
-  `logical_axis_rules` as `nn.logical_to_mesh_axes` maps them; a name with
-  no rule is replicated, with a warning), and nnx variables'
-  `out_sharding` (`nnx.with_partitioning`). Given both, a LayoutMap key
-  wins for every array it matches and the metadata lays out the rest; an
-  array with neither is replicated. Keep the boxes in the state (linen's
-  `apply` takes them): an array unboxed before `init` has lost its layout.
-
-  FSDP (ZeRO-3) is one argument: `fsdp_axis` names a within-replica axis
-  that splits both each replica's batch and every parameter (its largest
-  dimension that the axis divides, unless its layout already uses that
-  axis), so that each device holds 1/k of the parameters, gradients and
-  optimizer state; XLA gathers them for the computation.
-
-  `jdist.ShardedOptimizer` (`Trainer(shard_optimizer_state=True)`) splits
-  the optimizer state over the replicas as well (ZeRO-1/2 over the batch
-  axis): each leaf keeps its parameter's layout within a replica
-  (`replica_layouts`) and is split over `batch_dim_name` on top of it.
-
-  Pipeline parallelism is `pipeline_axis`: a within-replica axis whose
-  devices are the stages of every `jdist.pipeline` call in the step (a
-  model's stacked layers, their layer dimension split over that axis by the
-  layouts); MaxText's schedules, GPipe (`num_repeats=1`) and circular
-  (`num_repeats` virtual stages per stage), over `num_microbatches`
-  microbatches of each replica's batch.
+  As Keras 3's `keras.distribution.ModelParallel`: `batch_dim_name` splits
+  the global batch over the replicas, each of which spans the devices of
+  the other axes. An array's layout is its `layout_map` key's, else its
+  flax partition metadata's, else replicated (docs/model_parallelism.md;
+  pipeline stages: docs/pipelines.md).
 
   Args:
-    layout_map: a `jdist.LayoutMap` over a `jdist.DeviceMesh`, or None to
-      lay out from the state's flax metadata alone.
-    device_mesh: the `jdist.DeviceMesh`, or a `jax.sharding.Mesh` (Auto or
-      Explicit axes, as `jax.make_mesh` makes it); needed without
-      `layout_map`, and must be the layout map's when both are given.
-    batch_dim_name: the mesh axis of the replicas; defaults to the mesh's
-      first axis (as Keras).
-    fsdp_axis: a mesh axis (not the batch one) for FSDP, or None.
-    logical_axis_rules: pairs `(logical name, mesh axes or None)` for
-      `nn.with_logical_partitioning` names (and nnx `out_sharding` names
-      that are not mesh axes), as flax's `nn.logical_axis_rules` takes.
-      Default: the rules of the `nn.logical_axis_rules` context open when
-      the strategy is made (none outside one). A box's own rules
-      (`with_logical_partitioning(..., rules=...)`) replace them, as in flax.
+    layout_map: a `jdist.LayoutMap`, or None to lay out from flax's
+      metadata alone.
+    device_mesh: a `jdist.DeviceMesh` or a `jax.sharding.Mesh`; needed
+      without `layout_map`, and must be its mesh when both are given.
+    batch_dim_name: the mesh axis of the replicas (default: the first).
+    fsdp_axis: a mesh axis (not the batch one) that splits every parameter
+      and each replica's batch (ZeRO-3), or None.
+    logical_axis_rules: `(logical name, mesh axes or None)` pairs, as in
+      flax (default: those of flax's context open when the strategy is made).
     pipeline_axis: a mesh axis (not the batch or FSDP one) whose devices are
-      pipeline stages, or None.
-    num_microbatches: the microbatches `jdist.pipeline` splits each
-      replica's batch into (default: the number of stages); fewer than the
-      stages warns (most of the step would be bubble).
-    num_repeats: virtual stages per stage: 1 is GPipe, more is a circular
-      schedule (bubble `(S - 1) / (V * M + S - 1)`; needs
-      `num_microbatches >= S`).
-    pipeline_remat: rematerialize each stage's layers in the backward pass
-      (`jax.checkpoint`), keeping only their input per iteration.
+      the stages of `jdist.pipeline`, or None.
+    num_microbatches: the microbatches of each replica's batch (default:
+      the number of stages).
+    num_repeats: virtual stages per stage: 1 is GPipe, more is circular.
+    pipeline_remat: rematerialize each stage's layers in the backward pass.
 
   Raises:
-    ValueError: no mesh (neither `layout_map` nor `device_mesh`), two
-      different meshes, an axis name the mesh does not have, pipeline
-      settings without a `pipeline_axis`, or a circular schedule with fewer
-      microbatches than stages.
+    ValueError: no mesh, two different meshes, an axis the mesh does not
+      have, pipeline settings without `pipeline_axis`, or a circular
+      schedule with fewer microbatches than stages.
 
   Example:
     >>> import jax, jax.numpy as jnp, jdist
@@ -123,17 +81,6 @@ class ModelParallelStrategy(Strategy):
     ...                                        batch_dim_name="data")
     >>> params = strategy.init(lambda: {"w": jnp.ones((2, 4))})
     >>> params["w"].sharding.spec
-    P(None, 'model')
-
-    From flax's metadata, with no LayoutMap:
-
-    >>> import flax.linen as nn
-    >>> strategy = jdist.ModelParallelStrategy(device_mesh=mesh)
-    >>> dense = nn.Dense(4, kernel_init=nn.with_partitioning(
-    ...     nn.initializers.lecun_normal(), (None, "model")))
-    >>> x = jnp.ones((1, 2))
-    >>> variables = strategy.init(dense.init, jax.random.key(0), x)
-    >>> variables["params"]["kernel"].value.sharding.spec
     P(None, 'model')
   """
 
@@ -196,8 +143,7 @@ class ModelParallelStrategy(Strategy):
 
   @property
   def layout_map(self) -> LayoutMap | None:
-    """The rules that lay the parameters out by path, or None (flax's
-    metadata alone)."""
+    """The rules that lay the parameters out by path, or None."""
     return self._layout_map
 
   @property
@@ -221,8 +167,7 @@ class ModelParallelStrategy(Strategy):
 
   @property
   def pipeline(self) -> PipelineSchedule | None:
-    """The pipeline's schedule (`pipeline_axis`, stages, microbatches,
-    repeats, remat), or None without a `pipeline_axis`."""
+    """The pipeline's schedule, or None without a `pipeline_axis`."""
     return self._pipeline
 
   @property
@@ -241,8 +186,7 @@ class ModelParallelStrategy(Strategy):
 
   def _spec(self, path: str, shape: tuple, box: Any, *,
             unruled: list | None = None) -> P:
-    """The layout of one array: its LayoutMap key's, else its box's
-    metadata's, else replicated; split over `fsdp_axis` as well."""
+    """The layout of one array, with `fsdp_axis`."""
     layout_map = self._layout_map
     if layout_map is not None and layout_map.layout_of(path) is not None:
       spec = layout_map.spec_for(path, shape)
@@ -253,14 +197,10 @@ class ModelParallelStrategy(Strategy):
     return self._with_fsdp(spec, shape)
 
   def partition_specs(self, tree: Any) -> Any:
-    """The `PartitionSpec` of every leaf of `tree`: its LayoutMap key's, else
-    its flax metadata's, else replicated; split over `fsdp_axis` as well
-    when there is one. The leaves of a `jdist.Sharded` (optimizer state
-    split over the replicas) keep its own specs.
+    """The `PartitionSpec` of every leaf of `tree`, with `fsdp_axis`.
 
     Raises:
-      ValueError: a layout names an axis the mesh does not have, or splits a
-        dimension that the axis's size does not divide.
+      ValueError: a layout does not fit the mesh or its array.
     """
     names, nodes, _ = named_nodes(tree, stop=kinds.has_layouts)
     unruled, specs, paths = [], [], []
@@ -285,36 +225,16 @@ class ModelParallelStrategy(Strategy):
 
   def replica_layouts(self, tree: Any) -> list:
     """The layout of each leaf of `tree` within a replica, in flattening
-    order: as `partition_specs` lays it out (its LayoutMap key's, else its
-    flax metadata's, else replicated, with `fsdp_axis`), without its
-    warnings. `jdist.ShardedOptimizer` splits the optimizer state over the
-    replicas on top of these.
-
-    Raises:
-      ValueError: see `partition_specs`.
-    """
+    order, as `partition_specs` gives it (without its warnings)."""
     return [self._spec(name, np.shape(leaf), box)
             for name, leaf, box in named_leaves(tree)]
 
   def replicate(self, tree: Any) -> Any:
-    """Places `tree` as `init` lays state out: each array in its layout
-    (its LayoutMap key's, else its flax metadata's, else whole on every
-    device of its replica), checked as `init` checks it; `PerReplica`,
-    `SyncOnRead` and `Sharded` values as `Strategy.replicate` places them.
+    """Places `tree` as `init` lays state out, each array in its layout;
+    distributed values as `Strategy.replicate` places them.
 
     Raises:
-      ValueError: a layout names an axis the mesh does not have, or splits a
-        dimension that the axis's size does not divide.
-
-    Example:
-      >>> import jax, jax.numpy as jnp, jdist
-      >>> n = len(jax.devices())
-      >>> mesh = jdist.DeviceMesh((1, n), ("data", "model"))
-      >>> layout_map = jdist.LayoutMap(mesh)
-      >>> layout_map["w"] = (None, "model")
-      >>> strategy = jdist.ModelParallelStrategy(layout_map=layout_map)
-      >>> strategy.replicate({"w": jnp.ones((2, 4))})["w"].sharding.spec
-      P(None, 'model')
+      ValueError: see `partition_specs`.
     """
     names, nodes, treedef = named_nodes(tree, stop=kinds.is_node)
     unruled, laid_out, placed = [], [], []
@@ -340,13 +260,8 @@ class ModelParallelStrategy(Strategy):
     return jax.tree_util.tree_unflatten(treedef, placed)
 
   def _warn_if_nothing_split(self, laid_out: list) -> None:
-    """Warns (once per strategy) when state that holds a matrix has no
-    array split over the mesh: every device of a replica then holds all of
-    it, which is what the strategy exists to avoid, with no error.
-
-    Args:
-      laid_out: `(path, array or shape struct, spec)` of each array placed.
-    """
+    """Warns (once) when state with a matrix has no array split over the
+    mesh; `laid_out` holds `(path, array or shape, spec)` of each array."""
     if self._warned_unsplit or not laid_out or any(
         any(axes is not None for axes in spec) for _, _, spec in laid_out):
       return
@@ -382,19 +297,9 @@ class ModelParallelStrategy(Strategy):
     return fsdp_spec(spec, shape, self._fsdp_axis, size)
 
   def keep_layouts(self, outputs: Any) -> Any:
-    """Inside a traced step: its outputs held in the layouts `init` gives.
-
-    Without it XLA chooses the layout of a returned array: a bias no rule
-    splits came back split like the kernel it is added to, so the next call
-    (its argument laid out anew) compiled the step a second time. Keys match
-    a path's tail (`LayoutMap.layout_of`), so `return params, opt_state,
-    loss` finds each array's rule under its position; an array in a flax
-    box takes its box's layout. A `jdist.Sharded` (optimizer state split
-    over the replicas) is held in its own layout (`Sharded.partition_specs`),
-    other distributed values (`PerReplica`, ...) stay as they are; an array
-    its layout cannot lay out (another rank, an indivisible dimension) is
-    not state the layouts describe and is left as XLA places it.
-    """
+    """Inside a traced step: its outputs held in the layouts `init` gives,
+    so the next call does not compile again; an array its layout cannot lay
+    out is left as XLA places it."""
     names, nodes, treedef = named_nodes(outputs, stop=kinds.is_node)
 
     def constrain(name, box, x):
@@ -425,22 +330,12 @@ class ModelParallelStrategy(Strategy):
 
   def init(self, fn: Callable, *args, **kwargs) -> Any:
     """Runs `fn(*args, **kwargs)` compiled so that its result is created laid
-    out: each leaf directly in its layout, never whole on one device.
-
-    Use it for the parameters and the optimizer state
-    (`strategy.init(optimizer.init, params)`): a LayoutMap key that matches
-    a parameter's path also matches the optimizer state's copies of it (a
-    path's tail after a "/", `0/trace/dense/kernel`), and optax boxes a
-    boxed parameter's moments as the parameter, so the momentum is split as
-    its parameter is. `fn` runs under the strategy's mesh (`jax.set_mesh`)
-    and its `logical_axis_rules` (`nn.logical_axis_rules`), so an nnx model
-    whose variables shard as they are made (flax's eager sharding) can be
-    built inside it.
+    out, never whole on one device: the parameters, or the optimizer state
+    (`strategy.init(optimizer.init, params)`). `fn` runs under the mesh and
+    `logical_axis_rules`, so an nnx model can be built in it.
 
     Raises:
-      ValueError: a layout names an axis the mesh does not have, or splits a
-        dimension that the axis's size does not divide (before anything
-        runs).
+      ValueError: see `partition_specs` (before anything runs).
     """
     # The layouts are read (and checked) before flax's eager sharding, or
     # linen's constraint on a boxed parameter, could fail on a bad axis with
@@ -472,11 +367,7 @@ def _mib(size: int) -> str:
 def _schedule(mesh: DeviceMesh, axis: str | None, taken: tuple,
               num_microbatches: int | None, num_repeats: int,
               remat: bool) -> PipelineSchedule | None:
-  """The strategy's `PipelineSchedule`, or None without a pipeline axis.
-
-  Raises:
-    ValueError: see `ModelParallelStrategy`.
-  """
+  """The strategy's `PipelineSchedule`, or None without a pipeline axis."""
   if axis is None:
     if num_microbatches is not None or num_repeats != 1 or remat:
       raise ValueError(
@@ -496,8 +387,7 @@ def _schedule(mesh: DeviceMesh, axis: str | None, taken: tuple,
 
 
 def _no_eager_sharding():
-  """flax nnx's eager sharding turned off (nothing to turn off while flax
-  is not imported: no nnx variable can be made)."""
+  """flax nnx's eager sharding turned off (if flax.nnx is imported)."""
   if "flax.nnx" not in sys.modules:
     return contextlib.nullcontext()
   return sys.modules["flax.nnx"].use_eager_sharding(False)

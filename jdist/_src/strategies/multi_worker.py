@@ -14,29 +14,17 @@ from jdist._src.strategies.devices import from_mesh, replica_order
 class MultiWorkerMirroredStrategy(Strategy):
   """Synchronous data parallelism over the devices of all processes.
 
-  Every process runs the same program (multi-controller SPMD). Creating the
-  strategy joins the run (`jdist.initialize`) if that has not happened yet;
-  without a cluster it is a single process over its local devices, like
-  `MirroredStrategy`. Each process feeds only its own replicas: with
-  `experimental_distribute_dataset` every process iterates the same global
-  batches and keeps its rows; with `distribute_datasets_from_function` each
-  reads its own shard (`ctx.input_pipeline_id` of `ctx.num_input_pipelines`),
-  and processes whose data ends at different steps are kept in step.
-
-  The replicas follow the physical topology on GPU and TPU (the ring
-  `jax.make_mesh` builds) and each process's devices in turn on CPU; see
-  `strategy.devices` for the order.
+  Every process runs the same program and feeds only its own replicas.
+  Creating the strategy joins the run (`jdist.initialize`); without a
+  cluster it is `MirroredStrategy` (docs/many_hosts.md).
 
   Args:
     cluster_resolver: how to find the cluster (see `jdist.cluster_resolver`);
       None reads the environment (`jdist launch`, `TF_CONFIG`, SLURM, ...).
-    communication_options: a `jdist.CommunicationOptions`; its
-      `timeout_seconds` turns a stuck collective into an error.
+    communication_options: a `jdist.CommunicationOptions`.
     axis_name: name of the replica mesh axis (default "replica").
-    mesh: a `jax.sharding.Mesh` (Auto or Explicit axes, as `jax.make_mesh`
-      makes it) or a `jdist.DeviceMesh` of one axis, instead of every device of the run:
-      its devices in their order, its axis the replica axis. The strategy
-      then also runs inside `with jax.set_mesh(mesh):`.
+    mesh: instead of every device of the run, a mesh of one axis (see
+      `MirroredStrategy`).
 
   Example:
     >>> import jax, jdist

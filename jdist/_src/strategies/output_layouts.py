@@ -1,16 +1,10 @@
 """Keras's output-layout keys for flax models: a layer's output constrained
 to its `LayoutMap` layout inside a step.
 
-Keras constrains the output of the layer at `path` to
-`layout_map[path + "/output"]`. A flax model's layers are its submodules,
-named by their path in the model: linen's `module.path` (`Dense_1`,
-`Block_0/Dense_1`), nnx's attribute path (`l1`, `layers/0`). Inside a
-step, linen modules are reached through `nn.intercept_methods`, nnx modules
-by giving each one an output layout names (in the step's arguments, or the
-module the Trainer applies) a subclass whose `__call__` constrains its
-output, for the call only. The constraint is read as every activation
-constraint in a step is (`core/mesh_context.py`: the replica axis left
-out).
+A layer is a submodule, named by its path in the model (linen's
+`module.path`, nnx's attribute path). Linen modules are reached through
+`nn.intercept_methods`; an nnx module with a key gets, for the step only, a
+subclass whose `__call__` constrains its output.
 """
 
 from __future__ import annotations
@@ -105,9 +99,8 @@ _active = _Active()
 
 
 def nnx_outputs(module) -> contextlib.AbstractContextManager:
-  """Inside a step whose strategy has output-layout keys: `module`'s (an
-  nnx module made inside the step, as the Trainer makes it) submodules'
-  outputs constrained while the block runs."""
+  """Inside a step with output-layout keys: the outputs of `module`'s (an
+  nnx module made in the step) submodules constrained for the block."""
   if not _active.scopes:
     return contextlib.nullcontext()
   layout_map, seen = _active.scopes[-1]
@@ -117,11 +110,9 @@ def nnx_outputs(module) -> contextlib.AbstractContextManager:
 @contextlib.contextmanager
 def applied(layout_map: LayoutMap | None, modules: list,
             warned: set) -> Iterator[None]:
-  """While the block runs (a step's trace): the output-layout keys of
-  `layout_map` constrain the outputs of linen modules called in it and of
-  the nnx `modules`' submodules; afterwards a key that matched no layer's
-  output warns (once: `warned` holds the keys warned about).
-  """
+  """For a step's trace: `layout_map`'s output keys constrain the outputs of
+  linen modules and of nnx `modules`' submodules; then warns once (keys in
+  `warned`) of keys that matched no layer."""
   keys = layout_map.output_keys if layout_map is not None else ()
   if not keys:
     yield

@@ -1,26 +1,7 @@
-"""Layouts read from flax's own partition metadata.
-
-A flax model can say how its parameters are split where it creates them:
-
-  linen `nn.with_partitioning(init, (None, "model"))`
-      a `flax.linen.Partitioned` box: one mesh axis (or None) per dimension.
-  linen `nn.with_logical_partitioning(init, ("embed", "mlp"))`
-      a `flax.linen.LogicallyPartitioned` box: logical names, which logical
-      axis rules (`(("embed", None), ("mlp", "model"))`) map to mesh axes as
-      `nn.logical_to_mesh_axes` does: the first rule whose mesh axis is still
-      free in the array wins, and a name with no rule is replicated.
-  nnx `nnx.with_partitioning(init, (None, "model"))`
-      an `nnx.Variable` whose `out_sharding` metadata names the axes; as
-      flax's `nnx.get_partition_spec`, a name that a rule maps is replaced,
-      any other must be a mesh axis.
-
-The boxes are pytree nodes that optax keeps when it builds a parameter's
-moments (`optax.sgd(momentum=...).init(params)` boxes the trace as its
-parameter), so the layout of every copy of a parameter in a state tree is
-read from the box around it, under any path.
-
-A box's own field (`value`) is not part of the path jdist names a leaf by:
-a kernel in a box is `Dense_0/kernel`, as it is without one.
+"""Layouts read from flax's own partition metadata: linen `Partitioned` and
+`LogicallyPartitioned` boxes, and nnx variables' `out_sharding`. optax keeps
+the boxes around a parameter's moments, so every copy of a parameter is laid
+out from its box; a leaf in a box is named by the box's path.
 """
 
 from __future__ import annotations
@@ -37,11 +18,8 @@ from jdist._src.strategies.device_mesh import DeviceMesh
 
 
 def is_box(x: Any) -> bool:
-  """Whether `x` is a flax metadata box: a linen `AxisMetadata`
-  (`Partitioned`, `LogicallyPartitioned`) or an nnx `Variable`.
-
-  flax is imported only by programs that use it (it costs a third of a
-  second to import): while it is not, no value can be one of its boxes."""
+  """Whether `x` is a linen `AxisMetadata` or an nnx `Variable` (False
+  while flax is not imported: importing it only to ask is slow)."""
   if "flax" not in sys.modules:
     return False
   from flax import nnx
@@ -83,11 +61,7 @@ def named_leaves(tree: Any) -> list[tuple[str, Any, Any]]:
 
 
 def normalize_rules(rules) -> tuple:
-  """Logical axis rules as a tuple of `(logical name, mesh axes)` pairs.
-
-  Raises:
-    TypeError: `rules` is not a sequence of pairs.
-  """
+  """Logical axis rules as a tuple of `(logical name, mesh axes)` pairs."""
   if rules is None:
     return ()
   try:
@@ -112,21 +86,9 @@ class PartitionMetadata:
 
   Args:
     device_mesh: the `jdist.DeviceMesh` whose axes the layouts name.
-    logical_axis_rules: pairs `(logical name, mesh axes)` for logical
-      names (linen `nn.with_logical_partitioning`, nnx `out_sharding` names
-      that are not mesh axes). A linen box's own `rules` replace them, as
-      flax's `LogicallyPartitioned.unbox` does; an nnx variable's
-      `sharding_rules` are added to them, as `nnx.get_partition_spec` does.
-
-  Example:
-    >>> import jax, jax.numpy as jnp, jdist
-    >>> import flax.linen as nn
-    >>> from jdist._src.strategies.partition_metadata import PartitionMetadata
-    >>> mesh = jdist.DeviceMesh((1, len(jax.devices())), ("data", "model"))
-    >>> reader = PartitionMetadata(mesh, (("mlp", "model"),))
-    >>> box = nn.LogicallyPartitioned(jnp.zeros((3, 8)), ("embed", "mlp"))
-    >>> reader.spec("Dense_0/kernel", (3, 8), box)
-    P(None, 'model')
+    logical_axis_rules: pairs `(logical name, mesh axes)`. A linen box's
+      own `rules` replace them, an nnx variable's `sharding_rules` are added
+      to them, as in flax.
   """
 
   def __init__(self, device_mesh: DeviceMesh, logical_axis_rules=()):
@@ -140,20 +102,12 @@ class PartitionMetadata:
 
   def spec(self, path: str, shape: Sequence[int], box: Any, *,
            unruled: list | None = None) -> P | None:
-    """The checked `PartitionSpec` that `box`'s metadata gives the array of
-    `shape` at `path`, or None when the box carries no layout.
-
-    Args:
-      path: the array's path (for messages).
-      shape: the array's shape.
-      box: a flax box (see `is_box`).
-      unruled: a list to which each `(path, logical name)` that no rule
-        maps (replicated, as flax does) is appended; see `warn_unruled`.
+    """The checked `PartitionSpec` that `box` gives the array of `shape` at
+    `path`, or None; each `(path, logical name)` no rule maps is appended
+    to `unruled`.
 
     Raises:
-      ValueError: the metadata names an axis the mesh does not have, has more
-        entries than the array has dimensions, or splits a dimension over
-        axes whose size does not divide it.
+      ValueError: the layout does not fit the mesh or the array.
     """
     import flax.linen as nn
     from flax import nnx
@@ -261,8 +215,7 @@ class PartitionMetadata:
 
 
 def warn_unruled(unruled: list, stacklevel: int = 3) -> None:
-  """One warning for every logical name that no rule maps, with the paths
-  of (up to three of) the arrays it leaves replicated."""
+  """One warning for the logical names no rule maps, with their paths."""
   if not unruled:
     return
   paths: dict[str, list[str]] = {}

@@ -1,14 +1,9 @@
 """`PipelineSchedule`: how a replica's stacked layers run as stages over a
 mesh axis (GPipe, or circular with several virtual stages per device).
 
-The names are MaxText's: `num_microbatches` splits each replica's batch,
-`num_repeats` is the number of virtual stages each stage holds (circular
-pipelining; 1 is GPipe). Layer `l` of `L` stacked layers belongs to virtual
-stage `l // (L / (S * V))`, and virtual stage `q` runs on stage `q % S`, so a
-microbatch passes the stages `V` times in turn. At loop iteration `t` stage
-`s` runs its `(t - s)`-th unit of work: microbatch `(t - s) % M` of repeat
-`(t - s) // M`, while that count lies in `[0, V * M)`; the loop has
-`V * M + S - 1` iterations, and each stage idles in `S - 1` of them.
+Virtual stage `q` (layers `[q L / (S V), (q + 1) L / (S V))`) runs on stage
+`q % S`; at iteration `t` stage `s` runs unit `t - s` of its `V * M`
+(see `work`).
 """
 
 from __future__ import annotations
@@ -21,19 +16,14 @@ from jdist._src.errors import DistributionError
 
 @dataclasses.dataclass(frozen=True)
 class PipelineSchedule:
-  """A pipeline's shape: its mesh axis, stages, microbatches and repeats.
-
-  Made by `jdist.ModelParallelStrategy(pipeline_axis=...)` and read by
-  `jdist.pipeline`; `strategy.pipeline` gives it.
+  """A pipeline's shape (`strategy.pipeline`), with MaxText's names.
 
   Attributes:
     axis: the mesh axis whose devices are the stages.
     num_stages: that axis's size, S.
-    num_microbatches: M, the microbatches each replica's batch is split into.
-    num_repeats: V, the virtual stages each stage holds (1: GPipe; more:
-      circular).
-    remat: each stage's work is rematerialized in the backward pass
-      (`jax.checkpoint`): only its input is kept per iteration.
+    num_microbatches: M, the microbatches of each replica's batch.
+    num_repeats: V, the virtual stages per stage (1: GPipe).
+    remat: each stage's work is rematerialized in the backward pass.
 
   Example:
     >>> from jdist._src.strategies.pipeline_schedule import PipelineSchedule
@@ -114,8 +104,7 @@ class PipelineSchedule:
     return rows // m
 
   def work(self, iteration: int, stage: int) -> tuple[int, int] | None:
-    """What `stage` runs at loop `iteration`: `(microbatch, repeat)`, or None
-    in the bubble."""
+    """`(microbatch, repeat)` that `stage` runs at `iteration`, or None."""
     k = iteration - stage
     if not 0 <= k < self.num_repeats * self.num_microbatches:
       return None

@@ -1,12 +1,9 @@
 """`Strategy`: one SPMD program over a device mesh, and the methods on it.
 
-A strategy of this family is a value: its class, its devices and its axis
-name (`Strategy.identity`). Two strategies with the same identity are equal,
-interchangeable, and accept each other's distributed values. Subclasses only
-choose devices (and may check their platform) and where state is held between
-steps (a `StatePlacement`, as `CentralStorageStrategy` does); every behaviour
-lives here and in `base.py`, so a new strategy adds a module and no branches
-elsewhere.
+A strategy is a value: strategies with the same `identity` are equal and
+accept each other's distributed values. Subclasses only choose devices and
+where state is held between steps (a `StatePlacement`); every behaviour lives
+here and in `base.py`.
 """
 
 from __future__ import annotations
@@ -80,9 +77,8 @@ class Strategy(StrategyBase):
 
   @property
   def identity(self) -> tuple:
-    """What makes two strategies equal: the class name, the devices (platform
-    and id, in replica order) and the axis name; a subclass adds its own
-    settings (`CentralStorageStrategy`: its parameter device)."""
+    """What makes two strategies equal: class, devices and axis name (and a
+    subclass's own settings)."""
     return (type(self).__name__,
             tuple((d.platform, d.id) for d in self._devices), self._axis_name)
 
@@ -100,14 +96,12 @@ class Strategy(StrategyBase):
 
   @property
   def devices(self) -> tuple:
-    """The devices of the replicas, in replica order (a replica that spans
-    devices is named by its first)."""
+    """The devices of the replicas in order (a replica's first device)."""
     return self._devices
 
   @property
   def mesh(self) -> Mesh:
-    """The `jax.sharding.Mesh` the replicas run on: one axis, or more when a
-    replica spans devices (`ModelParallelStrategy`)."""
+    """The `jax.sharding.Mesh` the replicas run on."""
     return self._mesh
 
   @property
@@ -121,33 +115,19 @@ class Strategy(StrategyBase):
     return len(self._devices)
 
   def step_scope(self, args: tuple) -> contextlib.AbstractContextManager:
-    """Entered while one replica's step is traced, with its arguments: the
-    `layout_map`'s output-layout keys constrain the outputs of the flax
-    layers the step runs (`strategies/output_layouts.py`)."""
+    """Entered while a step is traced: applies the output-layout keys."""
     return output_layouts.applied(self.layout_map,
                                   output_layouts.nnx_modules(args),
                                   self._warned_outputs)
 
   def replica_layouts(self, tree: Any) -> list:
-    """The layout within a replica of each leaf of `tree`, in flattening
-    order: a `PartitionSpec` over the mesh axes other than the replica one.
-    Here every replica is one device, so `P()` (whole on it);
-    `ModelParallelStrategy` gives its layouts. `jdist.ShardedOptimizer`
-    splits the optimizer state over the replicas on top of them.
-
-    Example:
-      >>> import jdist, jax.numpy as jnp
-      >>> jdist.MirroredStrategy().replica_layouts({"w": jnp.zeros((2, 3))})
-      [P()]
-    """
+    """The `PartitionSpec` within a replica of each leaf of `tree`, in
+    flattening order (`P()`: a replica is one device here)."""
     return [P() for _ in jax.tree.leaves(tree)]
 
   def shardings(self, tree: Any) -> Any:
-    """The `NamedSharding` each leaf of `tree` has as state of this strategy:
-    whole on every device of the mesh (as `replicate` places it), the leaves
-    of a `jdist.Sharded` split as it says. `ModelParallelStrategy` lays
-    leaves out by its rules. Nothing is placed: `tree` may hold
-    `jax.ShapeDtypeStruct` values (planning a state before it exists).
+    """The `NamedSharding` each leaf of `tree` has as this strategy's state.
+    Nothing is placed: `tree` may hold `jax.ShapeDtypeStruct` values.
 
     Example:
       >>> import jdist, jax.numpy as jnp
@@ -163,13 +143,8 @@ class Strategy(StrategyBase):
         NamedSharding(self._mesh, spec) for spec in specs])
 
   def keep_layouts(self, outputs: Any) -> Any:
-    """Inside a traced step: its outputs, held in this strategy's layouts.
-
-    A mirrored array is whole on every device, where XLA leaves it; a
-    strategy whose replicas span devices (`ModelParallelStrategy`)
-    constrains each to its layout so that a step returns state laid out as
-    it came in.
-    """
+    """Inside a traced step: its outputs, held in this strategy's layouts
+    (as they are: XLA leaves a mirrored array whole)."""
     return outputs
 
   @property
@@ -195,30 +170,19 @@ class Strategy(StrategyBase):
                state_output=state_output_lib.DEFAULT):
     """Compiles `fn` as a per-replica step; the result is called like `fn`.
 
-    `fn` runs once per replica (inside `jax.shard_map`) and sees its own slice
-    of `PerReplica` arguments; other arguments reach every replica whole.
-    Outputs that are the same on every replica come back as mirrored arrays,
-    the others as `PerReplica`. The step compiles once per input structure
-    (jit's cache); it is traced twice per compilation, once abstractly to read
-    which outputs vary over replicas.
+    `fn` runs once per replica on its slice of `PerReplica` arguments;
+    other arguments reach every replica whole. Outputs equal on every
+    replica come back mirrored, the others as `PerReplica`.
 
     Args:
-      fn: the per-replica step. May be omitted to use this as a decorator with
-        arguments.
-      donate_argnums: passed to `jax.jit` (donate the state to save memory).
-      static_argnums, static_argnames: passed to `jax.jit`: arguments that
-        are Python values (flags, strings), compiled into the program.
-      check_state: raise `jdist.VaryingStateError` when an output with the
-        structure of a mirrored input (the state) varies over replicas.
-      check_loss_scaling: raise `jdist.LossScalingError` when the step's
-        loss is a mean over its replica's batch (gradients, summed over
-        replicas, would be num_replicas times too large), found in the
-        traced program at the first compilation.
-      state_output: where the step returns the new value of the state it
-        takes (see `jdist.ParameterServerStrategy.function`). Here the caller
-        keeps the new state by assigning the outputs, so only its form is
-        checked; it is accepted so that a step declared once (an evaluation
-        with `state_output=None`, say) runs under every strategy.
+      fn: the per-replica step; omit it to decorate with arguments.
+      donate_argnums, static_argnums, static_argnames: passed to `jax.jit`.
+      check_state: raise `jdist.VaryingStateError` when an output shaped
+        like a mirrored input (the state) varies over replicas.
+      check_loss_scaling: raise `jdist.LossScalingError` when the loss is a
+        mean over the replica's batch (gradients too large).
+      state_output: as `jdist.ParameterServerStrategy.function` takes it
+        (only its form is checked here).
 
     Returns:
       A `DistributedFunction`.
@@ -249,8 +213,7 @@ class Strategy(StrategyBase):
       reduce_op: `jdist.ReduceOp` SUM, MEAN, MAX or MIN (or its name).
       value: a pytree holding `PerReplica` values (and mirrored arrays).
       axis: None to combine replicas' values; an axis of each replica's value
-        to reduce along it as well (axis=0 of per-example values is over the
-        whole global batch, padding excluded).
+        to reduce along it as well (padding excluded).
 
     Returns:
       The reduced pytree, replicated on every device (and every process).
@@ -272,11 +235,8 @@ class Strategy(StrategyBase):
   # --- placing values --------------------------------------------------------
 
   def replicate(self, tree: Any) -> Any:
-    """Places every leaf of `tree` on every replica (mirrored placement).
-
-    `SyncOnRead` subtrees get one copy per replica, arranged so that reading
-    them gives back the value; `PerReplica` and `Sharded` values are left
-    where they are.
+    """Places every leaf of `tree` on every replica (mirrored); `SyncOnRead`
+    gets one copy per replica, `PerReplica` and `Sharded` stay as they are.
     """
     return jax.tree.map(lambda node: kinds.kind_of(node).replicate(node, self),
                         tree, is_leaf=kinds.is_node)
@@ -285,20 +245,15 @@ class Strategy(StrategyBase):
                                       global_batch_size: int | None = None):
     """Splits each global batch of `dataset` over the replicas.
 
-    The global batch size (by default that of the first batch) must divide
-    evenly over the replicas. A shorter batch (the end of the data) is padded
-    and masked so nothing is dropped or counted twice, and the step does not
-    recompile.
+    The global batch size must divide evenly over the replicas; a shorter
+    last batch is padded and masked (nothing dropped or counted twice).
 
     Args:
       dataset: any iterable of batches (pytrees of arrays with a leading batch
-        axis): a list, a generator function's result, a tf.data or grain
-        iterator. Each `iter()` of the result iterates `dataset` again.
-      options: a `jdist.InputOptions` (or TF's `tf.distribute.InputOptions`):
-        how many batches to place on the devices ahead of the step (default:
-        one), and whether in a background thread.
-      global_batch_size: the static batch size, when the first batch may be a
-        short one (a pass resumed near the end of the data).
+        axis): a list, a generator, a tf.data or grain iterator.
+      options: a `jdist.InputOptions` (or `tf.distribute.InputOptions`).
+      global_batch_size: the batch size, when the first batch may be short
+        (default: the first batch's).
 
     Returns:
       A `DistributedDataset` of `PerReplica` batches.
@@ -312,9 +267,8 @@ class Strategy(StrategyBase):
     """Builds each process's input from `dataset_fn(jdist.InputContext)`.
 
     `dataset_fn` returns an iterable of per-replica batches; each step takes
-    one for each of the process's replicas, in replica order. A short or
-    missing batch at the end of the data is padded and masked. `options`:
-    a `jdist.InputOptions`, as for `experimental_distribute_dataset`.
+    one per local replica. A short or missing last batch is padded and
+    masked. `options`: a `jdist.InputOptions`.
     """
     return input_lib.per_replica_batches(self, dataset_fn,
                                          options=InputOptions.of(options))

@@ -23,21 +23,15 @@ def tpu_devices() -> tuple:
 class TPUStrategy(Strategy):
   """Synchronous data parallelism over TPU cores, on one host or a pod slice.
 
-  On a pod slice every host runs the same program; creating the strategy
-  joins them (JAX detects the Cloud TPU environment). Steps, datasets and
-  reductions behave exactly as with `MirroredStrategy`. The replicas follow
-  the chips' interconnect, as `jax.make_mesh` orders them (a TPU v3-8 gives
-  device ids 0, 1, 2, 3, 6, 7, 4, 5), slice after slice on a multislice run.
+  Steps, datasets and reductions behave as with `MirroredStrategy`; on a
+  pod slice creating the strategy joins the hosts.
 
   Args:
-    cluster_resolver: usually None (or `jdist.cluster_resolver.
-      TPUClusterResolver()`); JAX finds the TPU hosts itself.
+    cluster_resolver: usually None; JAX finds the TPU hosts itself.
     communication_options: a `jdist.CommunicationOptions`.
     axis_name: name of the replica mesh axis (default "replica").
-    mesh: a `jax.sharding.Mesh` (Auto or Explicit axes, as `jax.make_mesh`
-      makes it) or a `jdist.DeviceMesh` of TPU cores on one axis, instead of every TPU core of the run:
-      its devices in their order, its axis the replica axis. The strategy
-      then also runs inside `with jax.set_mesh(mesh):`.
+    mesh: instead of every TPU core of the run, a mesh of TPU cores on one
+      axis (see `MirroredStrategy`).
 
   Raises:
     jdist.ClusterError: no TPU is attached to this process (a RuntimeError).

@@ -1,10 +1,8 @@
 """One batch of the Trainer's data: its form and its checks.
 
-Batches are `(x, y)` or `(x, y, sample_weight)` tuples, `{"x": x, "y": y}`
-dicts (with an optional "sample_weight"), or `x` alone (predict); every
-source brings them into the `{"x", "y"[, "sample_weight"]}` form here
-(`to_xy`). Keras' `class_weight` becomes per-example weights on the host.
-Every array is checked to be numeric before it reaches a step.
+Every source brings its batches into the `{"x", "y"[, "sample_weight"]}`
+form here (`to_xy`), checked numeric; Keras' `class_weight` becomes
+per-example weights on the host.
 """
 
 from __future__ import annotations
@@ -31,11 +29,8 @@ def check_numeric(tree, what: str) -> None:
 
 
 def class_weights(class_weight: dict, y) -> np.ndarray:
-  """Keras' `class_weight`: each example's weight from its class.
-
-  Classes missing from the dict weigh 1, as in Keras. Integer labels are
-  read as they are, one-hot targets by their argmax.
-  """
+  """Keras' `class_weight`: each example's weight from its class (1 if
+  missing; integer labels as they are, one-hot targets by their argmax)."""
   y = np.asarray(y)
   labels = np.argmax(y, -1) if y.ndim > 1 and y.shape[-1] > 1 else \
       y.reshape(y.shape[0])

@@ -1,13 +1,10 @@
 """Callbacks that write checkpoints: ModelCheckpoint and BackupAndRestore.
 
-Both write orbax checkpoints of the whole train state (parameters, optimizer
-state, step, random stream) with the training position, named by the global
-step. Every process takes part in a save; orbax decides who writes what.
-
-When `fit` begins, both claim their directory for the job until it ends
-(`checkpoint/directory_claim.py`): `jdist.CheckpointDirectoryError` if a process cannot
-write there, `jdist.CheckpointInUseError` if another running job owns it,
-both before the first step.
+Both save the whole train state with the training position as orbax
+checkpoints named by the global step; every process takes part in a save.
+When `fit` begins, both claim their directory for the job
+(`checkpoint/directory_claim.py`), so a directory that cannot be written or
+that another running job owns fails before the first step.
 """
 
 from __future__ import annotations
@@ -41,8 +38,7 @@ def _save_due(callback: Callback, save_freq) -> bool:
 
 
 def _check_directory(path, what: str):
-  """`path` as given, unless it cannot name a directory (TensorFlow: a
-  ValueError for an empty backup_dir)."""
+  """`path`, unless it cannot name a directory (ValueError, as TensorFlow)."""
   if path is None or not str(os.fspath(path)).strip():
     raise ValueError(f"{what} needs a directory to write to, got {path!r}.")
   return path
@@ -77,32 +73,24 @@ def _check_not_a_keras_file(filepath) -> None:
 class ModelCheckpoint(Callback):
   """Saves checkpoints during training (load them with `load_checkpoint`).
 
-  Keras 3's signature: `filepath` and `monitor` may be positional, the rest
-  are keywords (a positional third argument is a TypeError, so that code
-  written for another order never runs with its arguments swapped).
+  Only `filepath` and `monitor` may be positional, as in Keras 3.
 
   Args:
-    filepath: where checkpoints go: a directory, with one orbax step
-      directory per checkpoint (not a `.keras` or `.h5` file: such a name is
-      a ValueError). As in Keras it may be a template filled in at each save
-      with the epoch (1-based), the batch and the logs, such as
-      "ckpt_{epoch:02d}" or "ckpt_{epoch}_{val_loss:.2f}": each save then
-      goes to its own directory. Unknown names are an error when training
-      starts.
+    filepath: a directory with one orbax step directory per checkpoint
+      (a `.keras` or `.h5` name is a ValueError). As in Keras, it may be a
+      template filled in at each save with the epoch (1-based), the batch
+      and the logs ("ckpt_{epoch:02d}"): each save its own directory.
     monitor: the log that decides the best epoch for `save_best_only`.
     verbose: 1 prints each save (process 0 only).
     save_best_only: save at an epoch's end only if `monitor` improved.
-    save_weights_only: save the parameters and the model's state (batch
-      statistics) without the optimizer state, as Keras' weights;
-      `trainer.load_checkpoint` loads them into a trainer.
+    save_weights_only: save the parameters and the model's state without
+      the optimizer state, as Keras' weights.
     mode: "min", "max", or "auto" (max for names with "acc", else min).
     save_freq: "epoch", or a number of batches between saves (as Keras
-      counts them: with `gradient_accumulation_steps=K`, K batches make one
-      optimizer step).
+      counts them).
     initial_value_threshold: the `monitor` value a checkpoint must beat
-      first, with `save_best_only` (Keras' meaning; None: any).
-    max_to_keep: keep only the newest N checkpoints (None: all; not in
-      Keras, whose checkpoints overwrite one file).
+      first, with `save_best_only` (None: any).
+    max_to_keep: keep only the newest N checkpoints (None: all).
 
   Example:
     >>> import jdist
@@ -212,39 +200,26 @@ class ModelCheckpoint(Callback):
 class BackupAndRestore(Callback):
   """Survives interruption: backs up training and resumes it exactly.
 
-  At the start of `fit`, the newest usable backup in `backup_dir` is restored
-  (parameters, optimizer state, step, random stream, data position, epoch
-  logs so far), even onto another number of devices or processes. A corrupt
-  newest backup is skipped with a warning; a backup of another model is an
-  error. While training, a backup is written every epoch (or every
-  `save_freq` steps). On SIGTERM to any process, all processes agree on one
-  step, save a backup there and exit with status 0; the relaunched job
-  continues from it and ends with the same parameters as an uninterrupted
-  run. When training completes, the backups are deleted (unless the train
-  state ended with NaN or infinite values: then they are kept, and no backup
-  of a non-finite state is ever written).
-
-  With `snapshot_every=N` (a jdist extension), in a `jdist launch` job, fit
-  also keeps the train state and its position in host memory every N
-  batches (`jdist.CheckpointManager`'s in-memory snapshots: /dev/shm,
-  outside the training processes, each process's part replicated on the
-  next process), and a restarted attempt resumes from the newest of that
-  snapshot and the newest backup (the snapshot on a tie) without reading
-  `backup_dir`, on whatever number of processes it has: exactly as from a
-  backup of the same step. Backups (`save_freq`) can then be rare.
+  When `fit` starts, it restores the newest usable backup in `backup_dir`
+  (state, data position, epoch logs), even onto another number of devices
+  or processes; a corrupt newest backup is skipped with a warning. On
+  SIGTERM to any process, all processes save a backup at one agreed step
+  and exit with status 0; the relaunched job ends as an uninterrupted run
+  would. Backups are deleted when training completes, but kept if the
+  state ended non-finite (a non-finite state is never backed up).
 
   Args:
     backup_dir: where backups go (shared by all processes).
     save_freq: "epoch", or a number of batches between backups (as Keras
-      counts them; with gradient accumulation, saves fall between groups).
-    delete_checkpoint: delete the backups when training completes (and the
-      snapshots in memory).
+      counts them).
+    delete_checkpoint: delete the backups (and in-memory snapshots) when
+      training completes.
     max_to_keep: backups kept; more than one lets a corrupt newest one fall
       back to the one before it.
-    snapshot_every: a number of batches between in-memory snapshots,
-      counted as `save_freq` counts them (None: none). Only in a program
-      started by `jdist launch`, which names the job's snapshots and removes
-      them when the job ends.
+    snapshot_every: batches between snapshots of the state in host memory
+      (a jdist extension, only under `jdist launch`; None: none). A
+      restarted attempt resumes from the newest snapshot or backup, so
+      backups can be rare.
 
   Raises:
     ValueError: `save_freq` or `snapshot_every` is not a positive number of

@@ -1,9 +1,6 @@
 """`Trainer.load_checkpoint`: a checkpoint's weights into held train state.
-
-Reads what `ModelCheckpoint` and `BackupAndRestore` write, on any number of
-devices or processes. A weights-only checkpoint (`save_weights_only`) sets
-the parameters and the model's state and keeps the optimizer's and the step,
-as Keras' `load_weights` does; a full one replaces the whole state.
+A weights-only checkpoint sets the parameters and model state and keeps the
+optimizer's and the step, as Keras' `load_weights`; a full one replaces all.
 """
 
 from __future__ import annotations
@@ -16,17 +13,10 @@ from jdist._src.errors import CheckpointNotFoundError
 
 def load(directory, held: Any, strategy, *, step: int | None = None
          ) -> tuple[Any, int]:
-  """Loads checkpoint `step` (default: the newest) of `directory` into
-  `held`, the train state as `strategy` holds it.
-
-  Returns:
-    `(the held state to use from now on, the checkpoint's step)`.
-
-  Raises:
-    jdist.CheckpointNotFoundError: `directory` holds no checkpoint.
-    jdist.CheckpointMismatchError: the checkpoint holds another model.
-    jdist.CheckpointError: every checkpoint there is corrupt.
-  """
+  """`(held state, step)` after loading checkpoint `step` (default: the
+  newest) of `directory` into `held`, as `strategy` holds it. Raises
+  `jdist.CheckpointNotFoundError`, `CheckpointMismatchError` (another
+  model) or `CheckpointError` (every checkpoint corrupt)."""
   placement = strategy.state_placement
   ckpt = Checkpointer(directory)
   try:

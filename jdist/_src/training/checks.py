@@ -12,6 +12,7 @@ a shape already checked is not traced again.
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 from jdist._src.training import objectives
 from jdist._src.training import outputs
@@ -72,15 +73,16 @@ class DataChecks:
       self._objectives_checked.add(key)
     return y_pred
 
-  def objectives(self, source, sample: dict, state, abstract_state,
-                 metrics: dict, what: str) -> None:
+  def objectives(self, source, sample: dict, read_state: Callable,
+                 abstract_state, metrics: dict, what: str) -> None:
     """Checks the loss and `metrics` (`{name: Metric}`) against the data's
     targets and the model's predictions, once per shape; the first batch's
     predictions once; and every target of `source` (arrays at once,
     batches as they are read).
 
     Args:
-      state: the train state's value (the first batch is predicted with it).
+      read_state: `read_state()` gives the train state's value, which the
+        first batch is predicted with (read only then).
 
     Raises:
       ValueError: the loss or a metric does not fit the targets or the
@@ -91,7 +93,8 @@ class DataChecks:
     checked = outputs.parts(program.loss, y_pred)
     if not self._checked_first_batch:
       self._checked_first_batch = True
-      predictions = steps.predictions(program.model, state, sample["x"])
+      predictions = steps.predictions(program.model, read_state(),
+                                      sample["x"])
       for loss, _, pred in checked:
         objectives.check_predictions(loss, pred(predictions))
     checks = [functools.partial(

@@ -1,21 +1,9 @@
-"""Where `fit`, `evaluate` and `predict` get their data: one `Source` for
-whatever was passed.
-
-Every kind of input reaches the loop through one protocol
-(`source.py: Source`, in the manner of Keras' `DataAdapter`):
-
-* arrays (or pytrees of arrays) with a batch size: `ArraySource`;
-* a re-iterable of batches (a list, a tf.data `Dataset`, a grain dataset):
-  `IterableSource`, each epoch a new pass;
-* a one-shot iterator (a generator, a grain `DatasetIterator`, a tf.data
-  `Dataset` that repeats forever): `IteratorSource`, epochs continue it;
-* a `jdist.DatasetCreator` (fit only): `CreatorSource`, whose batches every
-  input pipeline builds for itself (each parameter-server worker its own).
-
-Batches are `(x, y)` or `(x, y, sample_weight)` tuples, `{"x": x, "y": y}`
-dicts, or `x` alone (predict): `batches.py`. Which batches each epoch holds,
-and the rule that an epoch holds whole accumulation groups: `epochs.py`. How
-a short batch is padded is the input layer's (`input/`).
+"""Where `fit`, `evaluate` and `predict` get their data: one `Source`
+(`source.py`) for whatever was passed: arrays (`ArraySource`), a
+re-iterable of batches (`IterableSource`, each epoch a new pass), a one-shot
+iterator (`IteratorSource`, epochs continue it) or a `DatasetCreator`
+(`CreatorSource`, fit only). Batch forms are `batches.py`'s; which batches
+an epoch holds, `epochs.py`'s.
 """
 
 from __future__ import annotations
@@ -33,16 +21,9 @@ from jdist._src.training.source import Source
 def make_source(x, y=None, *, batch_size=None, steps_per_epoch=None,
                 shuffle=False, seed=0, need_y=True, sample_weight=None,
                 class_weight=None, strategy=None) -> Source:
-  """The source for what was passed as `x` (and `y`).
-
-  Args:
-    strategy: the strategy `fit` trains under, which reads a
-      `DatasetCreator`; None for `evaluate` and `predict`, which refuse one.
-
-  Raises:
-    TypeError, ValueError: data jdist cannot read, or arguments that do not
-      apply to it; the message says what to pass instead.
-  """
+  """The source for what was passed as `x` (and `y`); `strategy` is fit's
+  (None for `evaluate` and `predict`, which refuse a `DatasetCreator`).
+  TypeError, ValueError say what to pass instead of unreadable data."""
   if x is None:
     raise ValueError("No data: pass arrays (x=, y=) or an iterable of batches.")
   if steps_per_epoch is not None and (
@@ -87,8 +68,7 @@ def _creator_source(creator, y, *, batch_size, steps_per_epoch, sample_weight,
 
 def _batches_source(x, *, batch_size, steps_per_epoch, need_y, sample_weight,
                     class_weight) -> Source:
-  """The source of data that comes in batches already (Keras takes no
-  `batch_size` or `sample_weight` for it)."""
+  """Data already in batches (Keras takes no `batch_size`, `sample_weight`)."""
   if batch_size is not None and iterable_source.is_tf_dataset(x):
     raise ValueError(
         f"batch_size={batch_size} was given with a tf.data.Dataset, which "

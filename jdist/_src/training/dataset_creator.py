@@ -1,18 +1,8 @@
-"""`fit(DatasetCreator(dataset_fn), steps_per_epoch=...)`: TensorFlow's input
-made by a function, once per input pipeline.
-
-fit reads it through the strategy's `distribute_datasets_from_function`, so
-each strategy decides where the pipelines run: under
-`ParameterServerStrategy` every worker builds its own (the data never passes
-through the coordinator) and each scheduled step takes the next batch of the
-worker that runs it; under the synchronous strategies every process builds
-one, whose batches are per-replica (each step takes one per replica). Either
-way `dataset_fn` runs once per pipeline and `fit`, and its iterator continues
-from epoch to epoch; `steps_per_epoch` says where an epoch ends.
-
-The host still calls `dataset_fn` once itself, for one batch: the Trainer
-builds the model and checks the loss and metrics against it before any step
-(a Keras model knows its input shapes; a flax model learns them from a batch).
+"""`DatasetCreator`: TensorFlow's input made by a function, once per input
+pipeline, which fit reads through the strategy's
+`distribute_datasets_from_function`. The host also calls `dataset_fn` once
+for one batch, on which the Trainer builds and checks the model before any
+step.
 """
 
 from __future__ import annotations
@@ -28,18 +18,13 @@ from jdist._src.training.source import Source
 class DatasetCreator:
   """A function that makes a dataset, passed to `fit` (TensorFlow's name).
 
-  `Trainer.fit(jdist.DatasetCreator(dataset_fn), steps_per_epoch=...)` has
-  each input pipeline build its own data: under a
-  `jdist.ParameterServerStrategy` every worker calls `dataset_fn` (once per
-  `fit`; `input_context.input_pipeline_id` is the worker's index among
-  `num_input_pipelines`, for sharding) and each of its batches is one step's
-  batch, split over the worker's devices. Under the synchronous strategies
-  it is `strategy.distribute_datasets_from_function(dataset_fn)`: every
-  process calls it, and its batches are per-replica batches
+  Each input pipeline builds its own data: under a
+  `jdist.ParameterServerStrategy` every worker calls `dataset_fn` once per
+  `fit`, and each of its batches is one step's; under the synchronous
+  strategies every process calls it, and its batches are per-replica
   (`input_context.get_per_replica_batch_size`). Batches are `(x, y)`,
-  `(x, y, sample_weight)` or `{"x", "y"}`. Make the dataset endless (repeat
-  it): `fit` requires `steps_per_epoch`, and the next epoch continues the
-  iterator.
+  `(x, y, sample_weight)` or `{"x", "y"}`. Make the dataset endless: `fit`
+  requires `steps_per_epoch`, and each epoch continues the iterator.
 
   Args:
     dataset_fn: `dataset_fn(input_context) -> iterable of batches`.
@@ -77,8 +62,7 @@ class DatasetCreator:
 
 
 class _PipelineInput:
-  """What each pipeline calls: the user's batches in the Trainer's
-  `{"x", "y"}` form, checked as fit checks its batches."""
+  """Each pipeline's batches in fit's `{"x", "y"}` form, checked."""
 
   def __init__(self, creator: DatasetCreator, class_weight, check):
     self._creator = creator
@@ -92,21 +76,8 @@ class _PipelineInput:
 
 
 class CreatorSource(Source):
-  """fit's `Source` for a `DatasetCreator`: its batches come from the
-  strategy's `distribute_datasets_from_function`, one pipeline per input
-  pipeline (per worker under parameter servers), not from this host.
-
-  Args:
-    creator: the `DatasetCreator`.
-    num_replicas: the replicas of the strategy training runs under (the
-      host's own pipeline, built to check the model on one batch, is told
-      it).
-    steps_per_epoch: batches (steps) per epoch; required.
-    class_weight: Keras' `class_weight`, applied where the batches are read.
-
-  Raises:
-    ValueError: no `steps_per_epoch`.
-  """
+  """fit's `Source` for a `DatasetCreator`: batches come from the strategy's
+  pipelines, not from this host. ValueError without `steps_per_epoch`."""
 
   one_shot = True
   whole_calls = True  # (a pipeline's iterator is read in whole calls)
@@ -127,8 +98,7 @@ class CreatorSource(Source):
     self._iterator = None  # (per_call, the pipelines' iterator), once read
 
   def peek(self) -> dict:
-    """One batch, from a pipeline this host builds for it (the whole data as
-    one pipeline); the model and the objectives are checked on it."""
+    """One batch from a pipeline built on this host, to check the model."""
     if self._first is None:
       context = InputContext(1, 0, self._num_replicas)
       for batch in self._creator(context):
@@ -154,12 +124,8 @@ class CreatorSource(Source):
   def distributed(self, strategy, epoch: int, start: int = 0, *,
                   options=None, batch_size: int | None = None,
                   per_call: int = 1, inputs_only: bool = False) -> Iterator:
-    """The epoch's items from `start` on, continuing one iterator of the
-    strategy's `distribute_datasets_from_function` all fit long (under
-    parameter servers: each item is "the next batch of the worker that runs
-    the step"), in groups of `per_call` when a call takes several. The
-    pipelines batch for themselves: `options` and `batch_size` do not
-    apply."""
+    """The epoch's items from `start` on, continuing one pipeline iterator
+    all fit long, grouped by `per_call` (the pipelines batch for themselves)."""
     del epoch, options, batch_size
     if inputs_only:
       raise TypeError("A DatasetCreator feeds fit only.")
@@ -179,6 +145,5 @@ class CreatorSource(Source):
     return None
 
   def resume(self, state: dict, consumed: int) -> None:
-    """The pipelines cannot be rewound: a resumed fit reads fresh ones (as
-    TensorFlow's does), from the resumed position's epoch and batch."""
+    """Fresh pipelines (they cannot be rewound), from the resumed epoch."""
     del state, consumed

@@ -1,18 +1,11 @@
 """Which batches each epoch of a fit holds, and the rules on them.
 
-An epoch is one pass over the data, unless `steps_per_epoch` is shorter
-than a pass: then, as in Keras, the next epoch continues the pass where the
-last one stopped, an epoch that reaches the pass's end stops there
-(shorter), and the epoch after it starts the next pass (`epoch_span`).
-Epoch `e`'s batches are a function of `e` (and the lengths) alone, so a
-resume finds them again.
-
-Under gradient accumulation an epoch must hold whole groups of K batches
-(Keras carries a trailing partial group into the next epoch; jdist refuses
-it), and the pipelines of a `DatasetCreator` are read in whole calls. That
-rule lives here alone: `check_whole_groups` before the first step, for
-every epoch whose length is known, and `check_group_end` as an epoch of
-unknown length ends.
+As in Keras, an epoch shorter than a pass continues it (`epoch_span`);
+epoch `e`'s batches depend on `e` and the lengths alone, so a resume finds
+them again. An epoch must hold whole accumulation groups (Keras carries a
+partial group over; jdist refuses it) and a `DatasetCreator`'s whole calls:
+checked before the first step where the length is known
+(`check_whole_groups`), else as the epoch ends (`check_group_end`).
 """
 
 from __future__ import annotations
@@ -22,13 +15,8 @@ import warnings
 
 def epoch_span(epoch: int, steps_per_epoch: int | None,
                pass_length: int | None) -> tuple[int, int, int | None]:
-  """Which batches epoch `epoch` trains on, as Keras's epochs read them:
-  `(pass, first batch of it, number of batches)`.
-
-  Epochs of `steps_per_epoch` batches run through passes of `pass_length`
-  batches: the next epoch continues the pass, an epoch that reaches the
-  pass's end stops there, and the one after starts the next pass. An epoch
-  is a whole pass when either length is unknown or the epoch is not shorter.
+  """`(pass, first batch of it, number of batches)` of epoch `epoch`: the
+  next epoch continues the pass, an epoch that reaches its end stops there.
 
   Example:
     >>> from jdist._src.training.epochs import epoch_span
@@ -46,9 +34,7 @@ def epoch_span(epoch: int, steps_per_epoch: int | None,
 
 def epoch_lengths(steps_per_epoch: int | None, pass_length: int | None,
                   epochs: range) -> set:
-  """The lengths of epochs `epochs` (`epoch_span`), the short one included
-  if one of them reaches the end of a pass: what a check on an epoch's
-  length must see."""
+  """The lengths of epochs `epochs`, a short one at a pass's end included."""
   if (steps_per_epoch is None or pass_length is None or
       steps_per_epoch >= pass_length):
     return {steps_per_epoch} if len(epochs) else set()
@@ -69,9 +55,8 @@ def warn_short(steps_per_epoch: int, pass_length: int, count: int) -> None:
 
 def warn_mid_pass_start(source, initial_epoch: int, stacklevel: int = 3
                         ) -> None:
-  """Says so when `fit(initial_epoch=...)` starts inside a pass: epoch `e`'s
-  batches are those of an uninterrupted fit's epoch `e`, where Keras starts
-  every `fit` call at the data's first batch."""
+  """Warns when `fit(initial_epoch=...)` starts inside a pass (Keras starts
+  every `fit` at the data's first batch; jdist at an uninterrupted fit's)."""
   _, first, _ = epoch_span(initial_epoch, source.steps_per_epoch,
                            source.pass_length)
   if initial_epoch and first:
@@ -89,15 +74,9 @@ def warn_mid_pass_start(source, initial_epoch: int, stacklevel: int = 3
 
 def check_whole_groups(source, epochs: range, k: int,
                        per_call: int = 1) -> None:
-  """Refuses, before the first step, an epoch among `epochs` whose known
-  length leaves a trailing partial group: of `k` batches (gradient
-  accumulation), or, for a source read in whole calls
-  (`Source.whole_calls`: a `DatasetCreator`'s pipelines), of the
-  `per_call` batches each call of the train function takes.
-
-  Raises:
-    ValueError: such an epoch, with what to pass instead.
-  """
+  """ValueError, before the first step, for an epoch among `epochs` whose
+  known length leaves a partial group of `k` batches (or of `per_call`
+  for a source read in whole calls), saying what to pass instead."""
   if source.whole_calls:
     if source.steps_per_epoch % per_call:
       raise ValueError(
@@ -134,13 +113,8 @@ def check_whole_groups(source, epochs: range, k: int,
 
 
 def check_group_end(epoch: int, index: int, batches: int, k: int) -> None:
-  """Refuses a call of `batches` batches from batch `index` that leaves a
-  trailing partial group of `k` (data whose length was not known before
-  the epoch ended), before it runs.
-
-  Raises:
-    ValueError: the call would not make whole optimizer steps.
-  """
+  """ValueError before a call of `batches` from batch `index` that leaves a
+  partial group of `k` (an epoch of unknown length ending)."""
   if batches % k == 0:
     return
   raise ValueError(

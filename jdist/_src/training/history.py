@@ -8,11 +8,9 @@ from jdist._src.training.callbacks import Callback
 class History(Callback):
   """Records each epoch's logs; `Trainer.fit` returns it.
 
-  `fit` calls it first at the end of every epoch, before the other callbacks,
-  so a checkpoint written in `on_epoch_end` holds the epoch's history. It
-  keeps the epoch's logs mapping itself, so a value a later callback adds to
-  it (as `LearningRateScheduler` adds `learning_rate`) is recorded too, as
-  in Keras.
+  `fit` calls it at every epoch's end before the other callbacks, and it
+  records the logs mapping itself, so values later callbacks add (as
+  `LearningRateScheduler`'s `learning_rate`) are recorded too, as in Keras.
 
   Attributes:
     history: `{name: [value per epoch]}` such as `loss`, `accuracy`,

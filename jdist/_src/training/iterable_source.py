@@ -1,18 +1,10 @@
-"""Sources of batches read on this host: re-iterables and one-shot iterators.
-
-* `IterableSource`: a re-iterable of batches (a list, a tf.data `Dataset`, a
-  grain dataset): every pass is a new iteration; resuming starts the pass the
-  saving run read for that epoch (its order, if the passes are seeded) and
-  skips the batches already trained on.
-* `IteratorSource`: a one-shot iterator (a generator, a grain
-  `DatasetIterator`, a tf.data `Dataset` that repeats forever): epochs
-  continue it. Resuming restores its `get_state()`/`set_state()` state if it
-  has them, and otherwise skips the batches already trained on from the start
-  of a fresh iterator.
-
-A tf.data `Dataset` is recognised by its methods (jdist never imports
-TensorFlow) and read through `as_numpy_iterator()`, one call per pass, so a
-`shuffle(..., reshuffle_each_iteration=True)` gives every epoch its order.
+"""Sources of batches read on this host: `IterableSource` (a re-iterable,
+each pass a new iteration; resuming re-reads the saved epoch's pass and
+skips what was trained on) and `IteratorSource` (a one-shot iterator that
+epochs continue; resuming uses its `get_state`/`set_state`, else skips
+from a fresh one). A tf.data `Dataset` is told by its methods and read
+with one `as_numpy_iterator()` per pass, so reshuffling gives every epoch
+its order.
 """
 
 from __future__ import annotations
@@ -239,16 +231,14 @@ _END = object()  # what `next(it, _END)` gives at the end of a pass
 
 
 def is_tf_dataset(x) -> bool:
-  """Whether `x` is a tf.data `Dataset`, told by its methods (jdist never
-  imports TensorFlow)."""
+  """Whether `x` is a tf.data `Dataset`, told by its methods."""
   return (callable(getattr(x, "as_numpy_iterator", None)) and
           callable(getattr(x, "cardinality", None)) and
           hasattr(x, "element_spec"))
 
 
 class _NumpyPasses:
-  """A tf.data `Dataset` read as numpy: each pass a new `as_numpy_iterator()`
-  (tf.data's tensors are not arrays jax or numpy can take as they are)."""
+  """A tf.data `Dataset` as numpy: each pass a new `as_numpy_iterator()`."""
 
   def __init__(self, dataset):
     self._dataset = dataset

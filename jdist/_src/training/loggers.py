@@ -11,10 +11,8 @@ from jdist._src.training.callbacks import Callback, is_chief
 
 
 class CSVLogger(Callback):
-  """Writes one row per epoch (`epoch` and every log) to a CSV file.
-
-  Only process 0 writes. With `append=True` rows are added to an existing
-  file (for a resumed run), otherwise it is overwritten.
+  """Writes one row per epoch (`epoch` and every log) to a CSV file, on
+  process 0; `append=True` adds to an existing file (a resumed run's).
 
   Example:
     >>> import jdist
@@ -71,11 +69,10 @@ class CSVLogger(Callback):
 class TensorBoard(Callback):
   """Writes scalars for TensorBoard; optionally a jax.profiler trace.
 
-  Epoch logs go to `log_dir/train` (as `epoch_loss`, `epoch_accuracy`, ...)
-  and `val_*` logs to `log_dir/validation`, as Keras lays them out. With
-  `update_freq=N`, the running training logs are also written every N steps
-  (as `batch_*`), which reads them from the devices at that rate. Only
-  process 0 writes. Event files are written with tensorboardX.
+  Epoch logs go to `log_dir/train` (as `epoch_loss`, ...) and `val_*` logs
+  to `log_dir/validation`, as in Keras; with `update_freq=N` the running
+  logs also go every N steps (as `batch_*`). Only process 0 writes, with
+  tensorboardX.
 
   Args:
     log_dir: the TensorBoard log directory.

@@ -47,36 +47,27 @@ class Position(NamedTuple):
 
 
 class FitPlan(NamedTuple):
-  """What one `fit` runs: the loop's inputs that change from one fit to the
-  next (the state, position and history are the loop's own).
+  """What one `fit` runs (the state, position and history are the loop's).
 
   Attributes:
     train_function: the compiled `(state, totals, batch) -> (state, totals)`
-      (above one `steps_per_execution`, a `jdist.multi_step` step that takes
-      a `BatchGroup`).
-    source: the training data (a `source.Source`: the loop reads each
-      epoch's calls through its `distributed`).
+      (a `BatchGroup` per call above one `steps_per_execution`).
+    source: the training data, a `source.Source`.
     epochs: train until this epoch.
     make_totals: `make_totals(sums or None) -> totals`: fresh (or restored)
-      running sums of the loss and metrics, placed on the devices.
-    read_logs: `read_logs(state) -> read`, called after each step whose
-      logs something may read (a callback overriding `on_train_batch_end`,
-      or the progress bar), with the state it returned: `read(totals) ->
-      logs` (their means, on the host) keeps what the logs need of that
-      state (the next step may donate it).
+      running sums of the loss and metrics, placed.
+    read_logs: `read_logs(state) -> read(totals) -> logs`, called after a
+      step whose logs may be read, with the state it returned (it keeps
+      what the logs need of it: the next step may donate it).
     initial_epoch: the epoch to start at.
-    validate: `validate(state, callbacks) -> logs`, or None without
-      validation data.
-    batch_size: the static global batch size (the first batch's, or a short
-      only batch's padded size; None: the distributed dataset decides).
+    validate: `validate(state, callbacks) -> logs`, or None.
+    batch_size: the static global batch size (None: the distributed
+      dataset decides).
     options: the `InputOptions` the batches are distributed with.
-    steps_per_execution: batches per call of `train_function` (Keras' name;
-      with gradient accumulation at least one group).
-    batches_per_step: batches per optimizer step (gradient accumulation:
-      the train function joins this many batches into one step).
+    steps_per_execution: batches per call of `train_function`.
+    batches_per_step: batches per optimizer step (accumulation).
     skipped: a `mixed_precision.SkippedBatches` for a loss-scaled optimizer
-      (fit then warns, once an epoch, about batches skipped at the scale's
-      floor), or None.
+      (fit warns about batches skipped at the scale's floor), or None.
   """
 
   train_function: Any
@@ -216,7 +207,7 @@ class FitLoop:
 
   def epoch_length(self, epoch: int) -> int | None:
     """Epoch `epoch`'s batches, when known (shorter than `steps_per_epoch`
-    for the epoch that reaches the end of a pass: `data.epoch_span`)."""
+    for the epoch that reaches the end of a pass: `epochs.epoch_span`)."""
     source = self.source
     return epochs_lib.epoch_span(epoch, source.steps_per_epoch,
                                  source.pass_length)[2]
@@ -227,11 +218,47 @@ class FitLoop:
     returns the fit's `History`.
 
     The trained state stays the loop's, also when an exception ends the fit
-    (the steps that ran stay applied, as Keras' variables do).
+    (the steps that ran stay applied, as Keras' variables do). The epochs
+    run here, not in a function of their own: an error a callback raises
+    shows a traceback a frame shorter.
     """
     self._start(plan)
     try:
-      self._run_epochs(cbs, bar)
+      plan, logs = self._plan, {}
+      cbs.call("on_train_begin", {})
+      while self.position.epoch < plan.epochs:
+        epoch, start = self.position.epoch, self.position.batch
+        self.totals = plan.make_totals(self._resume_sums if start else None)
+        self._resume_sums = None
+        cbs.call("on_epoch_begin", epoch, {})
+        bar.start_epoch(epoch, self.epoch_length(epoch), initial=start)
+        if plan.skipped is not None:
+          plan.skipped.start_epoch(self._state)
+        started = time.perf_counter()
+        ran = self._run_epoch(epoch, start, cbs, bar)
+        if not ran and start == 0:
+          warnings.warn(
+              f"The training data ran out at epoch {epoch + 1}: no batches "
+              "were left. Training stops here; pass steps_per_epoch and "
+              "enough data (or a re-iterable dataset) for every epoch.",
+              UserWarning)
+          break
+        if bar.times_steps:  # until the epoch's last step is done
+          jax.block_until_ready((self._state, self.totals))
+          bar.timed(ran, time.perf_counter() - started)
+        logs = self.logs()
+        if plan.validate is not None:
+          val_logs = plan.validate(self._state, cbs)
+          logs.update({f"val_{k}": v for k, v in val_logs.items()})
+        self.position = self.position.next_epoch()
+        self.totals = None
+        self.history.on_epoch_end(epoch, logs)  # first: checkpoints see it
+        cbs.call("on_epoch_end", epoch, logs)
+        bar.end_epoch(epoch, logs)
+        self._warn(epoch, logs)
+        if self.stop_training:
+          break
+      cbs.call("on_train_end", logs)
     finally:
       shuffle_order.shutdown()  # the worker drawing permutations ahead
     if not self.strategy.synchronous:
@@ -268,140 +295,94 @@ class FitLoop:
     self._resume_sums = None
     self._warned_nonfinite = False
 
-  def _run_epochs(self, cbs: CallbackList, bar: ProgressBar) -> None:
-    """The epochs of `run`, from the position on."""
-    plan, logs = self._plan, {}
-    cbs.call("on_train_begin", {})
-    while self.position.epoch < plan.epochs:
-      epoch, start = self.position.epoch, self.position.batch
-      self.totals = plan.make_totals(self._resume_sums if start else None)
-      self._resume_sums = None
-      cbs.call("on_epoch_begin", epoch, {})
-      bar.start_epoch(epoch, self.epoch_length(epoch), initial=start)
-      if plan.skipped is not None:
-        plan.skipped.start_epoch(self._state)
-      started = time.perf_counter()
-      ran = self._run_epoch(epoch, start, cbs, bar)
-      if not ran and start == 0:
-        warnings.warn(
-            f"The training data ran out at epoch {epoch + 1}: no batches were "
-            "left. Training stops here; pass steps_per_epoch and enough data "
-            "(or a re-iterable dataset) for every epoch.", UserWarning)
-        break
-      if bar.times_steps:  # until the epoch's last step is done
-        jax.block_until_ready((self._state, self.totals))
-        bar.timed(ran, time.perf_counter() - started)
-      logs = self.logs()
-      if plan.validate is not None:
-        val_logs = plan.validate(self._state, cbs)
-        logs.update({f"val_{k}": v for k, v in val_logs.items()})
-      self.position = self.position.next_epoch()
-      self.totals = None
-      self.history.on_epoch_end(epoch, logs)  # first: checkpoints include it
-      cbs.call("on_epoch_end", epoch, logs)
-      bar.end_epoch(epoch, logs)
-      self._warn(epoch, logs)
-      if self.stop_training:
-        break
-    cbs.call("on_train_end", logs)
-
   def _run_epoch(self, epoch: int, start: int, cbs: CallbackList,
                  bar: ProgressBar) -> int:
-    """Trains on the epoch's batches from `start`; the steps that ran."""
-    ran, plan = 0, self._plan
+    """Trains on the epoch's batches from `start`; the batches that ran.
+
+    One loop serves every fit. Between calls the state and totals stay as
+    the step returned them, flat (`DistributedFunction.carry`, `_Carry`):
+    they are rebuilt as pytrees after each call only when something reads
+    them per call (a batch callback, a loss scale's skipped steps, a call
+    of several batches, whose position callbacks count), and otherwise once,
+    when the loop ends however it ends, or when the progress bar redraws
+    (`bar.due()`, a few times a second: the logs it shows are read at once,
+    before the next step donates the state they come from).
+    """
+    plan = self._plan
     batches = self.source.distributed(
         self.strategy, epoch, start, options=plan.options,
         batch_size=plan.batch_size, per_call=self.steps_per_execution)
-    # The batch logs' reader keeps what the logs need of each step's state
-    # (the next step donates it): made only when something may read them.
-    # The bar alone reads them only when it redraws: the plain loop serves it.
-    logged = cbs.overrides("on_train_batch_end")
-    begin = cbs.overrides("on_train_batch_begin")
-    grouped = self.steps_per_execution > 1
-    per_step = self.batches_per_step
-    if not (logged or begin or grouped or per_step > 1 or
-            plan.skipped is not None):
-      return self._run_plain(batches, bar)
-    logged = logged or bar.reads_logs
-    step = _CarriedStep(plan.train_function, self.strategy.synchronous)
-    for batch in batches:
-      # As Keras: once per execution, begin with its first batch's index
-      # and end with its last one's.
-      steps = batch.num_steps if grouped else 1
-      index = self.position.batch
-      if steps % per_step:
-        epochs_lib.check_group_end(epoch, index, steps, per_step)
-      if begin:
-        cbs.call("on_train_batch_begin", index, {})
-      self._state, self.totals = step(self._state, self.totals, batch)
-      self._step += steps // per_step
-      if plan.skipped is not None:
-        plan.skipped.record(self._state, index, steps)
-      self.last_execution = steps
-      self.position = self.position.next_batch(steps)
-      batch_logs = None
-      if logged:
-        batch_logs = LazyLogs(functools.partial(
-            plan.read_logs(self._state), self.totals))
-        cbs.call("on_train_batch_end", index + steps - 1, batch_logs)
-      bar.step(batch_logs, steps)
-      ran += steps
-      if self.stop_training:
-        break
-    return ran
-
-  def _run_plain(self, batches, bar: ProgressBar) -> int:
-    """`_run_epoch`'s loop when no callback reads a batch's index or logs
-    and each call runs one batch and one optimizer step: the step and little
-    else per batch.
-
-    The state and totals go from one step to the next as the step returns
-    them, flat (`DistributedFunction.carry`): they are built as pytrees, and
-    the position moved, once, when the loop ends however it ends (nothing
-    reads them before), or when the progress bar redraws (`bar.due()`, a few
-    times a second): then the logs it shows are read at once, before the
-    next step donates the state they come from.
-    """
-    train, ran, drawn = self._plan.train_function, 0, 0
+    hooks = _Hooks(cbs, bar, plan.skipped is not None,
+                   grouped=self.steps_per_execution > 1)
+    carry = _Carry(plan.train_function)
+    held = (self._state, self.totals)
+    call = carry.start(*held)
+    per_call, draws, ran, drawn = hooks.per_call, hooks.draws, 0, 0
     self.last_execution = 1
-    carried = (train.carry(self._state, self.totals)
-               if self.strategy.synchronous else None)
-    call = (self._call_train if carried is None else
-            functools.partial(train.call_carried, carried))
-    draws = bar.reads_logs
     try:
       for batch in batches:
-        call(batch)
-        self._step += 1
-        ran += 1
-        if draws and bar.due():
-          bar.step(self._logs_now(carried), ran - drawn)
+        if per_call:  # the values rebuilt, the callbacks called
+          if self._state is not held[0] or self.totals is not held[1]:
+            call = carry.start(self._state, self.totals)  # replaced
+          steps = self._begin_call(epoch, start + ran, batch, hooks)
+          call(batch)
+          self._step += steps // self.batches_per_step
+          ran += steps
+          held = self._state, self.totals = carry.values()
+          self._end_call(start + ran - steps, steps, hooks)
           drawn = ran
+        else:  # the step and little else
+          call(batch)
+          self._step += 1
+          ran += 1
+          if draws and bar.due():
+            bar.step(LazyLogs(functools.partial(self._logs_of, carry)),
+                     ran - drawn)
+            drawn = ran
         if self.stop_training:
           break
     finally:
-      if carried is not None:
-        self._state, self.totals = carried.values()
-      start = self.position
-      self.position = Position(start.epoch, start.batch + ran,
-                               start.consumed + ran)
-      bar.advance(ran - drawn)
+      if self._state is held[0] and self.totals is held[1]:
+        self._state, self.totals = carry.values()  # else a callback's
+      if not hooks.per_call:  # (else moved at every call)
+        at = self.position
+        self.position = Position(at.epoch, at.batch + ran, at.consumed + ran)
+        bar.advance(ran - drawn)
     return ran
 
-  def _logs_now(self, carried) -> LazyLogs:
-    """The logs of the step that just ran, for the bar to read before the
-    next one, if it shows them (the plain loop's carried state and totals
-    are rebuilt to read them)."""
-    def read() -> dict:
-      state, totals = (carried.values() if carried is not None else
-                       (self._state, self.totals))
-      return self._plan.read_logs(state)(totals)
-    return LazyLogs(read)
+  def _begin_call(self, epoch: int, index: int, batch,
+                  hooks: "_Hooks") -> int:
+    """Before a call on `batch` from batch `index`: the rule of whole
+    accumulation groups, and `on_train_batch_begin` (as Keras, once per
+    execution, with its first batch's index). Returns the call's batches."""
+    steps = batch.num_steps if hooks.grouped else 1
+    if steps % self.batches_per_step:
+      epochs_lib.check_group_end(epoch, index, steps, self.batches_per_step)
+    if hooks.begin:
+      hooks.cbs.call("on_train_batch_begin", index, {})
+    return steps
 
-  def _call_train(self, batch) -> None:
-    """One train step on the loop's state and totals, called as usual."""
-    self._state, self.totals = self._plan.train_function(
-        self._state, self.totals, batch)
+  def _end_call(self, index: int, steps: int, hooks: "_Hooks") -> None:
+    """After a call of `steps` batches from batch `index`: the skipped
+    steps' record, the position, the batch's logs for `on_train_batch_end`
+    (as Keras, with the execution's last batch's index) and the bar."""
+    plan = self._plan
+    if plan.skipped is not None:
+      plan.skipped.record(self._state, index, steps)
+    self.last_execution = steps
+    self.position = self.position.next_batch(steps)
+    logs = None
+    if hooks.logged:
+      logs = LazyLogs(functools.partial(plan.read_logs(self._state),
+                                        self.totals))
+      if hooks.end:
+        hooks.cbs.call("on_train_batch_end", index + steps - 1, logs)
+    hooks.bar.step(logs, steps)
+
+  def _logs_of(self, carry: "_Carry") -> dict:
+    """The logs of the step that just ran (read before the next one)."""
+    state, totals = carry.values()
+    return self._plan.read_logs(state)(totals)
 
   def _warn(self, epoch: int, logs: dict) -> None:
     """The epoch's warnings: steps skipped at the loss scale's floor (every
@@ -424,31 +405,51 @@ class FitLoop:
         UserWarning, stacklevel=4)
 
 
-class _CarriedStep:
-  """`train(state, totals, batch) -> (state, totals)` through the train
-  function's carried program (`DistributedFunction.carry`), the one
-  `_run_plain` runs: whichever loop an epoch takes, fit compiles the step
-  once. The values are rebuilt after every call (callbacks read them), and
-  carried anew when a callback replaced them. Called as usual under an
-  asynchronous strategy (`synchronous` False: steps scheduled one by one)."""
+class _Hooks:
+  """What runs around each call of the train function in an epoch.
 
-  def __init__(self, train, synchronous: bool):
+  Attributes:
+    cbs, bar: the callbacks and the progress bar.
+    begin, end: some callback overrides `on_train_batch_begin` /
+      `on_train_batch_end`.
+    grouped: a call takes several batches (a `BatchGroup`).
+    logged: each call's logs are made (a batch-end callback, or the bar,
+      which then reads them at every call).
+    draws: the bar shows logs (it reads them when it redraws).
+    per_call: something needs the state, totals or position after every
+      call, so the loop rebuilds them there.
+  """
+
+  def __init__(self, cbs: CallbackList, bar: ProgressBar, skipped: bool, *,
+               grouped: bool):
+    self.cbs, self.bar = cbs, bar
+    self.begin = cbs.overrides("on_train_batch_begin")
+    self.end = cbs.overrides("on_train_batch_end")
+    self.grouped = grouped
+    self.per_call = self.begin or self.end or grouped or skipped
+    self.draws = bar.reads_logs
+    self.logged = self.end or self.draws
+
+
+class _Carry:
+  """The loop's state and totals between calls of the train function, as
+  its `carry` holds them (`core/carried.py`): flat, so that no pytree is
+  built per call, or whole where the step cannot take them flat (a
+  parameter-server step, state held off the mesh)."""
+
+  def __init__(self, train):
     self._train = train
-    self._flat = synchronous
     self._carried = None
-    self._held = None  # the (state, totals) the carried leaves are
 
-  def __call__(self, state, totals, batch):
-    train = self._train
-    if self._flat and (self._held is None or self._held[0] is not state or
-                       self._held[1] is not totals):
-      self._carried = train.carry(state, totals)
-      self._flat = self._carried is not None
-    if not self._flat:
-      return train(state, totals, batch)
-    train.call_carried(self._carried, batch)
-    self._held = self._carried.values()
-    return self._held
+  def start(self, state, totals) -> Callable:
+    """Holds `(state, totals)`; returns `call(batch)`, which runs one call
+    of the train function on them and keeps its result in their place."""
+    self._carried = self._train.carry(state, totals)
+    return functools.partial(self._train.call_carried, self._carried)
+
+  def values(self) -> tuple:
+    """`(state, totals)` as the last call returned them."""
+    return self._carried.values()
 
 
 def evaluate(test_function, state, batches, totals, read: Callable,

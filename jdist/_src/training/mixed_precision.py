@@ -1,15 +1,10 @@
-"""The Trainer's side of mixed precision: a model that computes in low
-precision on float32 parameters, and the optimizer that goes with it.
+"""The Trainer's side of mixed precision: a model computing in low precision
+on float32 parameters, and the optimizer that goes with it.
 
-The model's parameters are cast to the policy's compute dtype on the way in
-(and its floating-point inputs with them), so flax layers, which compute in
-the dtype of what they are given unless told otherwise, run in bfloat16 or
-float16; the predictions come back in float32 for the loss and metrics.
-Gradients flow back through the cast to the float32 parameters.
-
-Inside a training step the parameters are typed as varying over replicas
-before the cast: the all-reduce of their gradients (the transpose of that
-typing) then runs on the float32 gradients, not on their float16 image.
+Parameters and floating-point inputs are cast to the compute dtype on the
+way in and predictions come back in float32. In a training step parameters
+are typed as varying over replicas before the cast, so their gradients'
+all-reduce runs in float32, not on their float16 image.
 """
 
 from __future__ import annotations
@@ -45,15 +40,13 @@ class MixedPrecisionModel(ModelAdapter):
     return self.model.export(params, model_state)
 
   def _cast(self, tree):
-    """What the model is given: `tree` in the compute dtype (a model that
-    casts for itself, `casts_itself`, gets it as it is)."""
+    """`tree` in the compute dtype, unless the model `casts_itself`."""
     return tree if self.casts_itself else self.policy.cast_to_compute(tree)
 
   @property
   def casts_itself(self) -> bool:
-    """Whether the model computes in the policy's dtypes by itself: a Keras
-    model, whose layers cast their float32 variables and inputs to their
-    dtype policy's compute dtype (and would cast jdist's back)."""
+    """A Keras model: its layers cast variables and inputs to their own
+    policy's compute dtype (and would cast jdist's back)."""
     return self.model.dtype_policy is not None
 
   @property
@@ -72,12 +65,8 @@ class MixedPrecisionModel(ModelAdapter):
 
 
 def adapt(model, policy: DTypePolicy):
-  """`model` (an adapter) computing under `policy`; itself for float32.
-
-  Raises:
-    ValueError: the model computes under a dtype policy of its own (a Keras
-      model's layers) that is not `policy`.
-  """
+  """`model` computing under `policy` (itself for float32); ValueError if
+  the model has another dtype policy of its own (Keras layers)."""
   own = model.dtype_policy
   if own is not None and own != policy.name:
     raise ValueError(
@@ -93,11 +82,8 @@ def adapt(model, policy: DTypePolicy):
 def optimizer(tx: optax.GradientTransformation, policy: DTypePolicy
               ) -> optax.GradientTransformation:
   """`tx` with dynamic loss scaling where the policy needs it (float16),
-  unless it scales the loss already (`jdist.loss_scale_optimizer`).
-
-  Decided from `tx` alone, when the trainer is made: every step function
-  built later, before or after the parameters exist, uses the same one.
-  """
+  unless it scales already; decided from `tx` alone, so every step function
+  built later uses the same one."""
   if not policy.needs_loss_scaling or isinstance(
       tx, loss_scale.LossScaleTransformation):
     return tx
@@ -106,13 +92,8 @@ def optimizer(tx: optax.GradientTransformation, policy: DTypePolicy
 
 def check_scaled_once(given: optax.GradientTransformation,
                       used: optax.GradientTransformation, params) -> None:
-  """Fails if `optimizer` wrapped a transformation whose state shows that it
-  scales the loss already (built by hand rather than by
-  `jdist.loss_scale_optimizer`): its gradients would be unscaled twice.
-
-  Raises:
-    ValueError: the loss would be scaled twice.
-  """
+  """ValueError if `optimizer` wraps a loss scaling built by hand: the
+  gradients would be unscaled twice."""
   if used is not given and is_loss_scaled(jax.eval_shape(given.init, params)):
     raise ValueError(
         "The optimizer scales the loss already (its state is a "
@@ -128,14 +109,12 @@ def scales_loss(tx: optax.GradientTransformation) -> bool:
 
 
 def is_loss_scaled(opt_state) -> bool:
-  """Whether an optimizer state (or its abstract structure) is that of
-  `jdist.loss_scale_optimizer`."""
+  """Whether an optimizer state (or its structure) is loss-scaled."""
   return isinstance(opt_state, loss_scale.LossScaleState)
 
 
 def train_logs(opt_state) -> dict:
-  """What fit adds to its logs for a loss-scaled optimizer (on the devices):
-  the current scale and the steps skipped so far."""
+  """fit's extra logs for a loss-scaled optimizer: scale, skipped steps."""
   if not is_loss_scaled(opt_state):
     return {}
   return {"loss_scale": opt_state.loss_scale.scale,
@@ -145,21 +124,11 @@ def train_logs(opt_state) -> dict:
 class SkippedBatches:
   """Which batches of an epoch a loss-scaled `fit` skipped, and when to say so.
 
-  After each call of the train step it keeps a copy of the state's skip
-  count and loss scale (the next step donates the state; the copies wait
-  for nothing). At
-  the end of the epoch one read of the last count tells whether any step was
-  skipped; only then does it look for which, by halving the epoch's calls
-  (a run of skipped calls costs a few reads, not one per call). Steps
-  skipped while the scale is above its floor are the scale finding its
-  level (normal); a step skipped at the floor of 1 overflowed unscaled: its
-  batch, or the loss on it, holds NaN or inf, and no scale helps. Then
-  `end_epoch` names every batch of the epoch whose step was skipped.
-
-  Args:
-    read: `read(held_state) -> state value` (the strategy's placement).
-    batches_per_step: batches per optimizer step (gradient accumulation): a
-      skipped step skips that many batches.
+  Keeps a copy of the skip count and scale after each call (the next step
+  donates the state); at the epoch's end one read tells whether any step was
+  skipped, and only then it finds which by halving the calls. A skip at the
+  scale's floor of 1 means NaN or inf in a batch or its loss (no scale
+  helps); `end_epoch` names those batches.
   """
 
   # Ranges of at most this many calls are read in one transfer.
@@ -178,8 +147,7 @@ class SkippedBatches:
         self._read(state).opt_state.skipped_steps)
 
   def record(self, state, first_batch: int, steps: int) -> None:
-    """Notes the state after a call that ran `steps` batches from
-    `first_batch` on."""
+    """Notes the state after a call of `steps` batches from `first_batch`."""
     opt_state = self._read(state).opt_state
     # Copies: the next step donates the state's arrays.
     self._calls.append((first_batch, steps) + placement.copy_arrays(

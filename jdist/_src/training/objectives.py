@@ -1,18 +1,10 @@
 """The trainer's losses and metrics: Keras' names, order and meanings.
 
-A loss is a `jdist.losses.Loss` (`loss.call(y_true, y_pred)` gives one value
-per example), a Keras name ("sparse_categorical_crossentropy", which takes
-probabilities as in Keras), a `keras.losses` object, or a per-example
-function `loss(y_true, y_pred)`. Metrics are `jdist.metrics` objects, Keras
-names, `keras.metrics` objects, or per-example functions
-`metric(y_true, y_pred)`. A name jdist does not mirror is looked up in Keras
-when the program uses Keras. The trainer masks the padding of a short last
-batch, so epoch values are exact on any number of replicas.
-
-Beyond Keras, the first batch is checked on the host before training:
-predictions that cannot be probabilities under a probability loss, or are
-plainly probabilities under a logits loss, targets that are not class
-indices, and a loss written in the other argument order.
+A loss or metric is a `jdist.losses` or `jdist.metrics` object, a Keras
+name or object, or a per-example function `f(y_true, y_pred)`; a name jdist
+does not mirror is looked up in Keras. Beyond Keras, the first batch is
+checked on the host: predictions that contradict `from_logits`, targets
+that are not class indices, a loss written in the other argument order.
 """
 
 from __future__ import annotations
@@ -65,11 +57,8 @@ METRIC_NAMES = sorted(_NAMED) + list(_ACCURACY)
 
 
 def metric_items(metrics, what: str = "metrics") -> list[tuple[str, Any]]:
-  """`[(name, metric spec)]` for what was passed as `metrics=`.
-
-  A single name or metric is a list of one (Keras wants a list; a string
-  would otherwise be read letter by letter).
-  """
+  """`[(name, metric spec)]` for `metrics=`; a single name or metric is a
+  list of one (a string would otherwise be read letter by letter)."""
   if metrics is None:
     return []
   if isinstance(metrics, (str, metrics_lib.Metric)) or keras_loading.is_metric(
@@ -180,13 +169,10 @@ def _ref(loss: loss_objects.Loss, from_logits: bool) -> str:
 
 
 def check_predictions(loss: loss_objects.Loss, y_pred: np.ndarray) -> None:
-  """Raises if the first batch's predictions contradict `loss.from_logits`.
-
-  Keras silently clips logits given to a probability loss (and trains the
-  wrong model); here a prediction outside [0, 1], or class scores whose rows
-  do not sum to 1, under a probability loss is an error naming
-  `from_logits`, and so are rows that sum to 1 exactly under a logits loss.
-  """
+  """Raises if the first batch's predictions contradict `loss.from_logits`
+  (Keras silently clips logits given to a probability loss): values outside
+  [0, 1] or rows not summing to 1 under probabilities, rows summing to 1
+  exactly under logits."""
   if loss.from_logits is None or loss.kind == "regression":
     return
   y_pred = np.asarray(y_pred, np.float64)
@@ -220,18 +206,9 @@ def check_predictions(loss: loss_objects.Loss, y_pred: np.ndarray) -> None:
 
 def check_targets(loss: loss_objects.Loss, y, where: Callable[[int], str], *,
                   num_classes: int | None) -> None:
-  """Raises if host targets cannot be what `loss` reads, naming an example.
-
-  Integer class losses need integral labels in [0, num_classes) (a float
-  label would be truncated, one out of range gives a NaN loss); binary
-  losses need targets in [0, 1].
-
-  Args:
-    loss: the trainer's loss.
-    y: a batch of targets (numpy).
-    where: `where(row)`: the row's place in the data, for the message.
-    num_classes: the model's number of classes (its last axis), if known.
-  """
+  """Raises if host targets `y` cannot be what `loss` reads, naming an
+  example by `where(row)`: integer class losses need integral labels in
+  [0, num_classes) (else truncation or a NaN loss), binary ones [0, 1]."""
   if loss.kind not in ("sparse", "binary"):
     return
   y = np.asarray(y)

@@ -1,10 +1,6 @@
-"""`trainer.optimizer`: the optax transformation, seen as Keras code sees it.
-
-The TensorFlow tutorials' callbacks read `model.optimizer.learning_rate`
-(printing `.numpy()`) and set it with `.assign(...)`; Keras 3 also assigns
-it directly. The view answers both from the trainer's optimizer state
-(`optax.inject_hyperparams`), and still works as the optax
-`GradientTransformation` it wraps (`init`, `update`).
+"""`trainer.optimizer`: the optax transformation as Keras code sees it, its
+`learning_rate` read and assigned (`.numpy()`, `.assign(...)`, `= value`)
+in the optimizer state (`optax.inject_hyperparams`).
 """
 
 from __future__ import annotations
@@ -16,20 +12,12 @@ from jdist._src.core import placement
 
 
 def learning_rate(opt_state) -> float:
-  """The learning rate held in an optimizer state (`inject_hyperparams`).
-
-  Raises:
-    ValueError: the state holds no learning rate.
-  """
+  """The learning rate in an optimizer state (ValueError if none)."""
   return float(np.asarray(placement.to_host(_learning_rate_leaf(opt_state))))
 
 
 def with_learning_rate(opt_state, value: float):
-  """`opt_state` with its learning rate set to `value` (its dtype kept).
-
-  Raises:
-    ValueError: the state holds no learning rate.
-  """
+  """`opt_state` with learning rate `value`, dtype kept (ValueError if none)."""
   old = _learning_rate_leaf(opt_state)
   return optax.tree_utils.tree_set(
       opt_state, learning_rate=np.asarray(value, dtype=old.dtype))
@@ -82,11 +70,7 @@ class Hyperparameter:
 
 
 class OptimizerView:
-  """`trainer.optimizer`: the learning rate, the step count, the optax calls.
-
-  Attributes:
-    transformation: the optax `GradientTransformation` the trainer uses.
-  """
+  """`trainer.optimizer`: the learning rate, the step count, the optax calls."""
 
   def __init__(self, trainer, transformation):
     self._trainer = trainer

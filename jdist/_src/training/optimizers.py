@@ -1,11 +1,5 @@
-"""What the Trainer takes as an optimizer, as the optax transformation its
-steps apply.
-
-One entry point, `resolve`, so that every kind of optimizer a user passes
-(an optax `GradientTransformation`, a Keras optimizer object, or a Keras
-optimizer's name such as "adam") reaches the training program the same way:
-the program, loss scaling and `ShardedOptimizer` only ever see optax.
-"""
+"""`resolve`: whatever the Trainer takes as an optimizer (optax, a Keras
+optimizer or its name) as the optax transformation its steps apply."""
 
 from __future__ import annotations
 
@@ -16,11 +10,8 @@ from jdist._src.keras import optimizer as keras_optimizer
 
 
 def resolve(optimizer) -> optax.GradientTransformation:
-  """The optax transformation for `optimizer`.
-
-  Raises:
-    TypeError: `optimizer` is not an optimizer jdist knows.
-    ImportError: a Keras optimizer's name was given without keras installed.
+  """The optax transformation for `optimizer`; TypeError for one jdist does
+  not know, ImportError for a Keras name without keras.
 
   Example:
     >>> import optax

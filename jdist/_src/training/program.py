@@ -1,17 +1,13 @@
 """`TrainingProgram`: what training computes, as pure functions.
 
 A model adapter, a loss, metrics, an optax optimizer and a precision policy
-go in; out come the function that makes a fresh `TrainState` and the
-per-replica train, test and predict steps. Nothing here knows the strategy,
-the data or the loop: the Trainer has its strategy compile the steps
-(`step_functions.py`) and hands them to the fit loop (`loop.py`).
-
-Every kind of model, optimizer and loss reaches the program through one entry
-point each: `model.adapt` (a `ModelAdapter`), `optimizers.resolve` (an optax
-`GradientTransformation`), `objectives.resolve_loss` and
-`objectives.metric_items`. So the program, loss scaling, gradient
-accumulation and `ShardedOptimizer` only ever see adapters, optax and
-`jdist.losses` objects, whatever the user passed.
+in; the initial state and the per-replica train, test and predict steps out.
+No strategy, data or loop: the strategy compiles the steps
+(`step_functions.py`), the fit loop runs them (`loop.py`). Every kind of
+model, optimizer and loss enters through one entry point each
+(`model.adapt`, `optimizers.resolve`, `objectives.resolve_loss` and
+`metric_items`), so the program sees only adapters, optax and
+`jdist.losses` objects.
 """
 
 from __future__ import annotations
@@ -41,31 +37,27 @@ from jdist._src.training.state import TrainState
 class TrainingProgram:
   """A model, loss, metrics, optimizer and precision policy as pure functions.
 
-  `init(init_key, rng_key, sample)` makes a fresh `TrainState`;
-  `train_step(state, totals, batch) -> (state, totals)`, `test_step(state,
-  totals, batch) -> totals` and `predict_step(state, batch) -> predictions`
-  run once per replica, inside a strategy's compiled step (`totals` are the
-  running `jdist.metrics` sums of the loss and of the metrics
-  `metrics_for` builds: `totals.make_totals`). Each property gives the same function object every time,
-  so a strategy compiles it once.
+  `init(init_key, rng_key, sample)` makes a fresh `TrainState`; the
+  per-replica `train_step(state, totals, batch) -> (state, totals)`,
+  `test_step(state, totals, batch) -> totals` and `predict_step(state,
+  batch) -> predictions` run inside a strategy's compiled step (`totals`:
+  the running sums, `totals.make_totals(program.metrics_for(y, y_pred))`).
+  Each step is one function object, so a strategy compiles it once.
 
   Attributes:
-    model: the model adapter (`model.ModelAdapter`), computing under `policy`.
+    model: the `model.ModelAdapter`, computing under `policy`.
     loss: the `jdist.losses.Loss` the train step minimises.
-    optimizer: the optax transformation the train step applies (with loss
-      scaling under "mixed_float16"; `with_optimizer` swaps it, e.g. for its
-      `ShardedOptimizer`).
+    optimizer: the optax transformation the train step applies (loss
+      scaled under "mixed_float16"; `with_optimizer` swaps it).
     policy: the mixed precision `DTypePolicy`.
-    metric_items: `[(name, spec)]` of the metrics (`objectives.metric_items`).
-    weighted_items: the same for the metrics weighted by sample weights.
-    output_metrics: for a model with several outputs (an `OutputLosses`
-      loss), the `(metrics, weighted_metrics)` given, matched to the
-      outputs when the predictions' structure is known; else None.
-    micro_batches: M: each replica's batch runs as M micro-batches.
-    batches_per_step: K: the train step takes K batches joined and makes one
-      optimizer step over them (gradient accumulation).
-    given_optimizer: the optimizer before loss scaling was added, to refuse
-      one that scales the loss already (built by hand).
+    metric_items, weighted_items: `[(name, spec)]` of the metrics and the
+      weighted metrics (`objectives.metric_items`).
+    output_metrics: for a model with several outputs, the `(metrics,
+      weighted_metrics)` given, matched to its outputs; else None.
+    micro_batches: M micro-batches per replica's batch.
+    batches_per_step: K batches per optimizer step (accumulation).
+    given_optimizer: the optimizer before loss scaling (one that scales
+      the loss already is refused).
 
   Example:
     >>> import jdist, jax, numpy as np, optax

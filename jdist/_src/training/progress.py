@@ -1,10 +1,6 @@
-"""The progress bar of `fit`: one tqdm bar per epoch, on process 0 only.
-
-`tqdm.auto` draws a widget in notebooks and text in a terminal. The loop
-hands the bar its steps when it is `due` (at most every `TICK` seconds, as
-tqdm redraws at most that often), and losses and metrics are read from the
-devices at most every `refresh` seconds: on most steps the bar costs one
-clock read, no synchronisation.
+"""The progress bar of `fit`: one `tqdm.auto` bar per epoch, on process 0.
+The loop hands it steps when `due` (at most every `TICK` seconds); it reads
+the logs from the devices at most every `refresh` seconds.
 """
 
 from __future__ import annotations
@@ -35,13 +31,8 @@ def resolve_verbose(verbose) -> int:
 
 class ProgressBar:
   """Shows an epoch's steps, steps per second, loss and metrics, and at its
-  end the FLOP/s achieved and the MFU (from the train step's `plan`, if
-  given, and the epoch's steps' time: `timed`).
-
-  Args:
-    plan: the train step's `jdist.Plan` (its FLOPs per call), or None.
-    batches_per_call: batches each call of the train step runs.
-  """
+  end the FLOP/s and MFU from the train step's `plan` (FLOPs per call of
+  `batches_per_call` batches) and the time of its steps (`timed`)."""
 
   def __init__(self, verbose, epochs: int, *, refresh: float | None = None,
                plan=None, batches_per_call: int = 1):
@@ -73,8 +64,7 @@ class ProgressBar:
 
   def due(self) -> bool:
     """Whether a drawn bar would redraw now (`TICK` seconds since it last
-    took steps): a loop that hands it steps only then costs it a clock read
-    a step."""
+    took steps)."""
     return self._bar is not None and time.perf_counter() - self._ticked >= TICK
 
   def step(self, logs, steps: int = 1) -> None:
@@ -89,8 +79,7 @@ class ProgressBar:
       self._bar.set_postfix(_fmt(logs), refresh=False)
 
   def advance(self, steps: int) -> None:
-    """`steps` steps done, their logs not shown (the epoch's end shows
-    them)."""
+    """`steps` steps done, their logs shown at the epoch's end."""
     self._steps += steps
     if self._bar is not None and steps:
       self._bar.update(steps)

@@ -1,21 +1,10 @@
 """The order `fit` reads shuffled arrays in: one permutation per pass.
 
-Pass `p` over `n` examples shuffled with seed `s` reads them in the order
-`numpy.random.default_rng([s, p]).permutation(n)` (an epoch is a pass, or
-part of one when `steps_per_epoch` is shorter: `data.epoch_span`): any
-pass's order, and so any position in it, is recomputed exactly on resume.
-
-Drawing a permutation costs a few hundred microseconds for 32,768
-examples, at each pass's start: in a small model's `fit`, about 2% of the
-loop's thread's time. numpy draws it without holding the GIL, so the next
-pass's is drawn in a worker thread while this one trains. The loop waits
-only for a draw under way: one the worker has not started (the first
-pass's, a resumed pass's, or any on a busy machine that leaves the worker no
-core, or one a `shutdown` cancelled) is drawn where it is needed. At most
-two permutations are held: the pass's and the next.
-
-The worker thread lives while `fit` runs: `fit` ends it (`shutdown`) when it
-returns or raises, so no thread of jdist's stays behind an ended fit.
+Pass `p` over `n` examples with seed `s` reads them in
+`numpy.random.default_rng([s, p]).permutation(n)`, so any position is
+recomputed exactly on resume. The next pass's is drawn ahead in a worker
+thread (numpy releases the GIL), at most two held; `fit` ends the thread
+(`shutdown`) when it returns or raises.
 """
 
 from __future__ import annotations
@@ -30,8 +19,7 @@ _pool_lock = threading.Lock()
 
 
 def worker() -> concurrent.futures.ThreadPoolExecutor:
-  """The one thread permutations are drawn ahead in; made on first use
-  (again after `shutdown`)."""
+  """The one thread permutations are drawn in, made on first use."""
   global _pool
   with _pool_lock:
     if _pool is None:
@@ -41,8 +29,7 @@ def worker() -> concurrent.futures.ThreadPoolExecutor:
 
 
 def submit(fn, *args) -> concurrent.futures.Future | None:
-  """`fn(*args)` submitted to the worker, or None if it cannot take it (a
-  `shutdown` in another thread got there first: the caller does the work)."""
+  """`fn(*args)` on the worker, or None after a concurrent `shutdown`."""
   try:
     return worker().submit(fn, *args)
   except RuntimeError:  # shut down between worker() and submit
@@ -50,9 +37,8 @@ def submit(fn, *args) -> concurrent.futures.Future | None:
 
 
 def shutdown() -> None:
-  """Ends the worker thread, its queued work cancelled and the work under
-  way (one permutation) waited for; `fit` calls it as it ends. A later
-  submit starts a new one."""
+  """Ends the worker thread, cancelling queued work and waiting for the
+  draw under way; `fit` calls it as it ends."""
   global _pool
   with _pool_lock:
     pool, _pool = _pool, None
@@ -73,10 +59,6 @@ def permutation(seed: int, pass_index: int, n: int) -> np.ndarray:
 
 class PassOrders:
   """Each pass's `permutation(seed, pass, n)`, the next drawn ahead.
-
-  Args:
-    seed: the shuffling seed.
-    n: the number of examples.
 
   Example:
     >>> from jdist._src.training.shuffle_order import PassOrders, permutation

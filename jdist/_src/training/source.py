@@ -1,17 +1,11 @@
 """`Source`: the one protocol through which data reaches `fit`, `evaluate`
-and `predict`, in the manner of Keras' `DataAdapter`.
+and `predict` (Keras' `DataAdapter`).
 
-Every kind of input is a `Source`: arrays (`array_source.py`), re-iterables
-and one-shot iterators of batches, tf.data and grain datasets
-(`iterable_source.py`), and a `DatasetCreator`'s per-pipeline input, which
-under parameter servers is each worker's own (`dataset_creator.py`). The
-loop asks a source one thing per epoch, `distributed(...)`: what the train
-function takes for each call, already placed by the strategy. A source read
-on this host gives global batches (`batches`), which the strategy
-distributes and groups; a `DatasetCreator`'s pipelines are the strategy's
-own. The Trainer checks each source the same way before any step
-(`peek`, `check_targets`, `static_batch_size`), and a checkpoint stores
-what each needs to resume (`state`, `resume`).
+Arrays (`array_source.py`), iterables and datasets (`iterable_source.py`)
+and a `DatasetCreator`'s pipelines (`dataset_creator.py`) are sources. The
+loop asks one thing per epoch, `distributed(...)`: each call's argument,
+placed by the strategy; the Trainer checks every source the same way before
+any step, and checkpoints store what each needs to resume.
 """
 
 from __future__ import annotations
@@ -23,22 +17,15 @@ from jdist._src.input import host
 
 
 class Source:
-  """What `fit`, `evaluate` and `predict` read data through.
-
-  The defaults serve sources of global batches read on this host; a
-  source whose batches come from elsewhere overrides `distributed` and
-  `static_batch_size`.
+  """What `fit`, `evaluate` and `predict` read data through; the defaults
+  serve global batches read on this host.
 
   Attributes:
     steps_per_epoch: batches per epoch, or None (until the data ends).
-    pass_length: batches in a pass over the data, or None (not known, or
-      the data cannot start again). Epochs shorter than a pass continue it
-      (`epochs.epoch_span`).
-    one_shot: the batches come from an iterator that cannot start again:
-      an epoch continues where the last one ended, and how many batches
-      follow the first is known only by reading them.
-    whole_calls: the data is read in whole calls of the train function (a
-      `DatasetCreator`'s pipelines): an epoch must hold whole calls.
+    pass_length: batches in a pass over the data, or None (unknown or
+      one-shot); shorter epochs continue a pass.
+    one_shot: an iterator that cannot start again.
+    whole_calls: an epoch must hold whole calls (a `DatasetCreator`).
   """
 
   steps_per_epoch: int | None = None
@@ -71,10 +58,9 @@ class Source:
   def distributed(self, strategy, epoch: int, start: int = 0, *,
                   options=None, batch_size: int | None = None,
                   per_call: int = 1, inputs_only: bool = False) -> Iterable:
-    """Epoch `epoch`'s items from batch `start` on, as a step function takes
-    them: the batches distributed by `strategy` (with `options`, padded to
-    `batch_size`), in groups of `per_call` (`BatchGroup`s) when a call takes
-    several, with their inputs alone (`{"x"}`) if `inputs_only`."""
+    """Epoch `epoch`'s items from batch `start` on, as a step takes them:
+    distributed by `strategy`, grouped by `per_call` (`BatchGroup`), only
+    `{"x"}` if `inputs_only`."""
     batches = self.batches(epoch, start)
     if inputs_only:
       batches = ({"x": b["x"]} for b in batches)
@@ -84,29 +70,10 @@ class Source:
 
   def static_batch_size(self, strategy, what: str, *, micro_batches: int = 1,
                         pad: bool = False) -> int | None:
-    """The global batch size steps compile for: the first batch's.
-
-    Data that fits in one batch (fewer examples than `batch_size`, fewer
-    than the replicas) is one short batch, padded as the input layer pads a
-    short last batch (`input/host.py: padded_size`). None for a one-shot
-    iterator whose first batch does not split: the distributed dataset
-    decides when it sees whether another batch follows.
-
-    Args:
-      strategy: the strategy whose replicas (and, under FSDP, the devices
-        of each replica: `host.batch_split`) share every batch.
-      what: the data's name in messages ("training data", ...).
-      micro_batches: M: each replica's share of a batch is split into M
-        micro-batches (the Trainer's `micro_batches`), so each replica's
-        share must be a multiple of M (and of its FSDP devices).
-      pad: pad every batch to such a multiple instead
-        (`InputOptions.pad_to_replicas`).
-
-    Raises:
-      ValueError: the batches cannot split evenly over the replicas (and
-        micro-batches, and FSDP's devices); the message names
-        `pad_to_replicas`.
-    """
+    """The global batch size steps compile for: the first batch's (data
+    smaller than a batch is one short padded batch; None for a one-shot
+    iterator whose first batch does not split). ValueError if batches do not
+    split over the replicas (and micro-batches, FSDP devices) without `pad`."""
     rows = host.batch_size_of(self.peek()["x"], f"{what}'s first batch")
     num_replicas = strategy.num_replicas_in_sync
     split, split_what = host.batch_split(strategy)

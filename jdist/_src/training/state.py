@@ -17,12 +17,10 @@ class TrainState:
     step: optimizer steps applied so far (an int32 scalar).
     params: the model's trainable parameters.
     opt_state: the optax optimizer's state.
-    model_state: the model's other variables (flax linen collections such as
-      `batch_stats`, or an nnx module's non-`Param` state); `{}` if none.
-    rng: raw key data (`jax.random.key_data`) of the training random stream.
-      Step `s` uses `fold_in(key, s)` (batch `i` of all, `fold_in(key, i)`,
-      when a step takes several batches), so a resumed run draws the same
-      numbers.
+    model_state: the model's other variables (flax `batch_stats`, an nnx
+      module's non-`Param` state); `{}` if none.
+    rng: raw key data of the training random stream; step `s` uses
+      `fold_in(key, s)`, so a resumed run draws the same numbers.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -48,10 +46,8 @@ class TrainState:
     return jax.random.fold_in(jax.random.wrap_key_data(self.rng), self.step)
 
   def batch_key(self, batch, batches_per_step: int = 1) -> jax.Array:
-    """The key of batch `batch` of the current step when a step takes
-    `batches_per_step` batches (gradient accumulation): the key of batch
-    `step * batches_per_step + batch` counted from the start, so one batch
-    per step gives `step_key()`."""
+    """The key of batch `batch` of this step under gradient accumulation:
+    batch `step * batches_per_step + batch`'s, as if one batch per step."""
     if batches_per_step == 1:
       return self.step_key()
     return jax.random.fold_in(jax.random.wrap_key_data(self.rng),

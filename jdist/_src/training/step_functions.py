@@ -1,27 +1,14 @@
-"""A `TrainingProgram`'s steps compiled by a strategy, as Keras names them,
-and the train step planned before fit's first step.
+"""A `TrainingProgram`'s steps compiled by a strategy (`StepFunctions`, as
+Keras names them) and the plan of fit's train step (`TrainPlanner`).
 
-`train_function`, `test_function` and `predict_function` are the program's
-per-replica steps given to `strategy.function`, each made once. What differs
-between strategies is what the strategy declares (`StrategyBase.synchronous`),
-never its type: a synchronous strategy runs several batches per call
-(`steps_per_execution`, gradient accumulation: a `MultiStepFunction`) and
-the train function donates the state it is given; the parameter-server
-engine schedules one step per call on a worker and donates nothing.
-
-`TrainPlanner` is `jdist.plan` for the program `fit` runs: it lowers the
-train function's own carried program (`DistributedFunction.carry`, the one
-fit's loop calls) for the state, the running totals and fit's first batch
-(its first group, with `steps_per_execution`), so compiling it for the plan
-compiles what the first step runs: nothing compiles twice. Before the
-trainer is built, the state is planned from its shapes (`jax.eval_shape` of
-the program's init), laid out as the strategy will build it, after the
-checks of the data that need no values (the model takes the inputs, the
-loss and metrics take its outputs and the targets): a step that would not
-fit the devices' memory is refused before its state is built. Under a
-strategy that runs steps apart (parameter servers) or data that its
-pipelines batch (`DatasetCreator`: `Source.whole_calls`), nothing is
-planned.
+A synchronous strategy (`StrategyBase.synchronous`) runs several batches per
+call (`MultiStepFunction`) and its train function donates the state; the
+parameter-server engine runs one step per call and donates nothing.
+`TrainPlanner` lowers the train function's own carried program, so compiling
+it for the plan compiles what fit's first step runs; it plans the state from
+its shapes before it is built, so a step that would not fit the devices'
+memory is refused first. Asynchronous strategies and data that its pipelines
+batch (`Source.whole_calls`) are not planned.
 """
 
 from __future__ import annotations
@@ -48,14 +35,8 @@ from jdist._src.training.program import TrainingProgram, check_count
 
 def batches_per_call(program: TrainingProgram, steps_per_execution: int, *,
                      shard_optimizer_state: bool) -> int:
-  """Batches each call of the train function runs: `steps_per_execution`,
-  or one accumulation group when that is 1. Checks the Trainer's options
-  that concern compiling, before anything is built.
-
-  Raises:
-    TypeError, ValueError: `steps_per_execution` is not a positive whole
-      number or would split an accumulation group, or the optimizer state
-      would be sharded under loss scaling.
+  """Batches each call of the train function runs (`steps_per_execution`,
+  or one accumulation group); checks those options (TypeError, ValueError).
   """
   check_count(steps_per_execution, "steps_per_execution", minimum=1)
   if shard_optimizer_state and program.policy.needs_loss_scaling:
@@ -78,21 +59,9 @@ def batches_per_call(program: TrainingProgram, steps_per_execution: int, *,
 
 
 class StepFunctions:
-  """The compiled steps of `program` on `strategy`, each made on first use.
-
-  Args:
-    program: the `TrainingProgram`.
-    strategy: the strategy that compiles and runs the steps.
-    shard_optimizer_state: the train step applies the program's optimizer
-      as a `ShardedOptimizer` over the strategy's replicas (ZeRO).
-    batches_per_call: batches each call of the train function takes
-      (`batches_per_call`); above one, the call takes a `BatchGroup`.
-
-  Attributes:
-    program: the program the steps run (its optimizer sharded if asked).
-    given: the program as given (its optimizer as the user's).
-    strategy: the strategy.
-  """
+  """The compiled steps of `program` on `strategy`, each made on first use;
+  `program` has a `ShardedOptimizer` if `shard_optimizer_state` (`given`:
+  as given)."""
 
   def __init__(self, program: TrainingProgram, strategy, *,
                shard_optimizer_state: bool = False, batches_per_call: int = 1):
@@ -105,22 +74,10 @@ class StepFunctions:
     self._batches_per_call = batches_per_call
     self._train = self._test = self._predict = None
 
-  @property
-  def donates_state(self) -> bool:
-    """Whether the train function donates the state it is given (the
-    returned state reuses its buffers), as Keras 3's does: under a
-    synchronous strategy; state held on parameter servers is not donated."""
-    return self.strategy.synchronous
-
   def train(self, force: bool = False):
-    """The train function: `(state, totals, batch) -> (state, totals)`, both
-    written back where the strategy holds them; made once (again with
-    `force`).
-
-    Raises:
-      ValueError: several batches per call under a strategy that runs one
-        step per call (parameter servers).
-    """
+    """`(state, totals, batch) -> (state, totals)`, made once (again with
+    `force`); ValueError for several batches per call under an asynchronous
+    strategy."""
     if self._train is None or force:
       s = self.strategy
       # The state is donated: one copy of it in memory, not two (fit copies
@@ -143,8 +100,7 @@ class StepFunctions:
     return self._train
 
   def test(self, force: bool = False):
-    """The evaluation function: `(state, totals, batch) -> totals` (the
-    model's state is only read); made once (again with `force`)."""
+    """`(state, totals, batch) -> totals`, made once (again with `force`)."""
     if self._test is None or force:
       self._test = self.strategy.function(
           self.program.test_step,
@@ -152,8 +108,7 @@ class StepFunctions:
     return self._test
 
   def predict(self, force: bool = False):
-    """The prediction function: `(state, batch) -> predictions`; made once
-    (again with `force`)."""
+    """`(state, batch) -> predictions`, made once (again with `force`)."""
     if self._predict is None or force:
       self._predict = self.strategy.function(self.program.predict_step,
                                              state_output=None)
@@ -173,24 +128,8 @@ parse_budget = inputs.parse_bytes
 
 @dataclasses.dataclass(frozen=True)
 class TrainPlanner:
-  """Plans one Trainer's train step (see the module docstring).
-
-  Attributes:
-    functions: the trainer's `StepFunctions` (program, strategy, train
-      function).
-    checks: its `DataChecks`.
-    seed: its seed (the keys its state is initialised from).
-    options: the `InputOptions` its batches are distributed with.
-    batches_per_call: batches each call of the train function runs.
-    shard_optimizer_state: its optimizer state is split over the replicas.
-    memory_budget: bytes a device may use, or None (the device's limit).
-    count_flops: the model's `train_flops(x)`, or None.
-    detail: read the program's collectives and dtype (`trainer.plan`);
-      fit's own plan reads only what its check and its logs need.
-    cache: the trainer's plans by what they depend on (the state's and
-      the first batch's shapes, dtypes and layouts): a fit of the same
-      step on the same data plans nothing again.
-  """
+  """Plans one Trainer's train step (see the module docstring); `cache`
+  keeps the last plan, keyed by the state's and first batch's layouts."""
 
   functions: StepFunctions
   checks: Any
@@ -210,18 +149,10 @@ class TrainPlanner:
   def plan(self, source, state, totals, *, limited: bool = False
            ) -> tuple[Plan | None, Any]:
     """`(plan, totals)` of the train step on `source`'s first batch, from
-    the held `state` or, when it is None, from the state's shapes; the
-    totals made if `totals` is None. Over the memory limit, the plan holds
-    its alternatives' plans (`plan.check()` names them).
-
-    Args:
-      limited: plan only if a memory limit is known (else `(None,
-        totals)`): fit's check before it builds the state.
-
-    Raises:
-      TypeError, ValueError: the data does not fit the model, loss or
-        metrics.
-    """
+    the held `state` or, if None, its shapes; totals made if None. With
+    `limited`, plans only under a known memory limit. Over the limit, the
+    plan holds its alternatives' plans. Raises TypeError, ValueError if the
+    data does not fit the model, loss or metrics."""
     strategy = self.strategy
     if not (isinstance(strategy, Strategy) and strategy.synchronous) or (
         source.whole_calls) or (limited and planning.memory_limit(
@@ -261,8 +192,8 @@ class TrainPlanner:
     batch = self._first_batch(strategy, sample, size)
     train = functions.train()
     carried = train.carry(state, totals)
-    lowered = (train.lower(state, totals, batch) if carried is None else
-               carried.program.lower(*carried.leaves, batch))
+    lowered = (train.lower(state, totals, batch) if carried.leaves is None
+               else carried.program.lower(*carried.leaves, batch))
     batch_leaves = memory.batch_leaves(batch)
     other = [dataclasses.replace(l, path=f"totals/{l.path}",
                                  kind=memory.OTHER)
@@ -273,8 +204,7 @@ class TrainPlanner:
         detail=self.detail)
 
   def _first_batch(self, strategy, sample: dict, size: int | None):
-    """What fit's first call takes: the first batch distributed (one group
-    of `batches_per_call` of them), placed as the loop places it."""
+    """fit's first call's argument: one group of batches, distributed."""
     k = self.batches_per_call
     batches = strategy.experimental_distribute_dataset(
         [sample] * k, self.options, global_batch_size=size)

@@ -12,14 +12,9 @@ from jdist._src.training.callbacks import Callback, is_chief
 class TerminateOnNaN(Callback):
   """Stops training when the loss becomes NaN or infinite (Keras' callback).
 
-  Keras reads the loss after every batch, which makes the host wait for each
-  step to finish before it dispatches the next. This callback starts copying
-  the epoch's running loss to the host at the end of each batch and looks at
-  it at the end of the next one, when it has arrived: the devices never wait.
-  So training stops one batch after the one that made the loss NaN (Keras
-  stops at that batch), or at the end of the epoch if that was its last batch.
-  The parameters are NaN from that batch on either way; checkpoints never
-  hold them (a save of a non-finite state is refused with a warning).
+  Unlike Keras, it does not wait for each step: it reads the loss one batch
+  late, so training stops one batch after the one that made the loss NaN
+  (or at the epoch's end). Checkpoints never hold a non-finite state.
 
   Example:
     >>> import jdist

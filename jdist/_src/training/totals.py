@@ -1,10 +1,8 @@
 """The running sums of the loss and metrics, and the logs read from them.
 
-Losses and metrics are `jdist.metrics` values: each replica adds its own
-examples (the padding of a short last batch left out) into `SyncOnRead` SUM
-sums on the devices, so the host reads them only when it wants to show them:
-no synchronisation per step. The epoch value of each is `total / count`,
-the exact mean over the examples seen, on any number of replicas.
+Each replica adds its examples into `SyncOnRead` SUM sums on the devices,
+read only when shown (no synchronisation per step); an epoch's value is
+`total / count`, exact on any number of replicas.
 """
 
 from __future__ import annotations
@@ -19,8 +17,7 @@ from jdist._src.training import mixed_precision
 
 
 def make_totals(metrics: dict) -> dict:
-  """Fresh running sums: the loss's, then one `Metric` per metric (`metrics`:
-  `{name: Metric}`)."""
+  """Fresh running sums: the loss's, then `metrics` (`{name: Metric}`)."""
   totals = {"loss": metrics_lib.Mean("loss")}
   totals.update({k: m.reset() for k, m in metrics.items()})
   return totals
@@ -36,10 +33,7 @@ def restore_totals(totals: dict, sums: dict) -> dict:
 
 
 def device_sums(strategy, totals: dict) -> dict:
-  """`{name: {"total", "count"}}` summed over replicas, still on the devices.
-
-  `totals` is their value (`StatePlacement.read` of held totals).
-  """
+  """`{name: {"total", "count"}}` summed over replicas, on the devices."""
   sync = {k: m.totals for k, m in totals.items()}
   if any(s.per_replica for s in sync.values()):
     return strategy.reduce("sum", sync)
@@ -47,9 +41,8 @@ def device_sums(strategy, totals: dict) -> dict:
 
 
 def read_sums(strategy, totals: dict) -> dict:
-  """`{name: sums}` on the host, over replicas (one transfer), as JSON
-  values: `{"total", "count"}` floats (a Keras metric: its variables by
-  name, a vector as a list)."""
+  """`{name: sums}` over replicas on the host in one transfer, as JSON
+  values (floats; a Keras metric's variables by name)."""
   sums = placement.to_host(device_sums(strategy, totals))
   return {k: {n: float(a) if np.ndim(a) == 0 else np.asarray(a).tolist()
               for n, a in v.items()} for k, v in sums.items()}
@@ -63,18 +56,8 @@ def means(totals: dict, sums: dict) -> dict[str, float]:
 
 class Totals:
   """A Trainer's running sums: fresh ones placed where its strategy holds
-  state, and the logs read from held ones.
-
-  Args:
-    strategy: the strategy the steps run on.
-    metrics: `{name: Metric}`, the metrics summed besides the loss
-      (`TrainingProgram.metrics_for`).
-    scales_loss: the optimizer scales the loss: fit's logs add its scale
-      and the steps skipped so far.
-
-  Attributes:
-    metrics: those metrics.
-  """
+  state, and the logs read from held ones. With `scales_loss`, logs add
+  the loss scale and the steps skipped."""
 
   def __init__(self, strategy, metrics: dict, *, scales_loss: bool = False):
     self._strategy = strategy
@@ -84,14 +67,9 @@ class Totals:
     self._placed = None
 
   def new(self, sums: dict | None = None) -> dict:
-    """Fresh running sums (restored from `sums`, a checkpoint's), placed
-    where the strategy holds them.
-
-    No step donates its totals and a synchronous strategy's values are
-    immutable arrays, so there the fresh totals are placed once and serve
-    every epoch, validation and evaluation. Totals held remotely (on
-    parameter servers, which update them in place) are made anew each time.
-    """
+    """Fresh running sums (from `sums`, a checkpoint's) where the strategy
+    holds them: placed once for a synchronous strategy (no step donates
+    them), anew each time when held remotely (updated in place)."""
     if not sums and self._placed is not None:
       return self._placed
     totals = self._fresh
@@ -109,13 +87,8 @@ class Totals:
 
   def logs_reader(self, state) -> Callable[[dict], dict]:
     """`read(totals) -> logs` for the step that returned `state`: the means,
-    and the loss scale's state if the optimizer scales the loss.
-
-    Called after each step whose logs something may read (a batch-end
-    callback, the progress bar): they are read later, after the next step
-    has donated `state`, so it keeps a copy of the loss scale's scalars
-    (held remotely, nothing is donated: the state is read with the logs).
-    """
+    and the loss scale if the optimizer scales it (a copy of its scalars,
+    since the next step donates `state`)."""
     kept = None
     if self._scales_loss:
       placement_ = self._strategy.state_placement

@@ -3,7 +3,7 @@
 A thin facade. The `TrainingProgram` (`program.py`) holds what training
 computes, as pure functions; the strategy compiles its steps
 (`step_functions.py`); the `FitLoop` (`loop.py`) owns the train state and
-runs the batches that the data's `Source` (`data.py`) gives. The Trainer
+runs the batches that the data's `Source` (`source.py`) gives. The Trainer
 wires them together, checks the data before any step (`checks.py`), and
 answers as Keras' `Model` does (`history`, `stop_training`, `optimizer`,
 `metrics_names`, `train_function`, ...).
@@ -383,8 +383,8 @@ class Trainer:
       self._totals = totals_lib.Totals(
           strategy, self._program.metrics_for(sample["y"], y_pred),
           scales_loss=self._program.scales_loss)
-    self._checks.objectives(source, sample, self._read(self.state), abstract,
-                            self._totals.metrics, what)
+    self._checks.objectives(source, sample, lambda: self._read(self.state),
+                            abstract, self._totals.metrics, what)
     return static
 
   # --- fit -----------------------------------------------------------------
@@ -439,7 +439,6 @@ class Trainer:
     Returns:
       The `History`; also `trainer.history`.
     """
-
     check_count(epochs, "epochs", minimum=0)
     check_count(initial_epoch, "initial_epoch", minimum=0)
     source = data_lib.make_source(
