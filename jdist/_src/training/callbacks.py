@@ -133,19 +133,30 @@ def keras_callback_message(callback) -> str:
           "trainer.stop_training, trainer.params).")
 
 
+def check_callbacks(callbacks) -> list:
+  """`callbacks` as a list (None, as Keras takes it, is none).
+
+  Raises:
+    TypeError: one is a Keras callback or not a `jdist.Callback`.
+  """
+  callbacks = list(callbacks or ())
+  for cb in callbacks:
+    if keras_loading.is_callback(cb):
+      raise TypeError(keras_callback_message(cb))
+    if not isinstance(cb, Callback):
+      raise TypeError(
+          f"{cb!r} is not a jdist.Callback; subclass jdist.Callback and "
+          "override its on_* hooks.")
+  return callbacks
+
+
 class CallbackList:
   """Calls a hook on every callback, in order."""
 
   def __init__(self, callbacks: Iterable[Callback], *, trainer, params: dict,
                fit_loop=None):
-    self.callbacks = list(callbacks or ())  # None, as Keras takes it
+    self.callbacks = check_callbacks(callbacks)
     for cb in self.callbacks:
-      if keras_loading.is_callback(cb):
-        raise TypeError(keras_callback_message(cb))
-      if not isinstance(cb, Callback):
-        raise TypeError(
-            f"{cb!r} is not a jdist.Callback; subclass jdist.Callback and "
-            "override its on_* hooks.")
       cb.set_model(trainer)
       cb.set_params(params)
       cb.set_fit_loop(fit_loop)

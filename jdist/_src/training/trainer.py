@@ -20,7 +20,7 @@ from jdist._src.training import loop
 from jdist._src.training import optimizer as optimizer_lib
 from jdist._src.training import step_functions
 from jdist._src.training import totals as totals_lib
-from jdist._src.training.callbacks import CallbackList
+from jdist._src.training.callbacks import CallbackList, check_callbacks
 from jdist._src.training.checks import DataChecks
 from jdist._src.training.program import (TrainingProgram, TrainState,
                                          check_count)
@@ -341,6 +341,7 @@ class Trainer:
     """
     check_count(epochs, "epochs", minimum=0)
     check_count(initial_epoch, "initial_epoch", minimum=0)
+    callbacks = check_callbacks(callbacks)  # before anything compiles
     source = data_lib.make_source(
         x, y, batch_size=batch_size, steps_per_epoch=steps_per_epoch,
         shuffle=shuffle, seed=self._seed, sample_weight=sample_weight,
