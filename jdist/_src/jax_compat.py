@@ -352,9 +352,10 @@ def varying_loop_carries() -> Iterator[None]:
   """While open, `lax.scan` and `lax.while_loop` traced inside `shard_map`
   cast an initial carry to varying where their body makes it vary.
 
-  For library loops started from constants (Keras's LSTM); this widens
-  JAX's weak-type promotion pass (`loops._promote_weak_typed_input`, no
-  public hook) to the carry's varying axes. Counted, for nested users.
+  `shard_map` refuses a loop started from constants (Keras's LSTM) whose
+  carry varies; this widens JAX's weak-type promotion pass
+  (`loops._promote_weak_typed_input`, no public hook) to the carry's varying
+  axes. Counted, for nested users.
   """
   global _carry_users
   with _carry_lock:

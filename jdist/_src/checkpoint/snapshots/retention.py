@@ -1,9 +1,9 @@
 """A process's snapshot files: which it keeps, and the spare it writes the
 next snapshot over.
 
-Writing snapshot k keeps only the last two snapshots and k (every part of
-k-2 exists by then: each process's step k waited for its write of k-2); an
-old file of at most `SPARE_BYTES` is written over.
+Writing snapshot k keeps only the last two snapshots and k: the step that
+computed k needed every process, each dispatched after its write of k-2
+was done. An old file of at most `SPARE_BYTES` is written over.
 """
 
 from __future__ import annotations
