@@ -460,6 +460,12 @@ def test_class_weight_and_a_plateau_schedule_as_in_keras(data, tmp_path):
   with pytest.raises(TypeError, match="Subclass jdist.Callback instead"):
     trainer.fit(x, y, batch_size=48, verbose=0,
                 callbacks=[keras.callbacks.LambdaCallback()])
+  fresh = jdist.Trainer(_mlp(weights, dropout=0.0), optimizer="sgd",
+                        loss=LOSS, strategy=strategy_on(1))
+  with pytest.raises(TypeError, match="Use jdist.EarlyStopping"):
+    fresh.fit(x, y, batch_size=48, verbose=0,
+              callbacks=[keras.callbacks.EarlyStopping()])
+  assert fresh.state is None  # refused before anything was built or compiled
 
 
 # --- custom loops: TensorFlow's "Custom training with tf.distribute.Strategy"

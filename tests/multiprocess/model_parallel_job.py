@@ -4,7 +4,8 @@
 Trains the MLP of model_parallel_train.py on a 2x2 data x model mesh
 twice: laid out by jdist (`DeviceMesh` without devices: the data axis across
 the processes, the model axis inside each) and laid out by hand the other
-way round (the model axis across the processes). Each process writes what
+way round (the model axis across the processes); then a pipeline whose
+stages are the two processes (model_parallel_train.py). Each process writes what
 it holds: for every parameter and momentum array, its addressable shards
 (device, index, data), to OUT/<layout>-<process>.pkl. Nothing is gathered:
 the test rebuilds the arrays from the two processes' shards.
@@ -32,8 +33,8 @@ def shards(tree):
   return out
 
 
-def run(layout, strategy):
-  params, opt_state, losses = train_lib.train(strategy)
+def run(layout, strategy, pipeline=False):
+  params, opt_state, losses = train_lib.train(strategy, pipeline)
   record = {"losses": losses, "params": shards(params),
             "momentum": shards(opt_state),
             "mesh": [[d.id for d in row]
@@ -49,6 +50,7 @@ def main():
   run("auto", train_lib.strategy_2x2())  # the mesh joins the run
   by_hand = np.array(jax.devices(), dtype=object).reshape(2, 2).T
   run("by_hand", train_lib.strategy_2x2(by_hand))
+  run("pipeline", train_lib.strategy_pipeline(), pipeline=True)
 
 
 main()

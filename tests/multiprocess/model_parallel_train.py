@@ -7,9 +7,14 @@ over "model"), the second by rows. A custom loop: `strategy.init` creates
 the parameters and the momentum in their layout, `strategy.function` runs
 the step, the global batches come from `experimental_distribute_dataset`.
 SGD with momentum, so that a wrong gradient scale shows.
+
+The pipeline case: four stacked tanh layers and a head, the layers run by
+`jdist.pipeline` as 2 stages (GPipe, 2 microbatches) over a "stage" axis
+that crosses the processes, 2 replicas inside each.
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -55,11 +60,47 @@ def strategy_2x2(devices=None):
                                      batch_dim_name="data")
 
 
-def train(strategy):
-  """(params, opt_state, losses) after STEPS steps."""
-  params = strategy.init(init_params)
+def init_pipeline_params():
+  rng = np.random.default_rng(1)
+  normal = lambda *shape: (rng.normal(size=shape) * 0.4).astype(np.float32)
+  return {"layers": {"kernel": normal(4, FEATURES, FEATURES),
+                     "bias": normal(4, FEATURES)},
+          "head": normal(FEATURES, 4)}
+
+
+def _layer(w, h):
+  return jnp.tanh(h @ w["kernel"] + w["bias"])
+
+
+def pipeline_step(params, opt_state, batch):
+  def loss_fn(p):
+    logits = jdist.pipeline(_layer, p["layers"], batch["x"]) @ p["head"]
+    return jdist.compute_average_loss(
+        optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]))
+
+  loss, grads = jax.value_and_grad(loss_fn)(params)
+  updates, opt_state = OPTIMIZER.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, loss
+
+
+def strategy_pipeline(devices=None):
+  """Stage 2 x data 2 (`devices` None: the stage axis, first, crosses the
+  processes, so only activations pass between them)."""
+  mesh = jdist.DeviceMesh((2, 2), ("stage", "data"), devices)
+  layout_map = jdist.LayoutMap(mesh)
+  layout_map["layers/kernel"] = ("stage", None, None)
+  layout_map["layers/bias"] = ("stage", None)
+  return jdist.ModelParallelStrategy(
+      layout_map=layout_map, batch_dim_name="data", pipeline_axis="stage",
+      num_microbatches=2)
+
+
+def train(strategy, pipeline=False):
+  """(params, opt_state, losses) after STEPS steps (of the pipelined model
+  with `pipeline`)."""
+  params = strategy.init(init_pipeline_params if pipeline else init_params)
   opt_state = strategy.init(OPTIMIZER.init, params)
-  step = strategy.function(train_step)
+  step = strategy.function(pipeline_step if pipeline else train_step)
   losses = []
   for batch in strategy.experimental_distribute_dataset(batches()):
     params, opt_state, loss = step(params, opt_state, batch)

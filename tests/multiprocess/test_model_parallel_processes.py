@@ -1,6 +1,7 @@
 """Model parallelism over many hosts (issue 21): 2 real processes x 2 fake
-CPU devices train a small MLP (Megatron's column then row split) on a 2x2 data x model mesh as one process
-with 4 devices does, and as one device does.
+CPU devices train a small MLP (Megatron's column then row split) on a 2x2
+data x model mesh as one process with 4 devices does, and as one device
+does; and a pipeline whose 2 stages are the 2 processes.
 
 `jdist launch -n 2 --devices-per-process 2 model_parallel_job.py` trains in a
 custom loop (`strategy.init`, `strategy.function`,
@@ -31,12 +32,13 @@ TOL = 1e-6  # float32: the split matmuls and the gradient sums run in another or
 
 
 @functools.cache
-def in_one_process(case: str):
+def in_one_process(case: str, pipeline: bool = False):
   """(params, momentum, losses) on 4 devices of this process, or on one."""
   devices = jax.local_devices()
+  layout = train_lib.strategy_pipeline if pipeline else train_lib.strategy_2x2
   strategy = (jdist.OneDeviceStrategy(devices[0]) if case == "one_device"
-              else train_lib.strategy_2x2(devices[:4]))
-  params, opt_state, losses = train_lib.train(strategy)
+              else layout(devices[:4]))
+  params, opt_state, losses = train_lib.train(strategy, pipeline)
   return jax.device_get(params), jax.device_get(opt_state), losses
 
 
@@ -47,7 +49,7 @@ def launched(tmp_path_factory):
                            timeout=RUN_TIMEOUT)
   assert r.returncode == 0, r.output[-5000:]
   records = {}
-  for layout in ("auto", "by_hand"):
+  for layout in ("auto", "by_hand", "pipeline"):
     for rank in (0, 1):
       with open(out / f"{layout}-{rank}.pkl", "rb") as f:
         records[layout, rank] = pickle.load(f)
@@ -83,10 +85,11 @@ def check_held(records, layout, tree, key):
                                err_msg=f"{layout} {key} {name}")
 
 
-@pytest.mark.parametrize("layout", ["auto", "by_hand"])
+@pytest.mark.parametrize("layout", ["auto", "by_hand", "pipeline"])
 def test_two_processes_train_as_one_process_and_one_device(launched, layout):
-  params, momentum, losses = in_one_process("four_devices")
-  one_params, _, one_losses = in_one_process("one_device")
+  pipeline = layout == "pipeline"
+  params, momentum, losses = in_one_process("four_devices", pipeline)
+  one_params, _, one_losses = in_one_process("one_device", pipeline)
   for rank in (0, 1):
     np.testing.assert_allclose(launched[layout, rank]["losses"], losses,
                                rtol=0, atol=TOL)
@@ -113,3 +116,9 @@ def test_the_data_axis_crosses_the_processes_unless_laid_out_by_hand(launched):
       assert [d.shape for _, _, d in parts] == [(8, 8)] * 2
       halves = {index[1] for _, index, _ in parts}
       assert len(halves) == (2 if layout == "auto" else 1)
+  # The pipeline's stages are the processes: each holds its stage's two
+  # layers (on both of its replicas' devices), the other process the rest.
+  held = [{index[0] for _, index, _ in
+           launched["pipeline", rank]["params"]["['layers']['kernel']"]}
+          for rank in (0, 1)]
+  assert held == [{(0, 2)}, {(2, 4)}], held

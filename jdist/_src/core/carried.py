@@ -1,17 +1,6 @@
-"""`Carried`: values a loop feeds back to a step, held between its calls.
-
-A training loop calls `state, totals = step(state, totals, batch)` at every
-batch. A call flattens its arguments and rebuilds its outputs as pytrees;
-for values that only go from one call to the next, neither is needed. So a
-step function's `carry(*values)` gives a `Carried`, and its
-`call_carried(carried, *args)` runs one call: `DistributedFunction` passes
-the values' leaves as the last call returned them to a jitted program over
-the leaves (lists, one per value, `flat_outputs`), and the values are built
-as pytrees only when asked (`values`). Where the step cannot take them flat
-(state held off the mesh, static arguments, values that need placing first,
-a parameter-server step, a step that returns them in another structure),
-the `Carried` holds them whole and the step is called as usual (`hold`).
-One interface either way: the loop asks no step which it is.
+"""`Carried`: values a loop feeds back to a step, held between its calls as
+the leaves the last call returned (no pytree flattening per step), or whole
+where the step cannot take them flat (`hold`).
 """
 
 from __future__ import annotations
@@ -25,8 +14,7 @@ class Carried:
   """Values a loop feeds back to a step, flat or whole.
 
   Attributes:
-    program: the jitted step over the carried values' leaves, or None when
-      they are held whole.
+    program: the jitted step over the leaves (None when held whole).
     treedefs: the structure of each carried value.
     leaves: a list of leaves per carried value (None when held whole).
     whole: the values themselves, when held whole (else None).
@@ -53,8 +41,8 @@ class Carried:
     return tuple(td.unflatten(l) for td, l in zip(self.treedefs, self.leaves))
 
   def hold(self, name: str, out) -> tuple:
-    """Holds the first outputs of step `name`'s call, `out`, whole in the
-    carried values' place; returns the other outputs.
+    """Holds `out`'s first outputs whole in the carried values' place;
+    returns the other outputs.
 
     Raises:
       TypeError: `out` does not start with the carried values.
@@ -71,26 +59,22 @@ class Carried:
 
 
 def flatten(values: Sequence[Any]) -> tuple:
-  """`(treedefs, leaves)` of `values`: the structure a flat program over
-  them is made for, and a list of leaves per value."""
+  """`(treedefs, leaves)` of `values`: a list of leaves per value."""
   flat = [jax.tree_util.tree_flatten(v) for v in values]
   return (tuple(treedef for _, treedef in flat),
           [leaves for leaves, _ in flat])
 
 
 def unflatten(treedefs: tuple, flat_args: tuple) -> tuple:
-  """A flat program's arguments as the step takes them: the carried values
-  rebuilt from their leaf lists, then the other arguments."""
+  """A flat program's arguments as the step takes them."""
   k = len(treedefs)
   return tuple(treedef.unflatten(leaves) for treedef, leaves in
                zip(treedefs, flat_args[:k])) + tuple(flat_args[k:])
 
 
 def flat_outputs(out, treedefs: tuple) -> tuple:
-  """A flat program's outputs, from the step's `out`: `(leaves, rest)`, a
-  list of leaves per carried output and the other outputs, or `(None,
-  out)` when the carried outputs' structure differs from the values' (the
-  loop then holds them whole: `Carried.hold`)."""
+  """`(leaves per carried output, other outputs)` of the step's `out`, or
+  `(None, out)` when their structure differs from the values'."""
   k = len(treedefs)
   if (isinstance(out, (tuple, list)) and len(out) >= k and all(
       jax.tree_util.tree_structure(o) == treedef

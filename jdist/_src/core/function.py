@@ -1,18 +1,10 @@
 """`DistributedFunction`: a per-replica step compiled once over the mesh.
 
-The step is mapped with `jax.shard_map` (`check_vma=True`) inside `jax.jit`.
-Each compilation plans the inputs (`plan.py`: what each argument's kind feeds
-the map), probes the outputs (`probe.py`: which vary over replicas, read from
-the traced types), then maps the step with the specs both give and wraps the
-results. Every later call with the same input structure is served by jit's
-C++ cache; the Python around it (`__call__`) is a few attribute tests (the
-scope test reads one module counter while no scope is open), the
-CPU throttle (`_watch_step`) and, when the throttle needs a leaf or a
-batch's validity is handed back, the outputs rebuilt from the flat leaves
-the program returns (`_Flat`); otherwise jit returns the outputs themselves.
-A loop that feeds outputs back as the next call's arguments calls through
-`carry` and `call_carried` instead (`carried.py`), and a call's arguments
-are placed, or the one jit refused named, in `step_arguments.py`.
+`jax.jit` around `jax.shard_map(check_vma=True)`; each compilation plans the
+inputs (`plan.py`) and probes the outputs (`probe.py`). Later calls with the
+same input structure are served by jit's C++ cache, so the Python around a
+call (`__call__`) stays a few attribute tests; it rebuilds outputs from flat
+leaves (`_Flat`) only when it needs a leaf.
 """
 
 from __future__ import annotations
@@ -42,15 +34,7 @@ from jdist._src.errors import (Error, ReplicaContextError,
 
 @dataclasses.dataclass(frozen=True)
 class StepOptions:
-  """How a step was built: `Strategy.function`'s keyword arguments.
-
-  Attributes:
-    donate_argnums: passed to `jax.jit`.
-    static_argnums: passed to `jax.jit`.
-    static_argnames: passed to `jax.jit`.
-    check_state: raise `VaryingStateError` for state that stops being mirrored.
-    check_loss_scaling: raise `LossScalingError` for a loss averaged per replica.
-  """
+  """How a step was built: `Strategy.function`'s keyword arguments."""
 
   donate_argnums: Any = ()
   static_argnums: Any = ()
@@ -66,8 +50,7 @@ class StepOptions:
 
 
 class _Unplaced:
-  """What the program returns for a call with unplaced arguments: no step ran,
-  `__call__` places them and calls again (see `DistributedFunction._program`)."""
+  """The program's answer to unplaced arguments: no step ran; place, retry."""
 
   def __repr__(self) -> str:
     return "<unplaced arguments>"
@@ -81,23 +64,10 @@ jax.tree_util.register_pytree_node(_Unplaced, lambda u: ((), None),
 
 
 class _Flat:
-  """A step's outputs as its program returns them when `__call__` needs
-  their leaves or must add some: flat, as jit's dispatch hands them over,
-  and what `__call__` needs to rebuild them. (Otherwise the program
-  returns the outputs themselves: see `_flat`.)
+  """A step's outputs as flat leaves, and what rebuilding them needs.
 
-  A per-replica output carries its batch's validity, an argument returned
-  unchanged; returned by the program, XLA would copy it into a new buffer at
-  every step. So when the batch is a positional argument (as it is for
-  `step(state, batch)`), the validity is left out (`forwarded`) and taken
-  from the argument.
-
-  Attributes:
-    treedef: the structure of the step's outputs.
-    forwarded: `(position, argnum)` for each output leaf left out: its
-      position among the outputs' leaves, and the positional `PerReplica`
-      argument whose validity (`packed`) it is.
-    leaves: the leaves the program returns, in order.
+  An output's batch validity that is an argument's is not returned (XLA
+  would copy it every step): `forwarded` holds `(leaf position, argnum)`.
   """
 
   __slots__ = ("treedef", "forwarded", "leaves")
@@ -192,13 +162,7 @@ class DistributedFunction:
   def lower(self, *args, **kwargs):
     """Lowers the step for these arguments (see `jax.jit(...).lower`).
 
-    In one process, this is the calls' own program: compiling it compiles
-    the step for calls with arguments of the same kind, so inspecting a step
-    (`step.lower(state, batch).compile().memory_analysis()`) and then
-    training with it compiles once. With several processes, lowering may run
-    on one process only (to inspect the program), so it traces apart from
-    the calls and takes no part in the multi-process check (the calls then
-    compile their own program).
+    In one process this is the calls' own program (it compiles once).
 
     Example:
       >>> import jax.numpy as jnp
@@ -270,18 +234,9 @@ class DistributedFunction:
     return out
 
   def carry(self, *values) -> carried_lib.Carried:
-    """Holds `values`, the step's first positional arguments, for a loop of
-    `call_carried` that feeds the step's first outputs back in their place
-    (as `state, totals = step(state, totals, batch)` does).
-
-    Each call then passes their leaves as they came out of the last one: it
-    flattens and rebuilds no pytree of them. The step, its compilations and
-    its outputs are those of calling it. Where the step cannot take them
-    flat (state held off the mesh, static arguments, values that need
-    placing first), they are held whole and each call is a call.
-
-    Returns:
-      The `Carried` values.
+    """The `Carried` `values`, the step's first positional arguments, for a
+    loop of `call_carried` that feeds the step's first outputs back in their
+    place: each call passes their leaves as the last one returned them.
     """
     if not context.may_call_step(self._strategy):
       raise self._misplaced_call()
@@ -299,11 +254,7 @@ class DistributedFunction:
 
   def call_carried(self, carried: carried_lib.Carried, *args) -> tuple:
     """Calls the step with `carried`'s values, then `args`; the outputs in
-    the carried values' place replace them. Returns the other outputs.
-
-    The loop around it asks nothing else per call (no strategy scope test:
-    `carry` made it, and a loop of steps opens no scope between calls).
-    """
+    the carried values' place replace them. Returns the other outputs."""
     if carried.leaves is None:  # held whole
       return carried.hold(self._name, self(*carried.whole, *args))
     self._calls += 1
@@ -329,9 +280,8 @@ class DistributedFunction:
 
   def _explain_refused(self, error: ValueError, args: tuple,
                        kwargs: dict) -> None:
-    """Raises the clear error for `error` when jit refused an argument
-    committed to other devices than the program's (which one, and why);
-    returns otherwise, for the caller to raise `error` itself."""
+    """Raises the clear error when jit refused an argument committed to
+    other devices; returns otherwise (the caller raises `error`)."""
     mismatch = (None if isinstance(error, Error) else
                 step_arguments.foreign_argument(args, kwargs, self._strategy))
     if mismatch is not None:
@@ -339,31 +289,22 @@ class DistributedFunction:
 
   def trace_step(self, args: tuple, kwargs: dict, *, check: bool = True,
                  in_loop: bool = False):
-    """Traces one call of the step into the running JAX trace.
-
-    For programs that run the step inside a larger one (`jdist.multi_step`
-    scans it): plans the arguments, probes the outputs and maps the step,
-    returning its outputs as a call would (`PerReplica` for what varies).
+    """Traces one call of the step into the running JAX trace (as
+    `jdist.multi_step` does).
 
     Args:
       args, kwargs: the step's arguments (traced values).
       check: take part in the multi-process program check.
-      in_loop: the trace is a loop's body: on CPU the step's convolutions
-        are written in the layout XLA:CPU runs fast inside loops too
-        (`conv_layout.canonical_convolutions`).
+      in_loop: the trace is a loop's body (CPU convolution layouts differ).
 
     Returns:
-      The step's outputs.
+      The step's outputs, as a call returns them.
     """
     return self._trace(args, kwargs, check=check, in_loop=in_loop)
 
   def _watch_step(self, last) -> None:
-    """The CPU throttle and the multi-process watch of a dispatched step.
-
-    Args:
-      last: the last array the step's program returned: the one least likely
-        fed back to a step that donates it (state comes first).
-    """
+    """The CPU throttle and the multi-process watch of a dispatched step;
+    `last` is the program's last output (least likely donated next)."""
     if isinstance(last, _TRACER):
       # Called inside the user's own jax.jit: this is a trace, not a step.
       # The outer program is what runs, and jdist never sees its calls, so
@@ -397,14 +338,7 @@ class DistributedFunction:
 
   def _trace_program(self, *args, **kwargs):
     """What `self._program` traces: the step, or `_UNPLACED` when arguments
-    need placing first.
-
-    A value made outside a step (a fresh metric's `SyncOnRead`) comes back
-    from the step placed on the replicas: had the step compiled for the
-    unplaced value, the next call would compile it again. So a call with
-    one compiles an empty program instead, which answers `_UNPLACED`; the
-    caller places the values and calls again. Calls with placed values,
-    the common case, never reach this function after their first.
+    need placing first (compiling for them would compile again next call).
     """
     if step_arguments.needs_placing((args, kwargs)):
       return _UNPLACED
@@ -416,9 +350,7 @@ class DistributedFunction:
                  whole=not self._watch)
 
   def _trace_carried(self, treedefs: tuple, *flat_args):
-    """What a carried program traces (see `carry`): the step over the
-    carried values rebuilt from their leaves, then the other arguments;
-    returns `carried.flat_outputs` of its outputs."""
+    """What a carried program traces: the step over leaves (see `carry`)."""
     args = carried_lib.unflatten(treedefs, flat_args)
     if step_arguments.needs_placing(args):
       return _UNPLACED
@@ -428,8 +360,8 @@ class DistributedFunction:
                                     treedefs)
 
   def _count_compilation(self) -> None:
-    """Warns once, as TF's retracing warning does, when most recent calls of
-    this step compiled it anew (inputs whose shapes or structure change)."""
+    """Warns once, as TF's retracing warning does, when most recent calls
+    compiled the step anew."""
     recent = self._recent_compiles
     recent.append(self._calls)
     if (not self._warned_recompiling and len(recent) == recent.maxlen and
@@ -498,19 +430,15 @@ class DistributedFunction:
 def _types_tracked(strategy) -> bool:
   """Whether the step's map tracks varying-axis types (`check_vma`).
 
-  Not for one replica spanning several devices (a `ModelParallelStrategy`
-  whose batch axis has size 1): jax 0.10.2's partitioner rejects the
-  gradient's all-reduce over a size-1 manual axis while other axes are
-  automatic ("Cross-partition allreduce must be in (partial) manual
-  partitioning mode"). One replica needs no gradient sum, and the probe has
-  read every output's type and run the guards with types tracked.
+  Not for one replica spanning several devices: jax 0.10.2's partitioner
+  rejects an all-reduce over a size-1 manual axis beside automatic ones; the
+  probe has already read the types with them tracked.
   """
   return strategy.num_replicas_in_sync > 1 or strategy.mesh.size == 1
 
 
 class _Lowered:
-  """The calls' program lowered (`DistributedFunction.lower`): jax's
-  `Lowered`, whose `compile()` gives a `_Compiled`."""
+  """The calls' program lowered: jax's `Lowered`, compiling to `_Compiled`."""
 
   def __init__(self, lowered):
     self._lowered = lowered
@@ -524,9 +452,7 @@ class _Lowered:
 
 
 class _Compiled:
-  """The calls' program compiled: jax's `Compiled`, whose calls return the
-  step's outputs as the step's calls do (its program may hand them over
-  flat, `_Flat`)."""
+  """The calls' program compiled; calls return what the step's calls do."""
 
   def __init__(self, compiled):
     self._compiled = compiled
@@ -540,13 +466,8 @@ class _Compiled:
 
 
 def _flat(out: Any, args: tuple, donated, *, whole: bool) -> Any:
-  """`out` as the program returns it (see `_Flat`): itself when `whole` and
-  no output leaf is forwarded (jit's C++ then builds the outputs, and
-  `__call__` runs no Python over them), else a `_Flat`.
-
-  Args:
-    whole: the caller needs no leaf of the outputs (no CPU throttle or
-      multi-process watch to feed).
+  """`out` as the program returns it: itself when `whole` (no caller needs
+  a leaf) and no leaf is forwarded, so jit's C++ builds it; else a `_Flat`.
   """
   donated = {donated} if isinstance(donated, int) else set(donated)
   validities = [kinds.kind_of(a).validity(a) for a in args]

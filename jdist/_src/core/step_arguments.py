@@ -1,10 +1,8 @@
 """A step's arguments: placing those that need it, naming one jit refused.
 
-A value made outside a step (a fresh metric's `SyncOnRead`) is placed on the
-replicas before the step compiles for it (`needs_placing`, `placed`), so
-that its calls compile once. An argument committed to other devices than
-the strategy's makes jit refuse the call with a message about shardings;
-`foreign_argument` names the argument and says what to do instead.
+A value made outside a step (a fresh metric's `SyncOnRead`) is placed
+before the step compiles for it, so its calls compile once; an argument
+committed to other devices than the strategy's is named in a clear error.
 """
 
 from __future__ import annotations
@@ -18,8 +16,7 @@ from jdist._src.errors import StrategyMismatchError
 
 
 def needs_placing(tree: Any) -> bool:
-  """Whether a value in `tree` must be placed before a step takes it (a
-  fresh metric's `SyncOnRead`, made outside any step)."""
+  """Whether a value in `tree` must be placed before a step takes it."""
   return any(kinds.kind_of(x).needs_placing(x) for x in
              jax.tree_util.tree_leaves(tree, is_leaf=kinds.is_node))
 
@@ -34,8 +31,7 @@ def placed(args: tuple, kwargs: dict, strategy) -> tuple:
 
 def foreign_argument(args: tuple, kwargs: dict,
                      strategy) -> StrategyMismatchError | None:
-  """The error for an argument committed to devices other than the
-  strategy's (jit refuses such a call), or None if there is none."""
+  """The error for an argument committed to other devices, or None."""
   mesh_devices = set(strategy.mesh.devices.flat)
   with_path = jax.tree_util.tree_flatten_with_path((args, kwargs),
                                                    is_leaf=kinds.is_node)[0]

@@ -1,13 +1,9 @@
 """What `jdist.Trainer` takes from a Keras model the user compiled.
 
-A Keras user configures training with `model.compile(optimizer=..., loss=...,
-metrics=...)` and then calls `fit`. Handed to `jdist.Trainer`, such a model
-brings its compile: every argument the Trainer is not given is taken from
-it (`optimizer`, `loss`, `loss_weights`, `metrics`, `weighted_metrics`,
-`steps_per_execution`), and one given to both with different values is an
-error that names both, so the compile is never silently ignored. Compile
-options jdist cannot honour (`run_eagerly=True`, `jit_compile=False`) are
-errors too.
+Every argument the Trainer is not given is taken from the model's compile;
+one given to both with different values, or a compile option jdist cannot
+honour (`run_eagerly=True`, `jit_compile=False`), is an error
+(docs/keras.md).
 """
 
 from __future__ import annotations

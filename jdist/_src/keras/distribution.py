@@ -1,12 +1,8 @@
-"""What a jdist strategy's scope tells Keras: the `keras.distribution` its
-own `fit` reads, so TensorFlow's `with strategy.scope(): ...; model.fit()`
-distributes on the JAX backend. A data-parallel strategy sets
-`DataParallel`, a `ModelParallelStrategy` `ModelParallel` laid out by its
-`LayoutMap` (matched as jdist matches it); one Keras's fit cannot run
-(CentralStorage, parameter servers) sets one whose data layout raises,
-naming `jdist.Trainer`. As in TensorFlow, a model made in the scope keeps
-its strategy: the distribution stays set after the scope closes until
-another replaces it or `keras.distribution.set_distribution(None)`.
+"""The `keras.distribution` a jdist strategy's scope sets, so that
+`with strategy.scope(): ...; model.fit()` distributes Keras's own `fit`
+(`DataParallel`, or `ModelParallel` by the `LayoutMap`; one Keras cannot
+run raises, naming `jdist.Trainer`). It stays set after the scope, as a
+TensorFlow model keeps its strategy (docs/keras.md).
 """
 
 from __future__ import annotations

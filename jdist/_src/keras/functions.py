@@ -1,8 +1,6 @@
-"""`jdist.keras_functions`: a Keras model and optimizer as the pytree of
-variables (`KerasVariables`) and the pure functions (`KerasFunctions`) that
-a custom loop's `strategy.function` step uses. A JAX step cannot update
-Keras variables in place, so they go in and out of the step, and `assign`
-writes them back after training.
+"""`jdist.keras_functions`: a Keras model and optimizer as a pytree of
+variables and pure functions for a custom loop's step (a JAX step cannot
+update Keras variables in place; `assign` writes them back).
 """
 
 from __future__ import annotations
@@ -25,8 +23,7 @@ class KerasVariables:
   Attributes:
     trainable: the trainable variables, nested dicts by `variable.path`.
     non_trainable: the others (moving statistics, seed states), the same way.
-    optimizer: the optimizer's variables (slots under the slot's name and
-      the parameter's path); None without an optimizer.
+    optimizer: the optimizer's variables (None without an optimizer).
   """
 
   trainable: Any
@@ -47,18 +44,15 @@ class KerasFunctions:
     self.model = model.model
 
   def call(self, trainable, non_trainable, x, *, training: bool = False):
-    """`(y, non_trainable, losses)`: Keras's `model.stateless_call(trainable,
-    non_trainable, x, training=training, return_losses=True)` on trees.
+    """`(y, non_trainable, losses)`: Keras's `model.stateless_call` on trees.
 
-    Random draws (Dropout) are made over the global batch, so training is
-    the same on any number of replicas.
+    Random draws are made over the global batch, as on one replica.
     """
     return self._model.apply(trainable, non_trainable, x, training=training)
 
   def apply_gradients(self, variables: KerasVariables, grads
                       ) -> KerasVariables:
-    """The optimizer's step (`optimizer.stateless_apply`): `variables` with
-    new trainable and optimizer values.
+    """The optimizer's step (`optimizer.stateless_apply`) on `variables`.
 
     Raises:
       ValueError: `keras_functions` was given no optimizer.
@@ -79,20 +73,17 @@ class KerasFunctions:
 
 def keras_functions(model, optimizer=None
                     ) -> tuple[KerasVariables, KerasFunctions]:
-  """A Keras model (and optimizer) as `(variables, functions)` for a custom
-  loop.
+  """A Keras model (and optimizer) as `(variables, functions)` for a loop.
 
   Args:
     model: a built Keras 3 model (JAX backend).
     optimizer: a Keras optimizer object or name ("adam"), or None.
 
   Returns:
-    `(variables, functions)`: a `KerasVariables` pytree to place with
-    `strategy.replicate`, and the `KerasFunctions` the step calls.
+    `(KerasVariables, KerasFunctions)`: the state and what the step calls.
 
   Raises:
-    ValueError: the model is not built (give it an `Input`, or call
-      `model.build(input_shape)`).
+    ValueError: the model is not built (`model.build(input_shape)`).
 
   Example:
     >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")

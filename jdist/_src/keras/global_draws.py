@@ -1,11 +1,9 @@
 """Random draws over the global batch, for Keras layers inside a replica.
 
-Keras's random layers draw a value of their input's shape from a seed the
-same on every replica, so each replica would get the first rows of the
-one-device mask. Each `random_bits` draw whose first dimension is the
-replica's batch is made for the global batch instead, the replica keeping
-its rows: found in the traced function, not by patching Keras. Exact with
-`micro_batches=1` (micro-batches draw per micro-batch, as Keras per call).
+Each `random_bits` draw whose first dimension is the replica's batch is
+made for the global batch, the replica keeping its rows (found in the traced
+function, Keras unpatched), so Dropout masks match one device's
+(docs/keras.md).
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Whether a value is a Keras object, and keras itself, checked to run on JAX.
 
-A Keras object exists only in a program that imported keras, so the tests
-read `sys.modules` and never import keras themselves. Keras picks its
-backend once, when it is first imported (`KERAS_BACKEND`, or
-`~/.keras/keras.json`); jdist runs Keras models through their JAX stateless
-API, so a keras imported with another backend is a clear error. Every
-private Keras attribute jdist reads is read here (as `jax_compat.py` holds
-the private JAX ones).
+The tests read `sys.modules` (a Keras object exists only once keras is
+imported), so jdist never imports keras itself; keras on another backend
+than JAX is a clear error. Every private Keras attribute jdist reads is read
+here.
 """
 
 from __future__ import annotations
@@ -114,10 +111,8 @@ def keras_module(what: str):
 
 @contextlib.contextmanager
 def no_distribution() -> Iterator[None]:
-  """No `keras.distribution` while jdist runs Keras code of its own: the
-  variables of an optimizer's copy, or a model's call inside a jdist step
-  (where jdist lays out values, and Keras's output layouts would name a
-  mesh of their own). Restored after."""
+  """No `keras.distribution` while jdist runs Keras code of its own (jdist
+  lays out the values there); restored after."""
   keras = _loaded()
   before = keras.distribution.distribution() if keras is not None else None
   if before is None:
@@ -131,12 +126,9 @@ def no_distribution() -> Iterator[None]:
 
 
 def compile_arguments(model) -> dict:
-  """The arguments a compiled Keras model's `compile` was given (optimizer
-  as Keras resolved it, loss, loss_weights, metrics, weighted_metrics,
-  run_eagerly, steps_per_execution, jit_compile).
+  """The arguments a compiled Keras model's `compile` was given.
 
-  Private: Keras keeps them as given only in `model._compile_config`; its
-  public `get_compile_config()` serializes them, and a metric or loss
-  written as a function does not deserialize unless registered.
+  Private `model._compile_config`: the public `get_compile_config()`
+  serializes them, and a function loss does not deserialize unregistered.
   """
   return dict(model._compile_config.config)

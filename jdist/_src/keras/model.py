@@ -1,17 +1,9 @@
 """A Keras model seen through its stateless API, as values.
 
-`StatelessModel(model)` holds a Keras 3 model (Sequential, functional or
-subclassed, built or not) and offers it as pure functions of pytrees: its
-trainable and non-trainable variables (BatchNormalization's moving
-statistics, the `SeedGenerator` states of its random layers) as trees keyed
-by `variable.path` (`variables.py`; a seed state by its order among the
-model's, `seed_generators/0`), `apply` through
-`model.stateless_call`, and `assign` to write values back into the model
-(so `model.save`, `model.predict` and Keras's own `fit` see them).
-
-Inside a step on several replicas, the model's random draws are made over
-the global batch, each replica keeping its rows (`global_draws.py`): Keras's
-`Dropout` drops the same units of each example on N devices as on one.
+`StatelessModel(model)` offers a Keras 3 model as pure functions of pytrees:
+its variables as trees keyed by `variable.path` (`variables.py`), `apply`
+through `model.stateless_call`, `assign` to write values back. Random draws
+in a step are made over the global batch (`global_draws.py`, docs/keras.md).
 """
 
 from __future__ import annotations
@@ -52,8 +44,7 @@ def _layers(model) -> list:
 
 
 def _report_padding(report) -> None:
-  """Calls `report()` on the host when the running training step's batch
-  holds padding rows (inside a step; a check made on the devices)."""
+  """Calls `report()` on the host when the step's batch holds padding."""
   batch = resolve_batch()
   if batch.mask is None:
     return
@@ -62,14 +53,9 @@ def _report_padding(report) -> None:
 
 
 def _state_keys(variables) -> list[str]:
-  """The keys of the non-trainable variables: their paths, but for the
-  random layers' seed states, numbered in the model's order.
-
-  Keras names a `SeedGenerator` by a counter over the whole program
-  (`seed_generator_8/seed_generator_state`), so the same model built again
-  in one process would not find its seeds in its own checkpoint; its
-  position among the model's seed generators is the same every time.
-  """
+  """The keys of the non-trainable variables: their paths, but seed states
+  numbered in the model's order (Keras numbers them over the program, so a
+  model built again would not find its own in a checkpoint)."""
   keys, seeds = [], 0
   for v in variables:
     if v.name == "seed_generator_state":
@@ -113,9 +99,8 @@ class StatelessModel:
     self._warned_padding = False
 
   def build(self, x) -> None:
-    """Builds the model for inputs like `x` (arrays or their shapes and
-    dtypes, e.g. one example), if it is not built. Runs eagerly, also when
-    called while JAX traces: the variables Keras creates hold values."""
+    """Builds the model for inputs like `x` if it is not built (eagerly,
+    also under a JAX trace, so its variables hold values)."""
     if not self.model.built:
       with jax.ensure_compile_time_eval():
         self.model(_zeros_like(x))  # under the program's Keras distribution
@@ -147,18 +132,16 @@ class StatelessModel:
             variables_lib.tree_of(other, values[1]))
 
   def apply(self, trainable, non_trainable, x, *, training: bool = False):
-    """`(y, non_trainable, losses)`, pure: `model.stateless_call(...,
-    return_losses=True)` on these values.
+    """`(y, non_trainable, losses)`: `model.stateless_call` on trees.
 
     Args:
       trainable, non_trainable: trees as `variables()` gives them.
       x: the inputs.
-      training: Keras's `training` argument (dropout on, batch statistics).
+      training: Keras's `training` argument.
 
     Returns:
       The outputs, the new non-trainable values, and the model's losses
-      (its regularizers' and `add_loss`'s, a list of scalars, as
-      `model.losses`).
+      (a list of scalars, as `model.losses`).
     """
     trainable_paths, other_paths = self.paths
     tv = variables_lib.at_paths(trainable, trainable_paths, "trainable values")
@@ -180,8 +163,7 @@ class StatelessModel:
 
   @property
   def batch_statistics(self) -> bool:
-    """Whether the model normalises with its batch's statistics while
-    training (a `BatchNormalization` layer)."""
+    """Whether the model has a `BatchNormalization` layer."""
     if self._batch_statistics is None:
       norm = self._keras.layers.BatchNormalization
       self._batch_statistics = any(

@@ -1,10 +1,7 @@
 """Keras loss and metric objects as `jdist.losses` and `jdist.metrics` values.
 
-A Keras loss runs its own `call`, reduced as Keras's default reduction
-(over the global batch, padding left out). A Keras metric's variables are
-the running sums of a `jdist.metrics.Metric`: each replica updates its copy
-with `stateless_update_state`, and reading adds the copies before
-`stateless_result`, which is exact only for sums from zero (checked).
+A Keras metric's variables are the running sums: each replica updates its
+copy, and reading adds the copies (exact only for sums from zero: checked).
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """A Keras optimizer as an optax `GradientTransformation`.
 
-`update` runs the optimizer's own `stateless_apply` (Keras's arithmetic)
-and returns `new_params - params`, so it composes with loss scaling,
-gradient accumulation and `ShardedOptimizer`. The state holds each slot
-variable under its slot name and the parameter's path, so a `LayoutMap`
-rule for a parameter lays out its moments too; `iteration` and
-`learning_rate` by name. A copy is built for each set of shapes given.
+`update` runs Keras's `stateless_apply` and returns `new_params - params`,
+so it composes with loss scaling, accumulation and `ShardedOptimizer`. Slots
+sit under the parameter's path, so a `LayoutMap` rule lays them out too.
 """
 
 from __future__ import annotations
@@ -180,8 +177,7 @@ def _signature(names, leaves) -> tuple:
 
 def _state_keys(optimizer, paths, shapes) -> list[str]:
   """Where each optimizer variable sits in the state: a slot at
-  `slot/<parameter path>` (its parameter: the longest of its shape whose
-  name prefixes the Keras slot name), any other by its name."""
+  `slot/<parameter path>`, any other by its name."""
   prefixes = sorted(((p.replace("/", "_") + "_", p, s)
                      for p, s in zip(paths, shapes)),
                     key=lambda t: -len(t[0]))

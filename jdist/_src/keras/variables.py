@@ -1,7 +1,5 @@
-"""Keras variables as nested dicts keyed by the parts of their paths
-(`sequential/dense/kernel`), so a tree path is the variable's path: a
-`jdist.LayoutMap` key matches it as a flax parameter's, the optimizer's
-moments take their variable's layout, and checkpoints get plain names.
+"""Keras variables as nested dicts along their paths, so a `LayoutMap` key
+matches them as a flax parameter's and checkpoints get plain names.
 """
 
 from __future__ import annotations

@@ -60,8 +60,7 @@ class StrategyBase(abc.ABC):
   @property
   def synchronous(self) -> bool:
     """Whether every step is one SPMD program run in lock-step by all
-    replicas (False for `ParameterServerStrategy`, whose steps update state
-    held remotely, in place).
+    replicas (False for `ParameterServerStrategy`).
 
     Example:
       >>> import jdist
@@ -91,10 +90,8 @@ class StrategyBase(abc.ABC):
     return self
 
   def scope(self) -> contextlib.AbstractContextManager:
-    """Makes this the current strategy: `jdist.get_strategy()` returns it.
-
-    With Keras (JAX backend) it also sets the matching `keras.distribution`
-    for Keras's own `fit` (docs/keras.md).
+    """Makes this the current strategy (and with Keras, the matching
+    `keras.distribution`: docs/keras.md).
 
     Example:
       >>> import jdist
@@ -158,8 +155,7 @@ class StrategyBase(abc.ABC):
     """Places `tree` where this strategy holds state (mirrored placement)."""
 
   def init(self, fn: Callable, *args, **kwargs) -> Any:
-    """New state: `fn(*args, **kwargs)`, run in `mesh_scope`, placed as
-    `replicate` places it.
+    """New state: `fn(*args, **kwargs)` in `mesh_scope`, placed by `replicate`.
 
     Example:
       >>> import jdist, jax.numpy as jnp
@@ -173,8 +169,7 @@ class StrategyBase(abc.ABC):
     return self.replicate(value)
 
   def outside_user_mesh(self) -> contextlib.AbstractContextManager:
-    """For the block: the mesh the user set with `jax.set_mesh` (it must be
-    this strategy's) set aside.
+    """For the block: the user's `jax.set_mesh` mesh (this one's) set aside.
 
     Raises:
       jdist.StrategyMismatchError: another mesh is in context.
@@ -194,8 +189,8 @@ class StrategyBase(abc.ABC):
     code that traces the model outside a step, as `init` does.
 
     Args:
-      strict: whether a constraint on another mesh, or on an axis this mesh
-        lacks, is an error (False: left out, for a pass that reads shapes).
+      strict: whether a constraint on another mesh or axis is an error
+        (False: the constraint is left out).
 
     Raises:
       jdist.StrategyMismatchError: another mesh is in context.

@@ -1,9 +1,7 @@
 """`ArraySource`: in-memory arrays (or pytrees of arrays) with a batch size.
 
-Pass `p` over them is shuffled by a permutation drawn from `(seed, p)`
-(`shuffle_order.py`), so any position can be recomputed exactly on resume;
-the loop takes each batch's rows from the whole arrays as it reads the
-batch.
+Pass `p` is shuffled from `(seed, p)` (`shuffle_order.py`), so a resume
+recomputes any position.
 """
 
 from __future__ import annotations

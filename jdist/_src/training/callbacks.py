@@ -1,10 +1,8 @@
 """The callback protocol: Keras' hook names, called by `Trainer`.
 
-A callback sees the trainer as `self.model` (Keras' name; `self.trainer` is
-the same object), `self.params` (epochs, steps) and, during `fit`,
-`self.fit_loop` (the running `FitLoop`: position, history, checkpoint
-metadata). Per-batch `logs` are read from the devices only when a callback
-looks at them, so callbacks that ignore them cost no synchronisation per step.
+A callback sees the trainer as `self.model` (Keras' name), `self.params`
+and, during `fit`, `self.fit_loop`. Per-batch `logs` are read from the
+devices only when a callback looks at them (no synchronisation otherwise).
 """
 
 from __future__ import annotations
@@ -78,9 +76,8 @@ class Callback:
   def on_predict_batch_end(self, batch: int, logs=None): pass
 
   def close(self) -> None:
-    """Frees what the callback holds (files, handlers, a checkpoint
-    directory's claim) when `fit` ends, also when it ends by an exception,
-    where `on_train_end` is not called. A jdist addition; default: nothing."""
+    """Frees what the callback holds when `fit` ends, also by an exception
+    (unlike `on_train_end`). A jdist addition; default: nothing."""
 
 
 class LazyLogs(collections.abc.MutableMapping):
@@ -136,19 +133,30 @@ def keras_callback_message(callback) -> str:
           "trainer.stop_training, trainer.params).")
 
 
+def check_callbacks(callbacks) -> list:
+  """`callbacks` as a list (None, as Keras takes it, is none).
+
+  Raises:
+    TypeError: one is a Keras callback or not a `jdist.Callback`.
+  """
+  callbacks = list(callbacks or ())
+  for cb in callbacks:
+    if keras_loading.is_callback(cb):
+      raise TypeError(keras_callback_message(cb))
+    if not isinstance(cb, Callback):
+      raise TypeError(
+          f"{cb!r} is not a jdist.Callback; subclass jdist.Callback and "
+          "override its on_* hooks.")
+  return callbacks
+
+
 class CallbackList:
   """Calls a hook on every callback, in order."""
 
   def __init__(self, callbacks: Iterable[Callback], *, trainer, params: dict,
                fit_loop=None):
-    self.callbacks = list(callbacks or ())  # None, as Keras takes it
+    self.callbacks = check_callbacks(callbacks)
     for cb in self.callbacks:
-      if keras_loading.is_callback(cb):
-        raise TypeError(keras_callback_message(cb))
-      if not isinstance(cb, Callback):
-        raise TypeError(
-            f"{cb!r} is not a jdist.Callback; subclass jdist.Callback and "
-            "override its on_* hooks.")
       cb.set_model(trainer)
       cb.set_params(params)
       cb.set_fit_loop(fit_loop)

@@ -76,10 +76,8 @@ class ModelCheckpoint(Callback):
   Only `filepath` and `monitor` may be positional, as in Keras 3.
 
   Args:
-    filepath: a directory with one orbax step directory per checkpoint
-      (a `.keras` or `.h5` name is a ValueError). As in Keras, it may be a
-      template filled in at each save with the epoch (1-based), the batch
-      and the logs ("ckpt_{epoch:02d}"): each save its own directory.
+    filepath: a directory of orbax step directories (not `.keras`/`.h5`);
+      as in Keras, a template ("ckpt_{epoch:02d}") makes one per save.
     monitor: the log that decides the best epoch for `save_best_only`.
     verbose: 1 prints each save (process 0 only).
     save_best_only: save at an epoch's end only if `monitor` improved.
@@ -200,13 +198,9 @@ class ModelCheckpoint(Callback):
 class BackupAndRestore(Callback):
   """Survives interruption: backs up training and resumes it exactly.
 
-  When `fit` starts, it restores the newest usable backup in `backup_dir`
-  (state, data position, epoch logs), even onto another number of devices
-  or processes; a corrupt newest backup is skipped with a warning. On
-  SIGTERM to any process, all processes save a backup at one agreed step
-  and exit with status 0; the relaunched job ends as an uninterrupted run
-  would. Backups are deleted when training completes, but kept if the
-  state ended non-finite (a non-finite state is never backed up).
+  When `fit` starts, it restores the newest usable backup (state, data
+  position, logs), on any number of devices; on SIGTERM all processes back
+  up at one agreed step and exit 0 (docs/fit.md, docs/checkpoints.md).
 
   Args:
     backup_dir: where backups go (shared by all processes).
@@ -217,9 +211,7 @@ class BackupAndRestore(Callback):
     max_to_keep: backups kept; more than one lets a corrupt newest one fall
       back to the one before it.
     snapshot_every: batches between snapshots of the state in host memory
-      (a jdist extension, only under `jdist launch`; None: none). A
-      restarted attempt resumes from the newest snapshot or backup, so
-      backups can be rare.
+      (a jdist extension, under `jdist launch` only; None: none).
 
   Raises:
     ValueError: `save_freq` or `snapshot_every` is not a positive number of

@@ -1,12 +1,8 @@
 """What the Trainer checks of its data before any step runs.
 
-Before `fit`, `evaluate` or `predict` compiles a step, the model is traced
-on the data's first batch, the loss and the metrics against its predictions,
-the first batch's predictions and the targets against the loss
-(probabilities under a logits loss, labels that are not class indices): a
-mismatch is an error that names the data, before anything compiles or runs.
-Tracing costs a fixed ~0.1-0.2 s, more than a short fit's steps, so data of
-a shape already checked is not traced again.
+The model, loss and metrics are traced on the first batch and the targets
+checked against the loss (docs/fit.md), so a mismatch is an error naming the
+data before anything compiles. Tracing is not free: each shape once.
 """
 
 from __future__ import annotations
@@ -27,8 +23,7 @@ class DataChecks:
     program: the `TrainingProgram` the data is checked against.
 
   Attributes:
-    initialised_for: the `steps.input_spec` of the inputs the model was
-      initialised from (named in the error when other data does not fit).
+    initialised_for: the `steps.input_spec` the model was initialised from.
   """
 
   def __init__(self, program: TrainingProgram):
@@ -45,11 +40,8 @@ class DataChecks:
     self.initialised_for = steps.input_spec(sample)
 
   def outputs(self, sample: dict, abstract_state, what: str):
-    """The model's output shapes for `sample` (traced once per shape).
-
-    Raises:
-      TypeError, ValueError: the model does not take the data's inputs.
-    """
+    """The model's output shapes for `sample` (traced once per shape);
+    TypeError, ValueError if the model does not take the data's inputs."""
     key = _key(sample, abstract_state)
     if key not in self._output_specs:
       self._output_specs[key] = steps.output_spec(
@@ -58,9 +50,8 @@ class DataChecks:
     return self._output_specs[key]
 
   def shapes(self, sample: dict, abstract_state, metrics: dict, what: str):
-    """Checks the loss and `metrics` against the data's targets and the
-    model's predictions by their shapes alone (traced once per shape, no
-    values needed); returns the predictions' shapes.
+    """Checks the loss and `metrics` against the targets' and predictions'
+    shapes (once per shape); returns the predictions' shapes.
 
     Raises:
       TypeError, ValueError: the model, the loss or a metric does not fit.
@@ -75,14 +66,11 @@ class DataChecks:
 
   def objectives(self, source, sample: dict, read_state: Callable,
                  abstract_state, metrics: dict, what: str) -> None:
-    """Checks the loss and `metrics` (`{name: Metric}`) against the data's
-    targets and the model's predictions, once per shape; the first batch's
-    predictions once; and every target of `source` (arrays at once,
-    batches as they are read).
+    """Checks the loss and `metrics` against the shapes, the first batch's
+    predictions, and every target of `source` (batches as they are read).
 
     Args:
-      read_state: `read_state()` gives the train state's value, which the
-        first batch is predicted with (read only then).
+      read_state: gives the train state's value (read only when needed).
 
     Raises:
       ValueError: the loss or a metric does not fit the targets or the

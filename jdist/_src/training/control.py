@@ -16,9 +16,8 @@ from jdist._src.training.callbacks import Callback, is_chief, resolve_mode
 class LearningRateScheduler(Callback):
   """Sets the learning rate at the start of every epoch, as Keras does.
 
-  The optimizer must keep its learning rate in its state: build it with
-  `optax.inject_hyperparams(optax.adam)(learning_rate=...)`. The rate is saved
-  in checkpoints with the rest of the optimizer state.
+  The optimizer must keep its learning rate in its state:
+  `optax.inject_hyperparams(optax.adam)(learning_rate=...)`.
 
   Args:
     schedule: `schedule(epoch, lr) -> new_lr` (or `schedule(epoch)`).
@@ -147,15 +146,11 @@ class EarlyStopping(Callback):
 
 
 class ReduceLROnPlateau(Callback):
-  """Lowers the learning rate when a monitored value stops improving, with
-  Keras's arguments and rule.
+  """Lowers the learning rate when a monitored value stops improving (Keras').
 
-  At the end of each epoch: a value better than the best by `min_delta`
-  resets the count; otherwise, outside a cooldown, after `patience` epochs
-  without one the rate becomes `max(rate * factor, min_lr)` and a cooldown
-  of `cooldown` epochs starts. The optimizer must keep its learning rate in
-  its state (a Keras optimizer, or optax's `inject_hyperparams`); the logs
-  get "learning_rate".
+  After `patience` epochs without improvement the rate becomes
+  `max(rate * factor, min_lr)`. The optimizer must keep its learning rate
+  in its state (`optax.inject_hyperparams`); the logs get "learning_rate".
 
   Args:
     monitor: the log to watch, such as "val_loss".

@@ -1,9 +1,5 @@
 """Where `fit`, `evaluate` and `predict` get their data: one `Source`
-(`source.py`) for whatever was passed: arrays (`ArraySource`), a
-re-iterable of batches (`IterableSource`, each epoch a new pass), a one-shot
-iterator (`IteratorSource`, epochs continue it) or a `DatasetCreator`
-(`CreatorSource`, fit only). Batch forms are `batches.py`'s; which batches
-an epoch holds, `epochs.py`'s.
+(`source.py`) for whatever was passed.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """`DatasetCreator`: TensorFlow's input made by a function, once per input
-pipeline, which fit reads through the strategy's
-`distribute_datasets_from_function`. The host also calls `dataset_fn` once
-for one batch, on which the Trainer builds and checks the model before any
-step.
+pipeline (`distribute_datasets_from_function`); the host also calls it
+once for a batch to check the model on.
 """
 
 from __future__ import annotations
@@ -18,13 +16,9 @@ from jdist._src.training.source import Source
 class DatasetCreator:
   """A function that makes a dataset, passed to `fit` (TensorFlow's name).
 
-  Each input pipeline builds its own data: under a
-  `jdist.ParameterServerStrategy` every worker calls `dataset_fn` once per
-  `fit`, and each of its batches is one step's; under the synchronous
-  strategies every process calls it, and its batches are per-replica
-  (`input_context.get_per_replica_batch_size`). Batches are `(x, y)`,
-  `(x, y, sample_weight)` or `{"x", "y"}`. Make the dataset endless: `fit`
-  requires `steps_per_epoch`, and each epoch continues the iterator.
+  Each input pipeline builds its own data (under parameter servers, each
+  worker; else each process, per-replica batches). Make it endless: `fit`
+  requires `steps_per_epoch` (docs/parameter_servers.md).
 
   Args:
     dataset_fn: `dataset_fn(input_context) -> iterable of batches`.
@@ -76,8 +70,7 @@ class _PipelineInput:
 
 
 class CreatorSource(Source):
-  """fit's `Source` for a `DatasetCreator`: batches come from the strategy's
-  pipelines, not from this host. ValueError without `steps_per_epoch`."""
+  """fit's `Source` for a `DatasetCreator` (the strategy's pipelines)."""
 
   one_shot = True
   whole_calls = True  # (a pipeline's iterator is read in whole calls)
@@ -124,8 +117,7 @@ class CreatorSource(Source):
   def distributed(self, strategy, epoch: int, start: int = 0, *,
                   options=None, batch_size: int | None = None,
                   per_call: int = 1, inputs_only: bool = False) -> Iterator:
-    """The epoch's items from `start` on, continuing one pipeline iterator
-    all fit long, grouped by `per_call` (the pipelines batch for themselves)."""
+    """The epoch's items from `start` on, one iterator all fit long."""
     del epoch, options, batch_size
     if inputs_only:
       raise TypeError("A DatasetCreator feeds fit only.")

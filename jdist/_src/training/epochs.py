@@ -1,11 +1,8 @@
 """Which batches each epoch of a fit holds, and the rules on them.
 
-As in Keras, an epoch shorter than a pass continues it (`epoch_span`);
-epoch `e`'s batches depend on `e` and the lengths alone, so a resume finds
-them again. An epoch must hold whole accumulation groups (Keras carries a
-partial group over; jdist refuses it) and a `DatasetCreator`'s whole calls:
-checked before the first step where the length is known
-(`check_whole_groups`), else as the epoch ends (`check_group_end`).
+As in Keras, an epoch shorter than a pass continues it; epoch `e`'s batches
+depend on `e` and the lengths alone, so a resume finds them again. An epoch
+must hold whole accumulation groups (docs/accumulation_and_precision.md).
 """
 
 from __future__ import annotations
@@ -74,9 +71,8 @@ def warn_mid_pass_start(source, initial_epoch: int, stacklevel: int = 3
 
 def check_whole_groups(source, epochs: range, k: int,
                        per_call: int = 1) -> None:
-  """ValueError, before the first step, for an epoch among `epochs` whose
-  known length leaves a partial group of `k` batches (or of `per_call`
-  for a source read in whole calls), saying what to pass instead."""
+  """ValueError, before the first step, for an epoch of known length that
+  leaves a partial group of `k` (or `per_call`) batches."""
   if source.whole_calls:
     if source.steps_per_epoch % per_call:
       raise ValueError(

@@ -8,13 +8,11 @@ from jdist._src.training.callbacks import Callback
 class History(Callback):
   """Records each epoch's logs; `Trainer.fit` returns it.
 
-  `fit` calls it at every epoch's end before the other callbacks, and it
-  records the logs mapping itself, so values later callbacks add (as
-  `LearningRateScheduler`'s `learning_rate`) are recorded too, as in Keras.
+  It records the logs mapping itself, so values later callbacks add are
+  recorded too, as in Keras.
 
   Attributes:
-    history: `{name: [value per epoch]}` such as `loss`, `accuracy`,
-      `val_loss`. Values are Python floats, the exact means over each epoch.
+    history: `{name: [value per epoch]}` (floats, exact epoch means).
     epoch: the epoch indices recorded, in order.
 
   Example:

@@ -1,10 +1,6 @@
 """Sources of batches read on this host: `IterableSource` (a re-iterable,
-each pass a new iteration; resuming re-reads the saved epoch's pass and
-skips what was trained on) and `IteratorSource` (a one-shot iterator that
-epochs continue; resuming uses its `get_state`/`set_state`, else skips
-from a fresh one). A tf.data `Dataset` is told by its methods and read
-with one `as_numpy_iterator()` per pass, so reshuffling gives every epoch
-its order.
+a new pass per epoch) and `IteratorSource` (a one-shot iterator epochs
+continue); how each resumes and reads tf.data is in docs/fit.md.
 """
 
 from __future__ import annotations
@@ -80,10 +76,9 @@ class IterableSource(_BatchReader):
     return iter(self._iterable)
 
   def _pass_for(self, relative: int, at: int) -> tuple[list, bool]:
-    """The open pass for the epoch that reads pass `relative` (counted from
-    epoch 0's) from its batch `at` on: the one being read if it is that
-    pass and not past `at` (or peek's, whose first batch is kept), else a
-    new one; and whether its first batch is peek's, not yet trained on."""
+    """The open pass `relative` from its batch `at` on (the one being read
+    if it can serve, else a new one), and whether its first batch is
+    peek's, not yet trained on."""
     want = self._resume_epoch_0_pass
     self._resume_epoch_0_pass = None
     if want is None:

@@ -69,17 +69,14 @@ class CSVLogger(Callback):
 class TensorBoard(Callback):
   """Writes scalars for TensorBoard; optionally a jax.profiler trace.
 
-  Epoch logs go to `log_dir/train` (as `epoch_loss`, ...) and `val_*` logs
-  to `log_dir/validation`, as in Keras; with `update_freq=N` the running
-  logs also go every N steps (as `batch_*`). Only process 0 writes, with
-  tensorboardX.
+  Logs go to `log_dir/train` and `log_dir/validation` as in Keras; only
+  process 0 writes, with tensorboardX.
 
   Args:
     log_dir: the TensorBoard log directory.
     update_freq: "epoch", or a number of steps between batch-level writes.
     profile_batch: `(start, stop)` steps (1-based, inclusive) to trace with
-      `jax.profiler` into `log_dir` (view in TensorBoard's profile tab), or an
-      int for a single step; 0 for no trace.
+      `jax.profiler` into `log_dir`, or one step; 0 for no trace.
 
   Example:
     >>> import jdist

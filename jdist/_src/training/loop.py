@@ -1,11 +1,9 @@
 """The batch loops of `fit`, `evaluate` and `predict`, and the state of a fit.
 
-`FitLoop` is a Trainer's loop, between fits too: the train state, the step
-count, where training is (epoch, batch, batches taken from the data),
-whether to stop, the epoch's running totals, the History, and the data
-source. It owns all of it, hands itself to the callbacks
-(`callback.fit_loop`), and is what a checkpoint stores besides the train
-state and what a resume restores. A `fit` is one `run` of a `FitPlan`.
+`FitLoop` owns a Trainer's loop state, between fits too (train state, step
+count, position, `stop_training`, totals, History); callbacks reach it as
+`callback.fit_loop`, and checkpoints store it. A `fit` is one `run` of a
+`FitPlan`.
 """
 
 from __future__ import annotations
@@ -29,11 +27,8 @@ from jdist._src.training.progress import ProgressBar
 
 
 class Position(NamedTuple):
-  """Where training is: epoch, batch within it, batches taken from the data.
-
-  A named tuple: fit makes one per step, and a tuple is the cheapest
-  immutable record to make.
-  """
+  """Where training is: epoch, batch within it, batches taken from the data
+  (a named tuple: fit makes one per step, and a tuple is cheapest)."""
 
   epoch: int = 0
   batch: int = 0
@@ -50,24 +45,19 @@ class FitPlan(NamedTuple):
   """What one `fit` runs (the state, position and history are the loop's).
 
   Attributes:
-    train_function: the compiled `(state, totals, batch) -> (state, totals)`
-      (a `BatchGroup` per call above one `steps_per_execution`).
+    train_function: the compiled `(state, totals, batch) -> (state, totals)`.
     source: the training data, a `source.Source`.
     epochs: train until this epoch.
-    make_totals: `make_totals(sums or None) -> totals`: fresh (or restored)
-      running sums of the loss and metrics, placed.
-    read_logs: `read_logs(state) -> read(totals) -> logs`, called after a
-      step whose logs may be read, with the state it returned (it keeps
-      what the logs need of it: the next step may donate it).
+    make_totals: `make_totals(sums or None) -> totals`, placed.
+    read_logs: `read_logs(state) -> read(totals) -> logs`; it keeps what the
+      logs need of `state` (the next step may donate it).
     initial_epoch: the epoch to start at.
     validate: `validate(state, callbacks) -> logs`, or None.
-    batch_size: the static global batch size (None: the distributed
-      dataset decides).
+    batch_size: the static global batch size (None: the dataset decides).
     options: the `InputOptions` the batches are distributed with.
     steps_per_execution: batches per call of `train_function`.
     batches_per_step: batches per optimizer step (accumulation).
-    skipped: a `mixed_precision.SkippedBatches` for a loss-scaled optimizer
-      (fit warns about batches skipped at the scale's floor), or None.
+    skipped: a `mixed_precision.SkippedBatches` under a loss scale, or None.
   """
 
   train_function: Any
@@ -87,31 +77,23 @@ class FitPlan(NamedTuple):
 class FitLoop:
   """A `Trainer`'s training loop and everything it carries, fits or not.
 
-  The loop holds the train state, always: the trainer's `state`,
-  `stop_training`, `global_step` and `position` are the loop's. A `fit`
-  is one `run` of a `FitPlan`, which trains the state in place of the
-  loop (a copy of it, when the steps donate their state). Callbacks reach
-  what the loop owns through the trainer (`self.model.state`,
-  `self.model.stop_training`, as Keras callbacks write them), or through
-  `self.fit_loop`; the loop never sees the trainer.
+  The trainer's `state`, `stop_training`, `global_step` and `position` are
+  the loop's; the loop never sees the trainer.
 
   Args:
-    strategy: the strategy the steps run on (it reads and writes the state,
-      and distributes the batches); may be given later, before any state.
+    strategy: the strategy the steps run on; may be given later, before
+      any state.
 
   Attributes:
     strategy: that strategy.
-    position: the epoch and batch training is at (where the last fit
-      ended, between fits).
-    stop_training: set (by a callback, through `trainer.stop_training`) to
-      end training after the current batch; each fit starts with False, and
-      after it, it says whether the fit was stopped.
+    position: the epoch and batch training is at (between fits, where the
+      last one ended).
+    stop_training: ends training after the current batch; False at each
+      fit's start.
     source: the data of the running (or last) fit.
     steps_per_execution: batches per call of the train function.
     batches_per_step: batches per optimizer step.
-    last_execution: batches the last call of the train function ran (1, or
-      up to `steps_per_execution`): `global_step` moved by this much over
-      `batches_per_step`.
+    last_execution: batches the last call of the train function ran.
     totals: the epoch's running sums on the devices (`jdist.metrics`).
     history: the last fit's `History` (None before the first).
   """
@@ -139,31 +121,26 @@ class FitLoop:
 
   @state.setter
   def state(self, held) -> None:
-    """Replaces the train state (built, loaded, or restored by a callback);
-    the step count follows the new state (one read of its step)."""
+    """Replaces the train state; the step count follows it."""
     self._state = held
     self._step = 0 if held is None else int(placement.to_host(
         self.strategy.state_placement.read(held).step))
 
   @property
   def global_step(self) -> int:
-    """Optimizer steps applied so far: the state's own step, known on the
-    host without a read from the devices after every step (read when the
-    state is given or replaced, then moved by the steps each call ran, and
-    read again when a fit on remotely held state ends)."""
+    """Optimizer steps applied so far, counted on the host (read from the
+    state only when it is given or replaced, or held remotely)."""
     return self._step
 
   @property
   def batches_trained(self) -> int:
-    """Batches trained on since the first step (of this run and the ones it
-    resumed): `global_step` times the batches per optimizer step."""
+    """Batches trained on since the first step, resumed runs' included."""
     return self._step * self.batches_per_step
 
   def reached_multiple(self, every: int) -> bool:
     """Whether the last execution made `batches_trained` reach a multiple
-    of `every` (as Keras' `save_freq` counts batches; with
-    `steps_per_execution` or gradient accumulation it moves several
-    batches at once)."""
+    of `every` (as Keras' `save_freq` counts; it may move several at once).
+    """
     done, ran = self.batches_trained, self.last_execution
     return done // every > (done - ran) // every
 
@@ -185,8 +162,7 @@ class FitLoop:
             "data": self.source.state(pos.consumed)}
 
   def restore(self, state, meta: dict) -> None:
-    """Continues from a restored checkpoint (used by `BackupAndRestore`):
-    `state` (its value, with its step) and `meta` (its `checkpoint_meta`)."""
+    """Continues from a restored checkpoint's `state` and `meta`."""
     self.state = self.strategy.state_placement.write(
         self._state, state, self.strategy.mesh)
     self.position = Position(int(meta["epoch"]), int(meta["batch"]),
@@ -206,8 +182,7 @@ class FitLoop:
   # --- the loop -------------------------------------------------------------
 
   def epoch_length(self, epoch: int) -> int | None:
-    """Epoch `epoch`'s batches, when known (shorter than `steps_per_epoch`
-    for the epoch that reaches the end of a pass: `epochs.epoch_span`)."""
+    """Epoch `epoch`'s batches, when known (`epochs.epoch_span`)."""
     source = self.source
     return epochs_lib.epoch_span(epoch, source.steps_per_epoch,
                                  source.pass_length)[2]
@@ -217,10 +192,9 @@ class FitLoop:
     """Trains as `plan` says, until its last epoch or a callback stops it;
     returns the fit's `History`.
 
-    The trained state stays the loop's, also when an exception ends the fit
-    (the steps that ran stay applied, as Keras' variables do). The epochs
-    run here, not in a function of their own: an error a callback raises
-    shows a traceback a frame shorter.
+    The steps that ran stay applied when an exception ends the fit, as
+    Keras' variables do. The epochs run here, not in a function of their
+    own, so a callback's error shows a traceback a frame shorter.
     """
     self._start(plan)
     try:
@@ -266,12 +240,8 @@ class FitLoop:
     return self.history
 
   def _start(self, plan: FitPlan) -> None:
-    """Takes `plan`'s inputs and starts a fit's own records.
-
-    Raises:
-      ValueError: an epoch of known length would end inside an
-        accumulation group (`epochs.check_whole_groups`).
-    """
+    """Takes `plan`'s inputs and starts a fit's own records; ValueError for
+    an epoch that would end inside an accumulation group."""
     epochs_lib.check_whole_groups(
         plan.source, range(plan.initial_epoch, plan.epochs),
         plan.batches_per_step, plan.steps_per_execution)
@@ -299,14 +269,9 @@ class FitLoop:
                  bar: ProgressBar) -> int:
     """Trains on the epoch's batches from `start`; the batches that ran.
 
-    One loop serves every fit. Between calls the state and totals stay as
-    the step returned them, flat (`DistributedFunction.carry`, `_Carry`):
-    they are rebuilt as pytrees after each call only when something reads
-    them per call (a batch callback, a loss scale's skipped steps, a call
-    of several batches, whose position callbacks count), and otherwise once,
-    when the loop ends however it ends, or when the progress bar redraws
-    (`bar.due()`, a few times a second: the logs it shows are read at once,
-    before the next step donates the state they come from).
+    Between calls the state and totals stay flat (`_Carry`); they are
+    rebuilt only when something reads them per call, when the bar redraws
+    (its logs read before the next step donates their state), and at the end.
     """
     plan = self._plan
     batches = self.source.distributed(
@@ -352,9 +317,8 @@ class FitLoop:
 
   def _begin_call(self, epoch: int, index: int, batch,
                   hooks: "_Hooks") -> int:
-    """Before a call on `batch` from batch `index`: the rule of whole
-    accumulation groups, and `on_train_batch_begin` (as Keras, once per
-    execution, with its first batch's index). Returns the call's batches."""
+    """Before a call on `batch` from batch `index`: the accumulation groups'
+    rule and `on_train_batch_begin`. Returns the call's batches."""
     steps = batch.num_steps if hooks.grouped else 1
     if steps % self.batches_per_step:
       epochs_lib.check_group_end(epoch, index, steps, self.batches_per_step)
@@ -363,9 +327,8 @@ class FitLoop:
     return steps
 
   def _end_call(self, index: int, steps: int, hooks: "_Hooks") -> None:
-    """After a call of `steps` batches from batch `index`: the skipped
-    steps' record, the position, the batch's logs for `on_train_batch_end`
-    (as Keras, with the execution's last batch's index) and the bar."""
+    """After a call of `steps` batches from batch `index`: skipped steps,
+    the position, `on_train_batch_end` and the bar."""
     plan = self._plan
     if plan.skipped is not None:
       plan.skipped.record(self._state, index, steps)
@@ -385,8 +348,7 @@ class FitLoop:
     return self._plan.read_logs(state)(totals)
 
   def _warn(self, epoch: int, logs: dict) -> None:
-    """The epoch's warnings: steps skipped at the loss scale's floor (every
-    epoch they happen in), a non-finite loss (once a fit)."""
+    """The epoch's warnings: steps skipped at the scale's floor, a NaN loss."""
     skipped = self._plan.skipped
     message = None if skipped is None else skipped.end_epoch(epoch)
     if message is not None:
@@ -410,14 +372,11 @@ class _Hooks:
 
   Attributes:
     cbs, bar: the callbacks and the progress bar.
-    begin, end: some callback overrides `on_train_batch_begin` /
-      `on_train_batch_end`.
+    begin, end: a callback overrides `on_train_batch_begin` / `_end`.
     grouped: a call takes several batches (a `BatchGroup`).
-    logged: each call's logs are made (a batch-end callback, or the bar,
-      which then reads them at every call).
+    logged: each call's logs are made.
     draws: the bar shows logs (it reads them when it redraws).
-    per_call: something needs the state, totals or position after every
-      call, so the loop rebuilds them there.
+    per_call: the state, totals or position are needed after every call.
   """
 
   def __init__(self, cbs: CallbackList, bar: ProgressBar, skipped: bool, *,
@@ -432,10 +391,8 @@ class _Hooks:
 
 
 class _Carry:
-  """The loop's state and totals between calls of the train function, as
-  its `carry` holds them (`core/carried.py`): flat, so that no pytree is
-  built per call, or whole where the step cannot take them flat (a
-  parameter-server step, state held off the mesh)."""
+  """The loop's state and totals between calls, as the train function's
+  `carry` holds them (`core/carried.py`)."""
 
   def __init__(self, train):
     self._train = train
@@ -443,7 +400,7 @@ class _Carry:
 
   def start(self, state, totals) -> Callable:
     """Holds `(state, totals)`; returns `call(batch)`, which runs one call
-    of the train function on them and keeps its result in their place."""
+    on them and keeps its result in their place."""
     self._carried = self._train.carry(state, totals)
     return functools.partial(self._train.call_carried, self._carried)
 

@@ -1,10 +1,8 @@
 """The Trainer's side of mixed precision: a model computing in low precision
 on float32 parameters, and the optimizer that goes with it.
 
-Parameters and floating-point inputs are cast to the compute dtype on the
-way in and predictions come back in float32. In a training step parameters
-are typed as varying over replicas before the cast, so their gradients'
-all-reduce runs in float32, not on their float16 image.
+Parameters are typed as varying over replicas before the cast, so their
+gradients' all-reduce runs in float32.
 """
 
 from __future__ import annotations
@@ -82,8 +80,7 @@ def adapt(model, policy: DTypePolicy):
 def optimizer(tx: optax.GradientTransformation, policy: DTypePolicy
               ) -> optax.GradientTransformation:
   """`tx` with dynamic loss scaling where the policy needs it (float16),
-  unless it scales already; decided from `tx` alone, so every step function
-  built later uses the same one."""
+  unless it scales already."""
   if not policy.needs_loss_scaling or isinstance(
       tx, loss_scale.LossScaleTransformation):
     return tx
@@ -124,11 +121,8 @@ def train_logs(opt_state) -> dict:
 class SkippedBatches:
   """Which batches of an epoch a loss-scaled `fit` skipped, and when to say so.
 
-  Keeps a copy of the skip count and scale after each call (the next step
-  donates the state); at the epoch's end one read tells whether any step was
-  skipped, and only then it finds which by halving the calls. A skip at the
-  scale's floor of 1 means NaN or inf in a batch or its loss (no scale
-  helps); `end_epoch` names those batches.
+  One read at the epoch's end tells whether any step was skipped; only then
+  the calls are searched. `end_epoch` names batches skipped at the floor.
   """
 
   # Ranges of at most this many calls are read in one transfer.

@@ -1,18 +1,9 @@
 """What `Trainer` needs of a model: initialise it, apply it, hand it back.
 
-Every kind of model reaches the training program through `adapt`, as an
-adapter with one small interface (`ModelAdapter`: `init`, `apply`, `export`,
-`check`, `writes_back`, `own_losses`, `dtype_policy`): a flax linen
-`Module`, a flax nnx `Module`, a Keras 3 model (`jdist/_src/keras/`), or a
-plain apply function with its parameters. `apply` is pure: it takes
-parameters and the model's other state and returns predictions and the new
-state, so it runs inside a step.
-
-Inside a training step on several replicas, flax's BatchNorm layers that
-were given no `axis_name` compute their statistics over the global batch
-(the replica axis is filled in), so training, and the moving statistics,
-are the same as on one device; TensorFlow's BatchNormalization keeps
-per-replica statistics and averages the moving ones instead.
+Every kind of model (flax linen or nnx, Keras 3, an apply function) reaches
+the training program through `adapt`, as a `ModelAdapter` whose `apply` is
+pure, so it runs inside a step. flax's BatchNorm given no `axis_name` gets
+the replica axis: global-batch statistics, as on one device (docs/fit.md).
 """
 
 from __future__ import annotations
@@ -48,8 +39,7 @@ def _keyword(fn: Callable, names) -> str | None:
 
 
 def check_call(fn: Callable, kwargs: dict, what: str) -> None:
-  """Raises a clear TypeError if `fn(x, **kwargs)` does not fit `fn`'s
-  signature: the problem is then the call, not the data's shape."""
+  """Raises a clear TypeError if `fn(x, **kwargs)` does not fit `fn`."""
   try:
     sig = inspect.signature(fn)
   except (TypeError, ValueError):
@@ -126,9 +116,8 @@ def _mode_kwargs(fn: Callable, train: bool) -> dict:
 
 
 def open_boxes(tree: Any) -> Any:
-  """`tree` with flax linen's metadata boxes (`nn.Partitioned`,
-  `nn.LogicallyPartitioned`) replaced by their values, without the sharding
-  constraint that `unbox` applies under a mesh."""
+  """`tree` with flax linen's metadata boxes replaced by their values
+  (without the sharding constraint `unbox` applies under a mesh)."""
   if "flax.core" not in sys.modules:  # no flax, no boxes
     return tree
   from flax.core import meta
@@ -153,19 +142,13 @@ class ModelAdapter:
   """The interface every model adapter offers the training program.
 
   Attributes:
-    writes_back: whether the Trainer writes the trained values back into
-      the user's model object after `fit` (`export`), as Keras' `fit`
-      leaves its model trained: True for models that hold their variables
-      (an nnx module, a Keras model), False for those given as functions of
-      parameters.
-    own_losses: whether the model adds losses of its own (a Keras model's
-      regularizers and `add_loss`): `apply` then returns their sum as a
-      third value, which the train step adds to the loss once per step.
-    dtype_policy: the name of the dtype policy the model computes under by
-      itself (a Keras model's layers'), or None: jdist casts for it.
-    output_names: the names of the model's outputs, if it names them (a
-      Keras model's `output_names`), which name a list of outputs' losses
-      and metrics; else None.
+    writes_back: `fit` writes the trained values back into the model object
+      (`export`), as for models that hold their variables (nnx, Keras).
+    own_losses: the model adds losses of its own (Keras' regularizers):
+      `apply` returns their sum third, added to the loss.
+    dtype_policy: the policy the model computes under by itself (a Keras
+      model's), or None: jdist casts for it.
+    output_names: the names of the model's outputs, or None.
   """
 
   writes_back = False
@@ -192,10 +175,9 @@ class ModelAdapter:
 class LinenModel(ModelAdapter):
   """A flax linen module: variables are `params` plus other collections.
 
-  A `train` (or `training`) argument of `__call__` is set to True while
-  training; a `deterministic` argument to its opposite. Collections other than
-  `params` (such as `batch_stats`) are mutable while training. The step's key
-  reaches the module as the "dropout" rng.
+  `train`/`training` (or `deterministic`) arguments get the mode; other
+  collections are mutable while training; the step's key is the "dropout"
+  rng.
   """
 
   def __init__(self, module, variables=None):
@@ -251,12 +233,9 @@ class LinenModel(ModelAdapter):
 class NnxModel(ModelAdapter):
   """A flax nnx module: `nnx.Param` leaves train, the rest is model state.
 
-  The module is put in training mode (`module.train()`) for training steps
-  and evaluation mode (`module.eval()`) otherwise. A `__call__` with an
-  `rngs` parameter (flax's MNIST example: `__call__(self, x, rngs)`) gets an
-  `nnx.Rngs` of the step's key while training and None otherwise; `train`,
-  `training` or `deterministic` parameters get the mode. After `fit`, the
-  trained state is written back into the module object, as Keras does.
+  `module.train()` / `module.eval()` set the mode; an `rngs` parameter gets
+  an `nnx.Rngs` of the step's key while training (docs/fit.md). `fit`
+  writes the trained state back into the module.
   """
 
   writes_back = True
@@ -305,8 +284,7 @@ class NnxModel(ModelAdapter):
 class FunctionModel(ModelAdapter):
   """`apply_fn(params, x)` with its parameters.
 
-  `apply_fn` may take `train=` (True while training) and `rng=` (the step's
-  key while training, None otherwise) as keyword arguments; it gets them if
+  `apply_fn` gets `train=` and `rng=` (the step's key while training) if
   its signature names them.
   """
 
@@ -353,14 +331,9 @@ class FunctionModel(ModelAdapter):
 class KerasModel(ModelAdapter):
   """A Keras 3 model (JAX backend), through its stateless API.
 
-  Its trainable variables are the parameters and its non-trainable ones
-  (BatchNormalization's moving statistics, random layers' seed states) the
-  model state, both as trees keyed by `variable.path`
-  (`jdist/_src/keras/model.py`). An unbuilt model is built from the first
-  batch. Keras's random layers draw from their seed generators (carried in
-  the state, so a resumed run draws the same), each replica its rows of the
-  global batch's draw: the step's `rng` is not used. After `fit` the
-  trained values are written back into the model, as Keras's fit leaves it.
+  Trainable variables are the parameters, the others the model state,
+  keyed by `variable.path`; random layers draw from their seed states, not
+  the step's `rng` (docs/keras.md). `fit` writes the values back.
   """
 
   writes_back = True
@@ -384,8 +357,7 @@ class KerasModel(ModelAdapter):
 
   @property
   def output_names(self) -> list[str] | None:
-    """Keras's names of the model's outputs (a functional model's output
-    layers'); None where Keras has none (a subclassed model)."""
+    """Keras's names of the model's outputs; None where it has none."""
     return getattr(self.model.model, "output_names", None) or None
 
   def init(self, key, x) -> tuple[Any, Any]:
@@ -395,9 +367,7 @@ class KerasModel(ModelAdapter):
 
   @property
   def own_losses(self) -> bool:
-    """Whether the model adds losses of its own (its layers' regularizers,
-    `add_loss`): `apply` then returns their sum third, which the trainer
-    adds to the loss, as Keras's fit adds `model.losses`."""
+    """Whether the model adds losses of its own (`model.losses`)."""
     return self.model.has_losses
 
   def apply(self, params, model_state, x, *, train: bool, rng=None):
@@ -411,8 +381,7 @@ class KerasModel(ModelAdapter):
     return y, new_state, sum(losses, jnp.zeros((), jnp.float32))
 
   def _warn_varying(self, old_state, new_state) -> None:
-    """Warns once when a training step assigns floating-point non-trainable
-    values that differ between replicas: each replica's batch statistics."""
+    """Warns once when a step's non-trainable floats differ by replica."""
     axis = _replica_axis()
     if axis is None or self._warned:
       return

@@ -1,10 +1,7 @@
 """The trainer's losses and metrics: Keras' names, order and meanings.
 
-A loss or metric is a `jdist.losses` or `jdist.metrics` object, a Keras
-name or object, or a per-example function `f(y_true, y_pred)`; a name jdist
-does not mirror is looked up in Keras. Beyond Keras, the first batch is
-checked on the host: predictions that contradict `from_logits`, targets
-that are not class indices, a loss written in the other argument order.
+A name jdist does not mirror is looked up in Keras. Beyond Keras, the first
+batch is checked on the host (docs/fit.md).
 """
 
 from __future__ import annotations
@@ -170,9 +167,7 @@ def _ref(loss: loss_objects.Loss, from_logits: bool) -> str:
 
 def check_predictions(loss: loss_objects.Loss, y_pred: np.ndarray) -> None:
   """Raises if the first batch's predictions contradict `loss.from_logits`
-  (Keras silently clips logits given to a probability loss): values outside
-  [0, 1] or rows not summing to 1 under probabilities, rows summing to 1
-  exactly under logits."""
+  (Keras silently clips logits given to a probability loss)."""
   if loss.from_logits is None or loss.kind == "regression":
     return
   y_pred = np.asarray(y_pred, np.float64)

@@ -1,20 +1,11 @@
 """Models with several outputs: Keras's per-output losses, weights and metrics.
 
-A Keras model with two outputs is compiled with a loss per output (a dict
-keyed by the outputs' names, or a list in their order, or one loss for
-every output), `loss_weights` in the same form, and metrics per output.
-Here the same arguments make one `OutputLosses`, a `jdist.losses.Loss`
-whose per-example value is the weighted sum of the outputs' per-example
-losses, so the train step, loss scaling and accumulation see one loss as
-before; and metrics named as Keras names them: `<output>_loss` for each
-output's own loss (when there are several), `<output>_<metric>` for its
-metrics.
-
-The outputs are matched at trace time from the predictions' structure: a
-dict of outputs by its keys, a list or tuple by position (named by the
-model's `output_names` when it has them, a Keras functional model's output
-layers, else `output_<i>`). Targets are read the same way: a dict by the
-output's name, a list by position, a single array for a single output.
+The per-output losses make one `OutputLosses`, a `jdist.losses.Loss` (the
+weighted sum per example), so the train step sees one loss; metrics are
+named as Keras names them (`<output>_loss`, `<output>_<metric>`). Outputs
+are matched at trace time from the predictions' structure: a dict by key, a
+list by position (named by the model's `output_names`, else `output_<i>`);
+targets alike.
 """
 
 from __future__ import annotations
@@ -37,8 +28,7 @@ class Output:
   Attributes:
     name: its name in the logs (`<name>_loss`, `<name>_<metric>`).
     index: its position among the outputs.
-    key: where it is in the predictions (a dict key or a position; None:
-      the predictions are this one output).
+    key: a dict key or a position in the predictions (None: the only one).
     loss: its loss (None: it is not trained on).
     weight: its loss weight (None: 1).
   """
@@ -78,8 +68,7 @@ class Output:
 
 
 def output_keys(y_pred, names: Sequence[str] | None) -> list[tuple[str, Any]]:
-  """`[(name, key)]` of the outputs in predictions like `y_pred`; one
-  `(name, None)` for a single array.
+  """`[(name, key)]` of the outputs in predictions like `y_pred`.
 
   Raises:
     ValueError: an output is itself a structure (nested outputs).
@@ -102,8 +91,7 @@ def output_keys(y_pred, names: Sequence[str] | None) -> list[tuple[str, Any]]:
 
 
 def _per_output(spec, pairs, what: str) -> list:
-  """`spec` (a dict by output name, a list by position, or one value for
-  every output) as one value per output."""
+  """`spec` (a dict, a list, or one value for all) as one value per output."""
   names = [n for n, _ in pairs]
   if isinstance(spec, Mapping):
     unknown = sorted(set(map(str, spec)) - set(names))
@@ -123,16 +111,14 @@ def _per_output(spec, pairs, what: str) -> list:
 
 
 class OutputLosses(loss_objects.Loss):
-  """Keras's compiled loss of a model with several outputs (or a weighted
-  one): per example, the sum of each output's loss times its weight.
+  """Keras's compiled loss of several outputs: per example, the sum of each
+  output's loss times its weight.
 
   Args:
-    losses: a loss for every output, a dict `{output name: loss}` or a list
-      in the outputs' order (None: no loss for that output); each loss as
-      the Trainer takes one (a name, an object, a function).
+    losses: one loss for all, a dict `{output name: loss}` or a list in the
+      outputs' order (None: no loss there), each as the Trainer takes one.
     loss_weights: None, one number, or a dict or list like `losses`.
-    output_names: the model's names of its outputs, if it has them (a Keras
-      model's `output_names`): they name a list of outputs.
+    output_names: the model's names of its outputs (Keras' `output_names`).
 
   Example:
     >>> import jax.numpy as jnp
@@ -213,23 +199,19 @@ def _check_weights(weights) -> None:
 
 
 class _Held:
-  """A value kept in a metric's static configuration, compared by identity
-  (a metric or loss object, whose own fields may hold arrays)."""
+  """A value in a metric's static configuration, compared by identity."""
 
   def __init__(self, value):
     self.value = value
 
 
 class OutputMetric(metrics_lib.Metric):
-  """A metric of one output of a model with several (Keras's
-  `<output>_<metric>`): the wrapped metric, updated with that output's
-  targets and predictions.
+  """A metric of one output (Keras's `<output>_<metric>`).
 
   Attributes:
     held: the wrapped metric, fresh (its configuration).
     output: the `Output` it reads.
-    takes_sample_weight: whether the step gives it the sample weights (a
-      weighted metric).
+    takes_sample_weight: it is a weighted metric.
   """
 
   name: str = "output_metric"
@@ -262,9 +244,8 @@ class OutputMetric(metrics_lib.Metric):
 
 
 class OutputLoss(metrics_lib.Mean):
-  """One output's own loss in the logs (Keras's `<output>_loss`): its
-  per-example loss times the sample weight, without its loss weight, over
-  the number of examples, as the logged loss is.
+  """One output's own loss in the logs (Keras's `<output>_loss`), without
+  its loss weight.
 
   Attributes:
     output: the `Output` whose loss it logs.
@@ -289,8 +270,7 @@ class OutputLoss(metrics_lib.Mean):
 
 
 def _metric_specs(metrics, outs: list[Output], what: str) -> list[list]:
-  """Keras's per-output `metrics`: a dict by output name or a list with one
-  entry per output, each entry one metric or a list of them."""
+  """Keras's per-output `metrics` (a dict or a list) as one list each."""
   if metrics is None:
     return [[] for _ in outs]
   pairs = [(o.name, o.key) for o in outs]
@@ -310,10 +290,8 @@ def _metric_specs(metrics, outs: list[Output], what: str) -> list[list]:
 
 def build_metrics(loss: OutputLosses, metrics, weighted_metrics, y,
                   y_pred) -> dict:
-  """`{name: Metric}` of a model with several outputs, fresh, for targets
-  like `y` and predictions like `y_pred`: each output's loss (when several
-  have one), then the metrics and the weighted metrics, named as Keras
-  names them.
+  """`{name: Metric}`, fresh, of a model with several outputs, for targets
+  like `y` and predictions like `y_pred`, named as Keras names them.
 
   Raises:
     ValueError: the metrics do not match the outputs, or name one twice.
@@ -354,9 +332,8 @@ def _add_output_metrics(built: dict, out: Output, specs: list,
 
 def parts(loss: loss_objects.Loss, y_pred) -> list[tuple[Any, Callable,
                                                          Callable]]:
-  """`[(loss, targets -> its part, predictions -> its part)]`: each output
-  with a loss, for the first-batch checks (one entry for a one-output
-  loss)."""
+  """`[(loss, targets -> its part, predictions -> its part)]` per output
+  with a loss, for the first-batch checks."""
   if not isinstance(loss, OutputLosses):
     return [(loss, lambda y: y, lambda p: p)]
   return [(o.loss, o.true, o.pred) for o in loss.outputs(y_pred)

@@ -1,13 +1,9 @@
 """`TrainingProgram`: what training computes, as pure functions.
 
-A model adapter, a loss, metrics, an optax optimizer and a precision policy
-in; the initial state and the per-replica train, test and predict steps out.
-No strategy, data or loop: the strategy compiles the steps
-(`step_functions.py`), the fit loop runs them (`loop.py`). Every kind of
-model, optimizer and loss enters through one entry point each
-(`model.adapt`, `optimizers.resolve`, `objectives.resolve_loss` and
-`metric_items`), so the program sees only adapters, optax and
-`jdist.losses` objects.
+Model, loss, metrics, optimizer and precision policy in; the initial state
+and the per-replica steps out. No strategy, data or loop. Each kind of
+model, optimizer and loss enters through one entry point (`model.adapt`,
+`optimizers.resolve`, `objectives.resolve_loss`, `metric_items`).
 """
 
 from __future__ import annotations
@@ -37,27 +33,22 @@ from jdist._src.training.state import TrainState
 class TrainingProgram:
   """A model, loss, metrics, optimizer and precision policy as pure functions.
 
-  `init(init_key, rng_key, sample)` makes a fresh `TrainState`; the
-  per-replica `train_step(state, totals, batch) -> (state, totals)`,
-  `test_step(state, totals, batch) -> totals` and `predict_step(state,
-  batch) -> predictions` run inside a strategy's compiled step (`totals`:
-  the running sums, `totals.make_totals(program.metrics_for(y, y_pred))`).
-  Each step is one function object, so a strategy compiles it once.
+  `init` makes a fresh `TrainState`; `train_step`, `test_step` and
+  `predict_step` run per replica inside a strategy's compiled step, each
+  one function object so that a strategy compiles it once.
 
   Attributes:
     model: the `model.ModelAdapter`, computing under `policy`.
     loss: the `jdist.losses.Loss` the train step minimises.
     optimizer: the optax transformation the train step applies (loss
-      scaled under "mixed_float16"; `with_optimizer` swaps it).
+      scaled under "mixed_float16").
     policy: the mixed precision `DTypePolicy`.
     metric_items, weighted_items: `[(name, spec)]` of the metrics and the
-      weighted metrics (`objectives.metric_items`).
-    output_metrics: for a model with several outputs, the `(metrics,
-      weighted_metrics)` given, matched to its outputs; else None.
+      weighted metrics.
+    output_metrics: the per-output `(metrics, weighted_metrics)`, or None.
     micro_batches: M micro-batches per replica's batch.
     batches_per_step: K batches per optimizer step (accumulation).
-    given_optimizer: the optimizer before loss scaling (one that scales
-      the loss already is refused).
+    given_optimizer: the optimizer before loss scaling.
 
   Example:
     >>> import jdist, jax, numpy as np, optax
@@ -87,12 +78,8 @@ class TrainingProgram:
   def make(cls, model, *, optimizer, loss, metrics=None, weighted_metrics=None,
            params=None, dtype_policy=None, micro_batches: int = 1,
            batches_per_step: int = 1, loss_weights=None) -> "TrainingProgram":
-    """The program for what a user passes to `jdist.Trainer`.
-
-    Each argument goes through its entry point (`model.adapt`,
-    `optimizers.resolve`, `objectives.resolve_loss`, `metric_items`), and
-    the policy's loss scaling is decided here, from the optimizer alone, so
-    every step function made later uses the same optimizer.
+    """The program for what a user passes to `jdist.Trainer` (loss scaling
+    decided here, so every step function uses the same optimizer).
 
     Raises:
       TypeError, ValueError: an argument jdist cannot train with, or metric
@@ -130,10 +117,8 @@ class TrainingProgram:
   @classmethod
   def with_compile(cls, model, given: dict, **kwargs
                    ) -> tuple["TrainingProgram", int]:
-    """The program and `steps_per_execution` for the Trainer's arguments
-    `given` (optimizer, loss, loss_weights, metrics, weighted_metrics,
-    steps_per_execution; None where not given), completed from a Keras
-    model's own compile (`keras/compiled.py`); `kwargs` go to `make`.
+    """The program and `steps_per_execution` for the Trainer's compile
+    arguments `given`, completed from a Keras model's own compile.
 
     Raises:
       TypeError, ValueError: as `make`; no optimizer or loss, given or
@@ -157,8 +142,7 @@ class TrainingProgram:
 
   @property
   def metrics_names(self) -> list[str]:
-    """The names in the logs, as Keras' `model.metrics_names`: "loss", then
-    the metrics and the weighted metrics."""
+    """The names in the logs, as Keras' `model.metrics_names`."""
     return ["loss"] + [n for n, _ in self.metric_items + self.weighted_items]
 
   @property
@@ -169,8 +153,7 @@ class TrainingProgram:
   # --- the functions -----------------------------------------------------------
 
   def init(self, init_key, rng_key, sample) -> TrainState:
-    """A fresh `TrainState` for inputs like `sample` (traceable: a strategy
-    computes it where it holds the state)."""
+    """A fresh `TrainState` for inputs like `sample` (traceable)."""
     params, model_state = self.model.init(init_key, sample)
     return TrainState(jnp.int32(0), params, self.optimizer.init(params),
                       model_state, jax.random.key_data(rng_key))
@@ -217,9 +200,8 @@ class TrainingProgram:
     return steps.make_predict_step(self.model)
 
   def metrics_for(self, y, y_pred) -> dict:
-    """`{name: Metric}`, fresh, of the metrics then the weighted metrics,
-    for targets like `y` and predictions like `y_pred` (arrays or their
-    shapes: a metric's form may depend on them)."""
+    """`{name: Metric}`, fresh, for targets like `y` and predictions like
+    `y_pred` (a metric's form may depend on their shapes)."""
     if self.output_metrics is not None:
       return outputs.build_metrics(self.loss, *self.output_metrics, y, y_pred)
     return {**objectives.build_metrics(self.metric_items, self.loss, y, y_pred),
@@ -232,8 +214,8 @@ class TrainingProgram:
 
 
 def _weighted_names(metric_items, weighted_items) -> tuple:
-  """The weighted metrics' items, one named as a metric renamed
-  `weighted_<name>`, as Keras names it.
+  """The weighted metrics' items, renamed `weighted_<name>` where a metric
+  has the name, as Keras does.
 
   Raises:
     ValueError: that name is taken too.

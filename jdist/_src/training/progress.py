@@ -1,6 +1,5 @@
-"""The progress bar of `fit`: one `tqdm.auto` bar per epoch, on process 0.
-The loop hands it steps when `due` (at most every `TICK` seconds); it reads
-the logs from the devices at most every `refresh` seconds.
+"""The progress bar of `fit`: one `tqdm.auto` bar per epoch, on process 0,
+reading the logs from the devices at most every `refresh` seconds.
 """
 
 from __future__ import annotations
@@ -30,9 +29,8 @@ def resolve_verbose(verbose) -> int:
 
 
 class ProgressBar:
-  """Shows an epoch's steps, steps per second, loss and metrics, and at its
-  end the FLOP/s and MFU from the train step's `plan` (FLOPs per call of
-  `batches_per_call` batches) and the time of its steps (`timed`)."""
+  """Shows an epoch's steps, steps per second and logs, and at its end the
+  FLOP/s and MFU from the train step's `plan`."""
 
   def __init__(self, verbose, epochs: int, *, refresh: float | None = None,
                plan=None, batches_per_call: int = 1):

@@ -1,10 +1,8 @@
 """The order `fit` reads shuffled arrays in: one permutation per pass.
 
-Pass `p` over `n` examples with seed `s` reads them in
-`numpy.random.default_rng([s, p]).permutation(n)`, so any position is
-recomputed exactly on resume. The next pass's is drawn ahead in a worker
-thread (numpy releases the GIL), at most two held; `fit` ends the thread
-(`shutdown`) when it returns or raises.
+Pass `p` with seed `s` reads `numpy.random.default_rng([s, p])
+.permutation(n)`, so a resume recomputes it; the next is drawn ahead in a
+worker thread.
 """
 
 from __future__ import annotations
@@ -37,8 +35,7 @@ def submit(fn, *args) -> concurrent.futures.Future | None:
 
 
 def shutdown() -> None:
-  """Ends the worker thread, cancelling queued work and waiting for the
-  draw under way; `fit` calls it as it ends."""
+  """Ends the worker thread (`fit` calls it as it ends)."""
   global _pool
   with _pool_lock:
     pool, _pool = _pool, None

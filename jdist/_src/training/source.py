@@ -1,11 +1,8 @@
 """`Source`: the one protocol through which data reaches `fit`, `evaluate`
 and `predict` (Keras' `DataAdapter`).
 
-Arrays (`array_source.py`), iterables and datasets (`iterable_source.py`)
-and a `DatasetCreator`'s pipelines (`dataset_creator.py`) are sources. The
-loop asks one thing per epoch, `distributed(...)`: each call's argument,
-placed by the strategy; the Trainer checks every source the same way before
-any step, and checkpoints store what each needs to resume.
+Arrays, iterables and datasets, and a `DatasetCreator`'s pipelines are
+sources; the loop asks each epoch's `distributed(...)` of one.
 """
 
 from __future__ import annotations
@@ -42,8 +39,7 @@ class Source:
     raise NotImplementedError
 
   def check_targets(self, check: Callable) -> None:
-    """Has every target checked by `check(y, where)`: arrays at once, batches
-    as they are read (the first one at once)."""
+    """Has every target checked by `check(y, where)` (batches as read)."""
     raise NotImplementedError
 
   def state(self, consumed: int) -> dict:
@@ -70,10 +66,8 @@ class Source:
 
   def static_batch_size(self, strategy, what: str, *, micro_batches: int = 1,
                         pad: bool = False) -> int | None:
-    """The global batch size steps compile for: the first batch's (data
-    smaller than a batch is one short padded batch; None for a one-shot
-    iterator whose first batch does not split). ValueError if batches do not
-    split over the replicas (and micro-batches, FSDP devices) without `pad`."""
+    """The global batch size steps compile for (None: the first batch does
+    not tell). ValueError if batches do not split without `pad`."""
     rows = host.batch_size_of(self.peek()["x"], f"{what}'s first batch")
     num_replicas = strategy.num_replicas_in_sync
     split, split_what = host.batch_split(strategy)

@@ -17,10 +17,8 @@ class TrainState:
     step: optimizer steps applied so far (an int32 scalar).
     params: the model's trainable parameters.
     opt_state: the optax optimizer's state.
-    model_state: the model's other variables (flax `batch_stats`, an nnx
-      module's non-`Param` state); `{}` if none.
-    rng: raw key data of the training random stream; step `s` uses
-      `fold_in(key, s)`, so a resumed run draws the same numbers.
+    model_state: the model's other variables; `{}` if none.
+    rng: raw key data; step `s` uses `fold_in(key, s)` (resumes exactly).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -46,8 +44,7 @@ class TrainState:
     return jax.random.fold_in(jax.random.wrap_key_data(self.rng), self.step)
 
   def batch_key(self, batch, batches_per_step: int = 1) -> jax.Array:
-    """The key of batch `batch` of this step under gradient accumulation:
-    batch `step * batches_per_step + batch`'s, as if one batch per step."""
+    """The key of batch `batch` of this step, as if one batch per step."""
     if batches_per_step == 1:
       return self.step_key()
     return jax.random.fold_in(jax.random.wrap_key_data(self.rng),

@@ -1,14 +1,10 @@
 """A `TrainingProgram`'s steps compiled by a strategy (`StepFunctions`, as
 Keras names them) and the plan of fit's train step (`TrainPlanner`).
 
-A synchronous strategy (`StrategyBase.synchronous`) runs several batches per
-call (`MultiStepFunction`) and its train function donates the state; the
-parameter-server engine runs one step per call and donates nothing.
-`TrainPlanner` lowers the train function's own carried program, so compiling
-it for the plan compiles what fit's first step runs; it plans the state from
-its shapes before it is built, so a step that would not fit the devices'
-memory is refused first. Asynchronous strategies and data that its pipelines
-batch (`Source.whole_calls`) are not planned.
+A synchronous strategy runs several batches per call and donates the
+state; the parameter-server engine runs one step per call. `TrainPlanner`
+lowers the train function's own program (the plan compiles what the first
+step runs), from the state's shapes, so an oversized step is refused first.
 """
 
 from __future__ import annotations
@@ -148,11 +144,9 @@ class TrainPlanner:
 
   def plan(self, source, state, totals, *, limited: bool = False
            ) -> tuple[Plan | None, Any]:
-    """`(plan, totals)` of the train step on `source`'s first batch, from
-    the held `state` or, if None, its shapes; totals made if None. With
-    `limited`, plans only under a known memory limit. Over the limit, the
-    plan holds its alternatives' plans. Raises TypeError, ValueError if the
-    data does not fit the model, loss or metrics."""
+    """`(plan, totals)` of the train step on `source`'s first batch (with
+    `limited`, only under a known memory limit). TypeError, ValueError if
+    the data does not fit the model, loss or metrics."""
     strategy = self.strategy
     if not (isinstance(strategy, Strategy) and strategy.synchronous) or (
         source.whole_calls) or (limited and planning.memory_limit(

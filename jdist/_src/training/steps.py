@@ -1,9 +1,6 @@
 """The per-replica train, evaluation and prediction steps of a
-`TrainingProgram`, and the checks that trace them against the data.
-
-Each step adds its replica's examples to the running sums of the loss and
-metrics (`totals.py`); the checks trace the model, loss and metrics on the
-data's shapes before any step runs, so a mismatch is a clear error.
+`TrainingProgram` (each adds to the running sums, `totals.py`), and the
+checks that trace them against the data before any step runs.
 """
 
 from __future__ import annotations
@@ -36,28 +33,22 @@ def _per_example_loss(loss: Loss, y, y_pred, b: int) -> jax.Array:
 
 
 def _apply(model, params, model_state, x, *, train: bool, rng=None):
-  """`(y_pred, model_state, own)`: the model's outputs and new state, and
-  the sum of its own losses (a Keras model's regularizers; None for a model
-  without, `own_losses`)."""
+  """`(y_pred, model_state, own)`: outputs, new state, and the sum of the
+  model's own losses (None without)."""
   out = model.apply(params, model_state, x, train=train, rng=rng)
   return out if model.own_losses else (*out, None)
 
 
 def _logged_loss(per_ex_loss, sw, own) -> jax.Array:
-  """What the loss's running mean adds per example: Keras' weighted loss,
-  plus the model's own losses (`model.losses`, in Keras's logged loss)."""
+  """The loss's running mean's addend per example, own losses included."""
   values = per_ex_loss if sw is None else per_ex_loss * sw
   return values if own is None else values + jax.lax.stop_gradient(own)
 
 
 def _accumulate(totals: dict, loss_values, y_pred, batch: dict,
                 weighted: frozenset) -> dict:
-  """Adds the batch to every metric (the step's mask leaves padding out).
-
-  The loss is Keras' weighted loss: sum of weight times loss over the
-  number of examples (`loss_values`, from `_logged_loss`); metrics named in
-  `weighted` take the weights too.
-  """
+  """Adds the batch to every metric, padding masked out; metrics named in
+  `weighted` take the sample weights."""
   y, sw = batch["y"], batch.get("sample_weight")
   y_pred = jax.lax.stop_gradient(y_pred)
   new = {"loss": totals["loss"].update(loss_values)}
@@ -69,13 +60,8 @@ def _accumulate(totals: dict, loss_values, y_pred, batch: dict,
 
 
 def _mirror_model_state(model_state):
-  """Model state that varies over replicas, averaged (TF's ON_READ MEAN;
-  integers: their maximum).
-
-  flax's BatchNorm is made global in the model's apply; state that still
-  differs between replicas (a custom layer's running statistics) is made
-  equal here as TensorFlow aggregates sync-on-read variables: their mean.
-  """
+  """Model state that varies over replicas, averaged as TF aggregates
+  sync-on-read variables (integers: their maximum)."""
   batch = resolve_batch()
   ctx = batch.replica_context
   if ctx is None:
@@ -96,8 +82,7 @@ def _mirror_model_state(model_state):
 
 
 def _loss_scaling(opt_state):
-  """Multiplies the loss by the optimizer's loss scale, if it has one
-  (`jdist.loss_scale_optimizer`, which divides the gradients by it)."""
+  """Multiplies the loss by the optimizer's loss scale, if it has one."""
   if isinstance(opt_state, loss_scale.LossScaleState):
     return opt_state.loss_scale.scale_loss
   return lambda loss: loss
@@ -109,17 +94,12 @@ def make_train_step(model, loss: Loss, tx: optax.GradientTransformation,
   """`(state, totals, batch) -> (state, totals)`, run once per replica.
 
   Args:
-    micro_batches: M: each batch runs as M micro-batches (less activation
-      memory, the same step).
-    batches_per_step: K: the batch holds K distributed batches joined
-      (`BatchGroup.merged`): gradient accumulation, one optimizer step over
-      all of them. Batch `j` of the group draws its random numbers from
-      `fold_in(key, step * K + j)`: every batch its own, as one step per
-      batch would.
+    micro_batches: M: each batch runs as M micro-batches.
+    batches_per_step: K: the batch holds K batches joined; one optimizer
+      step over all, batch `j` drawing from `fold_in(key, step * K + j)`.
 
   With M x K above 1 the micro-batches run in a `lax.scan` with one gradient
-  reduction (`jdist.accumulate_gradients`'s engine), the model's state
-  carried from one micro-batch to the next.
+  reduction (`jdist.accumulate_gradients`'s engine).
   """
   k = batches_per_step
 
@@ -218,8 +198,8 @@ def output_spec(model, state: TrainState, sample: dict, what: str,
   """The model's output shapes for `sample`'s inputs, traced (nothing runs).
 
   Args:
-    initialised_for: the `input_spec` of the inputs the model's parameters
-      were initialised from, if known: named in the error when they differ.
+    initialised_for: the `input_spec` the parameters were initialised
+      from, if known (named in the error).
 
   Raises:
     TypeError: the model's signature does not take the trainer's call.

@@ -68,8 +68,7 @@ class Totals:
 
   def new(self, sums: dict | None = None) -> dict:
     """Fresh running sums (from `sums`, a checkpoint's) where the strategy
-    holds them: placed once for a synchronous strategy (no step donates
-    them), anew each time when held remotely (updated in place)."""
+    holds them."""
     if not sums and self._placed is not None:
       return self._placed
     totals = self._fresh
@@ -86,9 +85,8 @@ class Totals:
     return means(totals, read_sums(self._strategy, totals))
 
   def logs_reader(self, state) -> Callable[[dict], dict]:
-    """`read(totals) -> logs` for the step that returned `state`: the means,
-    and the loss scale if the optimizer scales it (a copy of its scalars,
-    since the next step donates `state`)."""
+    """`read(totals) -> logs` for the step that returned `state` (copying
+    what it needs: the next step donates `state`)."""
     kept = None
     if self._scales_loss:
       placement_ = self._strategy.state_placement
@@ -111,8 +109,7 @@ class Totals:
   def skipped_batches(self, batches_per_step: int = 1
                       ) -> mixed_precision.SkippedBatches | None:
     """What tells fit which batches a loss-scaled optimizer skipped; None
-    without loss scaling, and under an asynchronous strategy (reading the
-    state after every step would wait for the servers each time)."""
+    without loss scaling or under an asynchronous strategy."""
     if not self._scales_loss or not self._strategy.synchronous:
       return None
     return mixed_precision.SkippedBatches(
