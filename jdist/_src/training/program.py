@@ -125,8 +125,9 @@ class TrainingProgram:
         compiled; or an argument given that the compile set otherwise.
     """
     args = keras_compiled.arguments(model, given)
-    steps_per_execution = args.pop("steps_per_execution") or 1
-    return cls.make(model, **args, **kwargs), steps_per_execution
+    steps_per_execution = args.pop("steps_per_execution")
+    return cls.make(model, **args, **kwargs), (
+        1 if steps_per_execution is None else steps_per_execution)
 
   def with_optimizer(self, tx: optax.GradientTransformation
                      ) -> "TrainingProgram":
