@@ -14,6 +14,7 @@ import warnings
 import weakref
 from typing import Any, Callable, Iterable
 
+from jdist._src.core import compiled_call
 from jdist._src.core import context
 from jdist._src.core import mesh_context
 from jdist._src.core import placement
@@ -158,8 +159,10 @@ class StrategyBase(abc.ABC):
     """Places `tree` where this strategy holds state (mirrored placement)."""
 
   def init(self, fn: Callable, *args, **kwargs) -> Any:
-    """New state: `fn(*args, **kwargs)`, run in `mesh_scope`, placed as
-    `replicate` places it.
+    """New state: `fn(*args, **kwargs)`, run in `mesh_scope` as one compiled
+    program (its array arguments traced, other arguments as given; a
+    function that cannot be traced runs eagerly), placed as `replicate`
+    places it.
 
     Example:
       >>> import jdist, jax.numpy as jnp
@@ -169,7 +172,7 @@ class StrategyBase(abc.ABC):
       True
     """
     with self.mesh_scope():
-      value = fn(*args, **kwargs)
+      value = compiled_call.call_compiled(fn, args, kwargs)
     return self.replicate(value)
 
   def outside_user_mesh(self) -> contextlib.AbstractContextManager:
