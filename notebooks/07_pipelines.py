@@ -43,9 +43,6 @@ if importlib.util.find_spec("jdist") is None:
     spec = source + "[examples]" if source.endswith(".whl") else f"jdist[examples] @ {source}"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", spec], check=True)
     importlib.invalidate_caches()
-# One thread per fake CPU device: a stage computing alone would otherwise take both
-# cores of a small machine and look faster than beside its peer (CPU only).
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
 import jax
 try:
     jax.config.update("jax_num_cpu_devices", 4)  # only used when there is no accelerator
@@ -57,6 +54,10 @@ import jax.numpy as jnp
 import jdist
 from jdist.examples.models import GPT, gpt_layout_map
 from jdist.examples.pipeline_timeline import Timeline, timed
+# One thread per fake CPU device (read when JAX starts its backend, on the next line):
+# a stage computing alone would otherwise take both cores of a small machine and look
+# faster than beside its peer (CPU only).
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
 devices = jax.devices()[:4]
 print(devices)
 

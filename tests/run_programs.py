@@ -5,9 +5,10 @@
 PROGRAMS.json is a list of `{"name": "README.md:42", "code": "..."}`. Each
 program runs as a script would (`__name__ == "__main__"`, its own globals),
 in a fresh scratch directory of its own (the files it writes stay there), and
-its printed output is kept. One process for a page's programs imports JAX
-and jdist once. RESULTS.json gets, for each program in order,
-`{"name", "stdout", "error"}` (`error`: the traceback, or None).
+its printed output is kept. One process for all the programs imports JAX
+and jdist once (tests/test_readme.py runs every page's programs in one).
+RESULTS.json gets, for each program in order, `{"name", "stdout", "error"}`
+(`error`: the traceback, or None).
 """
 
 import contextlib
@@ -39,7 +40,10 @@ def run(program: dict) -> dict:
 def main(argv: list) -> int:
   with open(argv[1]) as f:
     programs = json.load(f)
-  results = [run(p) for p in programs]
+  results = []
+  for program in programs:  # which one a crash or a timeout stopped in
+    print(f"running {program['name']}", file=sys.stderr, flush=True)
+    results.append(run(program))
   with open(argv[2], "w") as f:
     json.dump(results, f)
   return 0

@@ -3,7 +3,8 @@
 The notebooks are kept as jupytext pairs: `notebooks/NN_name.py` (percent
 format, the one to edit) and `notebooks/NN_name.ipynb` (outputs stripped, the
 one to open in Jupyter or Colab). This checks that each pair agrees and then
-executes the .ipynb in a fresh kernel.
+executes each .ipynb, top to bottom, in one kernel that starts every
+notebook from an empty namespace.
 """
 
 import os
@@ -13,6 +14,8 @@ import pytest
 
 nbformat = pytest.importorskip("nbformat")
 jupytext = pytest.importorskip("jupytext")
+from jupyter_client import AsyncKernelManager  # noqa: E402
+from jupyter_core.utils import run_sync  # noqa: E402
 from nbclient import NotebookClient  # noqa: E402
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
@@ -71,41 +74,70 @@ def _with_parameters(nb, stem: str):
   return nb
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("path", PAIRS, ids=lambda p: p.stem)
-def test_notebook_runs(path, tmp_path):
-  nb = _with_parameters(nbformat.read(path, as_version=4), path.stem)
-  env_dir = tmp_path / "run"
-  env_dir.mkdir()
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+  """One Python kernel that runs every notebook in turn (each from a reset
+  namespace, its own directory and the kernel's starting environment: see
+  `_fresh_start`), so that the kernel's start and the imports of JAX, jdist,
+  flax and matplotlib are paid once, not once per notebook. The kernel
+  compiles at the suite's level 0 (conftest.py's XLA_FLAGS): with the
+  parameters above every notebook spends more of its time compiling than
+  running steps."""
   os.environ.setdefault("MPLBACKEND", "Agg")
-  # The kernel runs in a scratch directory: let it import this checkout's jdist
-  # even when it is not installed (an installed jdist works the same).
-  root = str(NOTEBOOKS.parent)
-  paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-  os.environ["PYTHONPATH"] = os.pathsep.join(
-      [root] + [os.path.abspath(p) for p in paths if os.path.abspath(p) != root])
-  client = NotebookClient(nb, timeout=900, kernel_name="python3",
-                          resources={"metadata": {"path": str(env_dir)}})
-  # The kernel compiles at the suite's level 0 (conftest.py's XLA_FLAGS):
-  # with the parameters above every notebook spends more of its time
-  # compiling than running steps (the kernel's CPU seconds at the default
-  # level -> level 0, runs alternating on the loaded machine: 01 26-27 ->
-  # 18-22, 02 19-26 -> 14-17, 05 23-31 -> 17-23, 03 17-20 -> 16-20; 06 was
-  # at level 0 already).
   env = dict(os.environ)
+  # The kernel runs in scratch directories: let it import this checkout's
+  # jdist even when it is not installed (an installed jdist works the same).
+  root = str(NOTEBOOKS.parent)
+  paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+  env["PYTHONPATH"] = os.pathsep.join(
+      [root] + [os.path.abspath(p) for p in paths if os.path.abspath(p) != root])
   # A notebook's `ray.init()` starts its own cluster: without an address it
   # joins one that `ray start` or `ray.cluster_utils.Cluster` runs on this
   # machine (test_parameter_server_elastic's, in the other pytest worker),
   # where `ray.init(num_cpus=...)` is an error.
   env["RAY_ADDRESS"] = "local"
-  # The notebooks' scratch directories (`tempfile.mkdtemp`: a user keeps
-  # them to look at) go to the test's own, which pytest removes. Not Ray's:
-  # its socket paths under a longer temporary directory could pass the
-  # 107-byte limit of a Unix socket's path.
-  if "import ray" not in path.with_suffix(".py").read_text():
-    env["TMPDIR"] = str(tmp_path)
-  # raises CellExecutionError, naming the cell, on any error
-  client.execute(env=env)
+  manager = AsyncKernelManager(kernel_name="python3")
+  run_sync(manager.start_kernel)(env=env, cwd=str(tmp_path_factory.mktemp("kernel")))
+  try:
+    yield manager, env
+  finally:
+    run_sync(manager.shutdown_kernel)(now=False)
+
+
+def _fresh_start(env: dict, directory: pathlib.Path, scratch: bool) -> str:
+  """The code run before a notebook's first cell: an empty namespace (a
+  name the notebook does not define is a NameError, as in a new kernel),
+  the kernel's starting environment (what an earlier notebook set in
+  `os.environ` is gone) and the notebook's own working directory. Its
+  scratch directories (`tempfile.mkdtemp`: a user keeps them to look at) go
+  to the test's own, which pytest removes; not Ray's (`scratch` False): its
+  socket paths under a longer temporary directory could pass the 107-byte
+  limit of a Unix socket's path."""
+  env = dict(env, TMPDIR=str(directory)) if scratch else env
+  return (f"%reset -f\nimport os, tempfile\nos.environ.clear()\n"
+          f"os.environ.update({env!r})\ntempfile.tempdir = None\n"
+          f"os.chdir({str(directory)!r})\ndel os, tempfile")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", PAIRS, ids=lambda p: p.stem)
+def test_notebook_runs(path, tmp_path, kernel):
+  manager, env = kernel
+  nb = _with_parameters(nbformat.read(path, as_version=4), path.stem)
+  scratch = "import ray" not in path.with_suffix(".py").read_text()
+  nb.cells.insert(0, nbformat.v4.new_code_cell(
+      _fresh_start(env, tmp_path, scratch)))
+  client = NotebookClient(nb, km=manager, timeout=900)
+  try:
+    # raises CellExecutionError, naming the cell, on any error
+    client.execute()
+  except BaseException:
+    # the next notebook gets a new kernel, not this one's leftovers
+    run_sync(manager.restart_kernel)(now=True)
+    raise
+  finally:
+    if client.kc is not None:
+      client.kc.stop_channels()
   errors = [o for c in nb.cells if c.cell_type == "code"
             for o in c.outputs if o.output_type == "error"]
   assert not errors

@@ -3,9 +3,9 @@
 
 Every ```python block is a complete program, unless its first line is a
 comment starting with `# fragment` (visible to the reader: it says what the
-fragment leaves out). A page's programs run one after another in one process
-(tests/run_programs.py), each as a script in a scratch directory, on 4 fake
-CPU devices.
+fragment leaves out). All the pages' programs run one after another in one
+process (tests/run_programs.py), each as a script in a scratch directory of
+its own, on 4 fake CPU devices.
 """
 
 import json
@@ -148,12 +148,16 @@ def test_a_fragment_is_marked_and_left_out(tmp_path):
   assert programs(page) == [{"name": "page.md:1", "code": "print(1)\n"}]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("page", PAGES_WITH_PROGRAMS,
-                         ids=lambda p: str(p.relative_to(REPO)))
-def test_the_pages_programs_run_as_printed(page, tmp_path):
-  todo = programs(page)
-  (tmp_path / "programs.json").write_text(json.dumps(todo))
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+  """{page: [{"name", "stdout", "error"}]}: every page's programs, run one
+  after another in one process (each as its own script in a scratch
+  directory: tests/run_programs.py), which imports JAX and jdist once for
+  all of them instead of once per page."""
+  todo = {page: programs(page) for page in PAGES_WITH_PROGRAMS}
+  everything = [p for page in todo.values() for p in page]
+  tmp = tmp_path_factory.mktemp("programs")
+  (tmp / "programs.json").write_text(json.dumps(everything))
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(4),
              PYTHONPATH=os.pathsep.join(
                  [str(REPO)] + [p for p in os.environ.get(
@@ -161,15 +165,24 @@ def test_the_pages_programs_run_as_printed(page, tmp_path):
   proc = subprocess.run(
       [sys.executable, str(REPO / "tests" / "run_programs.py"),
        "programs.json", "results.json"],
-      env=env, cwd=tmp_path, capture_output=True, text=True,
-      timeout=120 + 120 * len(todo))
+      env=env, cwd=tmp, capture_output=True, text=True,
+      timeout=120 + 120 * len(everything))
   assert proc.returncode == 0, proc.stderr[-3000:]
-  results = json.loads((tmp_path / "results.json").read_text())
-  failed = [f"{r['name']}:\n{r['error']}" for r in results if r["error"]]
+  ran = iter(json.loads((tmp / "results.json").read_text()))
+  return {page: [next(ran) for _ in mine] for page, mine in todo.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", PAGES_WITH_PROGRAMS,
+                         ids=lambda p: str(p.relative_to(REPO)))
+def test_the_pages_programs_run_as_printed(page, results):
+  todo, ran = programs(page), results[page]
+  assert [r["name"] for r in ran] == [p["name"] for p in todo]
+  failed = [f"{r['name']}:\n{r['error']}" for r in ran if r["error"]]
   assert not failed, (
       "programs that fail as printed (make them run, or mark a fragment's "
       f"first line `{FRAGMENT}: ...`):\n" + "\n".join(failed))
-  for program, result in zip(todo, results):
+  for program, result in zip(todo, ran):
     for marker, check in EXPECTED.items():
       if marker in program["code"]:
         check(result["stdout"])

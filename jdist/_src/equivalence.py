@@ -95,11 +95,10 @@ def assert_equivalent(step_fn: Callable, state: Any, batches: Iterable,
                       scalar_reduce=ReduceOp.SUM) -> Trajectory:
   """Checks that training on N replicas matches training on one device.
 
-  Runs `step_fn(state, batch) -> (state, outputs)` over the global `batches`
-  on both and compares the final state and every step's outputs.
+  Compares the final state and every step's outputs.
 
   Args:
-    step_fn: the per-replica training step.
+    step_fn: the per-replica step, `(state, batch) -> (state, outputs)`.
     state: the initial state (not yet replicated).
     batches: a re-iterable of global batches (a list, for example).
     num_replicas: replicas of the `MirroredStrategy` under test (default:

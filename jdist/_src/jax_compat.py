@@ -352,14 +352,10 @@ def varying_loop_carries() -> Iterator[None]:
   """While open, `lax.scan` and `lax.while_loop` traced inside `shard_map`
   cast an initial carry to varying where their body makes it vary.
 
-  A library's loop that starts from constants (Keras's LSTM and GRU start
-  their states from `zeros`) and carries values computed from a replica's
-  batch is refused by `shard_map`'s type check (the carry's input is
-  invariant, its output varying); the same code traces under `jax.jit`.
-  Both loops trace their body twice when a weakly typed initial carry must
-  be promoted (`loops._promote_weak_typed_input`); this widens that second
-  pass to the carry's varying axes. Private: JAX has no public hook for
-  it. Counted, so that nested and concurrent users restore it once.
+  `shard_map` refuses a loop started from constants (Keras's LSTM) whose
+  carry varies; this widens JAX's weak-type promotion pass
+  (`loops._promote_weak_typed_input`, no public hook) to the carry's varying
+  axes. Counted, for nested users.
   """
   global _carry_users
   with _carry_lock:

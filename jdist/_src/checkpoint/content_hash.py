@@ -1,8 +1,7 @@
 """A content hash of a checkpoint's arrays that any mesh can verify
 (docs/checkpoints.md defines it).
 
-Two sums of each 32-bit word mixed with its position: each device sums its
-own block and XLA adds the sums, so every mesh gets the same digest.
+Each device sums its block's position-mixed 32-bit words; XLA adds them.
 
 Example:
   >>> import jax.numpy as jnp

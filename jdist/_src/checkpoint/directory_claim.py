@@ -1,12 +1,8 @@
 """Owning a checkpoint directory: writable, and written by one job only.
 
-Every process checks it can write there, and process 0 takes the lock file
-`jdist.lock`, naming the job; the others learn the outcome through the
-runtime's rendezvous. A lock whose owner is gone is taken over: on the same
-machine when its process (by pid and start time) no longer runs; from
-another machine when its mtime, touched every `HEARTBEAT_SECONDS`, has not
-moved for `LEASE_SECONDS` (by the file system's clock); at once when an
-earlier attempt of the same `jdist launch` job took it.
+Process 0 takes the lock file `jdist.lock`; a lock whose owner is gone
+(dead pid here, an mtime still for `LEASE_SECONDS` elsewhere, or an earlier
+attempt of the same job) is taken over.
 """
 
 from __future__ import annotations

@@ -67,30 +67,25 @@ def _meta_leaf(meta: dict) -> np.ndarray:
 class CheckpointManager:
   """Saves and restores a custom loop's state (any pytree of arrays).
 
-  TensorFlow's `tf.train.CheckpointManager` with the state passed explicitly.
-  A save of an existing step replaces it, a corrupt newest checkpoint is
-  skipped with a warning, and any number of devices or processes restores a
-  checkpoint (docs/checkpoints.md).
+  TensorFlow's `tf.train.CheckpointManager` with the state passed
+  explicitly; any number of devices or processes restores a checkpoint
+  (docs/checkpoints.md).
 
   Args:
     directory: where the checkpoints go (one orbax step directory each).
     max_to_keep: keep only the newest N checkpoints (None: all).
-    strategy: whose devices `restore` places the state on (default: the
-      devices of the state given to `restore`, else the strategy in scope).
-    save_every: `save` writes to `directory` only at the steps that are a
-      multiple of it (None: at every call).
-    snapshot_every: in a `jdist launch` job, `save` also keeps the state in
-      host memory at its multiples (each process's part replicated on the
-      next), and `restore` takes the snapshot when it is the newest.
+    strategy: whose devices `restore` places the state on (default: those
+      of the state given to `restore`, else the strategy in scope).
+    save_every: `save` writes only at its multiples (None: at every call).
+    snapshot_every: in a `jdist launch` job, `save` also keeps an in-memory
+      snapshot at its multiples, which `restore` takes when newest.
 
   Attributes:
     restored_step: the step the last `restore` restored (None before one).
 
   Raises:
-    ValueError: `snapshot_every` outside `jdist launch`, or a step count
-      that is not a positive number.
-    jdist.CheckpointDirectoryError: the directory is a file or cannot be
-      written.
+    ValueError: `snapshot_every` outside `jdist launch`, or a bad count.
+    jdist.CheckpointDirectoryError: the directory cannot be written.
     jdist.CheckpointInUseError: another running job writes checkpoints there.
 
   Example:
@@ -109,18 +104,6 @@ class CheckpointManager:
     3
     >>> restored["w"].tolist()
     [3.0, 3.0, 3.0]
-
-    Resuming a loop: restore first, then read the step restored:
-
-    >>> if manager.latest_step is not None:  # doctest: +SKIP
-    ...   state = manager.restore(state)
-    >>> start = manager.latest_step or 0  # doctest: +SKIP
-
-    In a `jdist launch` job, a snapshot in memory every 10 steps and a
-    checkpoint on disk every 100 (the loop calls `save` at every step):
-
-    >>> manager = jdist.CheckpointManager(  # doctest: +SKIP
-    ...     "ckpt", strategy=strategy, save_every=100, snapshot_every=10)
   """
 
   def __init__(self, directory, max_to_keep: int | None = 5, *,
@@ -202,18 +185,15 @@ class CheckpointManager:
   def save(self, step: int, state: Any) -> str | None:
     """Writes `state` as checkpoint `step` (every process calls it).
 
-    With `save_every`, only at its multiples; with `snapshot_every`, at its
-    multiples also as the in-memory snapshot, written in the background. A
-    state with NaN or infinite values is not written (a warning says so).
+    A state with NaN or infinite values is not written (a warning says so).
 
     Returns:
       The checkpoint's directory, or None when nothing was written there.
 
     Raises:
-      jdist.CheckpointError: the save failed (a full disk); the checkpoints
-        written before it are intact.
+      jdist.CheckpointError: the save failed (earlier ones are intact).
       OSError: writing the previous snapshot failed in the background.
-      TypeError: a leaf of `state` is not an array (a Python float or int).
+      TypeError: a leaf of `state` is not an array.
       ValueError: the manager was closed.
     """
     step = int(step)
@@ -256,17 +236,13 @@ class CheckpointManager:
     """The newest usable checkpoint (or checkpoint `step`), shaped and placed
     like `like`; sets `restored_step`.
 
-    `like` is the state as this run holds it (a `jdist.Sharded` leaf is
-    restored split), or its shapes (`jax.eval_shape`: every leaf whole).
-    With `snapshot_every`, the newest complete snapshot wins when it is at
-    least as new.
+    `like` is the state as this run holds it, or its `jax.eval_shape`.
 
     Raises:
       jdist.CheckpointNotFoundError: the directory holds no checkpoint.
-      jdist.CheckpointMismatchError: the checkpoint holds another state
-        (its leaves, shapes or dtypes differ; they are named).
+      jdist.CheckpointMismatchError: the checkpoint holds another state.
       jdist.CheckpointError: every checkpoint there is corrupt.
-      TypeError: a leaf of `like` is not an array (a Python float or int).
+      TypeError: a leaf of `like` is not an array.
     """
     mesh = self._mesh(like)
     with mesh_context.set_aside():  # as in save

@@ -1,10 +1,7 @@
 """A process's blocks of a snapshot as bytes, in one program on one device.
 
-One jitted program per state layout concatenates the raw bytes of this
-process's blocks (its part) and of those the next process lacks (the copy
-`peer_copy.py` sends): one dispatch and one transfer whatever the number of
-leaves. The buffers are copies (a step that donates the state later does not
-touch them), and each ends with a byte, 1 when every inexact value is finite.
+One program per layout packs this process's part and the copy the next
+process lacks; each buffer (a copy) ends with a byte, 1 when all is finite.
 
 Example:
   >>> import jax.numpy as jnp, numpy as np

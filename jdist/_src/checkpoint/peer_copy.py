@@ -1,9 +1,7 @@
 """Sending each process's part of an in-memory snapshot to the next process.
 
-Process (k+1) mod n writes process k's part as its replica, so a snapshot
-outlives a host. The bytes move as one jitted `ppermute` over one device per
-process (nothing for a mirrored state); the key-value store, which goes
-through one coordinator, carries only the agreement, never the data.
+Process (k+1) mod n keeps process k's part, so a snapshot outlives a host;
+the bytes move as one jitted `ppermute`, never through the key-value store.
 
 Example:
   >>> from jdist._src.checkpoint.peer_copy import PeerCopy

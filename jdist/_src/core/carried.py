@@ -1,12 +1,6 @@
-"""`Carried`: values a loop feeds back to a step, held between its calls.
-
-For `state, totals = step(state, totals, batch)` at every batch, flattening
-and rebuilding the pytrees is wasted work: `step.carry(*values)` gives a
-`Carried` and `step.call_carried(carried, *args)` passes their leaves as the
-last call returned them, building pytrees only when asked (`values`). Where
-the step cannot take them flat (state off the mesh, static arguments,
-values to place, parameter servers), they are held whole (`hold`): one
-interface either way.
+"""`Carried`: values a loop feeds back to a step, held between its calls as
+the leaves the last call returned (no pytree flattening per step), or whole
+where the step cannot take them flat (`hold`).
 """
 
 from __future__ import annotations
@@ -20,8 +14,7 @@ class Carried:
   """Values a loop feeds back to a step, flat or whole.
 
   Attributes:
-    program: the jitted step over the carried values' leaves, or None when
-      they are held whole.
+    program: the jitted step over the leaves (None when held whole).
     treedefs: the structure of each carried value.
     leaves: a list of leaves per carried value (None when held whole).
     whole: the values themselves, when held whole (else None).

@@ -52,7 +52,7 @@ def canonical_convolutions(fn: Callable) -> Callable:
   Not inside scan, cond or custom-derivative bodies (jit and remat: yes).
 
   Example:
-    >>> import jax, jax.numpy as jnp
+    >>> import jax.numpy as jnp
     >>> from jax import lax
     >>> from jdist._src.core.conv_layout import canonical_convolutions
     >>> def f(x, w):  # NCHW images, OIHW kernels

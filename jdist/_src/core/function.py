@@ -34,15 +34,7 @@ from jdist._src.errors import (Error, ReplicaContextError,
 
 @dataclasses.dataclass(frozen=True)
 class StepOptions:
-  """How a step was built: `Strategy.function`'s keyword arguments.
-
-  Attributes:
-    donate_argnums: passed to `jax.jit`.
-    static_argnums: passed to `jax.jit`.
-    static_argnames: passed to `jax.jit`.
-    check_state: raise `VaryingStateError` for state that stops being mirrored.
-    check_loss_scaling: raise `LossScalingError` for a loss averaged per replica.
-  """
+  """How a step was built: `Strategy.function`'s keyword arguments."""
 
   donate_argnums: Any = ()
   static_argnums: Any = ()
@@ -74,15 +66,8 @@ jax.tree_util.register_pytree_node(_Unplaced, lambda u: ((), None),
 class _Flat:
   """A step's outputs as flat leaves, and what rebuilding them needs.
 
-  A per-replica output's batch validity is an argument returned unchanged;
-  returned by the program, XLA would copy it at every step, so it is left
-  out (`forwarded`) and taken from the positional argument.
-
-  Attributes:
-    treedef: the structure of the step's outputs.
-    forwarded: `(position, argnum)` per output leaf left out: its position
-      among the leaves, and the `PerReplica` argument whose validity it is.
-    leaves: the leaves the program returns, in order.
+  An output's batch validity that is an argument's is not returned (XLA
+  would copy it every step): `forwarded` holds `(leaf position, argnum)`.
   """
 
   __slots__ = ("treedef", "forwarded", "leaves")
@@ -177,9 +162,7 @@ class DistributedFunction:
   def lower(self, *args, **kwargs):
     """Lowers the step for these arguments (see `jax.jit(...).lower`).
 
-    In one process this is the calls' own program, so inspecting a step and
-    then training with it compiles once; with several processes it traces
-    apart from the calls (one process may lower alone).
+    In one process this is the calls' own program (it compiles once).
 
     Example:
       >>> import jax.numpy as jnp
@@ -306,9 +289,8 @@ class DistributedFunction:
 
   def trace_step(self, args: tuple, kwargs: dict, *, check: bool = True,
                  in_loop: bool = False):
-    """Traces one call of the step into the running JAX trace.
-
-    For programs that run the step inside a larger one (`jdist.multi_step`).
+    """Traces one call of the step into the running JAX trace (as
+    `jdist.multi_step` does).
 
     Args:
       args, kwargs: the step's arguments (traced values).

@@ -129,12 +129,10 @@ def constraint(strategy, sharding: Any, *, in_step: bool,
   `strategy` runs, inside a replica's step (`in_step`) or outside.
 
   Args:
-    strict: raise for another mesh or an unknown axis; else leave those
-      out (to read shapes only, before jdist checks the layouts itself).
+    strict: raise for another mesh or an unknown axis (else leave it out).
 
   Raises:
-    StrategyMismatchError: a `NamedSharding` on another mesh.
-    ValueError: the spec names an axis the strategy's mesh does not have.
+    StrategyMismatchError, ValueError: another mesh, an unknown axis.
   """
   mesh, axis = strategy.mesh, strategy.axis_name
   if isinstance(sharding, NamedSharding):

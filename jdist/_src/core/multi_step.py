@@ -153,13 +153,11 @@ def multi_step(step: DistributedFunction) -> MultiStepFunction:
   """Runs `step` once per batch of a `BatchGroup`, all in one compiled call.
 
   Keras' `steps_per_execution` for a custom loop. `step` takes its carried
-  values (state, metrics) first and the batch last, and returns the new
-  carried values first, then other outputs, which come back stacked on a
-  step axis (a `PerReplica` loss as `(replicas, K, ...)`, unmasked: SUM it).
+  values first and the batch last, and returns the new carried values
+  first; other outputs come back stacked on a step axis.
 
   Args:
-    step: a `strategy.function` step (its `donate_argnums` apply to the
-      multi-step call; static arguments are not supported).
+    step: a `strategy.function` step without static arguments.
 
   Returns:
     A `MultiStepFunction`, called as `multi(*carried, group)`.

@@ -79,11 +79,8 @@ def put_per_replica(local_rows: Any, mesh, axis_name: str,
 
 
 class StatePlacement:
-  """Where a strategy holds its state between steps, and how it is read and written.
-
-  The engine calls `to_compute` and `to_storage` around each step of a
-  placement that `moves`; state kept across steps goes through `read`,
-  `write` and `abstract`. This default mirrors state on the mesh.
+  """Where a strategy holds its state between steps, and how it is read and
+  written; this default mirrors state on the mesh.
 
   Example:
     >>> import jdist, numpy as np

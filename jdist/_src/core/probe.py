@@ -63,9 +63,7 @@ def probe(run_replica: Callable, leaves: tuple, specs: tuple, strategy, *,
           warn_draws: Callable | None = None) -> OutputPlan:
   """Traces the step once abstractly and returns its `OutputPlan`.
 
-  `run_replica(*local) -> (outputs, state_trees)` runs the user's step on one
-  replica's inputs; `program_check` receives the jaxpr; `batch_rows` (the
-  per-replica batch) enables the loss-scaling and draw checks.
+  `batch_rows` (the per-replica batch) enables the loss-scaling checks.
 
   Raises:
     VaryingStateError, LossScalingError: as the checks find.

@@ -22,9 +22,8 @@ from jdist._src.core.values import PerReplica
 
 
 class ReplicaContext:
-  """The replica a step runs as, and collectives over all replicas.
-
-  Obtain it with `jdist.get_replica_context()` inside a step.
+  """The replica a step runs as (`jdist.get_replica_context()`), and
+  collectives over all replicas.
 
   Args:
     strategy: the strategy running the step.

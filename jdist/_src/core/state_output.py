@@ -1,13 +1,8 @@
 """`state_output`: where a step returns the new value of the state it took.
 
-Stated, never inferred from shapes (parameter servers write it back: a value
-that merely looks like the state must not overwrite it). The forms:
-
-- `DEFAULT`: output 0 of a tuple or list (`step(state, batch) -> (state,
-  outputs)`); a whole output shaped like the state must say what it is.
-- `None`: the step only reads its variables.
-- a place: an int (tuple index), a str (mapping key) or a callable.
-- a tuple of places (or None), one per set of variables, in argument order.
+Stated, never inferred from shapes: `DEFAULT` (output 0 of a tuple or
+list), `None` (read only), an int, str or callable place, or a tuple of
+those, one per set of variables.
 """
 
 from __future__ import annotations

@@ -26,8 +26,7 @@ class Validity:
   """A batch's validity mask and global count of valid examples.
 
   Attributes:
-    packed: int32 array `(..., b + 1)`: per leading row (one per replica
-      outside a step), the mask of its `b` examples, then the global count.
+    packed: int32 `(..., b + 1)`: each row's mask, then the global count.
 
   Example:
     >>> import numpy as np

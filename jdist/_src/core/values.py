@@ -32,9 +32,8 @@ class DistributedValue:
 class PerReplica(DistributedValue):
   """One value per replica, stacked on a leading (sharded) replica axis.
 
-  Every leaf of `values` has shape `(num_replicas, ...)`; inside a step each
-  replica sees its own slice. A distributed batch also has a `validity`
-  (its padding `mask` and global `num_valid`; None for other values).
+  Inside a step each replica sees its own slice. A distributed batch also
+  has a `validity` (its padding `mask` and global `num_valid`).
 
   Example:
     >>> import jdist, jax.numpy as jnp
@@ -113,9 +112,8 @@ jax.tree_util.register_dataclass(PerReplica, data_fields=("values", "packed"),
 class BatchGroup:
   """Several distributed batches stacked for one multi-step call.
 
-  What `DistributedDataset.group(k)` yields and `jdist.multi_step` takes:
-  every leaf of `values` has shape `(num_replicas, steps, b, ...)`;
-  `validity` holds each step's mask and count.
+  What `DistributedDataset.group(k)` yields and `jdist.multi_step` takes
+  (leaves shaped `(num_replicas, steps, b, ...)`).
 
   Example:
     >>> import jdist, numpy as np
@@ -188,9 +186,8 @@ jax.tree_util.register_dataclass(BatchGroup, data_fields=("values", "validity"),
 class SyncOnRead(DistributedValue):
   """State kept per replica inside steps and aggregated when read outside.
 
-  Wrap any pytree (metric totals, batch-norm statistics). Inside a step
-  `.value` is the replica's own copy and `.assign(new)` returns the updated
-  wrapper; outside, `.read()` aggregates.
+  Inside a step `.value` is the replica's copy and `.assign(new)` returns
+  the updated wrapper; outside, `.read()` aggregates.
 
   Example:
     >>> import jdist, jax.numpy as jnp
@@ -263,24 +260,18 @@ class SyncOnRead(DistributedValue):
 class Sharded(DistributedValue):
   """State split over the replicas along one axis of each leaf (ZeRO).
 
-  Each leaf of `value` is a global array whose axis `axes[i]` holds one block
-  per replica (None: whole on every replica); inside a step a replica sees
-  and returns its own blocks. The leaves keep the unsharded shapes, so a
-  checkpoint restores onto any number of devices.
+  Inside a step a replica sees its own blocks; outside, the leaves keep
+  their unsharded shapes (a checkpoint restores on any device count).
 
   Attributes:
     value: the pytree of arrays (global outside a step, blocks inside).
-    axes: for each leaf of `value`, the axis split over replicas, or None.
+    axes: for each leaf, the axis split over replicas, or None.
     axis_name: the mesh axis of the replicas.
-    layouts: for each leaf, its `PartitionSpec` within a replica; None when
-      every leaf is whole on a replica's devices.
+    layouts: for each leaf, its `PartitionSpec` within a replica, or None.
 
   Example:
     >>> import jdist, jax.numpy as jnp
     >>> from jax.sharding import PartitionSpec as P
-    >>> s = jdist.Sharded({"w": jnp.zeros((4, 3))}, (0,), "replica")
-    >>> s.partition_specs()
-    (P('replica',),)
     >>> s = jdist.Sharded({"w": jnp.zeros((4, 8))}, (0,), "data",
     ...                   layouts=(P(None, "model"),))
     >>> s.partition_specs(), s.replica_specs()
@@ -361,9 +352,8 @@ class RemoteState(abc.ABC):
 
 
 def read_value(tree: Any) -> Any:
-  """Every `SyncOnRead` in `tree` aggregated, every `jdist.ServerVariables` read.
-
-  Values keep their form (a `jdist.metrics` metric stays a metric).
+  """Every `SyncOnRead` in `tree` aggregated, every `jdist.ServerVariables`
+  read (a metric stays a metric).
 
   Example:
     >>> import jdist, jax.numpy as jnp

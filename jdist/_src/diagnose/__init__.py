@@ -24,29 +24,23 @@ def diagnose(step: Callable, state: Any, batches: Iterable, *,
              steps: int = 10) -> Diagnosis:
   """Runs a training step on 1 and on N devices and says where the time goes.
 
-  The step is `step(state, batch) -> (state, outputs)`, or a
-  `strategy.function` / `@jdist.mirrored` step (its strategy is then the
-  N-device one). It times the first `steps` batches on one device and on N
-  in several loops, whose differences are the parts of `StepTimes`
-  (docs/diagnose.md says how each is measured).
+  See docs/diagnose.md for how each part of `StepTimes` is measured.
 
   Args:
-    step: the per-replica training step.
-    state: the initial state (a pytree; placed on each strategy here).
+    step: the per-replica step, `step(state, batch) -> (state, outputs)`,
+      or a `strategy.function` step (whose strategy is the N-device one).
+    state: the initial state (a pytree).
     batches: a re-iterable of global batches (read several times).
-    strategy: the N-replica strategy; default a `MirroredStrategy` over
-      `num_replicas` local devices (all of them by default).
-    num_replicas: replicas, when `strategy` is not given.
+    strategy: the N-replica strategy (default: a `MirroredStrategy`).
+    num_replicas: replicas, when `strategy` is not given (default: all).
     steps: steps per timed loop (more: steadier numbers, slower).
 
   Returns:
     A frozen `Diagnosis`; `print(diagnosis)` shows the table.
 
   Raises:
-    TypeError: `step` is not callable or does not return `(state,
-      outputs)`; `batches` is a one-shot iterator.
-    ValueError: no batches, `steps` < 1, a strategy on one device or one
-      that spans processes, or more replicas than local devices.
+    TypeError: a bad `step`, or `batches` is a one-shot iterator.
+    ValueError: no batches, `steps` < 1, or a strategy it cannot compare.
 
   Example:
     >>> import jdist, jax, jax.numpy as jnp, numpy as np

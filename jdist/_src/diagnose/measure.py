@@ -38,8 +38,7 @@ class StepTimes:
     collective_bytes: bytes the step's collectives carry, per device.
     samples_per_second: global batch / `step`.
     num_devices: devices the strategy runs on (None: one per replica).
-    collectives_by_axes: `((axes, count, bytes), ...)` by the mesh axes
-      they run over (`"data+model"`; `"?"`: not known), largest first.
+    collectives_by_axes: `((axes, count, bytes), ...)`, largest first.
   """
 
   num_replicas: int

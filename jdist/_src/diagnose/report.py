@@ -14,9 +14,7 @@ from jdist._src.diagnose.measure import StepTimes
 
 @dataclasses.dataclass(frozen=True)
 class Diagnosis:
-  """What `jdist.diagnose` found; `print()` it for a table.
-
-  The fields are measurements; the advice follows from them by fixed rules.
+  """What `jdist.diagnose` found (advice by fixed rules); `print()` it.
 
   Attributes:
     single: `StepTimes` on one device.
@@ -26,8 +24,7 @@ class Diagnosis:
     platform: the devices' platform ("cpu", "gpu", "tpu").
     host_cores: CPU cores of the host that ran the step.
     measurement_notes: what the measurement could not do, if anything.
-    bottleneck: where most of the N-device step goes: "input", "compute",
-      "collectives", "dispatch" or "recompilation".
+    bottleneck: where most of the N-device step goes ("input", ...).
     cause: why, in a sentence, with the numbers.
     fix: what to change.
     notes: other things worth knowing (host callbacks, shared CPU cores).

@@ -113,8 +113,7 @@ class DistributedDataset:
   def element_spec(self) -> Any:
     """What one replica's step receives of each batch (TensorFlow's name).
 
-    `jax.ShapeDtypeStruct` values of one replica's rows. Asked before any
-    pass, it reads the first batch, which the next `iter()` then yields.
+    `jax.ShapeDtypeStruct` values of one replica's rows.
 
     Example:
       >>> import jdist, numpy as np

@@ -10,7 +10,6 @@ _ABSENT = object()
 class Optional:
   """A value or nothing, with the spec of the value it would hold.
 
-  Made by `Optional.from_value(value)` or `Optional.empty(element_spec)`.
   `has_value()` is a Python bool (TensorFlow's: a boolean tensor).
 
   Example:

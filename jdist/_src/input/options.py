@@ -15,15 +15,12 @@ class InputOptions:
   """How a distributed dataset brings batches to the devices (TF's names).
 
   Attributes:
-    experimental_fetch_to_device: place each batch on the devices ahead of
-      the step, as TensorFlow does by default. Only True is supported.
-    experimental_per_replica_buffer_size: batches (or groups) placed ahead
-      of the one the loop runs (TF's default 1; 0: none), at most 64.
+    experimental_fetch_to_device: place batches on the devices ahead (True).
+    experimental_per_replica_buffer_size: batches placed ahead (0 to 64).
     experimental_prefetch_in_thread: read and place batches in a background
-      thread (pays when the host works per batch). One process only.
-    pad_to_replicas: pad a global batch that the replicas do not divide with
-      masked zero rows (without it, an error), so an elastic job restarted
-      on fewer processes keeps its global batch.
+      thread (one process only).
+    pad_to_replicas: pad a global batch the replicas do not divide with
+      masked zero rows (without it, an error).
 
   Example:
     >>> import jdist, numpy as np
@@ -74,10 +71,8 @@ class InputOptions:
 
   @classmethod
   def of(cls, options) -> "InputOptions":
-    """Accepts None, an instance, or TensorFlow's `tf.distribute.InputOptions`.
-
-    TensorFlow's options keep their meaning; settings jdist cannot honour
-    are errors.
+    """Accepts None, an instance, or TensorFlow's `tf.distribute.InputOptions`
+    (settings jdist cannot honour are errors).
 
     Example:
       >>> import collections, jdist

@@ -23,8 +23,7 @@ class KerasVariables:
   Attributes:
     trainable: the trainable variables, nested dicts by `variable.path`.
     non_trainable: the others (moving statistics, seed states), the same way.
-    optimizer: the optimizer's variables (slots under the slot's name and
-      the parameter's path); None without an optimizer.
+    optimizer: the optimizer's variables (None without an optimizer).
   """
 
   trainable: Any
@@ -53,8 +52,7 @@ class KerasFunctions:
 
   def apply_gradients(self, variables: KerasVariables, grads
                       ) -> KerasVariables:
-    """The optimizer's step (`optimizer.stateless_apply`): `variables` with
-    new trainable and optimizer values.
+    """The optimizer's step (`optimizer.stateless_apply`) on `variables`.
 
     Raises:
       ValueError: `keras_functions` was given no optimizer.
@@ -75,20 +73,17 @@ class KerasFunctions:
 
 def keras_functions(model, optimizer=None
                     ) -> tuple[KerasVariables, KerasFunctions]:
-  """A Keras model (and optimizer) as `(variables, functions)` for a custom
-  loop.
+  """A Keras model (and optimizer) as `(variables, functions)` for a loop.
 
   Args:
     model: a built Keras 3 model (JAX backend).
     optimizer: a Keras optimizer object or name ("adam"), or None.
 
   Returns:
-    `(variables, functions)`: a `KerasVariables` pytree to place with
-    `strategy.replicate`, and the `KerasFunctions` the step calls.
+    `(KerasVariables, KerasFunctions)`: the state and what the step calls.
 
   Raises:
-    ValueError: the model is not built (give it an `Input`, or call
-      `model.build(input_shape)`).
+    ValueError: the model is not built (`model.build(input_shape)`).
 
   Example:
     >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")

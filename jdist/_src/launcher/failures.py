@@ -1,8 +1,6 @@
 """What ended each attempt of a launched job, and the launcher's last words.
 
-`classify` names the one failure that caused the rest: a node that went
-away; a process found stuck; a live process silent when the others failed;
-else `culprit` among those that ended on their own.
+`classify` names the one failure that caused the rest.
 
 Example:
   >>> from jdist._src.launcher import failures
@@ -72,10 +70,8 @@ class RankRecord:
 def culprit(records: list) -> RankRecord | None:
   """The process whose failure ended the others.
 
-  Of those that ended on their own, SIGKILLed ones first (SIGKILL comes from
-  outside, and a peer whose collective it broke may exit first), then in the
-  order they ended: the first whose error is not a `jdist.PeerFailureError`;
-  else the failed process such an error names; else the first to fail.
+  SIGKILLed ones first (a broken peer may exit first), then the first whose
+  error is not a `jdist.PeerFailureError`, else the one such an error names.
 
   Example:
     >>> from jdist._src.launcher.failures import RankRecord, culprit

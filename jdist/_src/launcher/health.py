@@ -1,11 +1,8 @@
 """Health reports as the agent reads them: whether a launched process lives,
 and where it waits.
 
-Each process's runtime rewrites its file ten times a second: a file, written
-even when process 0 is dead and read without loading JAX. `judge` finds a
-process silent or stopped for `--stuck-timeout`, which JAX's heartbeats
-never name, or one that did not reach the step or rendezvous where the
-others waited that long.
+Each process rewrites its file ten times a second; `judge` finds a process
+silent, stopped or absent where the others waited for `--stuck-timeout`.
 
 Example:
   >>> from jdist._src.launcher import health

@@ -1,16 +1,10 @@
 """The rendezvous of an elastic job: which nodes run each attempt, and when
 it ends.
 
-A state machine driven by the agents' requests and a clock, with no sockets
-or threads (`rendezvous_tcp.py` carries the requests). Each attempt is:
-
-* gathering: the round closes with `max_nodes`, or with `min_nodes` once
-  every live node joined (a restart) or `last_call` passed (the first);
-  fewer than `min_nodes` for `join_timeout` ends the job;
-* running: nodes take consecutive process ids in the order they first
-  joined; a failure, a node gone or a stuck process stops the attempt;
-* stopping: every node reports how its processes ended; the job restarts
-  with the nodes it has, or ends past `max_restarts`.
+A state machine of the agents' requests and a clock, no sockets or threads.
+Each attempt goes gathering (until `max_nodes`, or `min_nodes` and
+`last_call`), running (process ids in join order), stopping (restart with
+the nodes left, or end past `max_restarts`).
 
 Example:
   >>> from jdist._src.launcher import rendezvous

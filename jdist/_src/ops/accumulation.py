@@ -141,28 +141,22 @@ def accumulate_gradients(loss_fn: Callable, params, batch, *,
                          num_micro_batches: int, has_aux: bool = False) -> Any:
   """`jax.value_and_grad` over a batch split into micro-batches.
 
-  Each replica's batch runs as micro-batches one after another, and the
-  gradients are summed over replicas once. With the loss scaled by
-  `jdist.compute_average_loss` the result equals `jax.value_and_grad` of
-  the whole batch (docs/accumulation_and_precision.md).
+  With the loss scaled by `jdist.compute_average_loss` the result equals
+  `jax.value_and_grad` of the whole batch
+  (docs/accumulation_and_precision.md).
 
   Args:
-    loss_fn: `loss_fn(params, micro_batch) -> loss` (or `(loss, aux)`),
-      written as for the whole batch.
+    loss_fn: `loss_fn(params, micro_batch) -> loss` (or `(loss, aux)`).
     params: what to differentiate.
-    batch: this replica's batch (leading axis: rows, a multiple of
-      `num_micro_batches`).
+    batch: this replica's batch (rows: a multiple of `num_micro_batches`).
     num_micro_batches: micro-batches per step (K >= 1).
-    has_aux: whether `loss_fn` returns `(loss, aux)`; `aux` is stacked over
-      micro-batches.
+    has_aux: whether `loss_fn` returns `(loss, aux)` (`aux` stacked).
 
   Returns:
-    `(loss, grads)`, or `((loss, aux), grads)` with `has_aux`, shaped as
-    `jax.value_and_grad` returns them for the whole batch.
+    `(loss, grads)`, or `((loss, aux), grads)` with `has_aux`.
 
   Raises:
-    ValueError: `num_micro_batches` is less than 1, or a replica's batch does
-      not split into that many micro-batches.
+    ValueError: K below 1, or a batch that does not split into K.
 
   Example:
     >>> import jdist, jax.numpy as jnp

@@ -23,14 +23,12 @@ class Loss:
   """Base class of the loss objects.
 
   Args:
-    reduction: "sum_over_batch_size" (the mean of the per-example losses),
-      "sum", or "none" (per-example losses).
+    reduction: "sum_over_batch_size" (the mean), "sum" or "none".
     name: the loss's name.
 
   Attributes:
     from_logits: whether predictions are logits (None: not a class loss).
-    kind: "categorical", "sparse", "binary" or "regression", for the
-      trainer's checks of predictions and targets.
+    kind: "categorical", "sparse", "binary" or "regression".
   """
 
   from_logits = None
@@ -90,8 +88,7 @@ class SparseCategoricalCrossentropy(Loss):
   """Cross-entropy of integer labels, as `keras.losses.SparseCategoricalCrossentropy`.
 
   Args:
-    from_logits: predictions are logits (True) or probabilities (False,
-      Keras' default).
+    from_logits: predictions are logits (True) or probabilities (False).
     reduction, name: see `Loss`.
 
   Example:
@@ -161,8 +158,7 @@ class CategoricalCrossentropy(Loss):
 
 
 class BinaryCrossentropy(Loss):
-  """Cross-entropy of 0/1 targets, as `keras.losses.BinaryCrossentropy` (per
-  example, the mean over the last axis).
+  """Cross-entropy of 0/1 targets, as `keras.losses.BinaryCrossentropy`.
 
   Args:
     from_logits: predictions are logits (True) or probabilities (False).

@@ -22,10 +22,8 @@ MIN_SCALE = 1.0
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DynamicLossScale:
-  """A loss scale that grows after finite steps and halves on overflow.
-
-  A pytree with pure methods; the scale stays finite and at least 1, as in
-  TensorFlow.
+  """A loss scale (a pytree, at least 1) that grows after finite steps and
+  halves on overflow.
 
   Attributes:
     scale: the current scale (a float32 scalar).
@@ -41,8 +39,6 @@ class DynamicLossScale:
     >>> ls = jax.jit(lambda s: s.adjust(jnp.bool_(False)))(ls)  # overflow
     >>> float(ls.scale)
     4.0
-    >>> float(ls.adjust(True).adjust(True).scale)  # two finite steps
-    8.0
   """
 
   scale: Any
@@ -151,9 +147,8 @@ def loss_scale_optimizer(inner: optax.GradientTransformation, *,
                          ) -> LossScaleTransformation:
   """Wraps an optax optimizer with dynamic loss scaling (Keras' names).
 
-  `update` takes the gradients of `state.loss_scale.scale_loss(loss)` and
-  applies `inner` to them unscaled if all are finite; else the update is
-  zero and the scale halves.
+  `update` takes scaled gradients and applies `inner` to them unscaled if
+  all are finite; else the update is zero and the scale halves.
 
   Args:
     inner: the optimizer to wrap.

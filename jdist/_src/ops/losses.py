@@ -60,23 +60,17 @@ def compute_average_loss(per_example_loss, sample_weight=None,
   """Scales per-example losses by the global (valid) example count.
 
   Args:
-    per_example_loss: losses of this replica's examples, shape `(b, ...)`.
-      Extra axes are summed, as in TensorFlow.
-    sample_weight: optional weights: a scalar, one per example (`(b,)` or
-      `(b, 1)`), or the shape of `per_example_loss`.
-    global_batch_size: the divisor, a positive integer. Default: the
-      step's global count of valid examples (exact on a padded last batch),
-      or `b * num_replicas_in_sync` without a distributed batch.
-    mask: which of this replica's rows are real examples, instead of the
-      step's batch mask (counted over all replicas).
+    per_example_loss: this replica's losses, `(b, ...)` (extra axes summed).
+    sample_weight: a scalar, one weight per example, or one per loss.
+    global_batch_size: the divisor (default: the step's global count of
+      valid examples, else `b * num_replicas_in_sync`).
+    mask: which of this replica's rows are real, instead of the batch mask.
 
   Returns:
     This replica's scalar loss; summed over replicas it is the global mean.
 
   Example:
     >>> import jdist, jax.numpy as jnp
-    >>> float(jdist.compute_average_loss(jnp.array([1.0, 3.0])))
-    2.0
     >>> float(jdist.compute_average_loss(jnp.array([1.0, 3.0, 0.0]),
     ...                                  mask=jnp.array([True, True, False])))
     2.0
@@ -136,10 +130,8 @@ def _check_varies(loss, batch) -> None:
 
 
 def scale_regularization_loss(regularization_loss) -> jax.Array:
-  """Divides a loss added on every replica by the number of replicas.
-
-  A term added on every replica has its gradients summed over replicas;
-  this keeps its weight one device's. A list of losses is summed first.
+  """Divides a loss added on every replica by the number of replicas, so
+  its gradients, summed over replicas, weigh as on one device.
 
   Args:
     regularization_loss: a scalar, an array or a list of them.

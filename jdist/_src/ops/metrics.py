@@ -93,9 +93,7 @@ def _frozen_pytree(cls: type) -> type:
 class Metric:
   """Base class: a running `total` and `count`, summed over replicas on read.
 
-  A metric is a frozen pytree: it goes in and out of steps, `jax.jit` and
-  checkpoints as state. Subclasses declare their configuration as fields,
-  an `update`, and `value_of` if the result is not `total / count`.
+  A frozen pytree, carried through steps and checkpoints as state.
 
   Attributes:
     name: the metric's name (the key in logs).
@@ -151,8 +149,7 @@ class Metric:
         self, totals=jax.tree.map(jnp.zeros_like, self.totals))
 
   def with_sums(self, sums: dict) -> "Metric":
-    """The same metric holding `sums` (as `sums()` reads them), to continue
-    on any number of replicas.
+    """The same metric holding `sums` (as `sums()` returns them).
 
     Example:
       >>> import jdist, jax.numpy as jnp
@@ -185,9 +182,6 @@ class Metric:
 
 class Mean(Metric):
   """The (weighted) mean of the values it is given, as `keras.metrics.Mean`.
-
-  Every element counts, weighted by `sample_weight`; a scalar counts once
-  per replica that has examples.
 
   Example:
     >>> import jdist, jax.numpy as jnp
@@ -248,9 +242,6 @@ def _hits(a, b) -> jax.Array:
 class Accuracy(_PerExampleMean):
   """How often `y_pred` equals `y_true` exactly, as `keras.metrics.Accuracy`.
 
-  For class scores use `SparseCategoricalAccuracy` (integer labels),
-  `CategoricalAccuracy` (one-hot) or `BinaryAccuracy`.
-
   Example:
     >>> import jdist, jax.numpy as jnp
     >>> m = jdist.metrics.Accuracy().update(jnp.array([1, 2, 3]), jnp.array([1, 2, 0]))
@@ -300,8 +291,7 @@ class CategoricalAccuracy(_PerExampleMean):
 
 
 class BinaryAccuracy(_PerExampleMean):
-  """`y_pred > threshold` against 0/1 targets, as in Keras (for logits use
-  `threshold=0.0`).
+  """`y_pred > threshold` against 0/1 targets, as in Keras.
 
   Example:
     >>> import jdist, jax.numpy as jnp

@@ -28,26 +28,19 @@ def pipeline(layer_fn: Callable[[Any, Any], Any], stacked_params: Any,
   """Runs `L` stacked layers over `x`, as pipeline stages under a strategy
   with a pipeline axis, one after another otherwise.
 
-  In a step of `jdist.ModelParallelStrategy(pipeline_axis=...)` each
-  replica's batch is split into microbatches that the stages run;
-  anywhere else the layers run in order. Rows must not interact inside a
-  layer (no batch statistics). See docs/pipelines.md.
+  Rows must not interact inside a layer (no batch statistics); see
+  docs/pipelines.md.
 
   Args:
-    layer_fn: one layer, `(params, x) -> x`, taking one layer's parameters
-      and returning activations of the shapes and dtypes it takes.
-    stacked_params: a pytree of arrays whose leading dimension is the layer
-      (size `L`), laid out over the pipeline axis.
+    layer_fn: one layer, `(params, x) -> x`, keeping shapes and dtypes.
+    stacked_params: a pytree whose leading dimension is the layer (`L`).
     x: the activations (a pytree), with the batch as leading dimension.
 
   Returns:
     The activations after the `L` layers, shaped as `x`.
 
   Raises:
-    jdist.DistributionError: `layer_fn` changes the activations' shapes,
-      the leaves of `stacked_params` disagree on `L`, `L` is not a multiple
-      of stages x repeats, or a replica's batch is not a multiple of
-      `num_microbatches` (while the step is traced).
+    jdist.DistributionError: shapes, `L` or the batch do not fit the stages.
 
   Example:
     >>> import jax, jax.numpy as jnp, jdist

@@ -34,8 +34,6 @@ class DTypePolicy:
   Example:
     >>> import jdist, jax.numpy as jnp
     >>> policy = jdist.DTypePolicy("mixed_bfloat16")
-    >>> policy.compute_dtype, policy.variable_dtype
-    ('bfloat16', 'float32')
     >>> params = {"w": jnp.ones(2), "step": jnp.int32(3)}
     >>> cast = policy.cast_to_compute(params)
     >>> str(cast["w"].dtype), str(cast["step"].dtype)

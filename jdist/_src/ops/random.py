@@ -16,12 +16,10 @@ def example_keys(key: jax.Array, batch_size: int, *,
   Args:
     key: a key that is the same on every replica.
     batch_size: this replica's batch size.
-    replica_id: this replica's position; default: the running step's
-      (0 outside steps).
+    replica_id: this replica's position (default: the running step's).
 
   Returns:
-    `batch_size` keys: example `i` of the global batch gets
-    `jax.random.fold_in(key, i)`.
+    `batch_size` keys, `jax.random.fold_in(key, i)` for global example `i`.
 
   Example:
     >>> import jdist, jax
@@ -44,8 +42,7 @@ def dropout(key: jax.Array, rate: float, x: jax.Array, *,
   """Inverted dropout over a batch `x`, with per-example masks.
 
   Each example's mask depends only on `key` and its global position, so
-  training is the same on any number of replicas (unlike
-  `flax.linen.Dropout`; pass it `self.make_rng("dropout")`).
+  training is the same on any number of replicas.
 
   Example:
     >>> import jdist, jax, jax.numpy as jnp

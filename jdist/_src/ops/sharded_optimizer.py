@@ -61,17 +61,14 @@ def _block(x, axis: int, num_replicas: int, index) -> jax.Array:
 class ShardedOptimizer:
   """An optax optimizer whose state is split over the replicas (ZeRO).
 
-  A drop-in for the elementwise optax optimizer it wraps (adam, sgd, ...):
-  each replica updates its block of the state and the update is gathered
-  whole. Its `value_and_grad` keeps gradients per replica for a
-  reduce-scatter (ZeRO-2). See docs/sharded_optimizer.md.
+  A drop-in for the elementwise optax optimizer it wraps (adam, sgd, ...);
+  see docs/sharded_optimizer.md.
 
   Args:
     optimizer: the optax `GradientTransformation` to shard.
-    strategy: the strategy the steps run on; default: the current one when
-      `init` is called.
-    mirror_indivisible: keep whole the state of a leaf no axis of which the
-      replica count divides (True), or raise `jdist.ShardingError`.
+    strategy: the steps' strategy (default: the current one at `init`).
+    mirror_indivisible: keep whole the state of a leaf that does not split
+      over the replicas (True), or raise `jdist.ShardingError`.
 
   Example:
     >>> import jdist, jax, jax.numpy as jnp, optax

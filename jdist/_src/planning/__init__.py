@@ -33,26 +33,17 @@ def plan(step: Callable, state: Any, batch: Any, *, strategy=None,
          alternatives: bool = True, whole_above: int = WHOLE_ABOVE) -> Plan:
   """Plans a training step from its compiled program: nothing runs.
 
-  The step is compiled ahead of time for `state` and `batch` as the strategy
-  lays them out; the plan reads its per-device bytes, FLOPs, collectives
-  and layout (docs/planning.md). When the peak exceeds the memory limit,
-  other layouts are planned until one fits.
+  Reads the compiled step's per-device bytes, FLOPs, collectives and
+  layout (docs/planning.md); plans other layouts when it does not fit.
 
   Args:
-    step: a `strategy.function` step (its own program is planned, so a later
-      call does not compile it again) or a plain per-replica function
+    step: a `strategy.function` step or a per-replica function
       `step(state, batch) -> (state, outputs)`.
-    state: the state: arrays (placed ones keep their layout), or
-      `jax.ShapeDtypeStruct` values (`jax.eval_shape(init)`: a model too
-      large for one device is planned without being built).
-    batch: one global batch (arrays or `ShapeDtypeStruct` values with a
-      leading batch axis), or a `PerReplica` batch of the strategy.
-    strategy: the strategy; default: the step's own, else a
-      `MirroredStrategy` over every local device.
-    model_flops: FLOPs of one step by the model's own count (all devices),
-      for MFU, shown next to XLA's count.
-    memory_budget: bytes a device may use (an int, or "16GB", "512MiB"),
-      in place of the device's own limit.
+    state: arrays, or `jax.ShapeDtypeStruct` values (`jax.eval_shape`).
+    batch: one global batch (arrays or shapes), or a `PerReplica` batch.
+    strategy: default: the step's own, else a `MirroredStrategy`.
+    model_flops: FLOPs of one step by the model's own count, for MFU.
+    memory_budget: bytes a device may use (an int, or "16GB", "512MiB").
     alternatives: plan other layouts when this one does not fit.
     whole_above: bytes per device from which a parameter left whole on
       every device of a model-parallel replica is noted.
@@ -61,8 +52,7 @@ def plan(step: Callable, state: Any, batch: Any, *, strategy=None,
     A frozen `jdist.Plan`; `print(plan)` shows the table.
 
   Raises:
-    TypeError: `step` is not callable, or the strategy does not run one
-      SPMD program (`ParameterServerStrategy`).
+    TypeError: `step` is not callable, or the strategy is not SPMD.
     ValueError: a batch that does not split over the replicas, a bad
       `memory_budget`.
 

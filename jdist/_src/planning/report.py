@@ -25,9 +25,7 @@ class Alternative:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """What one device holds and does in a step, from its compiled program.
-
-  Every byte count is per device; nothing ran to get them.
+  """What one device holds and does in a step (bytes per device).
 
   Attributes:
     strategy: the strategy's repr.
@@ -36,8 +34,7 @@ class Plan:
     num_devices: devices the step runs on.
     num_replicas: replicas (a replica may span devices).
     mesh: `((axis, size), ...)`.
-    arguments: `((kind, bytes), ...)`: the step's arguments by kind
-      ("parameters", "optimizer state", "other state", "batch").
+    arguments: `((kind, bytes), ...)`: the step's arguments by kind.
     output_bytes: the step's output arrays (their blocks on a device).
     alias_bytes: outputs written into donated arguments' buffers.
     temp_bytes: the compiled program's temporary allocation.

@@ -47,10 +47,6 @@ class ClusterSpec:
 class LocalClusterResolver:
   """A parameter-server cluster on this machine: worker and server counts.
 
-  With the threads backend (the default) the workers are threads of this
-  process, each on one local device, and the servers objects in it; with
-  `backend="ray"` they are Ray actors.
-
   Args:
     num_workers: how many workers (default: one per local device).
     num_ps: how many parameter servers.

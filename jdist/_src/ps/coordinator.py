@@ -32,9 +32,7 @@ _log = logging.getLogger(__name__)
 class ClusterCoordinator:
   """Schedules functions on a `ParameterServerStrategy`'s workers.
 
-  There is one coordinator per strategy: `ClusterCoordinator(strategy)`
-  returns it (the first one made starts the servers and workers);
-  `shutdown()` (or leaving a `with` block) stops the cluster.
+  One per strategy (the first starts the cluster); `shutdown()` stops it.
 
   Args:
     strategy: a `jdist.ParameterServerStrategy`.
@@ -96,21 +94,18 @@ class ClusterCoordinator:
   def schedule(self, fn: Callable, args=(), kwargs=None) -> RemoteValue:
     """Queues `fn(*args, **kwargs)` to run on some worker; returns at once.
 
-    `fn` runs at least once (again if its worker fails while it runs).
-    Per-worker values in the arguments (iterators of
-    `create_per_worker_dataset`) become the running worker's own.
+    `fn` runs at least once (again if its worker fails); per-worker
+    arguments become the running worker's own.
 
     Args:
-      fn: a function; under the Ray backend it must be picklable.
-      args: positional arguments.
-      kwargs: keyword arguments.
+      fn: a function (picklable under Ray).
+      args, kwargs: its arguments.
 
     Returns:
       A `RemoteValue` of `fn`'s result.
 
     Raises:
-      TypeError: `fn` is not callable, `args` not a tuple, `kwargs` not a
-        dict, or an argument is a `RemoteValue`.
+      TypeError: bad `fn`, `args` or `kwargs`, or a `RemoteValue` argument.
       The first error of an earlier function since the last `join()`.
     """
     if not callable(fn):

@@ -53,9 +53,7 @@ class FixedShardsPartitioner(Partitioner):
 
 
 class MinSizePartitioner(Partitioner):
-  """As many pieces as possible with at least `min_shard_bytes` each.
-
-  At most `max_shards` pieces (and at most one per row).
+  """As many pieces (at most `max_shards`) of at least `min_shard_bytes`.
 
   Args:
     min_shard_bytes: the smallest piece, in bytes (256 KiB by default).
@@ -89,10 +87,8 @@ class MinSizePartitioner(Partitioner):
 
 
 class MaxSizePartitioner(Partitioner):
-  """As few pieces as possible with at most `max_shard_bytes` each.
-
-  With `max_shards`, pieces may be larger; a row larger than
-  `max_shard_bytes` gets a piece of its own.
+  """As few pieces as possible of at most `max_shard_bytes` (larger with
+  `max_shards`).
 
   Args:
     max_shard_bytes: the largest piece, in bytes.
@@ -101,8 +97,6 @@ class MaxSizePartitioner(Partitioner):
 
   Example:
     >>> import numpy as np, jdist
-    >>> jdist.MaxSizePartitioner(max_shard_bytes=4)((6, 1), np.float32)
-    [6, 1]
     >>> jdist.MaxSizePartitioner(max_shard_bytes=4, max_shards=2)((6, 1), np.float32)
     [2, 1]
   """

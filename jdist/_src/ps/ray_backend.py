@@ -334,8 +334,7 @@ def scaling_bounds(options: dict, num_workers: int) -> tuple:
   """`(min_workers, max_workers)` of `ray_options`, checked.
 
   Raises:
-    ValueError: a bound that is not a positive integer, or
-      `min_workers <= num_workers <= max_workers` does not hold.
+    ValueError: bounds that are not `1 <= min <= num_workers <= max`.
 
   Example:
     >>> from jdist._src.ps.ray_backend import scaling_bounds

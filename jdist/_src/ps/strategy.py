@@ -31,42 +31,24 @@ BACKENDS = ("threads", "ray")
 class ParameterServerStrategy(StrategyBase):
   """Asynchronous data parallelism: workers update variables on servers.
 
-  Variables (`strategy.replicate(state)`) live on the parameter servers,
-  split with `variable_partitioner` and spread round-robin. A
-  `jdist.ClusterCoordinator` schedules the synchronous strategies' steps on
-  the workers, each of which reads the variables, runs the step on its own
-  batch and sends the servers the change, with no lock-step. A server adds
-  changes to numbers (TensorFlow's asynchronous SGD); booleans and PRNG keys
-  take the last value written. An update computed from variables updated
-  more than `max_staleness` times since the read is refused, and the worker
-  recomputes it. With one worker, or `max_staleness=0`, training is one
-  device's.
+  Variables (`strategy.replicate(state)`) live on the parameter servers; a
+  `jdist.ClusterCoordinator` schedules steps on the workers, which send the
+  servers their changes with no lock-step (docs/parameter_servers.md).
 
   Args:
-    cluster_resolver: a `jdist.cluster_resolver.TFConfigClusterResolver`
-      ("chief", "worker" and "ps" tasks), a `LocalClusterResolver(num_workers,
-      num_ps)`, a mapping of roles to task lists, or None (TF_CONFIG if set,
-      else one worker per local device and one server).
+    cluster_resolver: a `TFConfigClusterResolver`, `LocalClusterResolver`,
+      a mapping of roles to tasks, or None (TF_CONFIG, else local).
     variable_partitioner: a `jdist.FixedShardsPartitioner`,
-      `MinSizePartitioner` or `MaxSizePartitioner` (or a callable with their
-      signature) splitting variables along their first axis; None: whole.
+      `MinSizePartitioner` or `MaxSizePartitioner` (None: whole variables).
     max_staleness: the most updates a server may apply between a worker's
-      read and its update; default twice the workers. 0 makes training
-      sequential; `math.inf` never refuses (TensorFlow's behaviour).
-    timeout_seconds: how long a server call may take before the server counts
-      as failed (`jdist.ParameterServerError`), and how long a scheduled
-      function may run (compiling and server waits aside), or a Ray worker
-      leave a health call unanswered, before its worker is lost.
+      read and its update (default twice the workers; `math.inf`: TF's).
+    timeout_seconds: how long a server call or a scheduled function may take
+      before its server or worker counts as failed.
     backend: "threads" (workers are threads of this process) or "ray" (Ray
       actors; `pip install jdist[ray]` and `ray.init()`).
     ray_options: with backend="ray": `{"worker": {...}, "ps": {...}}` actor
-      options (`num_cpus`, `num_gpus`, `resources`, `runtime_env`,
-      `max_restarts`, ...), "devices_per_worker" (fake CPU devices of a worker
-      process, default 1), "max_workers" (workers join up to this many when
-      Ray's free resources fit one; default the cluster's worker count) and
-      "min_workers" (below it every wait raises `jdist.WorkerFailedError`;
-      default 1). With max_workers, an `InputContext` counts `max_workers`
-      pipelines and `max_staleness` defaults to twice `max_workers`.
+      options, "devices_per_worker" (default 1), "max_workers" and
+      "min_workers" (docs/parameter_servers.md).
 
   Example:
     >>> import jdist, jax, jax.numpy as jnp, numpy as np
@@ -242,21 +224,15 @@ class ParameterServerStrategy(StrategyBase):
                state_output=state_output_lib.DEFAULT):
     """A step run on the workers; see `ParameterServerFunction`.
 
-    Called inside a scheduled function it runs on that worker; called on the
-    coordinator it is scheduled and returns at once, with the variables'
-    handle where the step returns the new state.
+    Called on the coordinator it is scheduled and returns at once.
 
     Args:
       fn: the per-replica step, as for the synchronous strategies.
       donate_argnums, static_argnums, static_argnames, check_state: as for
         the synchronous strategies' `function`.
-      state_output: where the step returns the new value of the
-        `ServerVariables` it takes: by default output 0 of a tuple or list;
-        `None` for a step that only reads; an int, a str or a function of the
-        output for another place; a tuple of those, one per set of variables.
-        An output that does not hold the new value there is a
-        `jdist.DistributionError` (or `VaryingStateError`) raised before
-        anything is written; shapes never decide.
+      state_output: where the step returns the new variables: output 0 by
+        default; `None` (reads only); an int, str or function of the output;
+        a tuple of those, one per set of variables.
 
     Example:
       >>> import jdist, jax.numpy as jnp
@@ -298,10 +274,8 @@ class ParameterServerStrategy(StrategyBase):
   def distribute_datasets_from_function(self, dataset_fn, options=None):
     """Each worker's own input, seen from the coordinator.
 
-    Every worker builds its pipeline from `dataset_fn(input_context)`; iterating
-    the result gives, without end, "the next batch of the worker that runs the
-    step" (bound the loop by a number of steps). `Trainer.fit` reads a
-    `jdist.DatasetCreator` this way.
+    Iterating the result gives, without end, the next batch of the worker
+    that runs the step (bound the loop by a number of steps).
 
     Args:
       dataset_fn: returns an iterable of a worker's batches; it may take a

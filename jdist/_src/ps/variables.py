@@ -152,18 +152,14 @@ class Snapshot:
 class ServerVariables(RemoteState):
   """A pytree of variables held by the parameter servers.
 
-  Steps take it as their state, and a step's result holds it where the new
-  state was returned. On the coordinator `read()` (or `jdist.read_value`)
-  gives the values and `assign()` replaces them. A handle of an object (a
-  metric, a train state) forwards its methods with a variable's meaning.
+  Steps take it as their state; on the coordinator `read()` gives the
+  values and `assign()` replaces them. A handle of an object (a metric)
+  forwards its methods.
 
   Example:
     >>> import jdist, jax.numpy as jnp
     >>> strategy = jdist.ParameterServerStrategy(
     ...     jdist.cluster_resolver.LocalClusterResolver(num_workers=1, num_ps=1))
-    >>> v = strategy.replicate({"w": jnp.ones(3)})
-    >>> v.read()["w"].tolist()
-    [1.0, 1.0, 1.0]
     >>> mean = strategy.replicate(jdist.metrics.Mean().update(jnp.ones(4)))
     >>> float(mean.result()), float(mean.sums()["count"])
     (1.0, 4.0)

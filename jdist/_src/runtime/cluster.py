@@ -24,8 +24,8 @@ class ClusterConfig:
     coordinator_address: "host:port" of process 0's coordination service.
     num_processes: how many processes take part.
     process_id: this process, 0 to `num_processes - 1`.
-    local_device_ids: the accelerators this process drives (None: all it sees).
-    source: where the values came from, for messages ("TF_CONFIG", ...).
+    local_device_ids: the accelerators this process drives (None: all).
+    source: where the values came from ("TF_CONFIG", ...).
 
   Example:
     >>> from jdist.cluster_resolver import ClusterConfig
@@ -115,10 +115,7 @@ class SimpleClusterResolver(ClusterResolver):
 
 
 class EnvironmentClusterResolver(ClusterResolver):
-  """jdist's own variables, as `jdist launch` sets them.
-
-  `JDIST_COORDINATOR_ADDRESS` ("host:port"), `JDIST_NUM_PROCESSES`,
-  `JDIST_PROCESS_ID` and optionally `JDIST_LOCAL_DEVICE_IDS` ("0,1").
+  """jdist's own variables, as `jdist launch` sets them (`JDIST_*`).
 
   Example:
     >>> import jdist
@@ -165,8 +162,7 @@ class JaxClusterResolver(ClusterResolver):
   """JAX's own cluster auto-detection: SLURM, Open MPI, Kubernetes, Cloud TPU.
 
   Args:
-    method: one of JAX's `cluster_detection_method` names ("slurm", "ompi",
-      "mpi4py", "k8s", ...); None tries every environment JAX knows.
+    method: a JAX `cluster_detection_method` name ("slurm", ...) or None.
 
   Example:
     >>> import jdist

@@ -10,13 +10,10 @@ class CommunicationOptions:
   """How a multi-process strategy's collectives behave.
 
   Attributes:
-    timeout_seconds: a step whose collectives do not complete in this time
-      ends the waiting processes with `jdist.CollectiveTimeoutError`, naming
-      the processes that did not join (inside XLA: printed, then the process
-      exits). None waits forever, as TensorFlow does.
+    timeout_seconds: collectives not done in this time end the waiting
+      processes (`jdist.CollectiveTimeoutError`); None waits forever.
     bytes_per_pack: accepted for TensorFlow compatibility; XLA packs itself.
-    implementation: accepted for TensorFlow compatibility ("auto", "ring",
-      "nccl"); XLA chooses the collective implementation.
+    implementation: accepted for TensorFlow compatibility; XLA chooses.
 
   Example:
     >>> import jdist

@@ -1,14 +1,9 @@
 """Where each process waits, and whether the processes can still meet.
 
-A process that takes another path than its peers can leave two processes
-each waiting where the other has not arrived. These pure functions find
-such a wait: a cycle of stalled processes, each waiting where the next has
-not arrived, or a peer that ran another function as this step. Only
-positions stalled `STALL_SECONDS` count; a merely slower peer makes no cycle.
-
-A position is a JSON dict: `kind` ("step" or "rendezvous"), `seq` (steps
-dispatched when the wait began), `what`, `key` (a rendezvous' key prefix),
-`waited` (seconds) and `waits_for` (the peers that have not arrived).
+Pure functions that find a cycle of processes stalled `STALL_SECONDS`, each
+waiting where the next has not arrived, or a peer that ran another function
+as this step. A position is a JSON dict (`kind`, `seq`, `what`, `key`,
+`waited`, `waits_for`).
 
 Example:
   >>> from jdist._src.runtime import positions

@@ -36,8 +36,7 @@ POLL_SECONDS = 0.5  # a rendezvous looks at its peers' failures this often
 class Runtime:
   """This process's part in a run: its peers, and the watch over them.
 
-  Get it from `jdist.initialize()` (or `strategy.runtime`). In a
-  single-process run it has `num_processes == 1` and does nothing.
+  From `jdist.initialize()` (or `strategy.runtime`).
 
   Attributes:
     config: the `ClusterConfig` joined, or None for a single process.
@@ -148,17 +147,16 @@ class Runtime:
     """Publishes `value` under `prefix` and returns every process's value.
 
     Args:
-      prefix: a key prefix unique to this rendezvous (the same on every process).
+      prefix: a key prefix unique to this rendezvous.
       value: this process's value.
       timeout: seconds to wait for the others (None: a generous default).
       what: what the processes meet for, for messages.
 
     Returns:
-      Every process's value, in a dict keyed by process id.
+      Every process's value, keyed by process id.
 
     Raises:
-      jdist.CollectiveTimeoutError: some processes did not publish in time, or
-        wait at points this rendezvous can never meet (the monitor's finding).
+      jdist.CollectiveTimeoutError: the others did not publish in time.
       jdist.PeerFailureError: a peer failed while this process waited.
     """
     me, n = self.process_id, self.num_processes
@@ -247,26 +245,20 @@ def initialize(cluster_resolver=None, *, initialization_timeout: int = 300,
                ) -> Runtime:
   """Joins this process to its multi-process run; returns its `Runtime`.
 
-  Call it first thing in the program, before any JAX computation (creating a
-  `jdist.MultiWorkerMirroredStrategy` calls it for you). The cluster comes
-  from `cluster_resolver`, else jdist's variables (`jdist launch`), else
-  `TF_CONFIG`, else JAX's detection of SLURM, Open MPI, Kubernetes or Cloud
-  TPU; with none of them the run is a single process.
+  Call it before any JAX computation. The cluster comes from
+  `cluster_resolver`, else `jdist launch`'s variables, else `TF_CONFIG`,
+  else JAX's detection; with none the run is a single process.
 
   Args:
     cluster_resolver: a `jdist.cluster_resolver` resolver (or `ClusterConfig`).
-    initialization_timeout: seconds to wait for the coordinator and the other
-      processes to join.
-    heartbeat_timeout_seconds: a process silent this long is declared dead and
-      the others stop (JAX's default of 100 s makes a killed peer a long hang).
+    initialization_timeout: seconds to wait for the other processes.
+    heartbeat_timeout_seconds: a process silent this long is declared dead.
 
   Returns:
     The `Runtime` (its `config` is None for a single process).
 
   Raises:
-    jdist.ClusterError: the coordinator cannot be reached in time, its port is
-      already in use (on process 0), JAX already started its backend, or the
-      cluster description is wrong.
+    jdist.ClusterError: the cluster cannot be joined (the error says why).
 
   Example:
     >>> import jdist

@@ -13,8 +13,8 @@ from jdist._src.runtime.cluster import ClusterConfig, ClusterResolver
 class TFConfigClusterResolver(ClusterResolver):
   """Translates TensorFlow's `TF_CONFIG` so a TF job's environment works as is.
 
-  The processes are the chief (if any), then the workers, in the order
-  listed; the first hosts the coordinator at its address in `TF_CONFIG`.
+  The processes are the chief (if any), then the workers; the first hosts
+  the coordinator.
 
   Args:
     tf_config: the JSON text or dict; default: the `TF_CONFIG` variable.

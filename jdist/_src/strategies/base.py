@@ -61,8 +61,7 @@ class StrategyBase(abc.ABC):
   @property
   def synchronous(self) -> bool:
     """Whether every step is one SPMD program run in lock-step by all
-    replicas (False for `ParameterServerStrategy`, whose steps update state
-    held remotely, in place).
+    replicas (False for `ParameterServerStrategy`).
 
     Example:
       >>> import jdist
@@ -92,10 +91,8 @@ class StrategyBase(abc.ABC):
     return self
 
   def scope(self) -> contextlib.AbstractContextManager:
-    """Makes this the current strategy: `jdist.get_strategy()` returns it.
-
-    With Keras (JAX backend) it also sets the matching `keras.distribution`
-    for Keras's own `fit` (docs/keras.md).
+    """Makes this the current strategy (and with Keras, the matching
+    `keras.distribution`: docs/keras.md).
 
     Example:
       >>> import jdist
@@ -159,10 +156,9 @@ class StrategyBase(abc.ABC):
     """Places `tree` where this strategy holds state (mirrored placement)."""
 
   def init(self, fn: Callable, *args, **kwargs) -> Any:
-    """New state: `fn(*args, **kwargs)`, run in `mesh_scope` as one compiled
-    program (its array arguments traced, other arguments as given; a
-    function that cannot be traced runs eagerly), placed as `replicate`
-    places it.
+    """New state: `fn(*args, **kwargs)` in `mesh_scope`, compiled as one
+    program (traced arrays; other arguments as given; eagerly if it cannot be
+    traced), placed by `replicate`.
 
     Example:
       >>> import jdist, jax.numpy as jnp
@@ -176,8 +172,7 @@ class StrategyBase(abc.ABC):
     return self.replicate(value)
 
   def outside_user_mesh(self) -> contextlib.AbstractContextManager:
-    """For the block: the mesh the user set with `jax.set_mesh` (it must be
-    this strategy's) set aside.
+    """For the block: the user's `jax.set_mesh` mesh (this one's) set aside.
 
     Raises:
       jdist.StrategyMismatchError: another mesh is in context.
@@ -197,8 +192,8 @@ class StrategyBase(abc.ABC):
     code that traces the model outside a step, as `init` does.
 
     Args:
-      strict: whether a constraint on another mesh, or on an axis this mesh
-        lacks, is an error (False: left out, for a pass that reads shapes).
+      strict: whether a constraint on another mesh or axis is an error
+        (False: the constraint is left out).
 
     Raises:
       jdist.StrategyMismatchError: another mesh is in context.

@@ -80,16 +80,14 @@ class CentralStorageStrategy(Strategy):
   """Synchronous training with the variables held once, on one device.
 
   Steps run as under `MirroredStrategy`; between steps the state is held
-  once, on the parameter device, at two transfers of it per step.
+  once, on the parameter device (two transfers of it per step).
 
   Args:
-    compute_devices: the devices that run the replicas (as
-      `MirroredStrategy`'s `devices`); default: every local device.
-    parameter_device: the device that holds the variables; default: the
-      compute device when there is only one, else the host CPU.
+    compute_devices: the replicas' devices (default: every local device).
+    parameter_device: the device that holds the variables (default: the
+      compute device when there is only one, else the host CPU).
     axis_name: name of the replica mesh axis (default "replica").
-    mesh: instead of `compute_devices`, a mesh of one axis (see
-      `MirroredStrategy`).
+    mesh: instead of `compute_devices`, a mesh of one axis.
 
   Example:
     >>> import jdist, jax.numpy as jnp

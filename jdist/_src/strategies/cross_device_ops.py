@@ -6,10 +6,8 @@ from typing import Any
 
 
 class CrossDeviceOps:
-  """Base class of the accepted `cross_device_ops` values (TF's names).
-
-  XLA chooses the all-reduce of the compiled step, so all of them mean
-  XLA's all-reduce; any other value is refused.
+  """Base class of the accepted `cross_device_ops` values (TF's names); all
+  mean XLA's all-reduce, and any other value is refused.
 
   Example:
     >>> import jdist

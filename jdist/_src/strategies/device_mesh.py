@@ -83,9 +83,7 @@ class DeviceMesh:
       the processes (docs/model_parallelism.md).
 
   Raises:
-    ValueError: the shape and the names differ in length, a name repeats,
-      a size is not a positive integer, a device is given twice, or the
-      mesh's size is not the number of devices.
+    ValueError: shape and names disagree, or the devices do not fill it.
 
   Example:
     >>> import jax, jdist
@@ -118,8 +116,7 @@ class DeviceMesh:
 
   @classmethod
   def from_jax(cls, mesh: Mesh) -> "DeviceMesh":
-    """The `DeviceMesh` of a `jax.sharding.Mesh` (Auto or Explicit axes),
-    so a strategy on it also runs inside `with jax.set_mesh(mesh):`.
+    """The `DeviceMesh` of a `jax.sharding.Mesh` (Auto or Explicit axes).
 
     Raises:
       TypeError: `mesh` is not a `jax.sharding.Mesh`.

@@ -132,9 +132,8 @@ class LayoutMap(collections.abc.MutableMapping):
     return tuple(k for k in self._rules if k.endswith(_OUTPUT))
 
   def output_layout(self, path: str) -> P | None:
-    """The layout of the output of the layer at `path` (`Dense_1`,
-    `block/mlp`): its key `"<layer path>/output"`, as in Keras. Inside a
-    step jdist constrains the outputs of flax modules to it.
+    """The layout of the output of the layer at `path` (`block/mlp`): its
+    key `"<layer path>/output"`, as in Keras.
 
     Raises:
       ValueError: see `layout_of`.

@@ -19,15 +19,12 @@ class MirroredStrategy(Strategy):
   """Synchronous data parallelism over this process's devices.
 
   Args:
-    devices: the devices, one replica each, in order: jax Devices, indices,
-      or strings such as "cpu:0", "/gpu:1" or TensorFlow's full names.
-      Default: every local device, in the interconnect's ring order.
+    devices: one replica each: jax Devices, indices or strings ("cpu:0",
+      "/gpu:1"); default: every local device, in ring order.
     axis_name: name of the replica mesh axis (default "replica").
     mesh: instead of `devices`, a `jax.sharding.Mesh` or `jdist.DeviceMesh`
-      of one axis (the replica axis); the strategy then also runs inside
-      `with jax.set_mesh(mesh):`.
-    cross_device_ops: TensorFlow's choice of all-reduce (a
-      `jdist.CrossDeviceOps` or TF's own); XLA's all-reduce runs for all.
+      of one axis.
+    cross_device_ops: a `jdist.CrossDeviceOps` (XLA's all-reduce runs).
 
   Example:
     >>> import jax, jdist
@@ -57,10 +54,9 @@ class OneDeviceStrategy(Strategy):
   """Runs steps on one device, with the same API and semantics.
 
   Args:
-    device: a jax Device, index or string like "cpu:0" (default: the first
-      local device).
+    device: a jax Device, index or "cpu:0" (default: the first local one).
     axis_name: name of the replica mesh axis (default "replica").
-    mesh: instead of `device`, a mesh of one device (see `MirroredStrategy`).
+    mesh: instead of `device`, a mesh of one device.
 
   Example:
     >>> import jdist
@@ -84,10 +80,8 @@ class OneDeviceStrategy(Strategy):
 
 
 def mirrored(fn: Callable | None = None, *, devices=None, **options):
-  """Decorator: runs `fn` as a per-replica step with a `MirroredStrategy`.
-
-  The strategy (over `devices`, default every local one) is made at the
-  first call, as `step.strategy`; other arguments are `Strategy.function`'s.
+  """Decorator: runs `fn` as a per-replica step with a `MirroredStrategy`
+  over `devices`; other arguments are `Strategy.function`'s.
 
   Example:
     >>> import jdist, jax.numpy as jnp

@@ -43,33 +43,25 @@ def fsdp_spec(spec: P, shape: tuple, axis: str, size: int) -> P:
 class ModelParallelStrategy(Strategy):
   """Data parallelism over one mesh axis, the parameters split over the others.
 
-  As Keras 3's `keras.distribution.ModelParallel`: `batch_dim_name` splits
-  the global batch over the replicas, each of which spans the devices of
-  the other axes. An array's layout is its `layout_map` key's, else its
-  flax partition metadata's, else replicated (docs/model_parallelism.md;
-  pipeline stages: docs/pipelines.md).
+  As Keras 3's `keras.distribution.ModelParallel`. An array's layout is its
+  `layout_map` key's, else its flax partition metadata's, else replicated
+  (docs/model_parallelism.md; pipelines: docs/pipelines.md).
 
   Args:
-    layout_map: a `jdist.LayoutMap`, or None to lay out from flax's
-      metadata alone.
-    device_mesh: a `jdist.DeviceMesh` or a `jax.sharding.Mesh`; needed
-      without `layout_map`, and must be its mesh when both are given.
+    layout_map: a `jdist.LayoutMap` (None: flax's metadata alone).
+    device_mesh: a `jdist.DeviceMesh` or `jax.sharding.Mesh`, if no
+      `layout_map` (else the same as its mesh).
     batch_dim_name: the mesh axis of the replicas (default: the first).
-    fsdp_axis: a mesh axis (not the batch one) that splits every parameter
-      and each replica's batch (ZeRO-3), or None.
-    logical_axis_rules: `(logical name, mesh axes or None)` pairs, as in
-      flax (default: those of flax's context open when the strategy is made).
-    pipeline_axis: a mesh axis (not the batch or FSDP one) whose devices are
-      the stages of `jdist.pipeline`, or None.
-    num_microbatches: the microbatches of each replica's batch (default:
-      the number of stages).
+    fsdp_axis: a mesh axis that splits every parameter (ZeRO-3), or None.
+    logical_axis_rules: `(logical name, mesh axes)` pairs, as in flax
+      (default: flax's rules in context when the strategy is made).
+    pipeline_axis: the mesh axis of `jdist.pipeline`'s stages, or None.
+    num_microbatches: microbatches per replica batch (default: the stages).
     num_repeats: virtual stages per stage: 1 is GPipe, more is circular.
     pipeline_remat: rematerialize each stage's layers in the backward pass.
 
   Raises:
-    ValueError: no mesh, two different meshes, an axis the mesh does not
-      have, pipeline settings without `pipeline_axis`, or a circular
-      schedule with fewer microbatches than stages.
+    ValueError: no mesh or two, an unknown axis, or bad pipeline settings.
 
   Example:
     >>> import jax, jax.numpy as jnp, jdist
@@ -329,10 +321,8 @@ class ModelParallelStrategy(Strategy):
     return jax.tree_util.tree_unflatten(treedef, kept)
 
   def init(self, fn: Callable, *args, **kwargs) -> Any:
-    """Runs `fn(*args, **kwargs)` compiled so that its result is created laid
-    out, never whole on one device: the parameters, or the optimizer state
-    (`strategy.init(optimizer.init, params)`). `fn` runs under the mesh and
-    `logical_axis_rules`, so an nnx model can be built in it.
+    """Runs `fn(*args, **kwargs)` compiled so that its result (parameters,
+    optimizer state) is created laid out, under the mesh and axis rules.
 
     Raises:
       ValueError: see `partition_specs` (before anything runs).

@@ -14,17 +14,14 @@ from jdist._src.strategies.devices import from_mesh, replica_order
 class MultiWorkerMirroredStrategy(Strategy):
   """Synchronous data parallelism over the devices of all processes.
 
-  Every process runs the same program and feeds only its own replicas.
-  Creating the strategy joins the run (`jdist.initialize`); without a
-  cluster it is `MirroredStrategy` (docs/many_hosts.md).
+  Every process runs the same program and feeds its own replicas; creating
+  the strategy joins the run (docs/many_hosts.md).
 
   Args:
-    cluster_resolver: how to find the cluster (see `jdist.cluster_resolver`);
-      None reads the environment (`jdist launch`, `TF_CONFIG`, SLURM, ...).
+    cluster_resolver: a `jdist.cluster_resolver` (None: the environment).
     communication_options: a `jdist.CommunicationOptions`.
     axis_name: name of the replica mesh axis (default "replica").
-    mesh: instead of every device of the run, a mesh of one axis (see
-      `MirroredStrategy`).
+    mesh: instead of every device of the run, a mesh of one axis.
 
   Example:
     >>> import jax, jdist

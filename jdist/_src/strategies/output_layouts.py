@@ -1,10 +1,6 @@
 """Keras's output-layout keys for flax models: a layer's output constrained
-to its `LayoutMap` layout inside a step.
-
-A layer is a submodule, named by its path in the model (linen's
-`module.path`, nnx's attribute path). Linen modules are reached through
-`nn.intercept_methods`; an nnx module with a key gets, for the step only, a
-subclass whose `__call__` constrains its output.
+to its `LayoutMap` layout inside a step (linen through
+`nn.intercept_methods`, nnx through a step-only subclass).
 """
 
 from __future__ import annotations

@@ -86,9 +86,7 @@ class PartitionMetadata:
 
   Args:
     device_mesh: the `jdist.DeviceMesh` whose axes the layouts name.
-    logical_axis_rules: pairs `(logical name, mesh axes)`. A linen box's
-      own `rules` replace them, an nnx variable's `sharding_rules` are added
-      to them, as in flax.
+    logical_axis_rules: pairs `(logical name, mesh axes)`, as in flax.
   """
 
   def __init__(self, device_mesh: DeviceMesh, logical_axis_rules=()):

@@ -126,8 +126,7 @@ class Strategy(StrategyBase):
     return [P() for _ in jax.tree.leaves(tree)]
 
   def shardings(self, tree: Any) -> Any:
-    """The `NamedSharding` each leaf of `tree` has as this strategy's state.
-    Nothing is placed: `tree` may hold `jax.ShapeDtypeStruct` values.
+    """The `NamedSharding` of each leaf of `tree` (arrays or shapes) as state.
 
     Example:
       >>> import jdist, jax.numpy as jnp
@@ -170,19 +169,16 @@ class Strategy(StrategyBase):
                state_output=state_output_lib.DEFAULT):
     """Compiles `fn` as a per-replica step; the result is called like `fn`.
 
-    `fn` runs once per replica on its slice of `PerReplica` arguments;
-    other arguments reach every replica whole. Outputs equal on every
-    replica come back mirrored, the others as `PerReplica`.
+    `fn` runs once per replica on its slice of `PerReplica` arguments.
+    Outputs equal on every replica come back mirrored, others `PerReplica`.
 
     Args:
       fn: the per-replica step; omit it to decorate with arguments.
       donate_argnums, static_argnums, static_argnames: passed to `jax.jit`.
-      check_state: raise `jdist.VaryingStateError` when an output shaped
-        like a mirrored input (the state) varies over replicas.
+      check_state: raise `jdist.VaryingStateError` when the state varies.
       check_loss_scaling: raise `jdist.LossScalingError` when the loss is a
         mean over the replica's batch (gradients too large).
-      state_output: as `jdist.ParameterServerStrategy.function` takes it
-        (only its form is checked here).
+      state_output: as `jdist.ParameterServerStrategy.function` takes it.
 
     Returns:
       A `DistributedFunction`.
@@ -212,15 +208,13 @@ class Strategy(StrategyBase):
     Args:
       reduce_op: `jdist.ReduceOp` SUM, MEAN, MAX or MIN (or its name).
       value: a pytree holding `PerReplica` values (and mirrored arrays).
-      axis: None to combine replicas' values; an axis of each replica's value
-        to reduce along it as well (padding excluded).
+      axis: also reduce along this axis of each value (padding excluded).
 
     Returns:
       The reduced pytree, replicated on every device (and every process).
 
     Raises:
-      jdist.DoubleReductionError: SUM of a mirrored value, which is already
-        the same on every replica.
+      jdist.DoubleReductionError: SUM of a mirrored value.
     """
     return cross_replica.reduce(self, reduce_op, value, axis)
 
@@ -245,12 +239,10 @@ class Strategy(StrategyBase):
                                       global_batch_size: int | None = None):
     """Splits each global batch of `dataset` over the replicas.
 
-    The global batch size must divide evenly over the replicas; a shorter
-    last batch is padded and masked (nothing dropped or counted twice).
+    A short last batch is padded and masked.
 
     Args:
-      dataset: any iterable of batches (pytrees of arrays with a leading batch
-        axis): a list, a generator, a tf.data or grain iterator.
+      dataset: an iterable of batches (a list, generator, tf.data, grain).
       options: a `jdist.InputOptions` (or `tf.distribute.InputOptions`).
       global_batch_size: the batch size, when the first batch may be short
         (default: the first batch's).

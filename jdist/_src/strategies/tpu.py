@@ -23,18 +23,16 @@ def tpu_devices() -> tuple:
 class TPUStrategy(Strategy):
   """Synchronous data parallelism over TPU cores, on one host or a pod slice.
 
-  Steps, datasets and reductions behave as with `MirroredStrategy`; on a
-  pod slice creating the strategy joins the hosts.
+  As `MirroredStrategy`; on a pod slice creating it joins the hosts.
 
   Args:
     cluster_resolver: usually None; JAX finds the TPU hosts itself.
     communication_options: a `jdist.CommunicationOptions`.
     axis_name: name of the replica mesh axis (default "replica").
-    mesh: instead of every TPU core of the run, a mesh of TPU cores on one
-      axis (see `MirroredStrategy`).
+    mesh: instead of every TPU core of the run, a mesh of one axis.
 
   Raises:
-    jdist.ClusterError: no TPU is attached to this process (a RuntimeError).
+    jdist.ClusterError: no TPU is attached to this process.
 
   Example:
     >>> import jdist

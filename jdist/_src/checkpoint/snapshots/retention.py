@@ -1,12 +1,9 @@
 """A process's snapshot files: which it keeps, and the spare it writes the
 next snapshot over.
 
-Writing snapshot k, a process removes every file but those of its last two
-snapshots and k's. That is safe: its writer writes k only after the step that
-computed it, which needed every process, and each process dispatched that
-step after its `write` of k-1 waited for k-2 to be written; so every part of
-k-2 exists. An old file of at most `SPARE_BYTES` is renamed back to the
-temporary name and written over (no page of memory taken anew).
+Writing snapshot k keeps only the last two snapshots and k: the step that
+computed k needed every process, each dispatched after its write of k-2
+was done. An old file of at most `SPARE_BYTES` is written over.
 """
 
 from __future__ import annotations
@@ -27,9 +24,6 @@ class Files:
   """The snapshot files process `rank` of `world` writes in `directory`.
 
   Example:
-    Process 0 of 3 writes its file of step 3 (its part, and the replica of
-    process 2's); part 1 is not on this host until process 1's file is:
-
     >>> import tempfile
     >>> from jdist._src.checkpoint.snapshots.retention import Files
     >>> files = Files(tempfile.mkdtemp(), rank=0, world=3)
