@@ -18,7 +18,10 @@ level. The notebooks' kernels compile at level 0 too (test_notebooks.py:
 their runs in the suite compile more than they train). `JDIST_TEST_XLA_FLAGS=` (empty) runs the suite at the default level.
 """
 
+import contextlib
+import logging
 import os
+import re
 import shutil
 import tempfile
 
@@ -105,6 +108,28 @@ def strategy_on(n: int):
   """A MirroredStrategy over the first n devices (OneDevice for n == 1)."""
   devs = jax.local_devices()[:n]
   return jdist.OneDeviceStrategy(devs[0]) if n == 1 else jdist.MirroredStrategy(devs)
+
+
+@contextlib.contextmanager
+def lowered_programs():
+  """Yields the list of the programs JAX lowers in the block, by name
+  (`jit(f)`): each one traced and compiled (or read from the cache)."""
+  names = []
+
+  class Lowerings(logging.Handler):
+    def emit(self, record):
+      found = re.match(r"Finished jaxpr to MLIR module conversion (\S+)",
+                       record.getMessage())
+      if found:
+        names.append(found.group(1))
+
+  handler, logger = Lowerings(), logging.getLogger("jax")
+  logger.addHandler(handler)
+  try:
+    with jax.log_compiles(True):
+      yield names
+  finally:
+    logger.removeHandler(handler)
 
 
 class Interrupt(jdist.Callback):

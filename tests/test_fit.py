@@ -11,7 +11,7 @@ import jdist
 import jdist.testing
 from jdist.examples.models import MLP
 
-from conftest import strategy_on
+from conftest import lowered_programs, strategy_on
 
 LOSS = jdist.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -64,6 +64,23 @@ def test_fit_gives_the_same_history_on_1_and_4_devices(split):
   assert t4.global_step == 3 * 16 and int(t4.state.step) == 48
   assert t4.params["Dense_0"]["kernel"].sharding.device_set == set(
       jax.local_devices()[:4])
+
+
+def test_the_first_fit_compiles_the_models_initialisation_as_one_program():
+  # Shapes no other test uses, so no program is in JAX's caches already.
+  x = np.random.default_rng(0).normal(size=(24, 5)).astype(np.float32)
+  y = (x[:, 0] > 0).astype(np.int32)
+  trainer = trainer_on(2, MLP(hidden=13, classes=7), metrics=[])
+  with lowered_programs() as first:
+    trainer.fit(x, y, batch_size=8, verbose=0)
+  # Eagerly, flax's initialisation compiles each of its operations alone
+  # (29 programs for this fit, `jit(_truncated_normal)` among them): now one
+  # program each for the init, the predictions check, the train step and the
+  # logs' reduction, and a few small placements of keys and batches.
+  assert first.count("jit(init)") == 1 and len(first) <= 12, first
+  with lowered_programs() as second:
+    trainer.fit(x, y, batch_size=8, verbose=0)
+  assert second == []
 
 
 def test_evaluate_and_predict_are_exact_on_uneven_data(split):

@@ -21,6 +21,8 @@ from jax.sharding import PartitionSpec as P
 
 import jdist
 import jdist.testing
+from conftest import lowered_programs
+from jdist.examples.models import MLP
 
 _RULES = (("batch", "data"), ("hidden", "model"))
 
@@ -103,6 +105,28 @@ def test_steps_run_inside_jax_set_mesh_of_their_mesh_and_refuse_another(
         r"but the mesh in context \(jax.set_mesh\) is Mesh\('a': 2, 'b': 2, "
         r"axis_types=\(Explicit, Explicit\)\)"):
       call()
+
+
+def test_init_compiles_one_program_equal_to_the_eager_run(devices):
+  strategy = jdist.MirroredStrategy(devices[:2])
+  model = MLP(hidden=11, classes=3)  # shapes no other test uses
+  key, x = jax.random.key(1), np.ones((1, 6), np.float32)
+  with lowered_programs() as lowered:
+    params = strategy.init(model.init, key, x)
+  assert lowered == ["jit(init)"]  # eagerly, one per flax operation
+  eager = model.init(key, x)
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(eager), strict=True):
+    assert a.sharding.is_fully_replicated and len(a.sharding.device_set) == 2
+    np.testing.assert_array_equal(a, b)
+  # Functions a trace cannot run give what they give eagerly: one that reads
+  # an array's value, an nnx model drawing from Rngs made outside.
+  assert list(strategy.init(lambda v: v * 2 if float(v.sum()) else v,
+                            jnp.ones(2))) == [2.0, 2.0]
+  rngs = nnx.Rngs(0)
+  layer = strategy.init(lambda: nnx.Linear(6, 2, rngs=rngs))
+  np.testing.assert_array_equal(layer.kernel[...], nnx.Linear(
+      6, 2, rngs=nnx.Rngs(0)).kernel[...])
+  assert int(rngs.default.count[...]) == 2  # the kernel's draw and the bias's
 
 
 # --- activation constraints --------------------------------------------------

@@ -94,9 +94,10 @@ def _prepare_shardings_mapped(axis_resources, arg_name, *args, **kwargs):
 
 
 @contextlib.contextmanager
-def sharding_constraints_mapped(mapper: Callable) -> Iterator[None]:
+def sharding_constraints_mapped(mapper: Callable | None) -> Iterator[None]:
   """In this thread, for the block: each sharding given to
-  `jax.lax.with_sharding_constraint` is replaced by `mapper(sharding)`.
+  `jax.lax.with_sharding_constraint` is replaced by `mapper(sharding)`
+  (None: kept as written).
 
   Private: a user's constraint, written for the global program, means per
   replica the spec without the replica axis, which JAX refuses inside a

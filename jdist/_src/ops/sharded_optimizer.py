@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdist._src import current
+from jdist._src import jax_compat
 from jdist._src.core import context
 from jdist._src.core import in_step
 from jdist._src.core import kinds
@@ -246,8 +247,11 @@ class ShardedOptimizer:
         NamedSharding(strategy.mesh, spec)
         for spec in sharded.partition_specs()])
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params)):
-      value = jax.lax.with_sharding_constraint(self.optimizer.init(params),
-                                               shardings)
+      # A placement, not a model's constraint, which `strategy.mesh_scope`
+      # (`strategy.init`) would read per replica: kept as written.
+      with jax_compat.sharding_constraints_mapped(None):
+        value = jax.lax.with_sharding_constraint(self.optimizer.init(params),
+                                                 shardings)
     else:
       value = jax.jit(self.optimizer.init, out_shardings=shardings)(
           _on_mesh(params, strategy))

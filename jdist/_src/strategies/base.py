@@ -14,6 +14,7 @@ import warnings
 import weakref
 from typing import Any, Callable, Iterable
 
+from jdist._src.core import compiled_call
 from jdist._src.core import context
 from jdist._src.core import mesh_context
 from jdist._src.core import placement
@@ -155,7 +156,9 @@ class StrategyBase(abc.ABC):
     """Places `tree` where this strategy holds state (mirrored placement)."""
 
   def init(self, fn: Callable, *args, **kwargs) -> Any:
-    """New state: `fn(*args, **kwargs)` in `mesh_scope`, placed by `replicate`.
+    """New state: `fn(*args, **kwargs)` in `mesh_scope`, compiled as one
+    program (traced arrays; other arguments as given; eagerly if it cannot be
+    traced), placed by `replicate`.
 
     Example:
       >>> import jdist, jax.numpy as jnp
@@ -165,7 +168,7 @@ class StrategyBase(abc.ABC):
       True
     """
     with self.mesh_scope():
-      value = fn(*args, **kwargs)
+      value = compiled_call.call_compiled(fn, args, kwargs)
     return self.replicate(value)
 
   def outside_user_mesh(self) -> contextlib.AbstractContextManager:
