@@ -23,7 +23,6 @@ from jdist._src.planning import alternatives as alternatives_lib
 from jdist._src.planning import inputs
 from jdist._src.planning import memory
 from jdist._src.planning.report import Plan
-from jdist._src.strategies.spmd import Strategy
 from jdist._src.training import steps
 from jdist._src.training import totals as totals_lib
 from jdist._src.training.program import TrainingProgram, check_count
@@ -148,7 +147,7 @@ class TrainPlanner:
     `limited`, only under a known memory limit). TypeError, ValueError if
     the data does not fit the model, loss or metrics."""
     strategy = self.strategy
-    if not (isinstance(strategy, Strategy) and strategy.synchronous) or (
+    if not strategy.synchronous or (
         source.whole_calls) or (limited and planning.memory_limit(
             strategy, self.memory_budget)[0] is None):
       return None, totals
