@@ -80,7 +80,7 @@ def kernel(tmp_path_factory):
   namespace, its own directory and the kernel's starting environment: see
   `_fresh_start`), so that the kernel's start and the imports of JAX, jdist,
   flax and matplotlib are paid once, not once per notebook. The kernel
-  compiles at the suite's level 0 (conftest.py's XLA_FLAGS): with the
+  compiles with the suite's XLA flags (conftest.py's XLA_FLAGS): with the
   parameters above every notebook spends more of its time compiling than
   running steps."""
   os.environ.setdefault("MPLBACKEND", "Agg")
