@@ -40,6 +40,12 @@ def test_device_mesh_defaults_to_every_device():
 def test_device_mesh_size_must_match_device_count(devices):
   with pytest.raises(ValueError, match=r"holds 6 devices but 4 were given"):
     jdist.DeviceMesh((2, 3), ("data", "model"), devices[:4])
+  # Without devices: the run's, counted as processes x devices (a job
+  # restarted on fewer processes has fewer), before anything runs.
+  with pytest.raises(ValueError, match=(
+      rf"holds 6 devices but this run has {len(devices)} \(1 process x "
+      rf"{len(devices)} devices\).*restarted on fewer processes")):
+    jdist.DeviceMesh((2, 3), ("data", "model"))
 
 
 def test_device_mesh_needs_one_name_per_axis(devices):

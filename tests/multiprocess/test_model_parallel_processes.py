@@ -10,11 +10,17 @@ axis across the processes, the model axis inside each), then with the mesh
 laid out the other way by hand. Each process writes the shards it holds;
 this test checks that they are its own devices' shards only, split as the
 layout says, and rebuilds the arrays from both processes' shards.
+
+The same pipeline as an elastic job (elastic_pipeline_job.py, under
+`jdist launch --nnodes 2 --max-restarts 1`): a stage's process is killed
+after a checkpoint, the launcher restarts the job, and it resumes and ends
+where one device ends.
 """
 
 import functools
 import os
 import pickle
+import re
 
 import jax
 import numpy as np
@@ -27,6 +33,7 @@ import model_parallel_train as train_lib
 pytestmark = pytest.mark.multiprocess
 
 JOB = os.path.join(harness.HERE, "model_parallel_job.py")
+ELASTIC_JOB = os.path.join(harness.HERE, "elastic_pipeline_job.py")
 RUN_TIMEOUT = 240  # two JAX processes on 2 busy cores; nothing waits on it
 TOL = 1e-6  # float32: the split matmuls and the gradient sums run in another order
 
@@ -122,3 +129,39 @@ def test_the_data_axis_crosses_the_processes_unless_laid_out_by_hand(launched):
            launched["pipeline", rank]["params"]["['layers']['kernel']"]}
           for rank in (0, 1)]
   assert held == [{(0, 2)}, {(2, 4)}], held
+
+
+def test_a_pipeline_across_processes_resumes_under_the_elastic_launcher(
+    tmp_path):
+  """Process 1 (the second stage: layers 2 and 3) SIGKILLs itself after its
+  second step and the checkpoint of it; the launcher restarts the job on its
+  2 processes, which restore the checkpoint into their stages and train
+  steps 2 and 3. Losses and final parameters and momentum are one device's."""
+  r = harness.run_launcher(["--nnodes", 2, "--max-restarts", 1,
+                            "--devices-per-process", 2, ELASTIC_JOB,
+                            tmp_path, "0:1:1:kill"], timeout=RUN_TIMEOUT)
+  assert r.returncode == 0, r.output[-5000:]
+  assert ("jdist launch: attempt 0: process 1 of 2 failed (killed by SIGKILL); "
+          "restarting the job (restart 1 of at most 1)." in r.stderr), r.stderr
+  assert "jdist launch: the job completed after 1 restart" in r.stderr
+  resumed = re.findall(r"^\[(\d)\] resumed (\d+) attempt=(\d) pid=(\d+)$",
+                       r.stdout, re.M)
+  assert sorted(found[:3] for found in resumed) == [
+      ("0", "0", "0"), ("0", "2", "1"), ("1", "0", "0"), ("1", "2", "1")
+  ], r.stdout
+  assert harness.wait_gone([int(found[3]) for found in resumed], 5) == []
+  params, momentum, losses = in_one_process("one_device", pipeline=True)
+  seen = [(int(rank), int(i), float(value)) for rank, i, value in re.findall(
+      r"^\[(\d)\] loss (\d+) (\S+)$", r.stdout, re.M)]
+  for rank in (0, 1):  # steps 0, 1 in attempt 0; 2, 3 in attempt 1
+    assert {i for k, i, _ in seen if k == rank} == {0, 1, 2, 3}, r.stdout
+  for _, i, value in seen:
+    np.testing.assert_allclose(value, losses[i], rtol=0, atol=TOL)
+  with np.load(tmp_path / "final.npz") as z:
+    assert int(z["attempt"]) == 1
+    want = jax.tree_util.tree_flatten_with_path((params, momentum))[0]
+    assert set(z.files) == {"attempt"} | {jax.tree_util.keystr(p)
+                                          for p, _ in want}
+    for path, x in want:
+      name = jax.tree_util.keystr(path)
+      np.testing.assert_allclose(z[name], x, rtol=0, atol=TOL, err_msg=name)

@@ -55,6 +55,24 @@ def _check_unique(devices: list) -> None:
     first[device] = i
 
 
+def _count_problem(shape: tuple, count: int, found: bool) -> str:
+  """Why `count` devices (the run's, when `found`) cannot fill `shape`."""
+  if not found:
+    return (f"DeviceMesh shape {shape} holds {math.prod(shape)} devices but "
+            f"{count} were given. Choose a shape whose sizes multiply to "
+            f"{count}, or pass that many devices.")
+  processes, local = jax.process_count(), jax.local_device_count()
+  each = (f" ({processes} process{'es' if processes > 1 else ''} x {local} "
+          "devices)" if processes * local == count else "")
+  return (
+      f"DeviceMesh shape {shape} holds {math.prod(shape)} devices but this "
+      f"run has {count}{each}. Choose a shape whose sizes multiply to "
+      f"{count}, for example from jax.device_count(): a job that `jdist "
+      "launch` restarted on fewer processes has fewer devices (a checkpoint "
+      "restores onto another mesh; a pipeline's stacked layers onto another "
+      "number of stages that divides them).")
+
+
 def repeated_axis(spec) -> tuple[str, int, int] | None:
   """`(axis, first dimension, second dimension)` of the first mesh axis that
   the layout `spec` names for two dimensions (JAX refuses it), or None."""
@@ -102,14 +120,12 @@ class DeviceMesh:
     if len(set(axis_names)) != len(axis_names):
       raise ValueError(f"DeviceMesh axis_names {axis_names} repeat a name.")
     shape = _sizes(shape, axis_names)
-    devices = list(np.asarray(default_devices(shape) if devices is None
+    found = devices is None
+    devices = list(np.asarray(default_devices(shape) if found
                               else devices, dtype=object).ravel())
     _check_unique(devices)
     if math.prod(shape) != len(devices):
-      raise ValueError(
-          f"DeviceMesh shape {shape} holds {math.prod(shape)} devices but "
-          f"{len(devices)} were given (or found). Choose a shape whose sizes "
-          f"multiply to {len(devices)}, or pass that many devices.")
+      raise ValueError(_count_problem(shape, len(devices), found))
     self._shape = shape
     self._axis_names = axis_names
     self._devices = np.array(devices, dtype=object).reshape(shape)
