@@ -3,21 +3,23 @@ the stages' busy time, per-device memory of the compiled step, and speed
 against the same step written by hand, on 8 fake CPU devices.
 
 1. Bubble: stacked dense layers (`tanh(h @ w)`) under
-   `ModelParallelStrategy(pipeline_axis="stage")` on 2 of the devices (one
-   stage per core of a 2-core machine: more stages than cores would share
-   them, and a stage's time would measure the sharing). Each layer records
+   `ModelParallelStrategy(pipeline_axis="stage")` on 2 stages, each stage
+   the one device of a process of its own, pinned to a core of its own
+   (pipeline_bubble.py under `jdist launch -n 2 --devices-per-process 1`).
+   One device of XLA:CPU computes on the process's threads, up to every
+   core it may use: with both stages in one process, a stage computing
+   alone at a loop's ends takes its peer's core too and runs faster than
+   beside it, and the bubble would measure the machine. Each layer records
    when each stage starts and ends it, forward and backward
-   (`jdist.examples.pipeline_timeline`); a stage's bubble in a train step
-   is its wait before its first layer and after its last in each loop
-   (forward, backward) over the loops' spans, the mean over stages, the
-   median over steps; against (S - 1) / (V * M + S - 1). Its whole idle
-   share (1 - busy / span) and a layer's time alone over beside its peer
-   are reported with it. The timed steps run at a raised scheduling
-   priority (nice -10, where the process may: this machine is shared;
-   enough to keep its other jobs from taking the stages' cores, not to
-   starve them), each device on one thread
-   (`--xla_cpu_multi_thread_eigen=false`: a stage alone would otherwise run
-   on both cores, faster than with its peer).
+   (`jdist.examples.pipeline_timeline`; `time.perf_counter`, one clock for
+   both processes); a stage's bubble in a train step is its wait before its
+   first layer and after its last in each loop (forward, backward) over the
+   loops' spans, the mean over stages, the median over steps; against
+   (S - 1) / (V * M + S - 1). Its whole idle share (1 - busy / span) and a
+   layer's time alone over beside its peer are reported with it. The timed
+   steps run at a raised scheduling priority (nice -20, where the process
+   may: this machine is shared, and its other jobs would otherwise take
+   the stages' cores).
 2. Memory per device: the compiled train step's memory analysis (arguments
    and temporaries) of the example GPT with stacked blocks on 4 stages
    (`DeviceMesh((1, 4, 1), ("data", "stage", "model"))`): GPipe, circular,
@@ -39,39 +41,35 @@ Run inside a process with 8 fake devices (benchmarks/run.py does this):
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
 
-if __name__ == "__main__":  # not when a test imports it
-  # Each fake device computes on one thread (see the module's docstring);
-  # set before JAX starts its backend.
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_cpu_multi_thread_eigen=false").strip()
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import argparse  # noqa: E402
-import pathlib  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-
-import flax.linen as nn  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax import lax  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import jdist  # noqa: E402
-from jdist.examples.models import GPT, GPTBlock, gpt_layout_map  # noqa: E402
-from jdist.examples.pipeline_timeline import Timeline, timed  # noqa: E402
+import jdist
+from jdist.examples.models import GPT, GPTBlock, gpt_layout_map
+from jdist.examples.pipeline_timeline import Timeline, timed
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import provenance  # noqa: E402  (RESULTS.md's "from which run")
 
 CONFIGS = {
-    "full": {"bubble": dict(width=1024, rows=512, layers_per_stage=4,
+    "full": {"bubble": dict(width=512, rows=512, layers_per_stage=4,
                             steps=7),
              "schedules": [(2, 1), (4, 1), (8, 1), (2, 2), (4, 2)],
              "model": dict(vocab_size=256, max_len=32, embed_dim=128,
@@ -105,10 +103,12 @@ def _set_priority(niceness: int) -> bool:
 
 
 def bubble(devices, microbatches: int, repeats: int, *, width: int, rows: int,
-           layers_per_stage: int, steps: int, niceness: int | None = -10
+           layers_per_stage: int, steps: int, niceness: int | None = -20
            ) -> dict:
-  """The measured bubble of one schedule on 2 stages (see the docstring);
-  the timed steps at `niceness` (None: as the process runs)."""
+  """The measured bubble of one schedule on 2 stages (see the docstring),
+  the timed steps at `niceness` (None: as the process runs). In a run of
+  several processes every process calls it with the run's devices: each
+  records its own stage's layers, and every process gets all of them."""
   stages = 2
   mesh = jdist.DeviceMesh((1, stages), ("data", "stage"), devices[:stages])
   layout_map = jdist.LayoutMap(mesh)
@@ -129,32 +129,111 @@ def bubble(devices, microbatches: int, repeats: int, *, width: int, rows: int,
 
   params = strategy.init(lambda: {"w": jax.random.normal(
       jax.random.key(0), (layers, width, width)) / np.sqrt(width)})
-  x = jax.random.normal(jax.random.key(1), (rows * microbatches, width))
+  x = np.asarray(jax.random.normal(jax.random.key(1),
+                                   (rows * microbatches, width)))
+  x = next(iter(strategy.experimental_distribute_dataset([x])))
   run = strategy.function(step)
   params, _ = jax.block_until_ready(run(params, x))  # compiles
   raised = niceness is not None and _set_priority(niceness)
-  fractions, idle, timelines, alone = [], [], [], []
+  recorded = []
   try:
     for _ in range(steps):
       timeline.clear()
       params, _ = jax.block_until_ready(run(params, x))
-      fractions.append(statistics.mean(timeline.bubble_fraction().values()))
-      idle.append(statistics.mean(timeline.idle_fraction().values()))
-      timelines.append(_relative(timeline))
-      alone.append(_alone_over_together(timeline))
+      recorded.append(timeline.events())
   finally:
     if raised:
       _set_priority(0)
-  schedule = strategy.pipeline
-  median = statistics.median(fractions)
+  measured = _fractions([Timeline.of(e) for e in _gathered(recorded)],
+                        layers_per_stage)
   return {"stages": stages, "microbatches": microbatches, "repeats": repeats,
-          "layers": layers, "formula": schedule.bubble_fraction,
-          "iterations": schedule.iterations, "measured": median,
-          "steps": fractions, "idle": statistics.median(idle),
-          "alone_over_together": statistics.median(alone),
-          "priority_raised": raised,
-          "timeline": timelines[fractions.index(median)
-                                if median in fractions else 0]}
+          "layers": layers, "formula": strategy.pipeline.bubble_fraction,
+          "iterations": strategy.pipeline.iterations,
+          "niceness": niceness if raised else None, **measured}
+
+
+def _fractions(timelines: list, layers_per_stage: int) -> dict:
+  """The bubble, all idle, the gaps between iterations and alone / beside
+  of each step's timeline: their medians, and the median step's timeline
+  (ms from its start)."""
+  fractions = [statistics.mean(t.bubble_fraction().values())
+               for t in timelines]
+  median = statistics.median(fractions)
+  middle = min(range(len(fractions)),
+               key=lambda i: abs(fractions[i] - median))
+  return {"measured": median, "steps": fractions,
+          "idle": statistics.median(
+              statistics.mean(t.idle_fraction().values()) for t in timelines),
+          "gaps": statistics.median(
+              _gap_share(t, layers_per_stage) for t in timelines),
+          "alone_over_together": statistics.median(
+              _alone_over_together(t) for t in timelines),
+          "timeline": _relative(timelines[middle])}
+
+
+def _gap_share(timeline: Timeline, layers_per_stage: int) -> float:
+  """The loop's own work between a stage's iterations (from its last layer
+  of one to its first of the next) as a share of an iteration (first layer
+  to first layer): the mean gap over the mean iteration, the forward's and
+  the backward's added."""
+  gaps, iterations = 0.0, 0.0
+  for phase in ("forward", "backward"):
+    between = []
+    for rows in timeline.intervals().values():
+      mine = [i for i in rows if i.phase == phase]
+      runs = [mine[k:k + layers_per_stage]
+              for k in range(0, len(mine), layers_per_stage)]
+      between += [(b[0].start - a[-1].end, b[0].start - a[0].start)
+                  for a, b in zip(runs, runs[1:])]
+    if not between:
+      return float("nan")
+    gaps += statistics.mean(g for g, _ in between)
+    iterations += statistics.mean(t for _, t in between)
+  return gaps / iterations
+
+
+def _gathered(recorded: list) -> list:
+  """Each step's events (`Timeline.events` rows) of every process, in
+  every process (each process records its own stage's)."""
+  if jax.process_count() == 1:
+    return recorded
+  counts = multihost_utils.process_allgather(
+      np.array([len(e) for e in recorded], np.int32))
+  padded = np.zeros((len(recorded), int(counts.max()), 4), np.float64)
+  for i, events in enumerate(recorded):
+    padded[i, :len(events)] = events
+  # As int32 bits: JAX would round float64 times to float32 (no x64).
+  every = np.ascontiguousarray(multihost_utils.process_allgather(
+      padded.view(np.int32))).view(np.float64)
+  return [np.concatenate([every[p, i, :counts[p, i]]
+                          for p in range(len(every))])
+          for i in range(len(recorded))]
+
+
+def bubble_in_processes(microbatches: int, repeats: int, *,
+                        timeout: float = 1200, **config) -> dict:
+  """`bubble` with each stage in a process of its own pinned to a core of
+  its own: pipeline_bubble.py under `jdist launch -n 2`; its process 0's
+  result, with each process's cores. `config`: `bubble`'s keywords."""
+  command = [sys.executable, "-m", "jdist.launch", "-n", "2",
+             "--devices-per-process", "1", str(HERE / "pipeline_bubble.py"),
+             "--microbatches", str(microbatches), "--repeats", str(repeats)]
+  for key, value in config.items():
+    command += [f"--{key.replace('_', '-')}", str(value)]
+  env = {k: v for k, v in os.environ.items()
+         if not k.startswith(("JDIST_", "XLA_FLAGS"))}
+  env["JAX_PLATFORMS"] = "cpu"
+  env["PYTHONPATH"] = os.pathsep.join(  # this checkout's jdist
+      filter(None, [str(HERE.parent), env.get("PYTHONPATH")]))
+  # On a timeout the launcher is killed, and its processes with it.
+  done = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True,
+                        timeout=timeout)
+  lines = [l for l in done.stdout.splitlines() if l.startswith("[0] {")]
+  if done.returncode or not lines:
+    raise RuntimeError(
+        f"pipeline_bubble.py failed (code {done.returncode}):\n"
+        + done.stdout[-3000:])
+  return json.loads(lines[-1][len("[0] "):])
 
 
 def _alone_over_together(timeline: Timeline) -> float:
@@ -418,8 +497,8 @@ def measure(args) -> dict:
   res["bubble"] = []
   for microbatches, repeats in cfg["schedules"]:
     log(f"bubble M={microbatches} V={repeats}")
-    res["bubble"].append(bubble(devices, microbatches, repeats,
-                                **cfg["bubble"]))
+    res["bubble"].append(bubble_in_processes(microbatches, repeats,
+                                             **cfg["bubble"]))
   log("memory")
   res["memory"] = memory(cfg, devices)
   log("speed")
@@ -437,60 +516,79 @@ def _mb(b: float) -> str:
 
 def section(res: dict) -> list:
   """The "Pipeline parallelism (issue 37)" section of RESULTS.md."""
-  cfg, b = res["config"], res["config"]["bubble"]
-  raised = all(r["priority_raised"] for r in res["bubble"])
+  lines = ["## Pipeline parallelism (issue 37)", "",
+           provenance.line(res["provenance"]), ""]
+  lines += _bubble_lines(res)
+  lines += [f"**Memory and speed**: {res['devices']} fake CPU devices in one "
+            f"process ({res['device_kind']}).", ""]
+  lines += _memory_lines(res)
+  lines += _speed_lines(res)
+  lines += ["", f"The whole script took {res['seconds']:.0f} s."]
+  return lines
+
+
+def _bubble_lines(res: dict) -> list:
+  b = res["config"]["bubble"]
+  nice = {r["niceness"] for r in res["bubble"]}
+  cores = {"; ".join(f"process {i} on core{'s' * (len(c) > 1)} "
+                     + ", ".join(map(str, c)) for i, c in enumerate(r["cores"]))
+           for r in res["bubble"]}
   lines = [
-      "## Pipeline parallelism (issue 37)",
-      "",
-      provenance.line(res["provenance"]),
-      "",
-      f"{res['devices']} fake CPU devices ({res['device_kind']}), each "
-      "computing on one thread.",
-      "",
       "**Bubble**, measured: stacked dense layers (width "
       f"{b['width']}, {b['rows']} rows per microbatch, {b['layers_per_stage']}"
-      " layers per virtual stage) on 2 stages (2 devices, one per core). "
-      "Each layer records on the host when each stage starts and ends it, "
+      " layers per virtual stage) on 2 stages, each stage the one CPU device "
+      "of a process of its own, pinned to a core of its own (`jdist launch "
+      "-n 2 --devices-per-process 1 benchmarks/pipeline_bubble.py`; every "
+      "thread of " + " | ".join(sorted(cores)) + "). "
+      "Each layer records on the host when its stage starts and ends it, "
       "forward and backward (`jdist.examples.pipeline_timeline`). A stage's "
       "bubble is the time it waits before its first layer and after its "
       "last in each loop (forward, backward), over the loops' spans (first "
       "start to last end of any stage); the mean over the stages, the "
       f"median over {b['steps']} train steps"
-      + (" run at nice -10" if raised else "") + ". "
-      "All idle adds the gaps between a stage's layers (1 - busy / span).",
+      + (f" run at nice {nice.pop()}" if len(nice) == 1 and None not in nice
+         else "") + ". All idle: 1 - busy / span.",
       "",
       "| schedule | M | V | formula (S-1)/(V*M+S-1) | bubble, measured | "
-      "measured / formula | steps' range | all idle | a layer's time alone / "
-      "beside its peer |",
-      "|---|---|---|---|---|---|---|---|---|",
+      "measured / formula | steps' range | gaps between iterations p | "
+      "(S-1)/(V*M+S-1-p) | all idle | a layer's time alone / beside its "
+      "peer |",
+      "|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for r in res["bubble"]:
     name = "GPipe" if r["repeats"] == 1 else "circular"
+    n = r["iterations"]
     lines.append(
         f"| {name} | {r['microbatches']} | {r['repeats']} | "
         f"{r['formula']:.1%} | **{r['measured']:.1%}** | "
         f"{r['measured'] / r['formula']:.2f}x | "
         f"{min(r['steps']):.1%} to {max(r['steps']):.1%} | "
+        f"{r['gaps']:.2f} | {(r['stages'] - 1) / (n - r['gaps']):.1%} | "
         f"{r['idle']:.1%} | {r['alone_over_together']:.2f}x |")
   lines += [
       "",
-      "The formula assumes every iteration takes one stage's layer time; "
-      "the measured bubble is what the stages waited at the loops' ends, "
-      "while their peer ran alone: where a layer alone takes less time than "
-      "beside its peer (the two devices share the machine's caches and "
-      "memory bandwidth, and its cores with other work), the bubble "
-      "measures below the formula by about that ratio. "
-      "The gaps between a stage's layers (all idle minus the bubble) are "
-      "the loop's own work between them: passing the activations on "
-      "(`ppermute`), choosing the inputs, keeping the activations for the "
+      "The formula counts the loop's V*M+S-1 iterations, each a stage's "
+      "layers; the measured bubble is what the stages waited at the loops' "
+      "ends, while their peer worked alone. On cores of their own a stage's "
+      "layer takes about as long alone as beside its peer (last column), so "
+      "the bubble measures what the schedule makes a stage wait: S-1 "
+      "iterations, before its first layer and after its last. The "
+      "loop also works between a stage's iterations (p, a share of an "
+      "iteration: passing the activations to the other process with "
+      "`ppermute`, choosing the inputs, keeping the activations for the "
       "backward pass, adding up the parameters' gradients, the callbacks; "
-      "and, on a shared machine, a stage that finishes first waiting for "
-      "its peer at the iteration's `ppermute`.",
+      "and a stage that finishes first waiting for its peer). The span "
+      "runs from the first layer's start to the last one's end, so it holds "
+      "one such gap less than the loop's iterations: the bubble measures "
+      "(S-1)/(V*M+S-1-p), the further above the formula the shorter the "
+      "loop. "
+      "With both stages as devices of one process, a stage alone computes "
+      "on both cores (XLA:CPU runs a device's work on the process's "
+      "threads), and the bubble measured below the formula, by about the "
+      "ratio of a layer's time alone to beside its peer. All idle adds the "
+      "gaps between a stage's layers to its bubble.",
       "",
   ]
-  lines += _memory_lines(res)
-  lines += _speed_lines(res)
-  lines += ["", f"The whole script took {res['seconds']:.0f} s."]
   return lines
 
 

@@ -451,18 +451,24 @@ def test_snapshot_loop_runs_and_renders():
   assert f"{split['write'] * 1e3:.2f} ms in the next `save`" in text, text
 
 
-def test_pipelines_measures_the_bubble_from_the_stages_busy_time(devices):
-  """benchmarks/pipelines.py's bubble on a tiny schedule: every stage's
-  every layer recorded forward and backward, the fractions the timeline's,
-  and the section shows what was measured."""
+@pytest.mark.multiprocess
+def test_pipelines_measures_the_bubble_from_the_stages_busy_time():
+  """benchmarks/pipelines.py's bubble on a tiny schedule, each stage in a
+  process of its own (`jdist launch -n 2`) pinned to a core of its own:
+  every stage's every layer recorded forward and backward and gathered to
+  process 0, the fractions the timeline's, and the section shows what was
+  measured."""
   pl = _bench_module("pipelines")
-  r = pl.bubble(devices, 2, 1, width=32, rows=4, layers_per_stage=1, steps=1,
-                niceness=None)
+  r = pl.bubble_in_processes(2, 1, width=32, rows=4, layers_per_stage=1,
+                             steps=1, niceness=None, timeout=120)
   assert r["formula"] == pytest.approx(1 / 3) and r["iterations"] == 3
   assert 0 <= r["measured"] <= r["idle"] < 1, r
   for stage in ("0", "1"):  # one layer per stage, 2 microbatches, 2 phases
     phases = [phase for phase, _, _ in r["timeline"][stage]]
     assert phases.count("forward") == phases.count("backward") == 2, r
+  cores = min(2, len(os.sched_getaffinity(0)))
+  assert [len(c) for c in r["cores"]] == [1, 1], r["cores"]  # every thread
+  assert len({c[0] for c in r["cores"]}) == cores, r["cores"]
   res = {"config": pl.CONFIGS["quick"], "devices": 8, "device_kind": "cpu",
          "bubble": [r], "seconds": 1.0,
          "memory": {"GPipe M=4": {k: {"argument_bytes": 2**20,

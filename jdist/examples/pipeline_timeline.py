@@ -84,6 +84,32 @@ class Timeline:
     with self._lock:
       self._events.clear()
 
+  def events(self) -> np.ndarray:
+    """What was recorded, one row per event in time order: its time, stage,
+    phase (0 forward, 1 backward) and edge (0 start, 1 end), as float64.
+
+    A pipeline whose stages are processes records each stage's events in
+    its own process: gather the rows, then `Timeline.of` them.
+    """
+    with self._lock:
+      return np.array(sorted(self._events), np.float64).reshape(-1, 4)
+
+  @classmethod
+  def of(cls, events: np.ndarray) -> "Timeline":
+    """A timeline holding `events` (rows as `events()` gives them, from one
+    timeline or several: times from `time.perf_counter`, one clock for
+    every process of a machine)."""
+    timeline = cls()
+    timeline.add(events)
+    return timeline
+
+  def add(self, events: np.ndarray) -> None:
+    """Adds `events` (rows as `events()` gives them) to those recorded."""
+    rows = [(float(t), int(s), int(p), int(e))
+            for t, s, p, e in np.asarray(events).reshape(-1, 4)]
+    with self._lock:
+      self._events.extend(rows)
+
   def intervals(self) -> dict[int, list[Interval]]:
     """Each stage's intervals in time order: its starts and ends paired in
     the order they came (a stage runs one layer at a time)."""
