@@ -54,10 +54,6 @@ import jax.numpy as jnp
 import jdist
 from jdist.examples.models import GPT, gpt_layout_map
 from jdist.examples.pipeline_timeline import Timeline, timed
-# One thread per fake CPU device (read when JAX starts its backend, on the next line):
-# a stage computing alone would otherwise take both cores of a small machine and look
-# faster than beside its peer (CPU only).
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
 devices = jax.devices()[:4]
 print(devices)
 
@@ -216,11 +212,13 @@ plt.tight_layout(); plt.show()
 # last to leave the stages after it: S - 1 units of work each, forward and backward.
 # With V virtual stages per stage (circular), a unit is 1/V of the stage's layers,
 # so the same S - 1 units weigh V times less: the bubble falls from
-# (S - 1) / (M + S - 1) to (S - 1) / (V * M + S - 1). On a small shared CPU the
-# measured bubble sits below the formula: a stage that runs alone (in the bubble of
-# its peer) has the machine's caches and memory bandwidth to itself and finishes
-# its layers sooner than beside its peer. `benchmarks/pipelines.py` measures the
-# same way on more schedules, with the ratio of those two times.
+# (S - 1) / (M + S - 1) to (S - 1) / (V * M + S - 1). On CPU the measured bubble
+# here sits below the formula: the two stages are fake devices of one process, and
+# XLA:CPU runs a device's work on all the process's threads, so a stage that runs
+# alone (in the bubble of its peer) takes its peer's cores too and finishes its
+# layers sooner than beside it. `benchmarks/pipelines.py` measures the same way with
+# each stage in a process of its own, pinned to a core of its own (as each stage has
+# a chip of its own on GPUs and TPUs), on more schedules.
 
 # %% [markdown]
 # ## 3. Memory: what the backward pass keeps
