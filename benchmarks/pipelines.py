@@ -70,7 +70,7 @@ import provenance  # noqa: E402  (RESULTS.md's "from which run")
 
 CONFIGS = {
     "full": {"bubble": dict(width=512, rows=512, layers_per_stage=4,
-                            steps=7),
+                            steps=15),
              "schedules": [(2, 1), (4, 1), (8, 1), (2, 2), (4, 2)],
              "model": dict(vocab_size=256, max_len=32, embed_dim=128,
                            num_heads=4, num_layers=8, mlp_dim=512),
