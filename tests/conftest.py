@@ -15,8 +15,9 @@ The suite compiles its many small programs for compile time, not run time
 level 0, its older loop emitters for fusions (`xla_cpu_use_fusion_emitters=false`),
 one code-generation unit per program and LLVM's expensive passes left out.
 Most of an in-process test's time is JAX tracing and XLA compiling: these
-flags take 35-45% off the CPU time of such test files, and what the tests check (equality with one device, exact resumes,
-errors) holds under any of them. The benchmarks and `make demo` compile with
+flags take 35-45% off the CPU time of such test files, and what the tests
+check (equality with one device, exact resumes, errors) holds under any of
+them. The benchmarks and `make demo` compile with
 XLA's defaults. `JDIST_TEST_XLA_FLAGS=` (empty) runs the suite with XLA's
 defaults too.
 """
