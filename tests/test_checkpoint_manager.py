@@ -144,6 +144,25 @@ def test_a_state_restores_from_its_shapes_alone(digits_flat, tmp_path):
   assert not problems, "\n".join(problems)
 
 
+def test_shapes_alone_restore_split_as_the_managers_model_parallel_strategy(
+    tmp_path):
+  """`restore(jax.eval_shape(...))` under a `ModelParallelStrategy`: each
+  leaf comes back split as the strategy's LayoutMap lays it out (as a fresh
+  `strategy.init` would hold it), not whole on every device."""
+  layout_map = jdist.LayoutMap(jdist.DeviceMesh((2, 2), ("data", "model")))
+  layout_map["kernel"] = (None, "model")
+  strategy = jdist.ModelParallelStrategy(layout_map=layout_map)
+  state = strategy.init(lambda: {"kernel": jnp.arange(32.0).reshape(4, 8),
+                                 "bias": jnp.ones((8,))})
+  with jdist.CheckpointManager(tmp_path, strategy=strategy) as manager:
+    manager.save(1, state)
+    restored = manager.restore(jax.eval_shape(lambda: state))
+  assert restored["kernel"].sharding.spec == P(None, "model")
+  assert restored["kernel"].addressable_shards[0].data.shape == (4, 4)
+  np.testing.assert_array_equal(restored["kernel"], state["kernel"])
+  np.testing.assert_array_equal(restored["bias"], state["bias"])
+
+
 @pytest.mark.parametrize("in_memory", [False, True])
 def test_a_prng_key_restores_from_its_shapes_alone(tmp_path, monkeypatch,
                                                    in_memory):

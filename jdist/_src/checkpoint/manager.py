@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
 from jdist._src import current
 from jdist._src.checkpoint import checkpointer as ckpt_lib
@@ -245,6 +246,7 @@ class CheckpointManager:
       TypeError: a leaf of `like` is not an array.
     """
     mesh = self._mesh(like)
+    like = self._laid_out(like)
     with mesh_context.set_aside():  # as in save
       if self._snapshots is not None:
         got = self._restore_snapshot(like, mesh, step)
@@ -260,6 +262,24 @@ class CheckpointManager:
     state, meta = restored
     self.restored_step = int(meta["step"])
     return state
+
+  def _laid_out(self, like: Any) -> Any:
+    """`like` with the manager's strategy's layout on the leaves that carry
+    none (a `jax.eval_shape` of the state): they restore split as the
+    strategy holds them (a LayoutMap's, FSDP's), not whole on every device."""
+    leaves, treedef = jax.tree.flatten(like)
+    bare = [not isinstance(getattr(x, "sharding", None), NamedSharding)
+            and hasattr(x, "shape") and hasattr(x, "dtype") for x in leaves]
+    if self._strategy is None or not any(bare) or not hasattr(
+        self._strategy, "shardings"):
+      return like
+    targets = jax.tree.leaves(self._strategy.shardings(like),
+                              is_leaf=lambda s: isinstance(s, NamedSharding))
+    if len(targets) != len(leaves):
+      return like
+    return treedef.unflatten([
+        jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=target)
+        if b else x for x, b, target in zip(leaves, bare, targets)])
 
   def _mesh(self, like: Any):
     """The strategy's mesh, else that of `like`'s leaves or the current one."""
@@ -365,7 +385,8 @@ class BackupManager(CheckpointManager):
     if self._snapshots is None:
       return None
     strategy = self._strategy or current.get_strategy()
-    return self._restore_snapshot(like, strategy.mesh, None, with_meta=True)
+    return self._restore_snapshot(self._laid_out(like), strategy.mesh, None,
+                                  with_meta=True)
 
   def close(self, *, delete: bool = False) -> None:
     """`CheckpointManager.close`; with `delete`, deletes them too."""
