@@ -267,11 +267,12 @@ class CheckpointManager:
     """`like` with the manager's strategy's layout on the leaves that carry
     none (a `jax.eval_shape` of the state): they restore split as the
     strategy holds them (a LayoutMap's, FSDP's), not whole on every device."""
+    if not hasattr(self._strategy, "shardings"):  # none, or no layouts
+      return like
     leaves, treedef = jax.tree.flatten(like)
     bare = [not isinstance(getattr(x, "sharding", None), NamedSharding)
             and hasattr(x, "shape") and hasattr(x, "dtype") for x in leaves]
-    if self._strategy is None or not any(bare) or not hasattr(
-        self._strategy, "shardings"):
+    if not any(bare):
       return like
     targets = jax.tree.leaves(self._strategy.shardings(like),
                               is_leaf=lambda s: isinstance(s, NamedSharding))
